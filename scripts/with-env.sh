@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create (once) the project's virtual environment in .venv with pinned, CPU-only PyTorch and every
+# extra the tests and the main job need, then run the given command inside it.
+#   bash scripts/with-env.sh python -m xpu_ops info
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.xpu-ops-installed"
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$root/scripts/with-env.sh" -nt "$stamp" ]; then
+  python3 -m venv "$venv"
+  # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[triton,test,models,bench]"
+  touch "$stamp"
+fi
+cd "$root"
+export PATH="$venv/bin:$PATH"
+exec "$@"

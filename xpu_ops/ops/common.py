@@ -1,0 +1,114 @@
+"""Checks and defaults shared by the attention ops (paged, varlen, MLA).
+
+Each function reads only shapes, dtypes and devices, so it runs in the fakes as well.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_gqa, check_optional,
+                       check_shape, check_size, check_tensor, check_window, fail)
+
+
+def output_dtype(q: torch.Tensor) -> torch.dtype:
+    """Attention output dtype: that of ``q``, or bfloat16 for an fp8 query (as FlashAttention-3)."""
+    return torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype
+
+
+def default_softmax_scale(head_dim: int, qv_head_dim: int = 0) -> float:
+    """``1/sqrt(D)`` (``1/sqrt(D + Dv)`` when ``qv`` adds its own dot product, as FA3)."""
+    return 1.0 / math.sqrt(head_dim + qv_head_dim)
+
+
+def normalize_window(fn: str, window_size, causal: bool) -> tuple[int, int]:
+    """Return ``(left, right)`` with ``causal=True`` forcing ``right = 0`` (API.md)."""
+    left, right = check_window(fn, window_size)
+    return left, (0 if causal else right)
+
+
+def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
+    """An int32 index/length tensor (int64 is rejected with the argument's name)."""
+    return check_tensor(fn, arg, t, ndim=ndim, dtypes=INDEX_DTYPES, device=device,
+                        fix=f"Build it with dtype=torch.int32 (e.g. {arg}.to(torch.int32)).")
+
+
+def check_query(fn: str, q, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``q [total_q, Hq, D]`` in a float or fp8 dtype."""
+    return check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+
+
+def check_kv_dtype(fn: str, arg: str, kv: torch.Tensor, q: torch.Tensor) -> None:
+    """K/V are in q's dtype, or fp8 (then dequantised with ``*_descale``)."""
+    if kv.dtype in FP8_DTYPES:
+        return
+    if q.dtype in FP8_DTYPES or kv.dtype != q.dtype:
+        fail(fn, arg, f"has dtype {kv.dtype}", f"q's dtype {q.dtype} or an fp8 dtype",
+             kv.dtype, "Cast the cache or the query so that they agree.")
+
+
+def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
+                           v_dtype: torch.dtype, num_heads_kv: int, head_dim_v: int,
+                           batch: int, qv, q_descale, k_descale, v_descale, sinks,
+                           softcap: float, max_seqlen_q: int) -> None:
+    """Checks common to every attention op: GQA, qv, fp8 descales, sinks, softcap.
+
+    Args:
+        q: [total_q, Hq, D].
+        k_dtype/v_dtype: dtypes of the keys and values (cache or ragged).
+        num_heads_kv: Hkv. head_dim_v: Dv. batch: b (number of requests).
+    """
+    total_q, num_heads_q, _ = q.shape
+    device = q.device
+    check_gqa(fn, num_heads_q, num_heads_kv)
+    if qv is not None:
+        check_tensor(fn, "qv", qv, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape(fn, "qv", qv, (total_q, num_heads_q, head_dim_v), "[total_q, Hq, Dv]")
+    for arg, t, dtype in (("q_descale", q_descale, q.dtype), ("k_descale", k_descale, k_dtype),
+                          ("v_descale", v_descale, v_dtype)):
+        if t is None:
+            continue
+        if dtype not in FP8_DTYPES:
+            fail(fn, arg, "is given for a tensor that is not fp8",
+                 f"no {arg} when the tensor it scales has dtype {dtype}", "a tensor",
+                 f"Drop {arg} or store that tensor in an fp8 dtype.")
+        check_tensor(fn, arg, t, ndim=2, dtypes=(torch.float32,), device=device)
+        check_shape(fn, arg, t, (batch, num_heads_kv), "[b, Hkv]")
+    if sinks is not None:
+        check_tensor(fn, "sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+        check_size(fn, "sinks", sinks, 0, num_heads_q, "Hq")
+    if not softcap >= 0.0:
+        fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it)", softcap)
+    if max_seqlen_q < 0:
+        fail(fn, "max_seqlen_q", "is negative", "max_seqlen_q >= 0", max_seqlen_q)
+
+
+def check_out(fn: str, out, shape, dtype: torch.dtype, device: torch.device, rule: str) -> None:
+    """A caller-provided ``out`` must have exactly the result's shape, dtype and device."""
+    check_tensor(fn, "out", out, dtypes=(dtype,), device=device,
+                 fix=f"Allocate it with dtype={dtype}.")
+    check_shape(fn, "out", out, shape, rule)
+
+
+def check_cu_seqlens(fn: str, arg: str, t, batch: int, device: torch.device) -> None:
+    """``cu_seqlens [b + 1]`` int32 prefix sums starting at 0."""
+    check_index(fn, arg, t, 1, device)
+    check_size(fn, arg, t, 0, batch + 1, "b + 1")
+
+
+def float_scalar(fn: str, arg: str, value) -> float:
+    """Accept a Python/NumPy real number (not a tensor) for a float argument."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            fail(fn, arg, "is not a real number", "a float", type(value).__name__, exc=TypeError)
+    return float(value)
+
+
+__all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
+           "check_query", "check_kv_dtype", "check_attention_extras", "check_out",
+           "check_cu_seqlens", "float_scalar", "check_optional"]

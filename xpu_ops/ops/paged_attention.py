@@ -1,0 +1,206 @@
+"""``flash_attn_with_kvcache``: attention of packed queries over a paged KV cache.
+
+Schema, fake, checks and the public wrapper of the op ``torch.ops.xpu_ops.flash_attn_with_kvcache``.
+The op writes the attention output into ``out`` (a mutated argument, never returned) and returns
+the float32 log-sum-exp ``[Hq, total_q]``; the public wrapper allocates ``out`` when the caller
+gives none, so the functional form traces and the ``out=`` form writes a fixed buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from .._checks import check_not_implemented, check_size, check_tensor, fail, FLOAT_DTYPES, FP8_DTYPES
+from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
+                     check_out, check_query, default_softmax_scale, float_scalar,
+                     normalize_window, output_dtype)
+
+NAME = "flash_attn_with_kvcache"
+
+
+def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                                   out, qv, q_descale, k_descale, v_descale, sinks, *,
+                                   max_seqlen_q, softcap) -> None:
+    """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
+    fn = NAME
+    check_query(fn, q)
+    device = q.device
+    kv_dtypes = FLOAT_DTYPES + FP8_DTYPES
+    check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=kv_dtypes, device=device)
+    check_tensor(fn, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device,
+                 fix="Store K and V in the same dtype.")
+    check_kv_dtype(fn, "k_cache", k_cache, q)
+    num_pages, page_size, num_heads_kv, head_dim = k_cache.shape
+    check_size(fn, "q", q, 2, head_dim, "k_cache.shape[3] (D)")
+    for dim, (size, rule) in enumerate(((num_pages, "k_cache.shape[0] (num_pages)"),
+                                        (page_size, "k_cache.shape[1] (page_size)"),
+                                        (num_heads_kv, "k_cache.shape[2] (Hkv)"))):
+        check_size(fn, "v_cache", v_cache, dim, size, rule)
+    check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
+    batch = cache_seqlens.shape[0]
+    check_index(fn, "page_table", page_table, 2, device)
+    check_size(fn, "page_table", page_table, 0, batch, "cache_seqlens.shape[0] (b)")
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, batch, device)
+    head_dim_v = v_cache.shape[3]
+    total_q, num_heads_q, _ = q.shape
+    check_out(fn, out, (total_q, num_heads_q, head_dim_v), output_dtype(q), device,
+              "[total_q, Hq, Dv]")
+    check_attention_extras(fn, q=q, k_dtype=k_cache.dtype, v_dtype=v_cache.dtype,
+                           num_heads_kv=num_heads_kv, head_dim_v=head_dim_v, batch=batch, qv=qv,
+                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           sinks=sinks, softcap=softcap, max_seqlen_q=max_seqlen_q)
+
+
+@torch.library.custom_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
+def flash_attn_with_kvcache_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
+    cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor], *,
+    max_seqlen_q: int, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float,
+) -> Tensor:
+    """Op form of ``flash_attn_with_kvcache``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
+
+    All arguments are explicit (no defaults); see the public wrapper for their meaning.
+    ``window_size_right`` is already 0 when ``causal``. ``max_seqlen_q`` bounds the queries of
+    one request (kernels size their grid with it; it is never read from tensor values).
+    """
+    args = (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+            k_descale, v_descale, sinks)
+    _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap)
+    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
+                              softmax_scale=softmax_scale, causal=causal,
+                              window_size_left=window_size_left,
+                              window_size_right=window_size_right, softcap=softcap)
+
+
+@flash_attn_with_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+      k_descale, v_descale, sinks, *, max_seqlen_q, softmax_scale, causal, window_size_left,
+      window_size_right, softcap):
+    _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                                   out, qv, q_descale, k_descale, v_descale, sinks,
+                                   max_seqlen_q=max_seqlen_q, softcap=softcap)
+    return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
+    """Turn a 4-D ``q [b, s, Hq, D]`` into packed ``[b*s, Hq, D]`` with its ``cu_seqlens_q``."""
+    if not isinstance(q, Tensor):
+        fail(fn, "q", "is not a tensor", "a torch.Tensor", type(q).__name__, exc=TypeError)
+    if q.dim() != 4:
+        if cu_seqlens_q is None:
+            fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
+                 "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
+        return q, cu_seqlens_q, (q.shape[0] if max_seqlen_q is None else max_seqlen_q), None
+    if cu_seqlens_q is not None:
+        fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
+             "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
+    batch, seqlen = q.shape[:2]
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
+    return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+    cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+    cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+    q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+    scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+    return_softmax_lse=False, sinks=None, out=None,
+):
+    """Attention of new query tokens over a paged KV cache (sgl-kernel ``flash_attn`` compatible).
+
+    Query row ``i`` of a request with ``Lq`` new tokens and ``Lk = cache_seqlens[r]`` keys sits at
+    position ``Lk - Lq + i`` (bottom-right); ``causal`` allows keys ``j <= pos``; ``window_size
+    = (left, right)`` allows ``pos - left <= j <= pos + right`` (inclusive, -1 unbounded,
+    ``causal`` forces ``right = 0``). Scores are ``softmax_scale * q.k`` (plus ``qv.v`` when
+    ``qv`` is given), then ``softcap * tanh(s / softcap)`` when ``softcap > 0``; ``sinks`` adds
+    one logit per head to the softmax denominator. Rows with no visible key give 0 and LSE -inf.
+
+    Args:
+        q: [total_q, Hq, D] packed (with ``cu_seqlens_q``) or [b, s, Hq, D]; fp16|bf16|fp32|fp8.
+        k_cache: [num_pages, page_size, Hkv, D] (or [b, seqlen_k, Hkv, D] without ``page_table``);
+            q's dtype or fp8 (then ``k_descale``).
+        v_cache: [num_pages, page_size, Hkv, Dv], same dtype as ``k_cache``.
+        cache_seqlens: [b] int32, total keys per request in tokens (prefix + new), not a prefix
+            sum. Optional only without ``page_table`` (then every request has seqlen_k keys).
+        page_table: [b, max_pages_per_seq] int32 physical page ids; entries past a request's
+            last page are never read.
+        cu_seqlens_q: [b + 1] int32 prefix sums of new tokens per request (packed q only).
+        max_seqlen_q: upper bound of new tokens in one request (int); default total_q.
+        qv: [total_q, Hq, Dv], extra query part dotted with V (absorbed MLA extend).
+        q_descale/k_descale/v_descale: [b, Hkv] float32 dequantisation scales of fp8 inputs.
+        softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
+        causal, window_size, softcap: see above. sinks: [Hq] float32 logits.
+        return_softmax_lse: also return ``softmax_lse`` float32 [Hq, total_q] ([b, Hq, s] for
+            a 4-D q), natural log.
+        out: optional output tensor of the result's shape; written in place and returned.
+        k, v, rotary_*, cache_batch_idx, cache_leftpad, cu_seqlens_k_new, rotary_seqlens,
+        scheduler_metadata, attention_chunk: accepted for compatibility when None/0; append new
+            K/V with ``store_kv_cache`` and apply rotary embedding before the call instead.
+        num_splits, pack_gqa, sm_margin, rotary_interleaved: performance hints, ignored.
+    Returns:
+        ``out`` [total_q, Hq, Dv] (or [b, s, Hq, Dv]) in q's dtype (bf16 for an fp8 q), or
+        ``(out, softmax_lse)``.
+    Raises:
+        TypeError: an argument is not a tensor (or number) where one is required.
+        ValueError: a shape, dtype or device mismatch, naming the argument and both values.
+        NotImplementedError: a compatibility keyword with a non-default value.
+    Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
+    PagedAttention (arXiv 2309.06180); semantics of sgl-kernel's ``flash_attn_with_kvcache``.
+
+    >>> import torch, xpu_ops
+    >>> q = torch.randn(3, 4, 64); kc = torch.randn(2, 16, 2, 64); vc = torch.randn(2, 16, 2, 64)
+    >>> o = xpu_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([20], dtype=torch.int32),
+    ...     page_table=torch.tensor([[1, 0]], dtype=torch.int32),
+    ...     cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), causal=True)
+    >>> keys = torch.cat([kc[1], kc[0]])[:20].repeat_interleave(2, 1); vals = torch.cat([vc[1], vc[0]])[:20].repeat_interleave(2, 1)
+    >>> mask = torch.arange(20)[None, :] <= torch.arange(17, 20)[:, None]
+    >>> s = torch.einsum("qhd,khd->hqk", q, keys) / 8.0
+    >>> ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), vals)
+    >>> torch.allclose(o, ref, atol=1e-5)
+    True
+    """
+    fn = NAME
+    check_not_implemented(fn, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                          cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                          cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
+                          scheduler_metadata=scheduler_metadata, attention_chunk=attention_chunk)
+    q3, cu_seqlens_q, max_seqlen_q, batch_shape = _as_packed(fn, q, cu_seqlens_q, max_seqlen_q)
+    check_tensor(fn, "k_cache", k_cache, ndim=4)
+    if page_table is None:
+        # A contiguous cache [b, seqlen_k, Hkv, D] is a paged cache with one page per request.
+        batch, seqlen_k = k_cache.shape[:2]
+        page_table = torch.arange(batch, dtype=torch.int32, device=q.device).unsqueeze(1)
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
+    elif cache_seqlens is None:
+        fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table", None)
+    head_dim_v = v_cache.shape[-1] if isinstance(v_cache, Tensor) else 0
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
+    left, right = normalize_window(fn, window_size, causal)
+    out3 = out
+    if out is None:
+        out3 = q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=output_dtype(q3))
+    elif batch_shape is not None:
+        check_tensor(fn, "out", out, ndim=4)
+        out3 = out.view(q3.shape[0], q3.shape[1], out.shape[-1])
+    lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
+        q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
+        k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,
+        softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
+        window_size_left=left, window_size_right=right,
+        softcap=float_scalar(fn, "softcap", softcap))
+    if batch_shape is not None:
+        result = out if out is not None else out3.view(*batch_shape, *out3.shape[1:])
+        lse = lse.view(lse.shape[0], *batch_shape).transpose(0, 1)
+    else:
+        result = out3
+    return (result, lse) if return_softmax_lse else result

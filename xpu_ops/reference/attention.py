@@ -1,0 +1,117 @@
+"""Reference attention over padded per-request blocks: plain PyTorch, float32 accumulation.
+
+Vectorised over requests (no Python loop over requests or tokens, no host synchronisation): each
+request's queries are gathered into ``[b, max_seqlen_q]`` rows and its keys into
+``[b, max_seqlen_k]`` columns, one masked softmax runs over ``[b, Hkv, G, max_q, max_k]`` scores,
+and the valid rows are gathered back into the packed layout. Sizes come from shapes and the
+caller's ``max_seqlen_*`` bounds only, so the code also runs inside CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def request_rows(cu_seqlens: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed row index of every (request, slot) pair.
+
+    Args:
+        cu_seqlens: [b + 1] int32 prefix sums. max_len: bound of any request's length.
+    Returns:
+        ``(index [b, max_len] int64 clamped into range, valid [b, max_len] bool, lens [b])``.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    slots = torch.arange(max_len, device=cu_seqlens.device)
+    valid = slots[None, :] < lens[:, None]
+    index = cu_seqlens[:-1, None].long() + slots[None, :]
+    return index.clamp(min=0), valid, lens
+
+
+def token_owner(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """For each packed token, ``(request id, row within the request)`` (both int64 ``[total]``)."""
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    owner = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+    owner = owner.clamp(max=max(cu_seqlens.shape[0] - 2, 0))
+    return owner, tokens - cu_seqlens[:-1].long()[owner]
+
+
+def gather_padded(x: Tensor, index: Tensor, valid: Tensor) -> Tensor:
+    """``x[index]`` as float32 with invalid slots zeroed (they may hold NaN garbage)."""
+    if x.shape[0] == 0:
+        return x.new_zeros((*index.shape, *x.shape[1:]), dtype=torch.float32)
+    rows = x[index.clamp(max=x.shape[0] - 1)].float()
+    return torch.where(valid.view(*valid.shape, *([1] * (rows.dim() - valid.dim()))), rows, 0.0)
+
+
+def dequantize(x: Tensor, descale: Optional[Tensor]) -> Tensor:
+    """Scale a float32 ``[b, L, Hkv, D]`` block by ``descale [b, Hkv]`` when given."""
+    return x if descale is None else x * descale[:, None, :, None]
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Tensor, *,
+                     qv: Optional[Tensor], softmax_scale: float, window_left: int,
+                     window_right: int, softcap: float, sinks: Optional[Tensor]
+                     ) -> tuple[Tensor, Tensor]:
+    """Masked softmax attention of padded blocks, float32 throughout.
+
+    Args:
+        q: [b, max_q, Hq, D] float32 queries (padding rows arbitrary but finite).
+        k: [b, max_k, Hkv, D], v: [b, max_k, Hkv, Dv] float32 (padding zeroed).
+        q_lens/k_lens: [b] valid query rows / keys per request.
+        qv: [b, max_q, Hq, Dv] or None, adds ``qv.v`` to the scores.
+        window_left/window_right: inclusive window around ``pos = k_len - q_len + i``, -1
+            unbounded (causal is ``window_right = 0``).
+    Returns:
+        ``(out [b, max_q, Hq, Dv], lse [b, Hq, max_q])``; rows with no visible key give 0 and
+        ``-inf`` (or the sink logit when ``sinks`` is given).
+    """
+    b, max_q, num_heads_q, _ = q.shape
+    max_k, num_heads_kv = k.shape[1], k.shape[2]
+    group = num_heads_q // num_heads_kv
+    qg = q.view(b, max_q, num_heads_kv, group, -1)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k)
+    if qv is not None:
+        scores = scores + torch.einsum("bqhgd,bkhd->bhgqk",
+                                       qv.view(b, max_q, num_heads_kv, group, -1), v)
+    scores = scores * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    # Visibility: key j of request r is visible to row i when j < k_len and inside the window
+    # around the bottom-right aligned position pos = k_len - q_len + i.
+    rows = torch.arange(max_q, device=q.device)
+    cols = torch.arange(max_k, device=q.device)
+    pos = (k_lens - q_lens)[:, None] + rows[None, :]                        # [b, max_q]
+    visible = cols[None, None, :] < k_lens[:, None, None]                   # [b, 1, max_k]
+    if window_left >= 0:
+        visible = visible & (cols[None, None, :] >= pos[:, :, None] - window_left)
+    if window_right >= 0:
+        visible = visible & (cols[None, None, :] <= pos[:, :, None] + window_right)
+    scores = torch.where(visible[:, None, None], scores, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True) if max_k > 0 else scores.new_full(
+        (*scores.shape[:-1], 1), float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, num_heads_kv, group, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs / torch.where(denom > 0, denom, 1.0), v)
+    lse = (row_max + torch.log(denom)).squeeze(-1)                           # -inf when empty
+    return out.reshape(b, max_q, num_heads_q, -1), lse.reshape(b, num_heads_q, max_q)
+
+
+def scatter_packed(out_pad: Tensor, lse_pad: Tensor, cu_seqlens_q: Tensor, out: Tensor,
+                   lse: Tensor) -> None:
+    """Copy padded per-request results back into packed ``out [total_q, Hq, Dv]``, ``lse [Hq,
+    total_q]`` (every packed row is written exactly once)."""
+    total_q = out.shape[0]
+    if total_q == 0:
+        return
+    owner, row = token_owner(cu_seqlens_q, total_q)
+    out.copy_(out_pad[owner, row].to(out.dtype))
+    lse.copy_(lse_pad[owner, :, row].transpose(0, 1))
