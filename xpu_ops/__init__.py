@@ -1,10 +1,34 @@
 """xpu-ops: paged-attention kernels as first-class PyTorch operators.
 
-Every function here is a thin wrapper over one ``torch.ops.xpu_ops`` custom op with a fake
-implementation, so it traces under ``torch.compile`` and passes ``torch.library.opcheck``.
+Every public function is a thin wrapper over one ``torch.ops.xpu_ops`` custom op with a fake
+implementation, so it traces under ``torch.compile`` and passes ``torch.library.opcheck``; the
+op runs the best provider for its device (``reference``, ``triton`` or ``sgl_kernel``, see
+``xpu_ops.providers`` and ``python -m xpu_ops info``).
 """
 
+import torch
+
+from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
+from .ops.merge_state import merge_state_v2
+from .ops.mla_decode import flash_mla_decode, flash_mla_get_workspace_size
 from .ops.paged_attention import flash_attn_with_kvcache
+from .ops.swa_spec import prepare_swa_spec_page_table
+from .ops.varlen_attention import flash_attn_varlen_func
 from .providers import use_provider
 
-__all__ = ["flash_attn_with_kvcache", "use_provider"]
+#: The op packets this package registers, in ``torch.ops.xpu_ops``.
+REGISTERED_OPS = [
+    torch.ops.xpu_ops.flash_attn_with_kvcache,
+    torch.ops.xpu_ops.flash_attn_varlen_func,
+    torch.ops.xpu_ops.merge_state_v2,
+    torch.ops.xpu_ops.flash_mla_decode,
+    torch.ops.xpu_ops.store_kv_cache,
+    torch.ops.xpu_ops.store_mla_kv_cache,
+    torch.ops.xpu_ops.prepare_swa_spec_page_table,
+]
+
+__all__ = [
+    "REGISTERED_OPS", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_mla_decode",
+    "flash_mla_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
+    "store_kv_cache", "store_mla_kv_cache", "use_provider",
+]

@@ -3,4 +3,4 @@
 Importing this package registers every reference implementation with ``xpu_ops.providers``.
 """
 
-from . import paged_attention  # noqa: F401
+from . import kv_cache, merge_state, mla_decode, paged_attention, swa_spec, varlen_attention  # noqa: F401

@@ -115,3 +115,31 @@ def scatter_packed(out_pad: Tensor, lse_pad: Tensor, cu_seqlens_q: Tensor, out: 
     owner, row = token_owner(cu_seqlens_q, total_q)
     out.copy_(out_pad[owner, row].to(out.dtype))
     lse.copy_(lse_pad[owner, :, row].transpose(0, 1))
+
+
+def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Tensor,
+                  v_pad: Tensor, k_lens: Tensor, out: Tensor, *, qv: Optional[Tensor],
+                  q_descale: Optional[Tensor], sinks: Optional[Tensor], softmax_scale: float,
+                  window_size_left: int, window_size_right: int, softcap: float) -> Tensor:
+    """Attention of packed queries over padded per-request keys; writes ``out``, returns LSE.
+
+    Args:
+        q: [total_q, Hq, D] (fp8 with ``q_descale [b, Hkv]`` allowed); cu_seqlens_q: [b + 1].
+        k_pad: [b, max_k, Hkv, D], v_pad: [b, max_k, Hkv, Dv] float32, already dequantised.
+        k_lens: [b] keys per request. out: [total_q, Hq, Dv], written in place.
+    Returns:
+        softmax_lse [Hq, total_q] float32.
+    """
+    q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q)
+    q_pad = gather_padded(q, q_idx, q_valid)
+    if q_descale is not None:
+        group = q.shape[1] // k_pad.shape[2]
+        q_pad = q_pad * q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
+    qv_pad = None if qv is None else gather_padded(qv, q_idx, q_valid)
+    out_pad, lse_pad = masked_attention(
+        q_pad, k_pad, v_pad, q_lens, k_lens.long(), qv=qv_pad, softmax_scale=softmax_scale,
+        window_left=window_size_left, window_right=window_size_right, softcap=softcap,
+        sinks=sinks)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    scatter_packed(out_pad, lse_pad, cu_seqlens_q, out, lse)
+    return lse

@@ -6,12 +6,15 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .attention import dequantize, gather_padded, masked_attention, request_rows, scatter_packed
+from .attention import attend_packed, dequantize, gather_padded
 
 
 def gather_pages(cache: Tensor, page_table: Tensor, cache_seqlens: Tensor) -> Tensor:
     """Logical key sequence of each request as float32 ``[b, max_pages * page_size, H, D]``.
 
+    Args:
+        cache: [num_pages, page_size, H, D] (any trailing dims after page_size).
+        page_table: [b, max_pages] int32; cache_seqlens: [b] int32 tokens per request.
     Page-table entries past a request's last page may hold any value: they are replaced by page 0
     before indexing, and every slot at or past ``cache_seqlens`` is zeroed (it may hold NaN).
     """
@@ -22,7 +25,8 @@ def gather_pages(cache: Tensor, page_table: Tensor, cache_seqlens: Tensor) -> Te
     pages = torch.where(page_ok, page_table.long(), 0).clamp(0, max(num_pages - 1, 0))
     slots = pages[:, :, None] * page_size + torch.arange(page_size, device=cache.device)
     slots = slots.reshape(b, max_pages * page_size)
-    valid = torch.arange(max_pages * page_size, device=cache.device)[None, :] < cache_seqlens[:, None]
+    positions = torch.arange(max_pages * page_size, device=cache.device)
+    valid = positions[None, :] < cache_seqlens[:, None]
     return gather_padded(cache.reshape(num_pages * page_size, *cache.shape[2:]), slots, valid)
 
 
@@ -30,17 +34,9 @@ def gather_pages(cache: Tensor, page_table: Tensor, cache_seqlens: Tensor) -> Te
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
-    q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q)
-    q_pad = gather_padded(q, q_idx, q_valid)
-    if q_descale is not None:
-        group = q.shape[1] // k_cache.shape[2]
-        q_pad = q_pad * q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
-    qv_pad = None if qv is None else gather_padded(qv, q_idx, q_valid)
     k_pad = dequantize(gather_pages(k_cache, page_table, cache_seqlens), k_descale)
     v_pad = dequantize(gather_pages(v_cache, page_table, cache_seqlens), v_descale)
-    out_pad, lse_pad = masked_attention(
-        q_pad, k_pad, v_pad, q_lens, cache_seqlens.long(), qv=qv_pad, softmax_scale=softmax_scale,
-        window_left=window_size_left, window_right=window_size_right, softcap=softcap, sinks=sinks)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    scatter_packed(out_pad, lse_pad, cu_seqlens_q, out, lse)
-    return lse
+    return attend_packed(q, cu_seqlens_q, max_seqlen_q, k_pad, v_pad, cache_seqlens, out, qv=qv,
+                         q_descale=q_descale, sinks=sinks, softmax_scale=softmax_scale,
+                         window_size_left=window_size_left, window_size_right=window_size_right,
+                         softcap=softcap)

@@ -1,0 +1,164 @@
+"""KV-cache writes: ``store_kv_cache`` (MHA) and ``store_mla_kv_cache`` (latent + rope).
+
+Both ops mutate only the addressed token slots of the caches they declare in ``mutates_args``;
+the caller's ``k``/``v`` are read, never modified.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, fail)
+
+STORE_KV = "store_kv_cache"
+STORE_MLA = "store_mla_kv_cache"
+_LOC_DTYPES = (torch.int64, torch.int32)
+
+
+def flat_slots(cache: Tensor) -> Tensor:
+    """View a cache ``[slots, H, D]`` or ``[num_pages, page_size, H, D]`` as ``[slots, H, D]``."""
+    return cache if cache.dim() == 3 else cache.flatten(0, 1)
+
+
+def _check_scale(fn: str, arg: str, scale, cache: Tensor) -> None:
+    if scale is None:
+        return
+    if cache.dtype not in FP8_DTYPES:
+        fail(fn, arg, "is given for a cache that is not fp8", "None for a {} cache".format(
+            cache.dtype), "a tensor", f"Drop {arg} or allocate the cache in an fp8 dtype.")
+    check_tensor(fn, arg, scale, dtypes=(torch.float32,), device=cache.device)
+    if scale.numel() != 1:
+        fail(fn, arg, "has more than one element", "a per-tensor scale (1 element)",
+             f"shape {tuple(scale.shape)}")
+
+
+def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None:
+    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    fn = STORE_KV
+    check_tensor(fn, "k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    device = k.device
+    num_tokens, num_heads_kv, head_dim = k.shape
+    check_tensor(fn, "v", v, ndim=3, dtypes=(k.dtype,), device=device)
+    check_size(fn, "v", v, 0, num_tokens, "k.shape[0] (N)")
+    check_size(fn, "v", v, 1, num_heads_kv, "k.shape[1] (Hkv)")
+    check_tensor(fn, "loc", loc, ndim=1, dtypes=_LOC_DTYPES, device=device)
+    check_size(fn, "loc", loc, 0, num_tokens, "k.shape[0] (N)")
+    for arg, cache, src in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
+        check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=(k.dtype,) + FP8_DTYPES, device=device,
+                     fix="Store into a cache of k's dtype or an fp8 dtype.")
+        check_size(fn, arg, cache, -2, num_heads_kv, "k.shape[1] (Hkv)")
+        check_size(fn, arg, cache, -1, src.shape[2], f"{'k' if arg == 'k_cache' else 'v'}.shape[2]")
+    if flat_slots(k_cache).shape[0] != flat_slots(v_cache).shape[0]:
+        fail(fn, "v_cache", "has a different number of token slots than k_cache",
+             f"{flat_slots(k_cache).shape[0]} slots", flat_slots(v_cache).shape[0])
+    _check_scale(fn, "k_scale", k_scale, k_cache)
+    _check_scale(fn, "v_scale", v_scale, v_cache)
+
+
+@torch.library.custom_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
+def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
+                      k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
+    """Op form of ``store_kv_cache`` (all arguments explicit)."""
+    _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    providers.dispatch(STORE_KV, k.device, k_cache, v_cache, loc, k, v, k_scale, v_scale)
+
+
+@store_kv_cache_op.register_fake
+def _(k_cache, v_cache, loc, k, v, k_scale, v_scale):
+    _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+
+
+def _scale_tensor(scale, device) -> Optional[Tensor]:
+    if scale is None or isinstance(scale, Tensor):
+        return scale
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+
+
+def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
+    """Write new keys/values into the token slots ``loc`` of a KV cache (in place).
+
+    Args:
+        k_cache: [slots, Hkv, D] or paged [num_pages, page_size, Hkv, D] (slot = page *
+            page_size + offset), k's dtype or fp8.
+        v_cache: same layout with Dv, same number of slots.
+        loc: [N] int64 (or int32) token slot of each new token; slots must be distinct.
+        k: [N, Hkv, D], v: [N, Hkv, Dv] fp16|bf16|fp32; never modified.
+        k_scale, v_scale: per-tensor scale (float or 1-element float32 tensor) for fp8 caches:
+            the cache stores ``k / k_scale`` (read back with ``k_descale = k_scale``).
+    Returns:
+        None. Only the slots in ``loc`` of the two caches change.
+    Raises:
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+    Source: sglang ``MHATokenToKVPool.set_kv_buffer`` semantics.
+
+    >>> import torch, xpu_ops
+    >>> kc, vc = torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)
+    >>> k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    >>> xpu_ops.store_kv_cache(kc, vc, torch.tensor([5, 1]), k, v)
+    >>> torch.equal(kc[5], k[0]) and torch.equal(vc[1], v[1]) and kc[0].abs().sum().item() == 0
+    True
+    """
+    check_tensor(STORE_KV, "k", k, ndim=3)
+    torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v,
+                                     _scale_tensor(k_scale, k.device),
+                                     _scale_tensor(v_scale, k.device))
+
+
+def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
+    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    fn = STORE_MLA
+    check_tensor(fn, "k_nope", k_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    device = k_nope.device
+    num_tokens, _, latent_dim = k_nope.shape
+    check_size(fn, "k_nope", k_nope, 1, 1, "one latent head")
+    check_tensor(fn, "k_rope", k_rope, ndim=3, dtypes=(k_nope.dtype,), device=device)
+    check_size(fn, "k_rope", k_rope, 0, num_tokens, "k_nope.shape[0] (N)")
+    check_size(fn, "k_rope", k_rope, 1, 1, "one latent head")
+    check_tensor(fn, "loc", loc, ndim=1, dtypes=_LOC_DTYPES, device=device)
+    check_size(fn, "loc", loc, 0, num_tokens, "k_nope.shape[0] (N)")
+    check_tensor(fn, "kv_cache", kv_cache, ndim=(3, 4), dtypes=(k_nope.dtype,) + FP8_DTYPES,
+                 device=device)
+    check_size(fn, "kv_cache", kv_cache, -1, latent_dim + k_rope.shape[2], "R + r")
+
+
+@torch.library.custom_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))
+def store_mla_kv_cache_op(kv_cache: Tensor, loc: Tensor, k_nope: Tensor, k_rope: Tensor) -> None:
+    """Op form of ``store_mla_kv_cache``."""
+    _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
+    providers.dispatch(STORE_MLA, k_nope.device, kv_cache, loc, k_nope, k_rope)
+
+
+@store_mla_kv_cache_op.register_fake
+def _(kv_cache, loc, k_nope, k_rope):
+    _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
+
+
+def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
+    """Write ``cat(k_nope, k_rope)`` of new tokens into slots ``loc`` of an MLA cache (in place).
+
+    Args:
+        kv_cache: [slots, 1, R + r] (or [num_pages, page_size, R + r], or
+            [num_pages, page_size, 1, R + r]); latent part first, then the rope part.
+        loc: [N] int64 (or int32) token slots.
+        k_nope: [N, 1, R] (or [N, R]) compressed latent; k_rope: [N, 1, r] (or [N, r]).
+    Returns:
+        None. Only the slots in ``loc`` change.
+    Raises:
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+    Source: DeepSeek-V2 (arXiv 2405.04434) latent cache; sglang ``MLATokenToKVPool``.
+
+    >>> import torch, xpu_ops
+    >>> cache = torch.zeros(4, 1, 6)
+    >>> xpu_ops.store_mla_kv_cache(cache, torch.tensor([2]), torch.ones(1, 1, 4), torch.full((1, 1, 2), 2.0))
+    >>> cache[2, 0].tolist()
+    [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
+    """
+    k_nope = check_tensor(STORE_MLA, "k_nope", k_nope, ndim=(2, 3))
+    k_rope = check_tensor(STORE_MLA, "k_rope", k_rope, ndim=(2, 3))
+    k_nope = k_nope.unsqueeze(1) if k_nope.dim() == 2 else k_nope
+    k_rope = k_rope.unsqueeze(1) if k_rope.dim() == 2 else k_rope
+    torch.ops.xpu_ops.store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)

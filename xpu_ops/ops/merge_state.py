@@ -1,0 +1,81 @@
+"""``merge_state_v2``: combine two partial attention results by their log-sum-exp.
+
+Used by cascade attention (shared prefix pass + per-draft expand pass) and split-KV reductions.
+The op ``torch.ops.xpu_ops.merge_state_v2`` writes ``v_merged``/``s_merged`` (both mutated);
+the public wrapper allocates them when the caller gives none.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+NAME = "merge_state_v2"
+
+
+def _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
+    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    fn = NAME
+    check_tensor(fn, "v_a", v_a, ndim=3, dtypes=FLOAT_DTYPES)
+    device = v_a.device
+    num_tokens, num_heads, _ = v_a.shape
+    check_tensor(fn, "v_b", v_b, ndim=3, dtypes=(v_a.dtype,), device=device)
+    check_shape(fn, "v_b", v_b, v_a.shape, "v_a's shape [N, H, D]")
+    check_tensor(fn, "v_merged", v_merged, ndim=3, dtypes=(v_a.dtype,), device=device)
+    check_shape(fn, "v_merged", v_merged, v_a.shape, "v_a's shape [N, H, D]")
+    for arg, s in (("s_a", s_a), ("s_b", s_b), ("s_merged", s_merged)):
+        check_tensor(fn, arg, s, ndim=2, dtypes=(torch.float32,), device=device)
+        check_shape(fn, arg, s, (num_tokens, num_heads), "[N, H]")
+
+
+@torch.library.custom_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"))
+def merge_state_v2_op(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, v_merged: Tensor,
+                      s_merged: Tensor) -> None:
+    """Op form of ``merge_state_v2``: writes ``v_merged`` and ``s_merged`` in place."""
+    _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
+    providers.dispatch(NAME, v_a.device, v_a, s_a, v_b, s_b, v_merged, s_merged)
+
+
+@merge_state_v2_op.register_fake
+def _(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
+
+
+def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
+    """Merge two attention states over disjoint key sets (sgl-kernel ``merge_state_v2``).
+
+    ``m = max(s_a, s_b)``, ``w = e^(s - m)``, ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``,
+    ``s = m + ln(w_a + w_b)``. A side with LSE ``-inf`` contributes nothing (the other state is
+    returned bit-exactly); both ``-inf`` gives ``(0, -inf)``, never NaN.
+
+    Args:
+        v_a, v_b: [N, H, D] fp16|bf16|fp32 partial outputs (each normalised over its own keys).
+        s_a, s_b: [N, H] float32 natural-log LSE of each part (transpose the ``[H, N]`` LSE that
+            the attention ops return).
+        v_merged, s_merged: optional outputs ``[N, H, D]`` / ``[N, H]``, written in place.
+    Returns:
+        ``(v_merged [N, H, D], s_merged [N, H] float32)``.
+    Raises:
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+    Source: FlashInfer's ``merge_state`` (cascade inference, Ye et al., 2024); FlashAttention-2
+    online softmax rescaling.
+
+    >>> import torch, xpu_ops
+    >>> v_a, v_b = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    >>> s_a, s_b = torch.randn(3, 2), torch.randn(3, 2)
+    >>> v, s = xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b)
+    >>> w = torch.stack([s_a, s_b]).softmax(0)[..., None]
+    >>> torch.allclose(v, w[0] * v_a + w[1] * v_b, atol=1e-6), torch.allclose(s, torch.logaddexp(s_a, s_b))
+    (True, True)
+    """
+    check_tensor(NAME, "v_a", v_a, ndim=3)
+    check_tensor(NAME, "s_a", s_a, ndim=2)
+    if v_merged is None:
+        v_merged = torch.empty_like(v_a, memory_format=torch.contiguous_format)
+    if s_merged is None:
+        s_merged = torch.empty_like(s_a, memory_format=torch.contiguous_format)
+    torch.ops.xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
+    return v_merged, s_merged

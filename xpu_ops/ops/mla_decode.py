@@ -1,0 +1,144 @@
+"""``flash_mla_decode``: absorbed multi-head latent attention (MLA) for decode.
+
+Every query head attends over one shared latent KV head: keys are ``[latent, rope]`` and values
+the latent part. ``flash_mla_get_workspace_size`` sizes the split-KV scratch buffer from shapes
+only, so the op never allocates during a captured graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from .._checks import FLOAT_DTYPES, check_size, check_tensor, fail
+from .common import check_index, float_scalar
+
+NAME = "flash_mla_decode"
+MAX_KV_SPLITS = 16
+TOKENS_PER_SPLIT = 512        # default split granularity of the keys, in tokens
+WORKSPACE_HEADS = 128         # heads assumed when flash_mla_get_workspace_size is not told
+WORKSPACE_LATENT_DIM = 512    # R assumed by the workspace: the partial outputs of each split
+
+
+def mla_num_kv_splits(max_seq_len: int, num_kv_splits: int = -1) -> int:
+    """Split-KV count from shapes only: ``num_kv_splits`` if > 0, else one split per
+    ``TOKENS_PER_SPLIT`` tokens of ``max_seq_len``, between 1 and ``MAX_KV_SPLITS``."""
+    if num_kv_splits > 0:
+        return num_kv_splits
+    return max(1, min(MAX_KV_SPLITS, -(-max_seq_len // TOKENS_PER_SPLIT)))
+
+
+def mla_split_bytes(batch: int, num_heads: int, latent_dim: int) -> int:
+    """Scratch bytes of one KV split: float32 partial outputs ``[b, H, R]`` and LSEs ``[b, H]``.
+    A provider uses ``min(mla_num_kv_splits(...), workspace bytes // mla_split_bytes(...))``
+    splits, so the split count depends on shapes only."""
+    return batch * num_heads * (latent_dim + 1) * 4
+
+
+def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_size=0,
+                                 num_kv_splits=-1) -> int:
+    """Bytes of scratch that ``flash_mla_decode`` needs (split-KV partial outputs and LSEs).
+
+    Args:
+        max_seq_len: longest cache of any request, in tokens (a bound; the op uses
+            ``page_table.shape[1] * page_size``).
+        num_batches: b, requests per call. num_heads: H (0 = assume 128).
+        page_size: accepted for sgl-kernel compatibility (unused).
+        num_kv_splits: forced split count, or -1 to derive it from ``max_seq_len``.
+    Returns:
+        int, bytes: ``b * H * splits * (R + 1) * 4`` with R = 512 (float32 partials + LSE).
+    Source: FlashDecoding split-KV (Dao et al., 2023); sgl-kernel's workspace convention.
+
+    >>> flash_mla_get_workspace_size(4096, 2, 16)
+    525312
+    """
+    heads = num_heads if num_heads > 0 else WORKSPACE_HEADS
+    splits = mla_num_kv_splits(max_seq_len, num_kv_splits)
+    return splits * mla_split_bytes(int(num_batches), heads, WORKSPACE_LATENT_DIM)
+
+
+def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
+                            num_kv_splits) -> None:
+    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    fn = NAME
+    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    batch, num_heads, latent_dim = q_nope.shape
+    check_tensor(fn, "q_rope", q_rope, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, "q_rope", q_rope, 0, batch, "q_nope.shape[0] (b)")
+    check_size(fn, "q_rope", q_rope, 1, num_heads, "q_nope.shape[1] (H)")
+    check_tensor(fn, "kv_cache", kv_cache, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, "kv_cache", kv_cache, 2, latent_dim + q_rope.shape[2], "R + r")
+    check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
+    check_size(fn, "cache_seqlens", cache_seqlens, 0, batch, "q_nope.shape[0] (b)")
+    check_index(fn, "page_table", page_table, 2, device)
+    check_size(fn, "page_table", page_table, 0, batch, "q_nope.shape[0] (b)")
+    check_tensor(fn, "workspace", workspace, ndim=1, dtypes=(torch.uint8,), device=device,
+                 fix="Allocate it with torch.empty(flash_mla_get_workspace_size(...), "
+                     "dtype=torch.uint8).")
+    need = mla_split_bytes(batch, num_heads, latent_dim) * max(num_kv_splits, 1)
+    if workspace.shape[0] < need:
+        fail(fn, "workspace", "is too small",
+             f"at least {need} bytes ({max(num_kv_splits, 1)} split(s) of b * H * (R + 1) "
+             f"float32)", f"{workspace.shape[0]} bytes",
+             "Size it with flash_mla_get_workspace_size.")
+
+
+@torch.library.custom_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",))
+def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_seqlens: Tensor,
+                        page_table: Tensor, workspace: Tensor, softmax_scale: float,
+                        num_kv_splits: int) -> Tensor:
+    """Op form of ``flash_mla_decode``; returns a new ``[b, H, R]`` tensor, uses ``workspace``
+    as scratch (declared mutated)."""
+    args = (q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace)
+    _check_flash_mla_decode(*args, num_kv_splits)
+    return providers.dispatch(NAME, q_nope.device, *args, softmax_scale, num_kv_splits)
+
+
+@flash_mla_decode_op.register_fake
+def _(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace, softmax_scale,
+      num_kv_splits):
+    _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
+                            num_kv_splits)
+    return q_nope.new_empty(q_nope.shape)
+
+
+def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
+                     softmax_scale, num_kv_splits=-1):
+    """Absorbed multi-head latent attention for decode, one query token per request.
+
+    ``out[b, h] = sum_j p_j * latent_j`` with ``p = softmax(softmax_scale * (q_nope.latent_j +
+    q_rope.rope_j))`` over the request's ``cache_seqlens[b]`` tokens; a request with an empty
+    cache gets 0.
+
+    Args:
+        q_nope: [b, H, R] fp16|bf16|fp32, query projected into the latent space.
+        q_rope: [b, H, r], rotary part of the query.
+        kv_cache: [num_pages, page_size, R + r], latent then rope part per token (q's dtype).
+        cache_seqlens: [b] int32, tokens (not pages) in each request's cache.
+        page_table: [b, max_pages_per_seq] int32 page ids; entries past the end are never read.
+        workspace: [bytes] uint8 scratch of ``flash_mla_get_workspace_size(...)`` bytes.
+        softmax_scale: multiplier on the scores (float), usually ``1/sqrt(D_qk)`` of the
+            un-absorbed head (e.g. ``192 ** -0.5``).
+        num_kv_splits: split-KV count, -1 to derive it from shapes.
+    Returns:
+        [b, H, R], dtype of q_nope.
+    Raises:
+        TypeError/ValueError: shape, dtype or device mismatch, naming the argument.
+    Source: DeepSeek-V2 (arXiv 2405.04434) weight absorption; FlashAttention-2 online softmax;
+    FlashDecoding split-KV.
+
+    >>> import torch, xpu_ops
+    >>> qn, qr, kv = torch.randn(1, 2, 8), torch.randn(1, 2, 4), torch.randn(1, 4, 12)
+    >>> ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(4, 1, 2), dtype=torch.uint8)
+    >>> o = xpu_ops.flash_mla_decode(qn, qr, kv, torch.tensor([3], dtype=torch.int32),
+    ...                              torch.tensor([[0]], dtype=torch.int32), ws, 0.5)
+    >>> p = (0.5 * torch.cat([qn, qr], -1)[0] @ kv[0, :3].T).softmax(-1)
+    >>> torch.allclose(o[0], p @ kv[0, :3, :8], atol=1e-5)
+    True
+    """
+    return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
+                                              page_table, workspace,
+                                              float_scalar(NAME, "softmax_scale", softmax_scale),
+                                              int(num_kv_splits))

@@ -1,0 +1,148 @@
+"""``flash_attn_varlen_func``: attention of packed queries over ragged (non-paged) K/V.
+
+The op ``torch.ops.xpu_ops.flash_attn_varlen_func`` writes ``out`` (mutated, never returned) and
+returns ``softmax_lse [Hq, total_q]``; the public wrapper allocates ``out`` when none is given.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
+                       fail)
+from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
+                     check_out, check_query, default_softmax_scale, float_scalar,
+                     normalize_window, output_dtype)
+
+NAME = "flash_attn_varlen_func"
+
+
+def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
+                                  q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
+                                  max_seqlen_k, softcap) -> None:
+    """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
+    fn = NAME
+    check_query(fn, q)
+    device = q.device
+    check_tensor(fn, "k", k, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+    check_tensor(fn, "v", v, ndim=3, dtypes=(k.dtype,), device=device,
+                 fix="Pass K and V in the same dtype.")
+    check_kv_dtype(fn, "k", k, q)
+    total_k, num_heads_kv, head_dim = k.shape
+    check_size(fn, "q", q, 2, head_dim, "k.shape[2] (D)")
+    check_size(fn, "v", v, 0, total_k, "k.shape[0] (total_k)")
+    check_size(fn, "v", v, 1, num_heads_kv, "k.shape[1] (Hkv)")
+    check_index(fn, "cu_seqlens_q", cu_seqlens_q, 1, device)
+    batch = cu_seqlens_q.shape[0] - 1
+    check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, batch, device)
+    if seqused_k is not None:
+        check_index(fn, "seqused_k", seqused_k, 1, device)
+        check_size(fn, "seqused_k", seqused_k, 0, batch, "cu_seqlens_q.shape[0] - 1 (b)")
+    total_q, num_heads_q, _ = q.shape
+    head_dim_v = v.shape[2]
+    check_out(fn, out, (total_q, num_heads_q, head_dim_v), output_dtype(q), device,
+              "[total_q, Hq, Dv]")
+    if max_seqlen_k < 0:
+        fail(fn, "max_seqlen_k", "is negative", "max_seqlen_k >= 0", max_seqlen_k)
+    check_attention_extras(fn, q=q, k_dtype=k.dtype, v_dtype=v.dtype, num_heads_kv=num_heads_kv,
+                           head_dim_v=head_dim_v, batch=batch, qv=qv, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale, sinks=sinks,
+                           softcap=softcap, max_seqlen_q=max_seqlen_q)
+
+
+@torch.library.custom_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
+def flash_attn_varlen_func_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
+    seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor], *,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+    window_size_left: int, window_size_right: int, softcap: float,
+) -> Tensor:
+    """Op form of ``flash_attn_varlen_func``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
+
+    ``max_seqlen_q``/``max_seqlen_k`` bound one request's query/key count (grid sizes; never read
+    from tensor values). ``window_size_right`` is already 0 when ``causal``.
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale,
+            v_descale, sinks)
+    _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  softcap=softcap)
+    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                              causal=causal, window_size_left=window_size_left,
+                              window_size_right=window_size_right, softcap=softcap)
+
+
+@flash_attn_varlen_func_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
+      sinks, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
+      window_size_right, softcap):
+    _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
+                                  q_descale, k_descale, v_descale, sinks,
+                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  softcap=softcap)
+    return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+    seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+    v_descale=None, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
+    return_softmax_lse=False, sinks=None, out=None,
+):
+    """Attention over ragged K/V (no cache), sgl-kernel ``flash_attn_varlen_func`` compatible.
+
+    Request ``r`` has queries ``q[cu_seqlens_q[r]:cu_seqlens_q[r+1]]`` and keys
+    ``k[cu_seqlens_k[r]:cu_seqlens_k[r] + Lk]`` with ``Lk = seqused_k[r]`` if given, else the
+    ``cu_seqlens_k`` difference. Masks, softcap, sinks and empty rows follow
+    ``flash_attn_with_kvcache`` (bottom-right alignment ``pos(i) = Lk - Lq + i``).
+
+    Args:
+        q: [total_q, Hq, D] fp16|bf16|fp32|fp8. k: [total_k, Hkv, D]. v: [total_k, Hkv, Dv]
+            (Dv may differ from D), q's dtype or fp8 (then ``k_descale``/``v_descale [b, Hkv]``).
+        cu_seqlens_q, cu_seqlens_k: [b + 1] int32 prefix sums (tokens).
+        max_seqlen_q, max_seqlen_k: upper bounds of one request's lengths (default total_q and
+            total_k; pass the true maxima for speed).
+        seqused_k: [b] int32 keys used per request (<= the cu_seqlens_k difference).
+        softmax_scale: default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
+        causal, window_size, softcap, sinks, qv, return_softmax_lse, out: as in
+            ``flash_attn_with_kvcache``.
+        seqused_q: accepted when None (NotImplementedError otherwise).
+        num_splits, pack_gqa, sm_margin: performance hints, ignored.
+    Returns:
+        ``out [total_q, Hq, Dv]`` or ``(out, softmax_lse [Hq, total_q] float32)``.
+    Raises:
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+        NotImplementedError: ``seqused_q`` given.
+    Source: FlashAttention-2 (arXiv 2307.08691) varlen forward; sgl-kernel's semantics.
+
+    >>> import torch, xpu_ops
+    >>> q, k, v = torch.randn(4, 2, 32), torch.randn(6, 1, 32), torch.randn(6, 1, 16)
+    >>> cu_q = torch.tensor([0, 1, 4], dtype=torch.int32); cu_k = torch.tensor([0, 2, 6], dtype=torch.int32)
+    >>> o = xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True)
+    >>> s = torch.einsum("hd,kd->hk", q[0], k[:2, 0]) / 32 ** 0.5
+    >>> torch.allclose(o[0], s.softmax(-1) @ v[:2, 0], atol=1e-5)
+    True
+    """
+    fn = NAME
+    check_not_implemented(fn, seqused_q=seqused_q)
+    check_tensor(fn, "q", q, ndim=3)
+    check_tensor(fn, "k", k, ndim=3)
+    check_tensor(fn, "v", v, ndim=3)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q.shape[-1], v.shape[-1] if qv is not None else 0)
+    left, right = normalize_window(fn, window_size, causal)
+    if out is None:
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q))
+    lse = torch.ops.xpu_ops.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
+        sinks, max_seqlen_q=q.shape[0] if max_seqlen_q is None else max_seqlen_q,
+        max_seqlen_k=k.shape[0] if max_seqlen_k is None else max_seqlen_k,
+        softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
+        window_size_left=left, window_size_right=right,
+        softcap=float_scalar(fn, "softcap", softcap))
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,22 @@
+"""Reference ``merge_state_v2`` in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import providers
+
+
+@providers.register("merge_state_v2", "reference")
+def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    s_max = torch.maximum(s_a, s_b)
+    s_max = torch.where(torch.isfinite(s_max), s_max, 0.0)   # both sides empty: no NaN
+    w_a = torch.exp(s_a - s_max)
+    w_b = torch.exp(s_b - s_max)
+    total = w_a + w_b
+    # where(), not multiplication, so an empty side's values (possibly NaN) never leak in.
+    part_a = torch.where(w_a[..., None] > 0, w_a[..., None] * v_a.float(), 0.0)
+    part_b = torch.where(w_b[..., None] > 0, w_b[..., None] * v_b.float(), 0.0)
+    merged = (part_a + part_b) / torch.where(total > 0, total, 1.0)[..., None]
+    v_merged.copy_(merged.to(v_merged.dtype))
+    s_merged.copy_(s_max + torch.log(total))

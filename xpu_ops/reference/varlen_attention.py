@@ -1,0 +1,22 @@
+"""Reference ``flash_attn_varlen_func``: ragged K/V gathered into padded per-request blocks."""
+
+from __future__ import annotations
+
+from .. import providers
+from .attention import attend_packed, dequantize, gather_padded, request_rows
+
+
+@providers.register("flash_attn_varlen_func", "reference")
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
+                           k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size_left, window_size_right, softcap):
+    k_idx, k_valid, k_lens = request_rows(cu_seqlens_k, max_seqlen_k)
+    if seqused_k is not None:
+        k_lens = seqused_k.long()
+        k_valid = k_valid & (k_idx - cu_seqlens_k[:-1, None].long() < k_lens[:, None])
+    k_pad = dequantize(gather_padded(k, k_idx, k_valid), k_descale)
+    v_pad = dequantize(gather_padded(v, k_idx, k_valid), v_descale)
+    return attend_packed(q, cu_seqlens_q, max_seqlen_q, k_pad, v_pad, k_lens, out, qv=qv,
+                         q_descale=q_descale, sinks=sinks, softmax_scale=softmax_scale,
+                         window_size_left=window_size_left, window_size_right=window_size_right,
+                         softcap=softcap)
