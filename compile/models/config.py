@@ -1,0 +1,185 @@
+"""``ModelConfig``: one dataclass describing every Llama-family decoder the zoo builds.
+
+Field names follow Hugging Face ``transformers`` configs, so ``ModelConfig.from_hf(hf_config)``
+is mostly a copy. Per-layer attention options are lists indexed by layer id (``layer_types``,
+``use_rope``); everything else is global. Supported ``model_type`` values: llama, mistral,
+qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings) and smollm3-like configs that
+only use these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Shapes and options of a Llama-family decoder (units: tokens, features, heads).
+
+    Attributes:
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers: usual sizes.
+        num_attention_heads: Hq. num_key_value_heads: Hkv (Hq % Hkv == 0). head_dim: D.
+        rms_norm_eps: epsilon of every RMSNorm. norm_weight_offset: 1.0 when the norm multiplies
+            by ``1 + weight`` (Gemma), else 0.0.
+        rope_theta: RoPE base. rope_scaling: None or a dict with ``rope_type`` in
+            {"default", "linear", "llama3"} and that type's keys (``factor``, ...).
+        max_position_embeddings: positions the rotary cache covers.
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        attention_bias: q/k/v projections carry biases (Qwen2). mlp_bias: MLP biases.
+        hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        layer_types: per layer, one of LAYER_TYPES (None: all full attention).
+        sliding_window: W of "sliding_attention" layers, the Hugging Face meaning: a query sees
+            itself and the W - 1 keys before it.
+        attention_chunk_size: chunk of "chunked_attention" layers (iRoPE local attention).
+        use_rope: per layer, whether RoPE is applied (None: every layer).
+        attn_logit_softcap: tanh softcap of attention scores (0: off).
+        final_logit_softcap: tanh softcap of the output logits (0: off).
+        attention_sinks: every attention layer learns one sink logit per query head.
+        query_pre_attn_scalar: softmax scale is its ``** -0.5`` (None: ``D ** -0.5``).
+        embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``).
+        sandwich_norm: extra RMSNorms after attention and after the MLP (Gemma2).
+        bos_token_id, eos_token_id: from the source config (eos may be a list).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    norm_weight_offset: float = 0.0
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    layer_types: Optional[list[str]] = None
+    sliding_window: Optional[int] = None
+    attention_chunk_size: Optional[int] = None
+    use_rope: Optional[list[bool]] = None
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    attention_sinks: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    embed_scale: float = 1.0
+    sandwich_norm: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Any = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"ModelConfig: num_attention_heads must be a multiple of "
+                             f"num_key_value_heads; got {self.num_attention_heads} and "
+                             f"{self.num_key_value_heads}.")
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if len(self.layer_types) != self.num_hidden_layers or bad:
+            raise ValueError(f"ModelConfig: layer_types must list one of {LAYER_TYPES} per layer "
+                             f"({self.num_hidden_layers}); got {self.layer_types}.")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("ModelConfig: sliding_attention layers need sliding_window > 0; "
+                             f"got {self.sliding_window}.")
+        if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
+            raise ValueError("ModelConfig: chunked_attention layers need attention_chunk_size > 0;"
+                             f" got {self.attention_chunk_size}.")
+
+    @property
+    def scaling(self) -> float:
+        """Softmax scale of every attention layer."""
+        base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(base) ** -0.5
+
+    def layer_sliding_window(self, layer_id: int) -> int:
+        """Hugging Face window W of ``layer_id`` (-1: not a sliding layer), as ``PagedAttention``'s
+        ``sliding_window_size`` takes it."""
+        if self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return -1
+
+    def layer_uses_rope(self, layer_id: int) -> bool:
+        return True if self.use_rope is None else bool(self.use_rope[layer_id])
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        """Build from a ``transformers`` ``PretrainedConfig`` (llama/mistral/qwen2/qwen3/gemma2).
+
+        Raises:
+            NotImplementedError: a model type or RoPE type this zoo does not implement.
+        """
+        model_type = getattr(hf_config, "model_type", "llama")
+        if model_type not in _HF_MODEL_TYPES:
+            raise NotImplementedError(f"ModelConfig.from_hf: model_type {model_type!r} is not "
+                                      f"supported; expected one of {sorted(_HF_MODEL_TYPES)}.")
+        get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        theta, scaling = _hf_rope(hf_config)
+        kw = dict(
+            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=get("num_key_value_heads") or hf_config.num_attention_heads,
+            head_dim=get("head_dim"), rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(get("mlp_bias", False)),
+            hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
+            qk_norm=model_type == "qwen3",
+            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+        kw.update(_hf_layer_types(hf_config, model_type))
+        if model_type == "gemma2":
+            kw.update(norm_weight_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5,
+                      sandwich_norm=True, query_pre_attn_scalar=get("query_pre_attn_scalar"),
+                      attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0),
+                      final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
+                      hidden_act=get("hidden_activation") or "gelu_pytorch_tanh")
+        return cls(**kw)
+
+
+_HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2"}
+
+
+def _hf_rope(hf_config) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling) from either transformers 5 ``rope_parameters`` or 4.x fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise NotImplementedError(f"ModelConfig.from_hf: rope_type {rope_type!r} is not "
+                                  "supported; expected default, linear or llama3.")
+    theta = float(params.pop("rope_theta"))
+    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _hf_layer_types(hf_config, model_type: str) -> dict[str, Any]:
+    """Per-layer attention kinds: explicit ``layer_types`` or Mistral's global sliding window."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    n = hf_config.num_hidden_layers
+    if not window:  # Qwen2/3 drop the window unless use_sliding_window; then every layer is full
+        types = None
+    if types is None:
+        kind = "sliding_attention" if (model_type == "mistral" and window) else "full_attention"
+        types = [kind] * n
+    types = list(types)
+    return dict(layer_types=types,
+                sliding_window=window if "sliding_attention" in types else None)
+
+
+__all__ = ["ModelConfig", "LAYER_TYPES"]

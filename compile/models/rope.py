@@ -1,0 +1,83 @@
+"""Rotary position embedding (neox / ``rotate_half`` layout) with Llama-3 and linear scaling.
+
+The cos/sin table is computed once for every position, so the forward pass is one gather by
+``positions`` and a few elementwise ops: no Python loop over tokens, no host sync.
+Source: RoFormer (arXiv 2104.09864); Llama 3 frequency scaling as in Meta's llama3 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> Tensor:
+    """Inverse frequencies [head_dim // 2] float32 of RoPE, after the configured scaling.
+
+    Args:
+        head_dim: D (rotated features; must be even).
+        theta: RoPE base.
+        scaling: None, ``{"rope_type": "linear", "factor": f}`` or ``{"rope_type": "llama3",
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``.
+    Raises:
+        NotImplementedError: another rope_type.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, scaling)
+    raise NotImplementedError(f"rope_inv_freq: rope_type {rope_type!r} is not supported; "
+                              "expected default, linear or llama3.")
+
+
+def _llama3_scale(inv_freq: Tensor, s: dict[str, Any]) -> Tensor:
+    """Llama 3.1: divide low frequencies by ``factor``, keep high ones, blend in between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to packed q/k by absolute position.
+
+    Args:
+        head_dim: D. max_position: positions in the table. theta, scaling: see ``rope_inv_freq``.
+    Forward:
+        positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D] (any float dtype).
+        Returns (q, k) rotated, same shapes and dtypes.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: Optional[dict[str, Any]] = None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, D]
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+__all__ = ["RotaryEmbedding", "rope_inv_freq", "rotate_half"]
