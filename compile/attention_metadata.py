@@ -1,0 +1,150 @@
+"""Attention metadata: what ``XPUAttentionBackend.init_forward_metadata`` builds once per batch.
+
+One ``PagedAttnMetadata`` describes one ``flash_attn_with_kvcache`` call (its packed queries,
+key lengths and page table); ``AttentionMetadata`` groups the calls a batch may need per layer
+kind: the main call, its sliding-window twin (same lengths, SWA-pool page table), the cascade
+"expand" call of speculative trees, the merged per-draft SWA call, chunked-local virtual batches,
+cross attention over the encoder, and the K/V write locations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from .local_attention import LocalAttentionMetadata
+from .memory_pool import KVWriteLoc
+
+
+@dataclasses.dataclass
+class PagedAttnMetadata:
+    """Arguments of one paged attention call over ``b`` (possibly virtual) requests.
+
+    Attributes:
+        cu_seqlens_q: [b + 1] int32 prefix sums of query tokens.
+        cache_seqlens: [b] int32 total keys per request, in tokens.
+        page_table: [b, max_pages] int32 page ids (token slots when ``page_size == 1``).
+        max_seqlen_q / max_seqlen_k: bounds of one request's queries / keys (int).
+        page_size: tokens per page of the cache view this table indexes (1 for slot tables).
+    """
+
+    cu_seqlens_q: Tensor
+    cache_seqlens: Tensor
+    page_table: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache_seqlens.shape[0]
+
+    def with_table(self, page_table: Tensor, page_size: Optional[int] = None
+                   ) -> "PagedAttnMetadata":
+        """The same call over another page table (e.g. the SWA pool's)."""
+        return dataclasses.replace(self, page_table=page_table,
+                                   page_size=self.page_size if page_size is None else page_size)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """All metadata of one batch (host-built; only device tensors and ints inside).
+
+    Attributes:
+        main: the call for ordinary layers. Decode: 1 query per request, keys = seq_lens.
+            Extend/mixed/draft extend: ``extend_seq_lens`` queries, keys = seq_lens, causal.
+            Target verify: D queries, keys = seq_lens + D (topk 1, causal) or seq_lens (topk > 1,
+            the cascade prefix pass, non-causal). Draft decode topk > 1: topk queries per request
+            over the prefix (non-causal).
+        swa: ``main`` with the page table translated into the SWA pool (hybrid SWA models).
+        expand: cascade pass of speculative trees, one query per request-branch/draft over a
+            token-slot table (``page_size 1``), non-causal, merged with ``main`` by LSE.
+        swa_spec: target verify topk > 1 on sliding-window layers: one row per draft with the
+            prefix plus its allowed drafts (``prepare_swa_spec_page_table``), causal, slot table.
+        local: chunked-local (iRoPE) virtual batch of ``main``.
+        encoder: cross attention: ``main``'s queries over ``encoder_lens`` keys, non-causal.
+        write: slots for the new K/V of this batch.
+        causal: whether ``main`` is causal (False for the cascade prefix pass).
+        cascade: True when ``expand`` must be merged into ``main``'s result.
+        mla_workspace: uint8 scratch of ``flash_mla_decode`` (MLA decode only).
+    """
+
+    main: PagedAttnMetadata
+    write: KVWriteLoc
+    causal: bool = True
+    cascade: bool = False
+    swa: Optional[PagedAttnMetadata] = None
+    expand: Optional[PagedAttnMetadata] = None
+    swa_spec: Optional[PagedAttnMetadata] = None
+    local: Optional[LocalAttentionMetadata] = None
+    encoder: Optional[PagedAttnMetadata] = None
+    mla_workspace: Optional[Tensor] = None
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every tensor field as ``("part.field", tensor)`` (graph buffers bind these)."""
+        yield from _tensor_fields("", self)
+
+
+def _tensor_fields(prefix: str, obj) -> Iterator[tuple[str, Tensor]]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Tensor):
+            yield prefix + f.name, value
+        elif dataclasses.is_dataclass(value):
+            yield from _tensor_fields(f"{prefix}{f.name}.", value)
+
+
+def cu_seqlens(lens: Tensor) -> Tensor:
+    """[b] lengths -> [b + 1] int32 prefix sums starting at 0 (same device)."""
+    out = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out
+
+
+def token_table(req_to_token: Tensor, req_pool_indices: Tensor, max_len: int,
+                col_offset: Optional[Tensor] = None) -> Tensor:
+    """Token slots ``[b, max_len]`` int32 of each request, optionally from column ``col_offset[r]``.
+
+    Columns past the table's width are read as 0 (the padding slot).
+    """
+    rows = req_pool_indices.long()
+    cols = torch.arange(max_len, device=req_to_token.device)[None, :]
+    if col_offset is not None:
+        cols = cols + col_offset.long()[:, None].to(req_to_token.device)
+    width = req_to_token.shape[1]
+    table = req_to_token[rows[:, None], cols.clamp(max=width - 1)]
+    return torch.where(cols < width, table, 0)
+
+
+def page_table_from_tokens(tokens: Tensor, page_size: int) -> Tensor:
+    """Token-granular ``[b, L]`` slots -> page ids ``[b, ceil(L / page_size)]`` int32."""
+    return (tokens[:, ::page_size] // page_size).to(torch.int32)
+
+
+def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q: Tensor,
+                   cache_seqlens: Tensor, max_seqlen_q: int, max_seqlen_k: int, page_size: int,
+                   col_offset: Optional[Tensor] = None) -> PagedAttnMetadata:
+    """A call's metadata with ``page_table = req_to_token[rows, :max_k][:, ::page_size] //
+    page_size`` (DESIGN.md)."""
+    tokens = token_table(req_to_token, req_pool_indices, max_seqlen_k, col_offset)
+    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens_q,
+                             cache_seqlens=cache_seqlens.to(torch.int32),
+                             page_table=page_table_from_tokens(tokens, page_size),
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             page_size=page_size)
+
+
+def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
+                 main: PagedAttnMetadata, col_offset: Optional[Tensor] = None
+                 ) -> PagedAttnMetadata:
+    """``main`` over the SWA pool: token slots translated full -> SWA, then paged."""
+    tokens = token_table(req_to_token, req_pool_indices, main.max_seqlen_k, col_offset)
+    swa_tokens = pool.translate_loc_from_full_to_swa(tokens)
+    return main.with_table(page_table_from_tokens(swa_tokens, main.page_size))
+
+
+__all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "token_table",
+           "page_table_from_tokens", "paged_metadata", "swa_metadata"]

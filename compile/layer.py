@@ -1,0 +1,107 @@
+"""``PagedAttention``: the attention module a model calls (sglang's ``RadixAttention`` role).
+
+It holds the per-layer attention facts (heads, head dims, scale, window, softcap, fp8 scales) and
+forwards to the batch's attention backend, which writes the new K/V into the pool and attends.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+
+class PagedAttention(nn.Module):
+    """One attention layer over the paged KV cache (tensor-parallel sizes already divided).
+
+    Args:
+        num_heads: Hq. head_dim: D (query/key head dim). scaling: softmax scale (float).
+        num_kv_heads: Hkv. layer_id: global layer index (selects the layer's KV buffers).
+        logit_cap: softcap on the scores (0 disables it).
+        v_head_dim: Dv (-1: same as D).
+        sliding_window_size: Hugging Face ``sliding_window`` W (-1: full attention); the backend
+            attends ``window_size = (W - 1, 0)``.
+        is_cross_attention: encoder-decoder cross attention (keys are the encoder tokens).
+        use_irope: chunked local attention (Llama 4 iRoPE layers, ``attention_chunk_size``).
+        kv_sharing_target_layer_id: read the KV cache of that layer instead (cross-layer KV
+            sharing; such layers are called with ``k = v = None``).
+        prefix, quant_config: accepted for sglang compatibility.
+    Attributes:
+        tp_q_head_num, tp_k_head_num, tp_v_head_num, qk_head_dim, head_dim, v_head_dim,
+        scaling, layer_id, logit_cap, sliding_window_size, is_cross_attention, use_irope:
+            as above (sglang's names).
+        k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
+            value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
+                 layer_id: int, logit_cap: float = 0.0, v_head_dim: int = -1,
+                 sliding_window_size: int = -1, is_cross_attention: bool = False,
+                 use_irope: bool = False, kv_sharing_target_layer_id: Optional[int] = None,
+                 prefix: str = "", quant_config=None, **kwargs):
+        super().__init__()
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"PagedAttention: num_heads {num_heads} is not a multiple of "
+                             f"num_kv_heads; expected num_heads % num_kv_heads == 0, got "
+                             f"num_kv_heads={num_kv_heads}.")
+        self.tp_q_head_num = num_heads
+        self.tp_k_head_num = num_kv_heads
+        self.tp_v_head_num = num_kv_heads
+        self.head_dim = self.qk_head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim == -1 else v_head_dim
+        self.scaling = float(scaling)
+        self.layer_id = layer_id
+        self.logit_cap = float(logit_cap)
+        self.sliding_window_size = -1 if sliding_window_size is None else int(sliding_window_size)
+        self.is_cross_attention = is_cross_attention
+        self.use_irope = use_irope
+        self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
+        self.register_buffer("k_scale", None, persistent=False)
+        self.register_buffer("v_scale", None, persistent=False)
+        self.k_scale_float: Optional[float] = None
+        self.v_scale_float: Optional[float] = None
+
+    @property
+    def kv_cache_layer_id(self) -> int:
+        """Layer whose KV buffers this layer reads (itself unless it shares another's cache)."""
+        t = self.kv_sharing_target_layer_id
+        return self.layer_id if t is None else t
+
+    def set_kv_scales(self, k_scale: float, v_scale: float, device=None) -> None:
+        """Set the fp8 KV-cache scales (stored = value / scale; read = stored * scale)."""
+        self.k_scale_float, self.v_scale_float = float(k_scale), float(v_scale)
+        self.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
+        self.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device)
+
+    def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], forward_batch,
+                save_kv_cache: bool = True, **kwargs) -> Tensor:
+        """Attend ``q`` over the cache after writing ``k``/``v`` (when given and ``save_kv_cache``).
+
+        Args:
+            q: [tokens, Hq * D] or [tokens, Hq, D].
+            k: [tokens, Hkv * D] or [tokens, Hkv, D] or None (K/V already cached or shared);
+                with ``k_rope`` in kwargs (MLA) it is the latent ``[tokens, 1, R]``.
+            v: like ``k`` with Dv, or None.
+            forward_batch: ForwardBatch whose ``attn_backend`` runs the attention.
+            kwargs: backend extras (``sinks [Hq] float32``, ``k_rope``, ``q_rope``).
+        Returns:
+            [tokens, Hq * Dv] in q's dtype.
+        """
+        if (k is None) != (v is None) and "k_rope" not in kwargs:
+            raise ValueError(f"PagedAttention.forward: k and v must both be tensors or both be "
+                             f"None; expected a pair, got k={type(k).__name__}, "
+                             f"v={type(v).__name__}.")
+        if k is not None and "k_rope" not in kwargs:
+            k = k.reshape(-1, self.tp_k_head_num, self.qk_head_dim)
+            v = v.reshape(-1, self.tp_v_head_num, self.v_head_dim)
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache,
+                                                  **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"layer_id={self.layer_id}, Hq={self.tp_q_head_num}, Hkv={self.tp_k_head_num}, "
+                f"D={self.head_dim}, Dv={self.v_head_dim}, window={self.sliding_window_size}, "
+                f"logit_cap={self.logit_cap}")
+
+
+__all__ = ["PagedAttention"]

@@ -1,0 +1,143 @@
+"""Metadata of speculative-decoding steps: target verify and draft decode, chains and trees.
+
+Chains (``topk == 1``) are ordinary causal attention over ``req_to_token``, which already holds
+the draft tokens' slots. Trees (``topk > 1``) use cascade attention, as sglang's FlashAttention
+backend: a *prefix* pass of every draft/branch query over the request's cached prefix
+(non-causal, with LSE) and an *expand* pass of each query over the draft tokens it may see, on a
+token-slot table (page_size 1 view), merged with ``merge_state_v2``. Sliding-window layers cannot
+split by position, so target verify on them uses one merged row per draft instead
+(``prepare_swa_spec_page_table``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import xpu_ops
+
+from .attention_metadata import PagedAttnMetadata, cu_seqlens, paged_metadata, token_table
+
+
+def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
+    """The draft-to-draft tree mask ``[b, D, D]`` bool from sglang's or the 3-D layout.
+
+    Args:
+        custom_mask: ``[b, D, D]`` bool, or sglang's flattened mask: per request a row-major
+            ``[D, seq_len + D]`` block (prefix columns then draft columns), concatenated.
+        seq_lens: [b] prefix lengths (device). num_draft: D.
+    """
+    if custom_mask.dim() == 3:
+        return custom_mask.to(torch.bool)
+    b, d = seq_lens.shape[0], num_draft
+    lens = seq_lens.long()
+    block = d * (lens + d)
+    start = torch.cumsum(block, 0) - block
+    i = torch.arange(d, device=lens.device)
+    index = (start[:, None, None] + i[None, :, None] * (lens + d)[:, None, None]
+             + lens[:, None, None] + i[None, None, :])
+    return custom_mask.to(torch.bool)[index.reshape(-1)].view(b, d, d)
+
+
+def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
+    """Expand pass: one query per row over the slots it may see (page_size 1 table).
+
+    Args:
+        slots: [n, W] token slots of the candidate keys of each query row.
+        visible: [n, W] bool, which of them the row sees (gathered first, in column order).
+    """
+    order = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices
+    table = slots.long().gather(1, order).to(torch.int32)
+    lens = visible.sum(1).to(torch.int32)
+    n, width = slots.shape
+    ones = torch.ones(n, dtype=torch.int32, device=slots.device)
+    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens(ones), cache_seqlens=lens,
+                             page_table=table, max_seqlen_q=1, max_seqlen_k=width, page_size=1)
+
+
+def verify_chain(fb, req_to_token: Tensor, page_size: int, num_draft: int) -> PagedAttnMetadata:
+    """Target verify, topk 1: D causal queries per request over prefix + D drafts."""
+    b = fb.batch_size
+    dev = fb.seq_lens.device
+    q_lens = torch.full((b,), num_draft, dtype=torch.int32, device=dev)
+    max_k = int(fb.seq_lens_cpu.max()) + num_draft if b else 0
+    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens),
+                          fb.seq_lens + num_draft, num_draft, max_k, page_size)
+
+
+def verify_tree(fb, req_to_token: Tensor, page_size: int, num_draft: int
+                ) -> tuple[PagedAttnMetadata, PagedAttnMetadata, Tensor]:
+    """Target verify, topk > 1: (prefix pass, expand pass, draft mask ``[b, D, D]``)."""
+    b = fb.batch_size
+    dev = fb.seq_lens.device
+    q_lens = torch.full((b,), num_draft, dtype=torch.int32, device=dev)
+    max_k = int(fb.seq_lens_cpu.max()) if b else 0
+    prefix = paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), fb.seq_lens,
+                            num_draft, max_k, page_size)
+    mask = draft_mask(fb.spec_info.custom_mask, fb.seq_lens, num_draft)
+    slots = fb.out_cache_loc.view(b, 1, num_draft).expand(b, num_draft, num_draft)
+    expand = expand_metadata(slots.reshape(b * num_draft, num_draft),
+                             mask.reshape(b * num_draft, num_draft))
+    return prefix, expand, mask
+
+
+def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
+                    ) -> PagedAttnMetadata:
+    """Target verify topk > 1 on SWA layers: one row per draft, prefix + allowed drafts, in
+    SWA-pool slots (translated when ``pool`` has a full-to-SWA mapping)."""
+    b = fb.batch_size
+    max_k = int(fb.seq_lens_cpu.max()) if b else 0
+    prefix = token_table(req_to_token, fb.req_pool_indices, max_k)
+    drafts = fb.out_cache_loc.view(b, num_draft)
+    if hasattr(pool, "translate_loc_from_full_to_swa"):
+        prefix = pool.translate_loc_from_full_to_swa(prefix)
+        drafts = pool.translate_loc_from_full_to_swa(drafts)
+    table, lens = xpu_ops.prepare_swa_spec_page_table(
+        prefix.to(torch.int32), fb.seq_lens.to(torch.int32), drafts.to(torch.int32), mask)
+    ones = torch.ones(b * num_draft, dtype=torch.int32, device=table.device)
+    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens(ones), cache_seqlens=lens, page_table=table,
+                             max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
+
+
+def draft_decode_chain(fb, req_to_token: Tensor, page_size: int, step_id: int
+                       ) -> PagedAttnMetadata:
+    """Draft decode, topk 1: one query per request over prefix + ``step_id + 1`` drafts."""
+    b = fb.batch_size
+    dev = fb.seq_lens.device
+    ones = torch.ones(b, dtype=torch.int32, device=dev)
+    max_k = int(fb.seq_lens_cpu.max()) + step_id + 1 if b else 0
+    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(ones),
+                          fb.seq_lens + (step_id + 1), 1, max_k, page_size)
+
+
+def draft_decode_tree(fb, req_to_token: Tensor, page_size: int, topk: int, step_id: int,
+                      num_steps: int) -> tuple[PagedAttnMetadata, PagedAttnMetadata]:
+    """Draft decode, topk > 1: (prefix pass with ``topk`` queries per request, non-causal;
+    expand pass of each branch over its own ``step_id + 1`` draft slots).
+
+    ``out_cache_loc`` holds the round's slots laid out ``(b, topk, num_steps)``.
+    """
+    b = fb.batch_size
+    dev = fb.seq_lens.device
+    q_lens = torch.full((b,), topk, dtype=torch.int32, device=dev)
+    max_k = int(fb.seq_lens_cpu.max()) if b else 0
+    prefix = paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), fb.seq_lens,
+                            topk, max_k, page_size)
+    slots = fb.out_cache_loc.view(b * topk, num_steps)[:, :step_id + 1]
+    visible = torch.ones(slots.shape, dtype=torch.bool, device=dev)
+    return prefix, expand_metadata(slots, visible)
+
+
+def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: int
+                    ) -> Tensor:
+    """Slots this draft step writes: column ``step_id`` of a ``(rows, num_steps)`` round layout,
+    or ``out_cache_loc`` itself when it already holds one slot per row."""
+    if out_cache_loc.numel() == rows or num_steps <= 1:
+        return out_cache_loc
+    return out_cache_loc.view(rows, num_steps)[:, step_id]
+
+
+__all__ = ["draft_mask", "expand_metadata", "verify_chain", "verify_tree", "verify_tree_swa",
+           "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]
