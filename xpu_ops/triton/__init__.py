@@ -1,1 +1,14 @@
-"""The ``triton`` provider: portable Triton kernels for CUDA and XPU (registered on import)."""
+"""The ``triton`` provider: portable Triton kernels for CUDA and XPU (registered on import).
+
+Available on ``cuda`` and ``xpu`` whenever ``triton`` imports; on ``cpu`` only with
+``TRITON_INTERPRET=1`` (Triton has no CPU code generator; its interpreter runs the same kernels
+through NumPy, which is right for tests and far too slow for anything else).
+One module per kernel family, each a ``_<name>_kernel`` plus its launcher ``<name>``.
+"""
+
+from ._common import HAS_TRITON, available
+
+if HAS_TRITON:
+    from . import paged_attention  # noqa: F401
+
+__all__ = ["HAS_TRITON", "available"]

@@ -1,0 +1,79 @@
+"""Shared plumbing of the ``triton`` provider: availability, device facts, CPU interpreter launch.
+
+Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled or interpreted
+(``TRITON_INTERPRET=1`` read from the environment when the decorator runs). Kernels here are
+always decorated for compilation; a launch on CPU tensors instead runs an ``InterpretedFunction``
+built from the same Python function, so tests can turn the interpreter on with the environment
+variable at any time, whatever imported this package first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+if HAS_TRITON:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels may run on CPU tensors (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device_type: str) -> Optional[str]:
+    """``None`` when the Triton kernels can run on ``device_type``, else the reason they cannot."""
+    if not HAS_TRITON:
+        return "the triton package does not import (pip install triton)"
+    if device_type in ("cuda", "xpu"):
+        return None
+    if device_type == "cpu":
+        if interpreting():
+            return None
+        return ("Triton compiles for GPUs only; on cpu it runs through its interpreter, which is "
+                "enabled by TRITON_INTERPRET=1 (tests only: far too slow for real use)")
+    return f"Triton has no backend for device type {device_type!r}"
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted(fn):
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction(fn)
+
+
+def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)``; on CPU through Triton's interpreter."""
+    if device.type == "cpu" and not hasattr(kernel, "rewriter"):
+        kernel = _interpreted(kernel.fn)
+    kernel[grid](*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_type: str, index: Optional[int]) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    if device_type == "xpu":
+        props = torch.xpu.get_device_properties(index or 0)
+        return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units", 64))
+    return 4  # CPU interpreter: a small "machine" so that tiny test shapes exercise split-KV
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) / Xe cores (XPU) of ``device``: a shape-like fact."""
+    return _num_sms(device.type, device.index)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``max(n, 1)``."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,399 @@
+"""Paged (and ragged) attention: one Triton kernel family for prefill, extend and decode.
+
+``_paged_attention_kernel`` computes FlashAttention-2 style online-softmax attention of packed
+queries over keys that live either in a paged cache (``PAGED``: key ``j`` of request ``r`` sits in
+page ``page_table[r, j // PAGE_SIZE]``, slot ``j % PAGE_SIZE``) or in ragged rows (``cu_seqlens_k``).
+
+Layout of one program: one request ``r``, one KV head, one tile of ``BLOCK_M`` rows of the packed
+M dimension ``m = query_row * G + head_in_group`` (GQA packing: the ``G = Hq / Hkv`` query heads
+sharing a KV head share every K/V tile, so a decode step with ``G = 4`` still gives the matrix units
+a 16-row tile), and one KV split. The key loop runs only over tiles that some row of the program can
+see (causal and sliding window skip whole tiles); partial tiles are masked with ``tl.where``, and
+K/V loads past the request's length use ``other=0`` so NaN garbage never enters a product.
+
+Split-KV: with few (request, KV head) pairs for the machine, the visible key range is cut into
+``num_splits`` pieces; each writes an fp32 partial output and its log-sum-exp, and
+``_merge_splits_kernel`` combines them (LSE-weighted, sinks added there once). The split count and
+the scratch size depend only on shapes and the device's multiprocessor count, never on tensor
+values, so the launch can be captured in a device graph.
+
+Source: FlashAttention-2 (arXiv 2307.08691); split-KV "flash decoding" (Dao et al., 2023); paged
+KV cache from vLLM (arXiv 2309.06180).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import providers
+from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, QV, O, LSE, O_PART, LSE_PART,
+    CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
+    stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
+    head_dim_v,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N >= 16)
+    LOG2E_C: tl.constexpr = 1.4426950408889634
+    LN2_C: tl.constexpr = 0.6931471805599453
+    # Heaviest causal tiles (last rows) first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    req = pid_bh // num_heads_kv
+    kv_head = pid_bh % num_heads_kv
+
+    # ---- request geometry: queries, keys, rows of this program ----
+    q_start = tl.load(CU_Q + req)
+    q_len = tl.load(CU_Q + req + 1) - q_start
+    if PAGED:
+        kv_len = tl.load(CACHE_SEQLENS + req)
+        kv_start = 0
+    else:
+        kv_start = tl.load(CU_K + req)
+        kv_len = tl.load(CACHE_SEQLENS + req)
+    row_first = (pid_m * BLOCK_M) // group
+    if row_first >= q_len:
+        return
+    row_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_row = offs_m // group
+    head = kv_head * group + offs_m % group
+    mask_m = q_row < q_len
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    mask_d = offs_d < head_dim
+    mask_dv = offs_dv < head_dim_v
+    tok = (q_start + q_row).to(tl.int64)
+
+    # Per-row visible key range [lo_row, hi_row] (bottom-right aligned position pos).
+    pos = kv_len - q_len + q_row
+    hi_row = kv_len - 1 + tl.zeros_like(pos)
+    lo_row = tl.zeros_like(pos)
+    if window_right >= 0:
+        hi_row = tl.minimum(hi_row, pos + window_right)
+    if window_left >= 0:
+        lo_row = tl.maximum(lo_row, pos - window_left)
+    # Block range: the union over this program's rows (monotone in the row index).
+    blk_hi = kv_len
+    blk_lo = 0
+    if window_right >= 0:
+        blk_hi = tl.minimum(kv_len, kv_len - q_len + row_last + window_right + 1)
+    if window_left >= 0:
+        blk_lo = tl.maximum(0, kv_len - q_len + row_first - window_left)
+    blk_lo = (blk_lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        n_tiles = tl.cdiv(tl.maximum(blk_hi - blk_lo, 0), BLOCK_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        blk_lo = blk_lo + split * per_split * BLOCK_N
+        blk_hi = tl.minimum(blk_hi, blk_lo + per_split * BLOCK_N)
+
+    # ---- load the query tile once; fold scales into one log2-domain multiplier ----
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if HAS_QV:
+        qv = tl.load(QV + tok[:, None] * stride_qvt + head[:, None] * stride_qvh + offs_dv[None, :],
+                     mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+    compute_dtype = q.dtype
+    if UPCAST:  # Triton's CPU interpreter multiplies bf16 as raw bits: compute in fp32 there
+        compute_dtype = tl.float32
+        q = q.to(compute_dtype)
+    elif q.dtype.is_fp8():
+        compute_dtype = tl.bfloat16
+        q = q.to(compute_dtype)
+    qk_scale = softmax_scale
+    if HAS_Q_DESCALE:
+        qk_scale = qk_scale * tl.load(Q_DESCALE + req * num_heads_kv + kv_head)
+    v_descale = 1.0
+    k_scale = qk_scale
+    if HAS_K_DESCALE:
+        k_scale = qk_scale * tl.load(K_DESCALE + req * num_heads_kv + kv_head)
+    if HAS_V_DESCALE:
+        v_descale = tl.load(V_DESCALE + req * num_heads_kv + kv_head)
+    if not USE_SOFTCAP:
+        k_scale = k_scale * LOG2E_C  # scores go straight to the exp2 domain
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    pt_row = PAGE_TABLE + req.to(tl.int64) * stride_pt_b
+    k_head = K + kv_head.to(tl.int64) * stride_kh
+    v_head = V + kv_head.to(tl.int64) * stride_vh
+
+    for start_n in range(blk_lo, blk_hi, BLOCK_N):
+        # ---- gather one key tile: page id per key, int64 page x stride offsets ----
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < blk_hi
+        if PAGED:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            k_rows = page * stride_kp + slot * stride_ks
+            v_rows = page * stride_vp + slot * stride_vs
+        else:
+            k_rows = (kv_start + offs_n).to(tl.int64) * stride_ks
+            v_rows = (kv_start + offs_n).to(tl.int64) * stride_vs
+        k = tl.load(k_head + k_rows[None, :] + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(compute_dtype)
+        v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(compute_dtype)
+
+        # ---- scores in the log2 domain, masked by length, causal and window ----
+        s = tl.dot(q, k, input_precision=PRECISION) * k_scale
+        if HAS_QV:
+            s += tl.dot(qv.to(compute_dtype), tl.trans(v), input_precision=PRECISION) * (
+                qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C))
+        if USE_SOFTCAP:
+            # softcap * tanh(s / softcap), tanh from exp2 (portable, stable for large |x|)
+            x = s / softcap
+            e = tl.exp2(-2.0 * LOG2E_C * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x >= 0, t, -t) * LOG2E_C
+        visible = ((offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= hi_row[:, None])
+                   & mask_n[None, :])
+        s = tl.where(visible, s, float("-inf"))
+
+        # ---- online softmax; a row with no visible key so far keeps m = -inf, p = 0 ----
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(compute_dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
+            m_fin = tl.maximum(m_i, sink)
+            scale = tl.exp2(m_i - m_fin)
+            l_i = l_i * scale + tl.exp2(sink - m_fin)
+            acc = acc * scale[:, None]
+            m_i = m_fin
+        has_keys = l_i > 0
+        out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
+                       float("-inf"))
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+        tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
+    else:
+        has_keys = l_i > 0
+        out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
+                       float("-inf"))
+        part = O_PART + split.to(tl.int64) * stride_part_s
+        tl.store(part + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
+                 + offs_dv[None, :], out, mask=mask_m[:, None] & mask_dv[None, :])
+        tl.store(LSE_PART + split.to(tl.int64) * stride_lsep_s + tok * stride_lsep_t + head,
+                 lse, mask=mask_m)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, LSE_PART, O, LSE, SINKS,
+    stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    stride_ot, stride_oh, stride_lse_h, num_splits, head_dim_v,
+    SPLITS_PAD: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    # One program per (token, head): out = sum_s e^{lse_s - m} o_s / (sum_s e^{lse_s - m} [+ sink]).
+    LOG2E_C: tl.constexpr = 1.4426950408889634
+    LN2_C: tl.constexpr = 0.6931471805599453
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    mask_s = offs_s < num_splits
+    mask_dv = offs_dv < head_dim_v
+    lse = tl.load(LSE_PART + offs_s * stride_lsep_s + tok * stride_lsep_t + head, mask=mask_s,
+                  other=float("-inf")) * LOG2E_C
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head) * LOG2E_C
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    den = tl.sum(w, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m_safe)
+    o = tl.load(O_PART + offs_s[:, None] * stride_part_s + tok * stride_part_t
+                + head * stride_part_h + offs_dv[None, :],
+                mask=(mask_s & (w > 0))[:, None] & mask_dv[None, :], other=0.0)
+    out = tl.sum(tl.where((w > 0)[:, None], o * w[:, None], 0.0), 0) / tl.where(den > 0, den, 1.0)
+    tl.store(O + tok * stride_ot + head * stride_oh + offs_dv, out.to(O.dtype.element_ty),
+             mask=mask_dv)
+    lse_out = tl.where(den > 0, (m_safe + tl.log2(tl.where(den > 0, den, 1.0))) * LN2_C,
+                       float("-inf"))
+    tl.store(LSE + head * stride_lse_h + tok, lse_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
+                 elem_bytes: int) -> _Config:
+    """Tile shape from shapes only. ``rows_per_request = max_seqlen_q * G`` packed M rows."""
+    if device.type == "cpu":  # interpreter: small tiles exercise the multi-tile paths
+        return _Config(max(16, min(32, next_pow2(rows_per_request))), 16, 1, 1)
+    wide = max(d_pad, dv_pad)
+    if rows_per_request <= 64:  # decode / short verify: M = packed heads
+        block_m = max(16, next_pow2(rows_per_request))
+        if wide >= 512:
+            return _Config(min(block_m, 64), 32, 8, 2)
+        if wide >= 256:
+            return _Config(block_m, 32, 4, 3)
+        return _Config(block_m, 64, 4, 3 if elem_bytes <= 2 else 2)
+    if wide >= 512:
+        return _Config(64, 32, 8, 2)
+    if wide >= 256 or elem_bytes > 2:
+        return _Config(64, 32, 4, 2)
+    return _Config(128, 64, 8, 3)
+
+
+def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int) -> int:
+    """KV splits from shapes only: enough programs for ~4 per multiprocessor, >= 4 tiles each."""
+    target = 4 * num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_kv_len, 4 * block_n), 64))
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
+                    cu_seqlens_q: Tensor, *, page_table: Optional[Tensor],
+                    cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_kv_len: int,
+                    qv: Optional[Tensor], q_descale: Optional[Tensor],
+                    k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                    sinks: Optional[Tensor], softmax_scale: float, window_left: int,
+                    window_right: int, softcap: float, num_splits: Optional[int] = None
+                    ) -> Tensor:
+    """Launch the attention kernel (and the split merge); write ``out``, return the LSE.
+
+    Args:
+        q: [total_q, Hq, D]. out: [total_q, Hq, Dv] (written). qv: [total_q, Hq, Dv] or None.
+        k, v: paged [num_pages, page_size, Hkv, D|Dv] with ``page_table [b, max_pages]``, or
+            ragged [total_k, Hkv, D|Dv] with ``cu_seqlens_k [b + 1]`` (``page_table=None``).
+            Only the last dimension needs unit stride.
+        cache_seqlens: [b] int32 keys per request (tokens).
+        cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
+        max_kv_len: bound on keys per request from shapes (tokens), used to plan splits.
+        window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
+        num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
+    Returns:
+        softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
+    """
+    total_q, num_heads_q, head_dim = q.shape
+    head_dim_v = v.shape[-1]
+    paged = page_table is not None
+    num_heads_kv = k.shape[2] if paged else k.shape[1]
+    group = num_heads_q // num_heads_kv
+    batch = cache_seqlens.shape[0]
+    lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0:
+        return lse
+    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
+    cfg = _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size())
+    grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+    if num_splits is None:
+        num_splits = plan_num_splits(q.device, grid_m * batch * num_heads_kv, max_kv_len,
+                                     cfg.block_n)
+    if paged:
+        kp, ks, kh = k.stride(0), k.stride(1), k.stride(2)
+        vp, vs, vh = v.stride(0), v.stride(1), v.stride(2)
+        pt, pt_stride, page_size = page_table, page_table.stride(0), k.shape[1]
+    else:
+        kp, ks, kh, vp, vs, vh = 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
+        pt, pt_stride, page_size = cache_seqlens, 0, 1
+    if num_splits > 1:
+        o_part = torch.empty((num_splits, total_q, num_heads_q, dv_pad), dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty((num_splits, total_q, num_heads_q), dtype=torch.float32,
+                               device=q.device)
+    else:
+        o_part, lse_part = lse, lse  # unused
+    dummy = lse
+    qv_t = qv if qv is not None else q
+    upcast = q.device.type == "cpu" and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    launch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits), q.device,
+           q, k, v, qv_t, out, lse, o_part, lse_part, cache_seqlens, pt, cu_seqlens_q,
+           cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
+           q_descale if q_descale is not None else dummy,
+           k_descale if k_descale is not None else dummy,
+           v_descale if v_descale is not None else dummy,
+           sinks if sinks is not None else dummy,
+           q.stride(0), q.stride(1), kp, ks, kh, vp, vs, vh, qv_t.stride(0), qv_t.stride(1),
+           out.stride(0), out.stride(1), lse.stride(0), pt_stride,
+           o_part.stride(0) if num_splits > 1 else 0, o_part.stride(1) if num_splits > 1 else 0,
+           o_part.stride(2) if num_splits > 1 else 0,
+           lse_part.stride(0) if num_splits > 1 else 0, lse_part.stride(1) if num_splits > 1 else 0,
+           float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
+           num_heads_kv, head_dim, head_dim_v,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
+           PAGE_SIZE=page_size, PAGED=paged, HAS_QV=qv is not None,
+           HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
+           HAS_V_DESCALE=v_descale is not None,
+           HAS_SINKS=sinks is not None, USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits,
+           PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        launch(_merge_splits_kernel, (total_q, num_heads_q), q.device,
+               o_part, lse_part, out, lse, sinks if sinks is not None else dummy,
+               o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+               lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0), num_splits,
+               head_dim_v, SPLITS_PAD=next_pow2(num_splits), DV_PAD=dv_pad,
+               HAS_SINKS=sinks is not None, num_warps=4)
+    return lse
+
+
+def supports_attention(q, k, v, out, qv) -> Optional[str]:
+    """Why the kernel cannot serve these tensors (shapes/strides only), or ``None``."""
+    if q.shape[-1] > 256 or v.shape[-1] > 512:
+        return (f"head dims D={q.shape[-1]}, Dv={v.shape[-1]} exceed the kernel's D <= 256, "
+                f"Dv <= 512")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("qv", qv)):
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} has a non-unit stride in its last dimension"
+    return None
+
+
+@providers.register("flash_attn_with_kvcache", "triton", available=available,
+                    supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    return paged_attention(
+        q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
+        cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
+        max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
+        window_left=window_size_left, window_right=window_size_right, softcap=softcap)
