@@ -71,11 +71,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
     b, max_q, num_heads_q, _ = q.shape
     max_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads_q // num_heads_kv
-    qg = q.view(b, max_q, num_heads_kv, group, -1)
+    qg = q.view(b, max_q, num_heads_kv, group, q.shape[-1])
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k)
     if qv is not None:
         scores = scores + torch.einsum("bqhgd,bkhd->bhgqk",
-                                       qv.view(b, max_q, num_heads_kv, group, -1), v)
+                                       qv.view(b, max_q, num_heads_kv, group, qv.shape[-1]), v)
     scores = scores * softmax_scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
@@ -102,7 +102,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
         denom = denom + torch.exp(sink - row_max)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs / torch.where(denom > 0, denom, 1.0), v)
     lse = (row_max + torch.log(denom)).squeeze(-1)                           # -inf when empty
-    return out.reshape(b, max_q, num_heads_q, -1), lse.reshape(b, num_heads_q, max_q)
+    return out.reshape(b, max_q, num_heads_q, v.shape[-1]), lse.reshape(b, num_heads_q, max_q)
 
 
 def scatter_packed(out_pad: Tensor, lse_pad: Tensor, cu_seqlens_q: Tensor, out: Tensor,
