@@ -28,4 +28,4 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
 @providers.register("store_mla_kv_cache", "reference")
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     rows = kv_cache.view(-1, kv_cache.shape[-1])
-    write_slots(rows, loc, torch.cat([k_nope, k_rope], dim=-1).view(loc.shape[0], -1))
+    write_slots(rows, loc, torch.cat([k_nope, k_rope], dim=-1).view(loc.shape[0], rows.shape[-1]))
