@@ -1,0 +1,185 @@
+"""Float64 oracle for every op, written from the math in shared/API.md.
+
+Independent of ``xpu_ops.reference`` by construction: it imports nothing from ``xpu_ops``, loops
+per request, builds each request's keys token by token from the page table (so unused entries and
+slots past ``cache_seqlens`` are never touched), and builds each visibility mask element by element
+from the rules as API.md states them. Slow on purpose; use it on small shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+F64 = torch.float64
+
+
+def visible_mask(q_len: int, k_len: int, *, causal: bool, left: int = -1,
+                 right: int = -1) -> Tensor:
+    """``[q_len, k_len]`` bool: row ``i`` (at ``pos = k_len - q_len + i``) sees key ``j`` when
+    ``j <= pos`` if causal, and ``pos - left <= j <= pos + right`` (inclusive, -1 unbounded;
+    causal forces ``right = 0``)."""
+    if causal:
+        right = 0
+    mask = torch.zeros(q_len, k_len, dtype=torch.bool)
+    for i in range(q_len):
+        pos = k_len - q_len + i
+        for j in range(k_len):
+            ok = (left < 0 or j >= pos - left) and (right < 0 or j <= pos + right)
+            mask[i, j] = ok
+    return mask
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, scale: float,
+           softcap: float = 0.0, sinks: Optional[Tensor] = None,
+           qv: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Attention of one request in float64.
+
+    Args:
+        q: [Lq, Hq, D]; k: [Lk, Hkv, D]; v: [Lk, Hkv, Dv]; visible: [Lq, Lk] bool.
+        qv: [Lq, Hq, Dv] adds ``qv . v`` to the raw scores. sinks: [Hq] logits.
+    Returns:
+        ``(out [Lq, Hq, Dv], lse [Hq, Lq])``; a row with nothing in its softmax gives 0, -inf.
+    """
+    q, k, v = q.to(F64), k.to(F64), v.to(F64)
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    kh = k.repeat_interleave(group, dim=1)                      # query head h -> KV head h // G
+    vh = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kh)
+    if qv is not None:
+        s = s + torch.einsum("qhd,khd->hqk", qv.to(F64), vh)
+    s = s * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible[None], -math.inf)
+    logits = s
+    if sinks is not None:
+        sink = sinks.to(F64)[:, None, None].expand(hq, q.shape[0], 1)
+        logits = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)                       # [Hq, Lq]
+    finite = torch.isfinite(lse)[..., None]
+    p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0.0)), 0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vh)
+    return out, lse
+
+
+def paged_keys(cache: Tensor, page_table: Tensor, r: int, k_len: int) -> Tensor:
+    """Request ``r``'s first ``k_len`` tokens, one by one through the page table: [k_len, ...]."""
+    page_size = cache.shape[1]
+    rows = [cache[int(page_table[r, j // page_size]), j % page_size].to(F64)
+            for j in range(k_len)]
+    return torch.stack(rows) if rows else cache.new_zeros((0, *cache.shape[2:]), dtype=F64)
+
+
+def _group_scale(descale: Optional[Tensor], r: int, heads: int) -> Tensor | float:
+    """``descale[r]`` [Hkv] broadcast to ``heads`` heads as ``[1, heads, 1]`` (1.0 when None)."""
+    if descale is None:
+        return 1.0
+    d = descale[r].to(F64)
+    return d.repeat_interleave(heads // d.shape[0])[None, :, None]
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
+                            q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """Oracle of ``torch.ops.xpu_ops.flash_attn_with_kvcache`` (op arguments; ``out`` unused).
+
+    Returns:
+        ``(out [total_q, Hq, Dv] float64, lse [Hq, total_q] float64)``.
+    """
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    outs, lses = [], []
+    for r in range(cache_seqlens.shape[0]):
+        q0, q1 = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        k_len = int(cache_seqlens[r])
+        qr = q[q0:q1].to(F64) * _group_scale(q_descale, r, hq)
+        kr = paged_keys(k_cache, page_table, r, k_len) * _group_scale(k_descale, r, hkv)
+        vr = paged_keys(v_cache, page_table, r, k_len) * _group_scale(v_descale, r, hkv)
+        mask = visible_mask(q1 - q0, k_len, causal=causal, left=window_size_left,
+                            right=window_size_right)
+        o, lse = attend(qr, kr, vr, mask, scale=softmax_scale, softcap=softcap, sinks=sinks,
+                        qv=None if qv is None else qv[q0:q1])
+        outs.append(o)
+        lses.append(lse)
+    dv = v_cache.shape[3]
+    out64 = torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=F64)
+    lse64 = torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=F64)
+    return out64, lse64
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size_left=-1,
+                           window_size_right=-1, softmax_scale, softcap=0.0, sinks=None, qv=None,
+                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+    """Oracle of ragged attention: request ``r`` has keys ``k[cu_k[r]:cu_k[r+1]]`` (its first
+    ``seqused_k[r]`` when given). Returns ``(out [total_q, Hq, Dv], lse [Hq, total_q])``."""
+    hq, hkv = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    for r in range(cu_seqlens_q.shape[0] - 1):
+        q0, q1 = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        k0, k1 = int(cu_seqlens_k[r]), int(cu_seqlens_k[r + 1])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[r])
+        qr = q[q0:q1].to(F64) * _group_scale(q_descale, r, hq)
+        kr = k[k0:k1].to(F64) * _group_scale(k_descale, r, hkv)
+        vr = v[k0:k1].to(F64) * _group_scale(v_descale, r, hkv)
+        mask = visible_mask(q1 - q0, k1 - k0, causal=causal, left=window_size_left,
+                            right=window_size_right)
+        o, lse = attend(qr, kr, vr, mask, scale=softmax_scale, softcap=softcap, sinks=sinks,
+                        qv=None if qv is None else qv[q0:q1])
+        outs.append(o)
+        lses.append(lse)
+    out64 = torch.cat(outs) if outs else torch.zeros(0, hq, v.shape[2], dtype=F64)
+    lse64 = torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=F64)
+    return out64, lse64
+
+
+def merge_state(v_a, s_a, v_b, s_b) -> tuple[Tensor, Tensor]:
+    """API.md: ``m = max(s_a, s_b)``, ``w = e^(s - m)``, ``v = (w_a v_a + w_b v_b)/(w_a + w_b)``,
+    ``s = m + ln(w_a + w_b)``; a ``-inf`` side contributes nothing; both ``-inf`` give (0, -inf).
+    Element by element over ``[N, H]``."""
+    n, h, d = v_a.shape
+    v = torch.zeros(n, h, d, dtype=F64)
+    s = torch.full((n, h), -math.inf, dtype=F64)
+    for i in range(n):
+        for j in range(h):
+            a, b = float(s_a[i, j]), float(s_b[i, j])
+            if a == -math.inf and b == -math.inf:
+                continue
+            m = max(a, b)
+            wa = 0.0 if a == -math.inf else math.exp(a - m)
+            wb = 0.0 if b == -math.inf else math.exp(b - m)
+            v[i, j] = (wa * v_a[i, j].to(F64) + wb * v_b[i, j].to(F64)) / (wa + wb)
+            s[i, j] = m + math.log(wa + wb)
+    return v, s
+
+
+def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, softmax_scale):
+    """Absorbed MLA decode: one query per request, one latent KV head; keys are the whole
+    ``[R + r]`` token row, values its first ``R`` entries. Returns ``[b, H, R]`` float64."""
+    latent = q_nope.shape[-1]
+    cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, kv_cache.shape[-1])
+    outs = []
+    for r in range(q_nope.shape[0]):
+        k_len = int(cache_seqlens[r])
+        q = torch.cat([q_nope[r], q_rope[r]], dim=-1).to(F64)[None]      # [1, H, R + r]
+        k = paged_keys(cache, page_table, r, k_len)                        # [Lk, 1, R + r]
+        mask = torch.ones(1, k_len, dtype=torch.bool)
+        o, _ = attend(q, k, k[..., :latent], mask, scale=softmax_scale)
+        outs.append(o[0])
+    return torch.stack(outs) if outs else torch.zeros(0, q_nope.shape[1], latent, dtype=F64)
+
+
+def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Expected cache after writing ``values[i]`` (divided by ``scale`` for fp8) into flat token
+    slot ``loc[i]``: a copy of ``cache`` viewed ``[slots, ...]``, written one slot at a time."""
+    flat = cache.reshape(-1, *values.shape[1:]).clone()
+    for i in range(loc.shape[0]):
+        row = values[i].to(F64)
+        if scale is not None:
+            row = row / scale
+        flat[int(loc[i])] = row.to(torch.float32).to(cache.dtype)
+    return flat.view(cache.shape)

@@ -1,0 +1,423 @@
+"""Sample inputs for every ``torch.ops.xpu_ops`` op, for opcheck, fake-tensor and numeric tests.
+
+``sample_inputs(op, device)`` yields ``(args, kwargs)`` pairs that call the op itself (the
+``torch.ops.xpu_ops.<name>`` packet or its ``.default`` overload), never the public wrapper.
+Samples are small (a CI runner is a 2-core CPU and ``opcheck`` traces each one several times)
+but together cover every feature flag the op has. Every sample follows the API.md contract,
+including its adversarial parts: cache slots at or past ``cache_seqlens``, unused pages and
+unused page-table entries hold NaN or out-of-range garbage, page tables are shuffled, and ``out``
+buffers start as NaN so an unwritten element shows.
+
+>>> import torch, xpu_ops
+>>> from xpu_ops.testing import sample_inputs
+>>> op = torch.ops.xpu_ops.flash_attn_with_kvcache
+>>> args, kwargs = next(sample_inputs(op, "cpu"))
+>>> lse = op(*args, **kwargs)
+>>> bool(torch.isfinite(args[6]).all())  # out (argument 6) is fully written
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+import xpu_ops  # noqa: F401  (registers the ops)
+
+__all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "sample_inputs",
+           "paged_kv_cache", "attention_case_inputs", "op_name"]
+
+#: The op packets the package registers (``xpu_ops.REGISTERED_OPS``), each with a sampler here.
+REGISTERED_OPS = list(xpu_ops.REGISTERED_OPS)
+
+Sampler = Callable[[torch.device, Optional[torch.dtype], torch.Generator], Iterator[tuple]]
+_SAMPLERS: dict[str, Sampler] = {}
+
+
+def op_name(op) -> str:
+    """``"flash_attn_with_kvcache"`` for the packet, its overload, or the plain name."""
+    if isinstance(op, str):
+        return op.split("::")[-1].split(".")[0]
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.overloadpacket
+    return op._qualified_op_name.split("::")[-1]
+
+
+def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
+                  seed: int = 0) -> Iterator[tuple[tuple, dict]]:
+    """Yield ``(args, kwargs)`` pairs that call ``op`` directly: small, varied, adversarial.
+
+    Args:
+        op: a ``torch.ops.xpu_ops.<name>`` packet, its ``.default`` overload, or the name.
+        device: where to build the tensors (``"cpu"``, ``"cuda"``, ...).
+        dtype: floating dtype of queries/keys/values; ``None`` mixes float32, bfloat16 and
+            float16 across samples. fp8 KV caches stay fp8 (their queries take ``dtype``).
+        seed: seed of the random values (the shapes and flags do not depend on it).
+    Returns:
+        An iterator of ``(args, kwargs)``; each pair is freshly allocated, so the caller may
+        run the op on it (mutated ``out`` buffers start as NaN).
+    Raises:
+        KeyError: the op has no sampler here (add one next to the op's family).
+
+    >>> import torch, xpu_ops.testing as t
+    >>> len(list(t.sample_inputs(torch.ops.xpu_ops.flash_attn_with_kvcache, "cpu"))) >= 15
+    True
+    """
+    name = op_name(op)
+    if name not in _SAMPLERS:
+        raise KeyError(f"sample_inputs: op {name!r} has no sampler; expected one of "
+                       f"{sorted(_SAMPLERS)}, got {name!r}. Add one in xpu_ops/testing.py.")
+    gen = torch.Generator().manual_seed(seed)
+    yield from _SAMPLERS[name](torch.device(device), dtype, gen)
+
+
+def _sampler(name: str):
+    def decorate(fn: Sampler) -> Sampler:
+        _SAMPLERS[name] = fn
+        return fn
+    return decorate
+
+
+# ----------------------------------------------------------------------------------------------
+# Random tensors and paged caches
+# ----------------------------------------------------------------------------------------------
+
+def _randn(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0) -> Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def _nan_poisoned(shape, dtype, device) -> Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32).to(dtype).to(device)
+
+
+def paged_kv_cache(gen: torch.Generator, k_lens: Sequence[int], page_size: int,
+                   feature_shapes: Sequence[tuple], *, dtype: torch.dtype,
+                   device, spare_pages: int = 2, extra_columns: int = 1, scale: float = 1.0
+                   ) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Random paged caches sharing one shuffled page table, with NaN/garbage where unused.
+
+    Args:
+        k_lens: keys (tokens) per request. page_size: tokens per page.
+        feature_shapes: per-token shape of each cache, e.g. ``[(Hkv, D), (Hkv, Dv)]``.
+        dtype: cache dtype (fp8 allowed: values are drawn in float32 and cast).
+        spare_pages: physical pages no request owns (all NaN).
+        extra_columns: page-table columns past the longest request (garbage ids).
+    Returns:
+        ``(caches [num_pages, page_size, *feature], page_table [b, max_pages] int32,
+        cache_seqlens [b] int32)``. Slots at or past ``cache_seqlens`` hold NaN; page-table
+        entries past a request's last page hold random ids, some out of range (-1, too large).
+    """
+    pages_per_req = [-(-n // page_size) for n in k_lens]
+    num_pages = sum(pages_per_req) + spare_pages
+    max_pages = max(pages_per_req, default=0) + extra_columns
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.randint(-1, num_pages + 8, (len(k_lens), max_pages), generator=gen)
+    valid = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    start = 0
+    for r, (n, used) in enumerate(zip(k_lens, pages_per_req)):
+        pages = perm[start:start + used]
+        start += used
+        table[r, :used] = pages
+        for p in range(used):
+            valid[pages[p], :max(0, min(page_size, n - p * page_size))] = True
+    caches = []
+    for feat in feature_shapes:
+        c = torch.randn(num_pages, page_size, *feat, generator=gen) * scale
+        c[~valid] = float("nan")
+        caches.append(c.to(dtype).to(device))
+    return (caches, table.to(torch.int32).to(device),
+            torch.tensor(list(k_lens), dtype=torch.int32, device=device))
+
+
+def _cu_seqlens(lens: Sequence[int], device) -> Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention cases (flash_attn_with_kvcache; reused by the varlen and MLA samplers)
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """One attention configuration. ``reqs`` lists ``(new query tokens, total keys)``."""
+    reqs: tuple[tuple[int, int], ...]
+    page_size: int = 16
+    hq: int = 4
+    hkv: int = 4
+    d: int = 64
+    dv: int = 0                               # 0: same as d
+    dtype: torch.dtype = torch.float32        # q (and K/V unless kv_dtype)
+    kv_dtype: Optional[torch.dtype] = None    # fp8 KV with k/v_descale
+    q_fp8: bool = False                       # fp8 q with q_descale (output bf16)
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    qv: bool = False
+    softmax_scale: Optional[float] = None     # None: 1/sqrt(D) (1/sqrt(D + Dv) with qv)
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.d
+
+    @property
+    def scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.d + (self.head_dim_v if self.qv else 0))
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+ATTENTION_CASES = (
+    # decode, MHA, page 16, D 64
+    AttentionCase(((1, 7), (1, 1), (1, 20)), page_size=16, causal=True),
+    # extend with prefixes, GQA 3, page 4, D 80
+    AttentionCase(((5, 5), (3, 12), (1, 1)), page_size=4, hq=6, hkv=2, d=80, causal=True),
+    # mixed with empty requests (0 new tokens; cache length 0), GQA 4, page 1, D 128
+    AttentionCase(((0, 0), (4, 9), (0, 5), (2, 2)), page_size=1, hq=8, hkv=2, d=128, causal=True),
+    # D 192 with Dv 128, MQA, non-causal
+    AttentionCase(((3, 10), (2, 6)), page_size=4, hq=4, hkv=1, d=192, dv=128),
+    # D 256, page 16, bf16
+    AttentionCase(((2, 17), (1, 3)), page_size=16, hq=2, hkv=2, d=256, dtype=torch.bfloat16,
+                  causal=True),
+    # sliding window, causal (HF W = 4), GQA 2
+    AttentionCase(((6, 6), (2, 19)), page_size=4, hq=4, hkv=2, causal=True, window=(3, 0)),
+    # window (2, 0) without causal: right = 0 all the same
+    AttentionCase(((4, 10),), page_size=16, window=(2, 0)),
+    # two-sided window, page 1
+    AttentionCase(((5, 12), (3, 3)), page_size=1, hq=3, hkv=1, window=(2, 3)),
+    # left unbounded, right 1
+    AttentionCase(((3, 9),), page_size=4, hq=2, hkv=1, window=(-1, 1)),
+    # softcap with a scale large enough for tanh to saturate
+    AttentionCase(((3, 8), (1, 15)), page_size=4, causal=True, softcap=2.0, softmax_scale=0.5),
+    # sinks, GQA 2, an empty request (the sink alone)
+    AttentionCase(((2, 9), (1, 1), (0, 0)), page_size=16, hq=6, hkv=3, causal=True, sinks=True),
+    # fp8 e4m3 KV with descale, bf16 q
+    AttentionCase(((2, 11), (1, 4)), page_size=16, hq=4, hkv=2, dtype=torch.bfloat16,
+                  kv_dtype=E4M3, causal=True),
+    # fp8 e5m2 KV with descale, fp32 q, page 4, window
+    AttentionCase(((3, 13),), page_size=4, hq=3, hkv=3, kv_dtype=E5M2, causal=True, window=(5, 0)),
+    # fp8 q and KV (output bf16)
+    AttentionCase(((2, 6), (1, 9)), page_size=4, hq=4, hkv=2, kv_dtype=E4M3, q_fp8=True,
+                  causal=True),
+    # qv (absorbed MLA extend): MQA, D 64 rope part, Dv 128 latent
+    AttentionCase(((3, 7), (1, 12)), page_size=4, hq=4, hkv=1, d=64, dv=128, qv=True,
+                  causal=True),
+    # everything at once in bf16: GQA 3, window, softcap, sinks
+    AttentionCase(((4, 13), (1, 30)), page_size=16, hq=6, hkv=2, dtype=torch.bfloat16,
+                  causal=True, window=(7, 0), softcap=5.0, sinks=True),
+    # fp16 extend, page 4 (lengths page_size +- 1)
+    AttentionCase(((2, 3), (3, 5), (1, 4)), page_size=4, hq=4, hkv=4, dtype=torch.float16,
+                  causal=True),
+    # fp16, page 16 boundary (15, 16, 17 keys), non-causal prefill
+    AttentionCase(((2, 15), (1, 16), (3, 17)), page_size=16, hq=3, hkv=3, d=80,
+                  dtype=torch.float16),
+    # an idle batch: no query token at all
+    AttentionCase(((0, 0), (0, 4)), page_size=4, hq=4, hkv=2),
+    # rows with no visible key: more queries than keys under causal, a request with no cache
+    AttentionCase(((4, 2), (2, 0), (1, 3)), page_size=1, hq=2, hkv=2, causal=True),
+    # window (0, 0): each row sees only its own position
+    AttentionCase(((3, 6),), page_size=4, hq=2, hkv=1, window=(0, 0)),
+)
+
+
+def attention_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
+                          gen: Optional[torch.Generator] = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``torch.ops.xpu_ops.flash_attn_with_kvcache`` for ``case``.
+
+    ``dtype`` overrides ``case.dtype`` (fp8 KV and fp8 q stay fp8). Values are standard normal;
+    fp8 descales are random in [0.5, 1.5].
+    """
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
+    dtype = dtype or case.dtype
+    q_lens = [lq for lq, _ in case.reqs]
+    k_lens = [lk for _, lk in case.reqs]
+    b, total_q, dv = len(case.reqs), sum(q_lens), case.head_dim_v
+    kv_dtype = case.kv_dtype or dtype
+    (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
+        gen, k_lens, case.page_size, [(case.hkv, case.d), (case.hkv, dv)], dtype=kv_dtype,
+        device=device)
+    q = _randn(gen, total_q, case.hq, case.d, dtype=E4M3 if case.q_fp8 else dtype, device=device)
+    qv = _randn(gen, total_q, case.hq, dv, dtype=dtype, device=device) if case.qv else None
+
+    def descale(flag):
+        return (torch.rand(b, case.hkv, generator=gen) + 0.5).to(device) if flag else None
+
+    fp8_kv = case.kv_dtype is not None
+    q_descale, k_descale, v_descale = descale(case.q_fp8), descale(fp8_kv), descale(fp8_kv)
+    sinks = _randn(gen, case.hq, scale=2.0, device=device) if case.sinks else None
+    out_dtype = torch.bfloat16 if case.q_fp8 else dtype
+    out = _nan_poisoned((total_q, case.hq, dv), out_dtype, device)
+    left, right = case.window
+    args = (q, k_cache, v_cache, cache_seqlens, page_table, _cu_seqlens(q_lens, device), out, qv,
+            q_descale, k_descale, v_descale, sinks)
+    kwargs = dict(max_seqlen_q=max(q_lens, default=0), softmax_scale=case.scale,
+                  causal=case.causal, window_size_left=left,
+                  window_size_right=0 if case.causal else right, softcap=case.softcap)
+    return args, kwargs
+
+
+@_sampler("flash_attn_with_kvcache")
+def _flash_attn_with_kvcache_samples(device, dtype, gen):
+    for case in ATTENTION_CASES:
+        if dtype is not None and case.q_fp8:
+            continue
+        yield attention_case_inputs(case, device, dtype, gen)
+
+
+def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
+                       gen: Optional[torch.Generator] = None, *, seqused: bool = False
+                       ) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``torch.ops.xpu_ops.flash_attn_varlen_func`` for ``case``.
+
+    Request ``r``'s keys are packed contiguously (``case.page_size`` is unused). With ``seqused``
+    every request gets 2 extra NaN keys past ``seqused_k[r]`` inside its ``cu_seqlens_k`` range.
+    """
+    args, kwargs = attention_case_inputs(case, device, dtype, gen)
+    q, k_cache, v_cache, _, _, cu_q, out, qv, q_descale, k_descale, v_descale, sinks = args
+    gen = gen if gen is not None else torch.Generator().manual_seed(1)
+    pad = 2 if seqused else 0
+    k_lens = [lk for _, lk in case.reqs]
+    kv_dtype = k_cache.dtype
+
+    def ragged(feat):
+        parts = []
+        for n in k_lens:
+            x = torch.randn(n + pad, case.hkv, feat, generator=gen)
+            x[n:] = float("nan")
+            parts.append(x)
+        return torch.cat(parts).to(kv_dtype).to(device)
+
+    k, v = ragged(case.d), ragged(case.head_dim_v)
+    cu_k = _cu_seqlens([n + pad for n in k_lens], device)
+    seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device) if seqused else None
+    kwargs = dict(kwargs, max_seqlen_k=max(k_lens, default=0) + pad)
+    return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks),
+            kwargs)
+
+
+@_sampler("flash_attn_varlen_func")
+def _flash_attn_varlen_func_samples(device, dtype, gen):
+    for i, case in enumerate(ATTENTION_CASES):
+        if dtype is not None and case.q_fp8:
+            continue
+        yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# merge_state_v2, flash_mla_decode, KV-cache writes, SWA spec page tables
+# ----------------------------------------------------------------------------------------------
+
+@_sampler("merge_state_v2")
+def _merge_state_v2_samples(device, dtype, gen):
+    inf = float("inf")
+    # (N, H, D, dtype, which LSE entries are -inf: "a", "b", "both", "mixed" or "")
+    for n, h, d, dt, empty in ((5, 4, 64, torch.float32, "mixed"), (3, 2, 128, torch.bfloat16, ""),
+                               (4, 8, 80, torch.float16, "mixed"), (1, 1, 256, torch.float32, "a"),
+                               (2, 3, 64, torch.float32, "both"), (0, 4, 64, torch.float32, ""),
+                               (6, 2, 32, torch.float32, "far")):
+        dt = dtype or dt
+        v_a, v_b = _randn(gen, n, h, d, dtype=dt, device=device), _randn(gen, n, h, d, dtype=dt,
+                                                                             device=device)
+        s_a, s_b = torch.randn(n, h, generator=gen) * 3, torch.randn(n, h, generator=gen) * 3
+        if empty in ("a", "both"):
+            s_a.fill_(-inf)
+        if empty in ("b", "both"):
+            s_b.fill_(-inf)
+        if empty == "mixed" and n:
+            s_a[0], s_b[-1] = -inf, -inf
+            s_a[n // 2, 0] = s_b[n // 2, 0] = -inf
+        if empty == "far":                      # one side dominates by e^60
+            s_a = s_b + 60.0
+        s_a, s_b = s_a.to(device), s_b.to(device)
+        yield ((v_a, s_a, v_b, s_b, _nan_poisoned((n, h, d), dt, device),
+                _nan_poisoned((n, h), torch.float32, device)), {})
+
+
+@_sampler("flash_mla_decode")
+def _flash_mla_decode_samples(device, dtype, gen):
+    from .ops.mla_decode import flash_mla_get_workspace_size
+    # (k_lens, page_size, H, R, r, dtype, num_kv_splits)
+    for k_lens, page_size, h, latent, rope, dt, splits in (
+            ((9, 1, 30), 16, 4, 64, 16, torch.float32, -1),
+            ((0, 5), 1, 2, 128, 32, torch.float32, -1),
+            ((17,), 64, 16, 512, 64, torch.bfloat16, -1),
+            ((4, 8, 12), 4, 3, 64, 16, torch.float16, 2),
+            ((33, 2), 16, 8, 128, 64, torch.float32, 4)):
+        dt = dtype or dt
+        (kv_cache,), page_table, cache_seqlens = paged_kv_cache(
+            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
+        b = len(k_lens)
+        q_nope = _randn(gen, b, h, latent, dtype=dt, device=device)
+        q_rope = _randn(gen, b, h, rope, dtype=dt, device=device)
+        size = flash_mla_get_workspace_size(max(k_lens), b, h, page_size, splits)
+        workspace = torch.zeros(size, dtype=torch.uint8, device=device)
+        yield ((q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
+                1.0 / math.sqrt(latent // 4 + rope), splits), {})
+
+
+@_sampler("store_kv_cache")
+def _store_kv_cache_samples(device, dtype, gen):
+    # (cache shape prefix, N, Hkv, D, Dv, dtype, cache dtype, loc dtype, scales)
+    for prefix, n, hkv, d, dv, dt, cache_dt, loc_dt, scaled in (
+            ((32,), 5, 2, 64, 64, torch.float32, None, torch.int64, False),
+            ((6, 4), 7, 4, 80, 80, torch.bfloat16, None, torch.int64, False),
+            ((3, 16), 3, 1, 192, 128, torch.float16, None, torch.int32, False),
+            ((4, 4), 6, 2, 64, 64, torch.bfloat16, E4M3, torch.int64, True),
+            ((16,), 4, 2, 64, 64, torch.float32, E5M2, torch.int64, False),
+            ((8,), 0, 2, 64, 64, torch.float32, None, torch.int64, False)):
+        dt = dtype or dt
+        cache_dt = cache_dt or dt
+        slots = math.prod(prefix)
+        k_cache = _randn(gen, *prefix, hkv, d, dtype=cache_dt, device=device)
+        v_cache = _randn(gen, *prefix, hkv, dv, dtype=cache_dt, device=device)
+        loc = torch.randperm(slots, generator=gen)[:n].to(loc_dt).to(device)
+        k = _randn(gen, n, hkv, d, dtype=dt, device=device, scale=2.0)
+        v = _randn(gen, n, hkv, dv, dtype=dt, device=device, scale=2.0)
+        scale = (lambda: torch.rand(1, generator=gen).add(0.5).to(device)) if scaled else None
+        yield ((k_cache, v_cache, loc, k, v, scale and scale(), scale and scale()), {})
+
+
+@_sampler("store_mla_kv_cache")
+def _store_mla_kv_cache_samples(device, dtype, gen):
+    # (cache shape prefix before R + r, N, R, r, dtype, cache dtype)
+    for prefix, n, latent, rope, dt, cache_dt in (
+            ((24, 1), 5, 64, 16, torch.float32, None),
+            ((4, 16), 9, 512, 64, torch.bfloat16, None),
+            ((3, 4, 1), 4, 128, 32, torch.float16, None),
+            ((10, 1), 3, 64, 16, torch.bfloat16, E4M3),
+            ((6, 1), 0, 64, 16, torch.float32, None)):
+        dt = dtype or dt
+        kv_cache = _randn(gen, *prefix, latent + rope, dtype=cache_dt or dt, device=device)
+        slots = math.prod(prefix)
+        loc = torch.randperm(slots, generator=gen)[:n].to(device)
+        k_nope = _randn(gen, n, 1, latent, dtype=dt, device=device)
+        k_rope = _randn(gen, n, 1, rope, dtype=dt, device=device)
+        yield ((kv_cache, loc, k_nope, k_rope), {})
+
+
+@_sampler("prepare_swa_spec_page_table")
+def _prepare_swa_spec_page_table_samples(device, dtype, gen):
+    # (prefix_lens, page-table width P, tree of D drafts as parent indices, -1 = root's child)
+    for prefix_lens, width, parents in (((5, 0, 7), 8, (-1, 0, 1, 2)),          # chains
+                                        ((3, 6), 6, (-1, 0, 0, 1, 1, 2)),      # topk 2 tree
+                                        ((1,), 4, (-1,)),                      # one draft
+                                        ((4, 2), 5, (-1, -1, 0, 1, 2, 3))):    # topk 2 roots
+        b, num_draft = len(prefix_lens), len(parents)
+        mask = torch.zeros(num_draft, num_draft, dtype=torch.bool)
+        for i in range(num_draft):
+            j = i
+            while j >= 0:                      # a draft sees itself and its ancestors
+                mask[i, j] = True
+                j = parents[j]
+        page_table = torch.randint(0, 1000, (b, width), generator=gen, dtype=torch.int32)
+        draft_slots = torch.randint(1000, 2000, (b, num_draft), generator=gen, dtype=torch.int32)
+        yield ((page_table.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device),
+                draft_slots.to(device), mask.expand(b, -1, -1).contiguous().to(device)), {})
