@@ -87,11 +87,15 @@ def forced_provider() -> Optional[str]:
 def use_provider(name: str) -> Iterator[None]:
     """Force provider ``name`` for every op called inside the ``with`` block.
 
-    >>> import xpu_ops
-    >>> with xpu_ops.use_provider("reference"):
-    ...     pass
     Raises:
         ValueError: ``name`` is not one of ``PROVIDER_ORDER``.
+
+    >>> import torch, xpu_ops
+    >>> v, s = torch.randn(2, 1, 4), torch.randn(2, 1)
+    >>> with xpu_ops.use_provider("reference"):
+    ...     out, lse = xpu_ops.merge_state_v2(v, s, v, s)
+    >>> torch.allclose(out, v, atol=1e-6) and torch.allclose(lse, s + torch.log(torch.tensor(2.0)))
+    True
     """
     if name not in PROVIDER_ORDER:
         raise ValueError(f"use_provider: name {name!r} is not a provider; expected one of "

@@ -1,0 +1,19 @@
+"""Run the runnable examples (``>>>``) in the public docstrings of ``xpu_ops``."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import xpu_ops
+
+MODULES = sorted(name for _, name, _ in pkgutil.walk_packages(xpu_ops.__path__, "xpu_ops.")
+                 if ".triton" not in name and not name.endswith("__main__"))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, extraglobs=vars(xpu_ops), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
