@@ -1,0 +1,128 @@
+"""Test-only stand-in for sgl-kernel-xpu's native library (glue tests, not hardware results).
+
+``define_native_library(namespace, convention)`` registers, under ``torch.ops.<namespace>``, the
+ops that sgl-kernel-xpu publishes in ``src/torch_extension_sycl.cc`` with the same schemas
+(argument names, order, types, mutation annotations), implemented on CPU with xpu-ops'
+``reference`` provider. Like the real library it registers **no fake implementations**, so
+``xpu_ops.register_sgl_kernel_fakes`` has work to do. It also enforces the native input contract
+that the glue must honour (contiguous last dims, fp16/bf16 queries, per-request lengths in the
+``cu_seqlens_k`` slot of a paged call, contiguous merge inputs, a large enough MLA workspace), so
+a mapping mistake fails loudly instead of matching the reference by accident.
+
+Conventions of ``fwd``: ``"writes"`` (newer: ``Tensor(a!) out, Tensor(b!)? softmax_lse, ...)
+-> ()``) and ``"returns"`` (older: ``Tensor(a!)? out=None) -> (Tensor(a!), Tensor, Tensor,
+Tensor)``; the last two are split-KV accumulators, returned here as empty float32 tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xpu_ops.ops.mla_decode import flash_mla_get_workspace_size as xpu_ops_workspace_size
+from xpu_ops.reference import mla_decode as ref_mla
+from xpu_ops.reference import merge_state as ref_merge
+from xpu_ops.reference import paged_attention as ref_paged
+from xpu_ops.reference import varlen_attention as ref_varlen
+
+_FWD_HEAD = (
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? q_v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "int max_seqlen_q, int max_seqlen_k, Tensor? page_table, Tensor? kv_batch_idx, "
+    "Tensor? leftpad_k, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? seqlens_rotary, "
+    "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, float softmax_scale, "
+    "Tensor? sinks, bool is_causal, int window_size_left, int window_size_right, float softcap, "
+    "bool is_rotary_interleaved, Tensor? scheduler_metadata, int num_kv_splits, bool? pack_gqa, "
+    "int sm_margin, ")
+FWD_SCHEMAS = {
+    "writes": _FWD_HEAD + ("Tensor(a!) out, Tensor(b!)? softmax_lse, Tensor? rel_bias=None, "
+                           "bool rel_bias_is_sheared=False) -> ()"),
+    "returns": _FWD_HEAD + "Tensor(a!)? out=None) -> (Tensor(a!), Tensor, Tensor, Tensor)",
+}
+OTHER_SCHEMAS = (
+    "merge_state_v2(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor! v_merged, "
+    "Tensor! s_merged) -> ()",
+    "flash_mla_get_workspace_size(int max_seq_len, int num_batches, int num_heads, "
+    "int page_size, int num_kv_splits) -> int",
+    "flash_mla_decode(Tensor! out, Tensor! q_nope, Tensor! q_pe, Tensor! kv_c_and_k_pe_cache, "
+    "Tensor! seq_lens, Tensor! page_table, Tensor! workspace, float sm_scale, "
+    "int num_kv_splits) -> ()",
+)
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise RuntimeError(f"native (test stand-in): {message}")
+
+
+def _fwd(names, convention):
+    def fwd(*args, **kwargs):
+        a = dict(zip(names, args), **kwargs)
+        q, k, v, page_table = a["q"], a["k"], a["v"], a["page_table"]
+        for arg in ("q", "k", "v"):
+            _require(a[arg].stride(-1) == 1, f"{arg} must have a contiguous last dimension")
+        _require(q.dtype in (torch.float16, torch.bfloat16), f"q must be fp16/bf16, got {q.dtype}")
+        out = a.get("out")
+        if out is None:
+            out = q.new_empty((*q.shape[:2], v.shape[-1]))
+        right = 0 if a["is_causal"] else a["window_size_right"]
+        scalars = dict(max_seqlen_q=a["max_seqlen_q"], softmax_scale=a["softmax_scale"],
+                       causal=a["is_causal"], window_size_left=a["window_size_left"],
+                       window_size_right=right, softcap=a["softcap"])
+        extras = (a["q_v"], a["q_descale"], a["k_descale"], a["v_descale"], a["sinks"])
+        if page_table is not None:
+            # sgl-kernel-xpu: a paged call carries per-request cache lengths in cu_seqlens_k.
+            _require(a["cu_seqlens_k"].shape == (page_table.shape[0],),
+                     "paged fwd takes per-request cache_seqlens [b] in cu_seqlens_k")
+            lse = ref_paged.flash_attn_with_kvcache(
+                q, k, v, a["cu_seqlens_k"], page_table, a["cu_seqlens_q"], out, *extras,
+                **scalars)
+        else:
+            lse = ref_varlen.flash_attn_varlen_func(
+                q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], out, None, *extras,
+                max_seqlen_k=a["max_seqlen_k"], **scalars)
+        if convention == "writes":
+            if a.get("softmax_lse") is not None:
+                a["softmax_lse"].copy_(lse)
+            return None
+        empty = q.new_empty((0,), dtype=torch.float32)
+        return out, lse, empty, empty.clone()
+    return fwd
+
+
+def _merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b),
+                    ("v_merged", v_merged), ("s_merged", s_merged)):
+        _require(t.is_contiguous(), f"merge_state_v2 needs contiguous {name}")
+    ref_merge.merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
+
+
+def _workspace_size(max_seq_len, num_batches, num_heads, page_size, num_kv_splits):
+    return xpu_ops_workspace_size(max_seq_len, num_batches, num_heads, page_size, num_kv_splits)
+
+
+def _flash_mla_decode(out, q_nope, q_pe, kv_cache, seq_lens, page_table, workspace, sm_scale,
+                      num_kv_splits):
+    batch, heads = q_nope.shape[:2]
+    needed = _workspace_size(page_table.shape[1] * kv_cache.shape[1], batch, heads,
+                             kv_cache.shape[1], num_kv_splits)
+    _require(workspace.numel() >= needed, f"workspace of {workspace.numel()} bytes < {needed}")
+    out.copy_(ref_mla.flash_mla_decode(q_nope, q_pe, kv_cache, seq_lens, page_table, workspace,
+                                       sm_scale, num_kv_splits))
+
+
+def define_native_library(namespace: str, convention: str = "writes") -> str:
+    """Register the stand-in under ``torch.ops.<namespace>`` once; return the namespace."""
+    if namespace in _libraries:
+        return namespace
+    lib = torch.library.Library(namespace, "DEF")
+    lib.define(FWD_SCHEMAS[convention])
+    for schema in OTHER_SCHEMAS:
+        lib.define(schema)
+    names = [arg.name for arg in getattr(torch.ops, namespace).fwd.default._schema.arguments]
+    lib.impl("fwd", _fwd(names, convention), "CPU")
+    lib.impl("merge_state_v2", _merge_state_v2, "CPU")
+    lib.impl("flash_mla_decode", _flash_mla_decode, "CPU")
+    lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
+    _libraries[namespace] = lib
+    return namespace

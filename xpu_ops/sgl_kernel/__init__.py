@@ -1,0 +1,125 @@
+"""The ``sgl_kernel`` provider: native kernels of sgl-kernel-xpu (Intel GPU) or sgl-kernel (CUDA).
+
+Available on a device type only when ``import sgl_kernel`` works and the native op has a kernel
+for that device's dispatch key (an XPU build on ``xpu``, a CUDA build on ``cuda``); otherwise the
+reason says what is missing. Calls the kernel cannot serve (see ``limits``) are declined through
+the registry's ``supports=`` hook and fall back to ``triton``, recorded for
+``python -m xpu_ops info``.
+
+Argument mapping (providers receive the op's own, validated arguments):
+
+* ``flash_attn_with_kvcache`` -> ``fwd`` with the paged cache; on sgl-kernel-xpu the per-request
+  ``cache_seqlens`` go into the ``cu_seqlens_k`` slot, on FlashAttention-3 into ``seqused_k``;
+  ``max_seqlen_k`` is the page-table capacity (a shape-only bound).
+* ``flash_attn_varlen_func`` -> ``fwd`` without a page table.
+* Both: ``out`` is written in place (a staging copy when it is not contiguous), the LSE is
+  ``[Hq, total_q]`` float32; ``+inf`` LSE of empty rows (FlashAttention-3) becomes ``-inf``.
+  Works with both conventions of ``fwd``: returning ``(out, lse, ...)`` or writing
+  ``out``/``softmax_lse`` and returning nothing (``native.fwd_convention``).
+* ``merge_state_v2`` and ``flash_mla_decode`` -> the native ops of the same name.
+
+Nothing here has run on an Intel GPU: the mapping is tested against a test-only library that
+defines sgl-kernel-xpu's schemas with reference implementations (``tests/ops``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import providers
+from . import limits, native
+from .native import Binding, binding, bound_to
+
+__all__ = ["Binding", "binding", "bound_to", "limits", "native"]
+
+
+def _available(op: str):
+    def available(device_type: str) -> Optional[str]:
+        return native.unavailable(op, device_type)
+    return available
+
+
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _run_fwd(out: torch.Tensor, values: dict) -> torch.Tensor:
+    """Run native ``fwd``; write its output into ``out``; return the LSE ``[Hq, total_q]``."""
+    q = values["q"]
+    staging = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    values["out"] = staging
+    values["softmax_lse"] = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    result, lse = native.call_fwd(values)
+    if result is not staging:
+        staging.copy_(result)
+    if staging is not out:
+        out.copy_(staging)
+    lse = lse.reshape(q.shape[1], q.shape[0]).float()
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
+                      softmax_scale, causal, window_size_left, window_size_right, softcap):
+    return dict(q=_contiguous(q), k=_contiguous(k), v=_contiguous(v), q_v=qv, q_descale=q_descale,
+                k_descale=k_descale, v_descale=v_descale, sinks=sinks, max_seqlen_q=max_seqlen_q,
+                softmax_scale=softmax_scale, is_causal=causal, window_size_left=window_size_left,
+                window_size_right=window_size_right, softcap=softcap)
+
+
+@providers.register("flash_attn_with_kvcache", "sgl_kernel", available=_available("fwd"),
+                    supports=limits.flash_attn_with_kvcache)
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    values = _attention_values(q, k_cache, v_cache, qv, q_descale, k_descale, v_descale, sinks,
+                               max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+                               causal=causal, window_size_left=window_size_left,
+                               window_size_right=window_size_right, softcap=softcap)
+    values.update(cu_seqlens_q=cu_seqlens_q, page_table=page_table,
+                  max_seqlen_k=page_table.shape[1] * k_cache.shape[1])
+    if native.fwd_flavour(native.schema("fwd")) == "xpu":
+        values["cu_seqlens_k"] = cache_seqlens          # per-request lengths, not prefix sums
+    else:
+        values.update(cu_seqlens_k=None, seqused_k=cache_seqlens)
+    return _run_fwd(out, values)
+
+
+@providers.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
+                    supports=limits.flash_attn_varlen_func)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
+                           k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size_left, window_size_right, softcap):
+    values = _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks,
+                               max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+                               causal=causal, window_size_left=window_size_left,
+                               window_size_right=window_size_right, softcap=softcap)
+    values.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=None,
+                  max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    return _run_fwd(out, values)
+
+
+@providers.register("merge_state_v2", "sgl_kernel", available=_available("merge_state_v2"))
+def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    # Native kernels index dense rows; callers often pass a transposed LSE ([H, N] -> [N, H]).
+    outputs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+               for t in (v_merged, s_merged)]
+    native.packet("merge_state_v2").default(v_a.contiguous(), s_a.contiguous(), v_b.contiguous(),
+                                            s_b.contiguous(), *outputs)
+    for staged, target in zip(outputs, (v_merged, s_merged)):
+        if staged is not target:
+            target.copy_(staged)
+
+
+@providers.register("flash_mla_decode", "sgl_kernel", available=_available("flash_mla_decode"),
+                    supports=limits.flash_mla_decode)
+def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
+                     softmax_scale, num_kv_splits):
+    batch, num_heads, latent_dim = q_nope.shape
+    out = q_nope.new_empty((batch, num_heads, latent_dim))
+    native.packet("flash_mla_decode").default(
+        out, q_nope.contiguous(), q_rope.contiguous(), kv_cache, cache_seqlens, page_table,
+        workspace, softmax_scale, num_kv_splits)
+    return out
