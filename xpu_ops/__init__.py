@@ -15,6 +15,8 @@ from .ops.paged_attention import flash_attn_with_kvcache
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
 from .providers import use_provider
+from . import compat  # issue 7: install_sgl_kernel_shim
+from .sgl_kernel_fakes import register_sgl_kernel_fakes  # issue 7
 
 #: The op packets this package registers, in ``torch.ops.xpu_ops``.
 REGISTERED_OPS = [

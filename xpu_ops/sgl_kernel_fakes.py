@@ -1,0 +1,106 @@
+"""Fake implementations for sgl-kernel's raw native ops, which are registered without any.
+
+Code that calls ``torch.ops.sgl_kernel.fwd`` (or ``merge_state_v2``, ``flash_mla_decode``...)
+directly cannot be traced by ``torch.compile`` until those ops have fakes. Call
+``register_sgl_kernel_fakes()`` once after ``import sgl_kernel``; the ``xpu_ops`` ops need none of
+this (they have their own fakes).
+
+Output shapes follow each op's schema (read from the dispatcher, so both conventions of ``fwd``
+are covered): ops that return nothing get a fake that only checks nothing and returns ``None``;
+the tensor-returning ``fwd`` returns ``out [total_q, Hq, Dv]`` (the ``out`` argument itself when
+the schema aliases it) and ``softmax_lse [Hq, total_q]`` float32 (``[b, s, Hq, Dv]`` and
+``[b, Hq, s]`` for a 4-D query), then one empty float32 tensor per further return
+(split-KV accumulators, whose native sizes are not part of any published contract).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: Raw native ops that get a fake when present and lacking one.
+NATIVE_OPS = ("fwd", "merge_state", "merge_state_v2", "flash_mla_decode", "flash_mla_prefill")
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def has_fake(qualname: str) -> bool:
+    """True when ``qualname`` can already run on fake tensors (Python fake, Meta or composite)."""
+    holder = torch._library.simple_registry.singleton.find(qualname)
+    if holder.fake_impl.kernel is not None:
+        return True
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
+               for key in ("Meta", "CompositeImplicitAutograd"))
+
+
+def _returns_nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _fwd_fake(schema: torch.FunctionSchema):
+    names = [arg.name for arg in schema.arguments]
+    num_returns = len(schema.returns)
+    aliases_out = num_returns > 0 and schema.returns[0].alias_info is not None
+
+    def fake(*args, **kwargs):
+        a = dict(zip(names, args), **kwargs)
+        q, v = a["q"], a["v"]
+        out_dtype = torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype
+        out = a.get("out")
+        if not (aliases_out and out is not None):
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=out_dtype)
+        if q.dim() == 4:
+            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        else:
+            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        extra = [q.new_empty((0,), dtype=torch.float32) for _ in range(num_returns - 2)]
+        return (out, lse, *extra)
+    return fake
+
+
+def _fake_for(name: str, schema: torch.FunctionSchema):
+    if len(schema.returns) == 0:
+        return _returns_nothing
+    if name == "fwd" and len(schema.returns) >= 2:
+        return _fwd_fake(schema)
+    return None   # a schema this module does not know: leave it alone
+
+
+def register_sgl_kernel_fakes(namespace: str = "sgl_kernel") -> list[str]:
+    """Register fakes for the raw native ops of ``torch.ops.<namespace>`` that have none.
+
+    Idempotent: an op that already has a fake (its own, or one from an earlier call) is left
+    alone, never overridden. Ops not registered (not imported, or built without them) are
+    skipped.
+
+    Args:
+        namespace: torch.ops namespace of the native library (``"sgl_kernel"``).
+    Returns:
+        Qualified names that received a fake in this call (empty on a repeated call).
+
+    >>> import xpu_ops
+    >>> xpu_ops.register_sgl_kernel_fakes("no_such_namespace_here")
+    []
+    """
+    ops = getattr(torch.ops, namespace)
+    registered = []
+    for name in NATIVE_OPS:
+        if not hasattr(ops, name):
+            continue
+        qualname = f"{namespace}::{name}"
+        fake = _fake_for(name, getattr(ops, name).default._schema)
+        if fake is None or has_fake(qualname):
+            continue
+        lib = _libraries.get(namespace)
+        if lib is None:
+            lib = _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        torch.library.register_fake(qualname, fake, lib=lib)
+        registered.append(qualname)
+    return registered
+
+
+def fake_of(qualname: str) -> Optional[object]:
+    """The Python fake registered for ``qualname``, if any (for diagnostics)."""
+    kernel = torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel
+    return None if kernel is None else kernel.func
