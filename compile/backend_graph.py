@@ -1,0 +1,143 @@
+"""Graph hooks of ``XPUAttentionBackend``: metadata in fixed buffers for captured decode steps.
+
+A captured graph reads its metadata from the addresses it saw at capture, so every metadata
+tensor of a graph-captured batch lives in a buffer allocated once (``init_cuda_graph_state``):
+
+1. ``init_cuda_graph_state(max_bs, max_num_tokens)`` allocates the buffers (page tables as wide
+   as ``context_len``, local-attention and SWA tables included).
+2. ``init_forward_metadata_out_graph(fb, in_capture=True)`` (host, before capture) builds the
+   batch's metadata and binds it to leading slices of the buffers, one binding per
+   ``(mode, batch size)``.
+3. ``init_forward_metadata_in_graph(fb)`` (inside the captured region, before the model) selects
+   that binding as ``forward_metadata``; it launches nothing.
+4. ``init_forward_metadata_out_graph(fb)`` (host, before each replay) rebuilds the metadata and
+   copies it into the bound slices in place; addresses never change.
+
+It does not capture anything itself, and it does not own ``out_cache_loc``/``seq_lens``: the graph
+runner keeps those in its own static buffers. Supported: DECODE (plain, and draft steps with
+topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import xpu_ops
+
+from .local_attention import local_chunks_per_request
+
+_EXTERNAL = ("write.loc", "write.encoder_loc")  # the graph runner's own static buffers
+
+
+def _set_path(obj: Any, path: str, value: Tensor) -> None:
+    *parents, leaf = path.split(".")
+    for name in parents:
+        obj = getattr(obj, name)
+    setattr(obj, leaf, value)
+
+
+class GraphMetadataMixin:
+    """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed metadata buffers for batches up to ``max_bs`` requests and
+        ``max_num_tokens`` query tokens (e.g. ``max_bs * draft_token_num`` for verify)."""
+        dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
+        max_pages = -(-self.max_context_len // self.page_size)
+        q_per_req = max(1, self.speculative_num_draft_tokens, -(-max_num_tokens // max_bs))
+        buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
+               "main.cache_seqlens": torch.zeros(max_bs, **i32),
+               "main.page_table": torch.zeros(max_bs, max_pages, **i32),
+               "swa.page_table": torch.zeros(max_bs, max_pages, **i32),
+               "write.swa_loc": torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)}
+        if self.attention_chunk_size:
+            chunk = int(self.attention_chunk_size)
+            max_v = max_bs * local_chunks_per_request(q_per_req, chunk)
+            buf["local.cu_seqlens_q"] = torch.zeros(max_v + 1, **i32)
+            buf["local.cache_seqlens"] = torch.zeros(max_v, **i32)
+            buf["local.page_table"] = torch.zeros(max_v, chunk // self.page_size, **i32)
+        if self.use_mla:
+            size = xpu_ops.flash_mla_get_workspace_size(self.max_context_len, max_bs,
+                                                        self.num_heads or 128)
+            buf["mla_workspace"] = torch.empty(size, dtype=torch.uint8, device=dev)
+        self.graph_buffers = buf
+        self.graph_max_bs, self.graph_max_num_tokens = max_bs, max_num_tokens
+        self._graph_metadata = {}
+
+    def _graph_key(self, fb) -> tuple:
+        return (fb.forward_mode, fb.batch_size, fb.spec_info is not None)
+
+    def _check_graph_mode(self, fb) -> None:
+        mode = fb.forward_mode
+        ok = mode.is_decode() or mode.is_target_verify() or mode.is_idle()
+        if not ok or (fb.spec_info is not None and self._topk(fb) > 1):
+            raise NotImplementedError(
+                f"XPUAttentionBackend: graph metadata for mode {mode.name} with topk "
+                f"{self._topk(fb) if fb.spec_info is not None else 0} is not supported; graphs "
+                f"cover DECODE and TARGET_VERIFY/draft decode with topk 1.")
+        if fb.batch_size > getattr(self, "graph_max_bs", -1):
+            raise RuntimeError(f"XPUAttentionBackend: batch size {fb.batch_size} exceeds the "
+                               f"graph buffers; expected init_cuda_graph_state(max_bs >= "
+                               f"{fb.batch_size}) first, got max_bs="
+                               f"{getattr(self, 'graph_max_bs', None)}.")
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Host side of a graph step: bind buffers (``in_capture``) or refill them in place."""
+        self._check_graph_mode(forward_batch)
+        fresh = self.build_metadata(forward_batch, graph=True)
+        key = self._graph_key(forward_batch)
+        if in_capture:
+            self._graph_metadata[key] = self._bind(fresh)
+        elif key not in self._graph_metadata:
+            raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
+                               f"was captured for {key}; expected in_capture=True first.")
+        else:
+            self._refill(self._graph_metadata[key], fresh)
+        self.forward_metadata = self._graph_metadata[key]
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Inside the captured region: use the bound metadata of this batch shape."""
+        key = self._graph_key(forward_batch)
+        if key not in self._graph_metadata:
+            raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_in_graph: nothing "
+                               f"bound for {key}; expected init_forward_metadata_out_graph("
+                               f"forward_batch, in_capture=True) before capture.")
+        self.forward_metadata = self._graph_metadata[key]
+
+    def _bind(self, meta):
+        """Move every tensor of ``meta`` into a leading slice of its buffer (in place)."""
+        seen: dict[int, Tensor] = {}
+        for name, t in list(meta.tensors()):
+            if name in _EXTERNAL:
+                continue
+            if id(t) not in seen:
+                if name not in self.graph_buffers:
+                    raise NotImplementedError(f"XPUAttentionBackend: metadata {name} has no graph "
+                                              f"buffer; this layer kind is not graph-capturable.")
+                buf = self.graph_buffers[name]
+                bound = buf if name == "mla_workspace" else buf[:t.shape[0]]
+                if name != "mla_workspace":
+                    bound[..., :t.shape[-1] if t.dim() > 1 else None].copy_(t)
+                seen[id(t)] = bound
+            _set_path(meta, name, seen[id(t)])
+        return meta
+
+    def _refill(self, bound, fresh) -> None:
+        """Copy ``fresh`` values into ``bound``'s tensors; shapes past the new width keep stale
+        entries, which are never read (they lie past ``cache_seqlens``)."""
+        fresh_tensors = dict(fresh.tensors())
+        for name, b in bound.tensors():
+            if name in _EXTERNAL or name == "mla_workspace":
+                continue
+            f = fresh_tensors[name]
+            if f.shape[0] != b.shape[0] or (f.dim() > 1 and f.shape[1] > b.shape[1]):
+                raise RuntimeError(f"XPUAttentionBackend: refilled metadata {name} has shape "
+                                   f"{tuple(f.shape)}; expected it to fit {tuple(b.shape)}.")
+            b[..., :f.shape[-1]].copy_(f) if f.dim() > 1 else b.copy_(f)
+
+
+__all__ = ["GraphMetadataMixin"]
