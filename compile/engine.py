@@ -1,0 +1,306 @@
+"""A minimal batch engine: request slots, page-aligned KV allocation, chunked prefill, decode.
+
+Each step is one ``ForwardBatch`` built exactly as an sglang scheduler would: the engine picks
+the requests, gives each new token a KV slot (``PageAllocator.alloc_extend`` keeps a request's
+slots page aligned), calls ``attn_backend.init_forward_metadata(batch)`` on the host, then runs
+the model once. Policy (sglang's default, simplified):
+
+1. If some request still has prompt tokens to prefill, run an EXTEND step over the oldest such
+   requests, admitting waiting requests while a ``req_to_token`` row and pages are free, with at
+   most ``chunked_prefill_size`` new tokens in the step (a long prompt is split across steps;
+   only its last chunk samples a token).
+2. Otherwise run a DECODE step over every running request (one new token each).
+3. A request that samples a stop token or reaches ``max_new_tokens`` frees its row and pages at
+   once; requests added with ``add_request`` join at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.model_runner import ModelRunnerInfo
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How a request samples. ``temperature = 0`` is greedy (argmax).
+
+    Attributes:
+        max_new_tokens: tokens to generate at most. temperature: softmax temperature (>= 0).
+        stop_token_ids: generation ends after sampling any of them (it is kept in the output).
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Req:
+    """One request's state. ``row`` is its ``req_to_token`` row once admitted (None before)."""
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    row: Optional[int] = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the request so far (prompt + generated)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Token counts and wall seconds of prefill and decode steps (for tokens/s)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    steps: int = 0
+
+
+class Engine:
+    """Runs ``model`` over a paged KV cache for many requests at once.
+
+    Args:
+        model: a zoo model (``model.config`` is a ``ModelConfig``); called as
+            ``forward(input_ids [T], positions [T], forward_batch) -> logits [b, vocab]``.
+        forward: the callable actually run (default ``model``; e.g. ``torch.compile(model)``).
+        page_size: tokens per KV page. max_running: ``req_to_token`` rows (concurrent requests).
+        max_context_len: tokens per request at most (prompt + output).
+        max_total_tokens: KV slots in the pool (page 0 is reserved as padding on top of these).
+        chunked_prefill_size: most new tokens in one EXTEND step.
+        kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
+        backend_cls: attention backend class (default ``XPUAttentionBackend``).
+    """
+
+    def __init__(self, model, *, forward: Optional[Callable] = None, page_size: int = 1,
+                 max_running: int = 8, max_context_len: int = 2048,
+                 max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
+                 kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None):
+        cfg = model.config
+        weight = next(model.parameters())
+        self.device, self.model, self.forward = weight.device, model, forward or model
+        self.page_size, self.chunked_prefill_size = page_size, chunked_prefill_size
+        num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
+        self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.num_hidden_layers, self.device)
+        self.allocator = PageAllocator(num_pages, page_size, self.device)
+        self.model_runner = ModelRunnerInfo(
+            model_config=SimpleNamespace(context_len=max_context_len,
+                                         num_attention_heads=cfg.num_attention_heads),
+            tp_size=1, device=self.device, page_size=page_size,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=cfg.sliding_window,
+            attention_chunk_size=cfg.attention_chunk_size)
+        if backend_cls is None:
+            from compile.attention_backend import XPUAttentionBackend as backend_cls
+        self.attn_backend = backend_cls(self.model_runner)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # admitted: prefilling or decoding
+        self.stats = EngineStats()
+        self.last_batch: Optional[ForwardBatch] = None
+        self.last_batch_reqs: list[Req] = []
+        self._next_rid = 0
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: Sequence[int],
+                    sampling: Optional[SamplingParams] = None) -> Req:
+        """Queue a request; it joins the batch at the next ``step``.
+
+        Raises:
+            ValueError: empty prompt, or prompt + max_new_tokens over ``max_context_len``.
+        """
+        sampling = sampling or SamplingParams()
+        limit = self.req_to_token_pool.max_context_len
+        if not prompt_ids or len(prompt_ids) + sampling.max_new_tokens > limit:
+            raise ValueError(f"Engine.add_request: prompt of {len(prompt_ids)} tokens plus "
+                             f"max_new_tokens={sampling.max_new_tokens}; expected 1 or more "
+                             f"prompt tokens and a total <= max_context_len={limit}.")
+        req = Req(self._next_rid, list(prompt_ids), sampling)
+        self._next_rid += 1
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, req: Req) -> int:
+        """Pages ``req`` may still take before it finishes (prompt + max_new_tokens)."""
+        total = len(req.prompt_ids) + req.sampling.max_new_tokens
+        return -(-total // self.page_size) - len(req.pages)
+
+    def _admit(self) -> None:
+        """Move waiting requests (oldest first) to running while a ``req_to_token`` row is free
+        and the pool can hold every running request at its longest, so decode never runs out."""
+        promised = sum(self._pages_needed(r) for r in self.running)
+        while self.waiting and self.req_to_token_pool.available_size():
+            need = self._pages_needed(self.waiting[0])
+            if promised + need > len(self.allocator.free_pages):
+                break
+            req = self.waiting.pop(0)
+            req.row = self.req_to_token_pool.alloc(1)[0]
+            self.running.append(req)
+            promised += need
+
+    def _release(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        self.allocator.free(req.pages)
+        self.req_to_token_pool.free(req.row)
+        req.pages, req.row = [], None
+        self.running.remove(req)
+
+    def _alloc(self, req: Req, num_new: int) -> Tensor:
+        """Slots [num_new] int64 for the request's next ``num_new`` tokens (page aligned)."""
+        loc = self.allocator.alloc_extend(self.req_to_token_pool, req.row, req.num_cached,
+                                          num_new)
+        end = req.num_cached + num_new
+        owned = -(-end // self.page_size)
+        if owned > len(req.pages):  # record the pages the allocator just handed out
+            table = self.req_to_token_pool.req_to_token[req.row]
+            firsts = table[len(req.pages) * self.page_size:end:self.page_size]
+            req.pages.extend((firsts.long() // self.page_size).tolist())
+        req.num_cached = end
+        return loc
+
+    # ----------------------------------------------------------------- steps
+    def step(self) -> list[Req]:
+        """Run one EXTEND or DECODE step; returns the requests that finished in it."""
+        self._admit()
+        prefilling = [r for r in self.running if r.num_cached < len(r.prompt_ids)]
+        if prefilling:
+            return self._extend_step(prefilling)
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError("Engine.step: the oldest waiting request does not fit in the "
+                                   "KV pool; raise max_total_tokens or max_running.")
+            return []
+        return self._decode_step(list(self.running))
+
+    def _extend_step(self, reqs: list[Req]) -> list[Req]:
+        budget, chunks = self.chunked_prefill_size, []
+        for req in reqs:
+            n = min(len(req.prompt_ids) - req.num_cached, budget)
+            if n <= 0:
+                break
+            chunks.append((req, req.num_cached, n))
+            budget -= n
+        ids = [t for req, start, n in chunks for t in req.prompt_ids[start:start + n]]
+        positions = [p for _, start, n in chunks for p in range(start, start + n)]
+        locs = [self._alloc(req, n) for req, _, n in chunks]
+        batch = self._batch(ForwardMode.EXTEND, [c[0] for c in chunks], torch.cat(locs),
+                            positions,
+                            extend_seq_lens=torch.tensor([n for *_, n in chunks]),
+                            extend_prefix_lens=torch.tensor([s for _, s, _ in chunks]))
+        t0 = time.perf_counter()
+        logits = self._run(batch, ids, positions)
+        done = [req.num_cached == len(req.prompt_ids) for req, *_ in chunks]
+        finished = self._sample_and_finish(
+            [c[0] for c, d in zip(chunks, done) if d], logits[torch.tensor(done)])
+        self.stats.prefill_tokens += len(ids)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        return finished
+
+    def _decode_step(self, reqs: list[Req]) -> list[Req]:
+        ids = [req.output_ids[-1] for req in reqs]
+        positions = [req.seq_len - 1 for req in reqs]
+        loc = torch.cat([self._alloc(req, 1) for req in reqs])
+        batch = self._batch(ForwardMode.DECODE, reqs, loc, positions)
+        t0 = time.perf_counter()
+        logits = self._run(batch, ids, positions)
+        finished = self._sample_and_finish(reqs, logits)
+        self.stats.decode_tokens += len(reqs)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return finished
+
+    def _batch(self, mode: ForwardMode, reqs: list[Req], out_cache_loc: Tensor,
+               positions: list[int], **extend) -> ForwardBatch:
+        dev = self.device
+        seq_lens_cpu = torch.tensor([r.num_cached for r in reqs], dtype=torch.int32)
+        extend = {k: v.to(dev, torch.int32) for k, v in extend.items()}
+        batch = ForwardBatch(
+            forward_mode=mode, batch_size=len(reqs),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=seq_lens_cpu.to(dev), seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=out_cache_loc.to(dev, torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev), **extend)
+        batch.attn_backend = self.attn_backend
+        batch.token_to_kv_pool = self.token_to_kv_pool
+        batch.req_to_token_pool = self.req_to_token_pool
+        self.last_batch, self.last_batch_reqs = batch, list(reqs)
+        return batch
+
+    def _run(self, batch: ForwardBatch, ids: list[int], positions: list[int]) -> Tensor:
+        self.stats.steps += 1
+        self.attn_backend.init_forward_metadata(batch)  # host side, outside the model
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            return self.forward(input_ids, batch.positions, batch)
+
+    def _sample_and_finish(self, reqs: list[Req], logits: Tensor) -> list[Req]:
+        if not reqs:
+            return []
+        temps = torch.tensor([r.sampling.temperature for r in reqs], device=logits.device)
+        tokens = sample(logits, temps, self.generator).tolist()  # the step's one host sync
+        finished = []
+        for req, tok in zip(reqs, tokens):
+            req.output_ids.append(tok)
+            if tok in req.sampling.stop_token_ids:
+                self._release(req, "stop")
+            elif len(req.output_ids) >= req.sampling.max_new_tokens:
+                self._release(req, "length")
+            else:
+                continue
+            finished.append(req)
+        return finished
+
+    # ----------------------------------------------------------------- driver
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Optional[SamplingParams] = None,
+                 on_step: Optional[Callable[[list[Req]], None]] = None) -> list[list[int]]:
+        """Run ``prompts`` to completion; returns the generated token ids of each, in order."""
+        reqs = [self.add_request(p, sampling) for p in prompts]
+        while self.has_work():
+            finished = self.step()
+            if on_step is not None:
+                on_step(finished)
+        return [r.output_ids for r in reqs]
+
+
+def sample(logits: Tensor, temperatures: Tensor, generator: torch.Generator) -> Tensor:
+    """Next token per row: argmax where ``temperature == 0``, else a softmax sample.
+
+    Args:
+        logits: [b, vocab] float. temperatures: [b] float (>= 0). generator: for sampling.
+    Returns:
+        [b] int64 token ids.
+    """
+    greedy = logits.argmax(dim=-1)
+    if not bool((temperatures > 0).any()):
+        return greedy
+    probs = torch.softmax(logits.float() / temperatures.clamp_min(1e-5)[:, None], dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.where(temperatures > 0, sampled, greedy)
+
+
+__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "sample"]
