@@ -97,8 +97,14 @@ def _merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     ref_merge.merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
 
 
+#: Extra bytes the stand-in's MLA decode asks for beyond xpu-ops' own sizing, so the glue must
+#: size workspaces with the *native* function (as the real kernels have their own formula).
+NATIVE_WORKSPACE_EXTRA = 4096
+
+
 def _workspace_size(max_seq_len, num_batches, num_heads, page_size, num_kv_splits):
-    return xpu_ops_workspace_size(max_seq_len, num_batches, num_heads, page_size, num_kv_splits)
+    return NATIVE_WORKSPACE_EXTRA + xpu_ops_workspace_size(max_seq_len, num_batches, num_heads,
+                                                           page_size, num_kv_splits)
 
 
 def _flash_mla_decode(out, q_nope, q_pe, kv_cache, seq_lens, page_table, workspace, sm_scale,
