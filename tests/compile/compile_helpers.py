@@ -1,0 +1,126 @@
+"""Shared setup of the compile tests: a tiny Llama on the real backend, batches, the split hook.
+
+``SplitPagedAttention`` is ``PagedAttention`` plus the piecewise hook this package asks for in
+``compile/layer.py`` (until it lands there): with ``use_split_op`` set, ``forward`` returns
+``unified_attention(self, q, k, v)``. ``tiny_model`` swaps it into a zoo Llama.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from compile.attention_backend import XPUAttentionBackend
+from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.layer import PagedAttention
+from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.model_runner import ModelRunnerInfo
+from compile.models import ModelConfig
+from compile.models.llama import LlamaForCausalLM
+from compile.split_op import unified_attention
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=256)
+
+
+class SplitPagedAttention(PagedAttention):
+    """PagedAttention with the piecewise hook (the lines proposed for compile/layer.py)."""
+
+    def forward(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs):
+        if getattr(self, "use_split_op", False):
+            return unified_attention(self, q, k, v)
+        return super().forward(q, k, v, forward_batch, save_kv_cache, **kwargs)
+
+
+def tiny_model(num_layers: int = 2, device="cpu", dtype=torch.float32, seed: int = 0,
+               **overrides) -> LlamaForCausalLM:
+    """A zoo Llama with random weights (std 0.15) whose attention layers have the split hook."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**{**TINY, "num_hidden_layers": num_layers, **overrides})
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    for module in model.modules():
+        if type(module) is PagedAttention:
+            module.__class__ = SplitPagedAttention
+    return model
+
+
+class Harness:
+    """Pools, allocator and backend for one model; builds batches over persistent requests.
+
+    Requests are rows of ``req_to_token``; ``extend(rows, lens)`` appends ``lens[i]`` tokens to
+    request ``rows[i]`` and ``decode(rows)`` one token each, both returning
+    ``(input_ids, positions, forward_batch)`` with metadata already initialised.
+    """
+
+    def __init__(self, model, page_size: int = 1, max_reqs: int = 16, context: int = 128,
+                 device="cpu", seed: int = 0):
+        cfg = model.config
+        self.device = torch.device(device)
+        self.vocab = cfg.vocab_size
+        num_pages = max_reqs * (-(-context // page_size)) + 1
+        self.req_pool = ReqToTokenPool(max_reqs, context, self.device)
+        self.kv_pool = MHATokenToKVPool(num_pages * page_size, page_size,
+                                        next(model.parameters()).dtype, cfg.num_key_value_heads,
+                                        cfg.head_dim, cfg.num_hidden_layers, self.device)
+        gen = torch.Generator().manual_seed(seed)
+        self.allocator = PageAllocator(num_pages, page_size, self.device, generator=gen)
+        runner = ModelRunnerInfo(
+            model_config=SimpleNamespace(context_len=context,
+                                         num_attention_heads=cfg.num_attention_heads),
+            tp_size=1, device=self.device, page_size=page_size, req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype)
+        self.backend = XPUAttentionBackend(runner)
+        self.lens = [0] * max_reqs
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def _batch(self, mode, rows, new_lens, ids, init=True) -> ForwardBatch:
+        prefix = [self.lens[r] for r in rows]
+        locs = [self.allocator.alloc_extend(self.req_pool, r, p, n)
+                for r, p, n in zip(rows, prefix, new_lens)]
+        for r, n in zip(rows, new_lens):
+            self.lens[r] += n
+        seq_lens = torch.tensor([self.lens[r] for r in rows], dtype=torch.int32)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new_lens)])
+        extend = {}
+        if mode == ForwardMode.EXTEND:
+            extend = dict(extend_seq_lens=torch.tensor(new_lens, dtype=torch.int32,
+                                                       device=self.device),
+                          extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32,
+                                                          device=self.device))
+        fb = ForwardBatch(forward_mode=mode, batch_size=len(rows),
+                          req_pool_indices=torch.tensor(rows, device=self.device),
+                          seq_lens=seq_lens.to(self.device), seq_lens_cpu=seq_lens,
+                          out_cache_loc=torch.cat(locs).to(self.device),
+                          positions=positions.to(self.device), **extend)
+        fb.attn_backend, fb.token_to_kv_pool = self.backend, self.kv_pool
+        fb.req_to_token_pool = self.req_pool
+        if init:
+            self.backend.init_forward_metadata(fb)
+        return ids.to(self.device), fb.positions, fb
+
+    def extend(self, rows: Sequence[int], lens: Sequence[int], init=True):
+        ids = torch.randint(0, self.vocab, (sum(lens),), generator=self.gen)
+        return self._batch(ForwardMode.EXTEND, list(rows), list(lens), ids, init)
+
+    def decode(self, rows: Sequence[int], init=True):
+        ids = torch.randint(0, self.vocab, (len(rows),), generator=self.gen)
+        return self._batch(ForwardMode.DECODE, list(rows), [1] * len(rows), ids, init)
+
+
+def fx_op_sequence(gm: torch.fx.GraphModule) -> str:
+    """One line per call node: ``op target`` (placeholder/output/getitem-free), for snapshots."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            target = node.target
+            name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+            if isinstance(target, torch._ops.OpOverload):
+                name = str(target)
+            lines.append(f"{node.op} {name}")
+    return "\n".join(lines)
