@@ -294,8 +294,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                     qv: Optional[Tensor], q_descale: Optional[Tensor],
                     k_descale: Optional[Tensor], v_descale: Optional[Tensor],
                     sinks: Optional[Tensor], softmax_scale: float, window_left: int,
-                    window_right: int, softcap: float, num_splits: Optional[int] = None
-                    ) -> Tensor:
+                    window_right: int, softcap: float, num_splits: Optional[int] = None,
+                    scratch: Optional[tuple[Tensor, Tensor]] = None,
+                    config: Optional[_Config] = None, lse: Optional[Tensor] = None) -> Tensor:
     """Launch the attention kernel (and the split merge); write ``out``, return the LSE.
 
     Args:
@@ -308,6 +309,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         max_kv_len: bound on keys per request from shapes (tokens), used to plan splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
         num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
+        scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
+            total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
+        config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
     Returns:
         softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
     """
@@ -317,11 +321,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     num_heads_kv = k.shape[2] if paged else k.shape[1]
     group = num_heads_q // num_heads_kv
     batch = cache_seqlens.shape[0]
-    lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return lse
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
-    cfg = _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size())
+    cfg = config or _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size())
     grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     if num_splits is None:
         num_splits = plan_num_splits(q.device, grid_m * batch * num_heads_kv, max_kv_len,
@@ -333,7 +338,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     else:
         kp, ks, kh, vp, vs, vh = 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
         pt, pt_stride, page_size = cache_seqlens, 0, 1
-    if num_splits > 1:
+    if num_splits > 1 and scratch is not None:
+        o_part, lse_part = scratch
+    elif num_splits > 1:
         o_part = torch.empty((num_splits, total_q, num_heads_q, dv_pad), dtype=torch.float32,
                              device=q.device)
         lse_part = torch.empty((num_splits, total_q, num_heads_q), dtype=torch.float32,

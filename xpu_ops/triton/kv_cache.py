@@ -1,0 +1,82 @@
+"""KV-cache writes: ``store_kv_cache`` (K and V rows) and ``store_mla_kv_cache`` (latent + rope).
+
+One program per written token copies its ``[Hkv * D]`` row into slot ``loc[i]`` of the flat
+cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
+Only the addressed slots are touched.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import providers
+from ._common import available, launch, next_pow2
+
+
+@triton.jit
+def _store_rows_kernel(
+    SRC, DST, LOC, SCALE,
+    stride_src_t, stride_src_h, stride_dst_t, stride_dst_h, num_heads, head_dim, col_offset,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    # dst[loc[i], h, col_offset + d] = src[i, h, d] (/ scale)
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(LOC + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
+    x = tl.load(SRC + tok * stride_src_t + offs_h[:, None] * stride_src_h + offs_d[None, :],
+                mask=mask, other=0.0)
+    if HAS_SCALE:
+        x = x.to(tl.float32) / tl.load(SCALE)
+    tl.store(DST + slot * stride_dst_t + offs_h[:, None] * stride_dst_h + col_offset
+             + offs_d[None, :], x.to(DST.dtype.element_ty), mask=mask)
+
+
+def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
+    """Launch ``_store_rows_kernel``: ``src [N, H, D]`` into ``dst [slots, H, >= D]``."""
+    num_tokens, num_heads, head_dim = src.shape
+    if num_tokens == 0:
+        return
+    launch(_store_rows_kernel, (num_tokens,), src.device, src, dst, loc,
+           scale if scale is not None else loc, src.stride(0), src.stride(1), dst.stride(0),
+           dst.stride(1), num_heads, head_dim, col_offset,
+           BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), HAS_SCALE=scale is not None,
+           num_warps=4)
+
+
+def _flat(cache):
+    return cache if cache.dim() == 3 else cache.flatten(0, 1)
+
+
+def _supports_store(k_cache, v_cache, loc, k, v, *args):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            return f"{name} has a non-unit stride in its last dimension"
+    if k_cache.dim() == 4 and k_cache.stride(0) != k_cache.stride(1) * k_cache.shape[1]:
+        return "k_cache pages are not contiguous slots"
+    if v_cache.dim() == 4 and v_cache.stride(0) != v_cache.stride(1) * v_cache.shape[1]:
+        return "v_cache pages are not contiguous slots"
+    return None
+
+
+@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
+def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
+    store_rows(k, _flat(k_cache), loc, k_scale)
+    store_rows(v, _flat(v_cache), loc, v_scale)
+
+
+def _supports_mla(kv_cache, loc, k_nope, k_rope):
+    if not kv_cache.is_contiguous():
+        return "kv_cache is not contiguous (it is written through a flat view)"
+    if k_nope.stride(-1) != 1 or k_rope.stride(-1) != 1:
+        return "k_nope/k_rope have a non-unit stride in their last dimension"
+    return None
+
+
+@providers.register("store_mla_kv_cache", "triton", available=available, supports=_supports_mla)
+def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
+    rows = kv_cache.view(-1, 1, kv_cache.shape[-1])              # [slots, 1, R + r]
+    store_rows(k_nope, rows, loc, None)
+    store_rows(k_rope, rows, loc, None, col_offset=k_nope.shape[-1])
