@@ -11,6 +11,12 @@ the tensor-returning ``fwd`` returns ``out [total_q, Hq, Dv]`` (the ``out`` argu
 the schema aliases it) and ``softmax_lse [Hq, total_q]`` float32 (``[b, s, Hq, Dv]`` and
 ``[b, Hq, s]`` for a 4-D query), then one empty float32 tensor per further return
 (split-KV accumulators, whose native sizes are not part of any published contract).
+
+Known limit: the older ``fwd`` schema returns an alias of its ``out`` argument
+(``-> (Tensor(a!), ...)``). With the fake it traces under ``torch.compile`` (Dynamo) and passes
+opcheck's schema and fake-tensor tests, but AOTAutograd cannot functionalize custom ops with
+aliased outputs, so backends that run AOTAutograd (``aot_eager``, ``inductor``) reject it. The
+newer schema (writes ``out``/``softmax_lse``, returns nothing) compiles with every backend.
 """
 
 from __future__ import annotations
@@ -99,8 +105,3 @@ def register_sgl_kernel_fakes(namespace: str = "sgl_kernel") -> list[str]:
         registered.append(qualname)
     return registered
 
-
-def fake_of(qualname: str) -> Optional[object]:
-    """The Python fake registered for ``qualname``, if any (for diagnostics)."""
-    kernel = torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel
-    return None if kernel is None else kernel.func
