@@ -1,0 +1,407 @@
+"""``flash_attn_with_kvcache``: numerics against the float64 oracle for every provider that can
+run, the public wrapper's forms and defaults, every argument check, and the cases from public bug
+reports listed in issue 2 (item 6)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import xpu_ops
+from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, paged_kv_cache
+
+from . import oracle
+from .utils import OUT_TOL, assert_matches_oracle, fake_like, runnable_providers
+
+OP = torch.ops.xpu_ops.flash_attn_with_kvcache
+PROVIDERS = runnable_providers("flash_attn_with_kvcache")
+I32 = torch.int32
+
+
+def _case_id(case) -> str:
+    flags = [f"ps{case.page_size}", f"h{case.hq}/{case.hkv}", f"d{case.d}"]
+    flags += [f"dv{case.dv}"] if case.dv else []
+    flags += [str(case.dtype).split(".")[1]]
+    flags += ["causal"] * case.causal + [f"w{case.window}".replace(" ", "")] * (
+        case.window != (-1, -1))
+    flags += ["softcap"] * (case.softcap > 0) + ["sinks"] * case.sinks + ["qv"] * case.qv
+    if case.kv_dtype is not None:
+        flags.append("kv_" + str(case.kv_dtype).split(".")[1])
+    flags += ["q_fp8"] * case.q_fp8
+    return "-".join(flags)
+
+
+def _run_case(case, provider, seed, dtype=None):
+    args, kwargs = attention_case_inputs(case, "cpu", dtype, torch.Generator().manual_seed(seed))
+    with xpu_ops.use_provider(provider):
+        lse = OP(*args, **kwargs)
+    out64, lse64 = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], out64, args[6].dtype, lse, lse64)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("index", range(len(ATTENTION_CASES)),
+                         ids=[_case_id(c) for c in ATTENTION_CASES])
+def test_matches_oracle(provider, index):
+    _run_case(ATTENTION_CASES[index], provider, seed=1000 + index)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("index", [3, 15])   # D 192/Dv 128 MQA; window + softcap + sinks, GQA 3
+def test_matches_oracle_per_dtype(provider, dtype, index):
+    _run_case(ATTENTION_CASES[index], provider, seed=2000 + index, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrapper: forms, defaults and compatibility keywords
+# ----------------------------------------------------------------------------------------------
+
+def _wrapper_inputs(index=1, seed=3):
+    args, kw = attention_case_inputs(ATTENTION_CASES[index], "cpu",
+                                     gen=torch.Generator().manual_seed(seed))
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "page_table", "cu_seqlens_q")
+    return dict(zip(names, args[:6])), args, kw
+
+
+def test_wrapper_packed_matches_oracle_and_default_scale():
+    t, args, kw = _wrapper_inputs()
+    out, lse = xpu_ops.flash_attn_with_kvcache(**t, causal=True, return_softmax_lse=True)
+    d = t["q"].shape[-1]
+    out64, lse64 = oracle.flash_attn_with_kvcache(*args, **dict(kw, softmax_scale=d ** -0.5))
+    assert_matches_oracle(out, out64, out.dtype, lse, lse64)
+
+
+def test_wrapper_qv_default_scale_includes_dv():
+    t, args, kw = _wrapper_inputs(index=14)            # the qv case: D 64, Dv 128
+    out = xpu_ops.flash_attn_with_kvcache(**t, qv=args[7], causal=True)
+    scale = 1 / math.sqrt(t["q"].shape[-1] + t["v_cache"].shape[-1])
+    out64, _ = oracle.flash_attn_with_kvcache(*args, **dict(kw, softmax_scale=scale))
+    assert_matches_oracle(out, out64, out.dtype)
+
+
+def test_wrapper_4d_q():
+    gen = torch.Generator().manual_seed(4)
+    b, s, hq, hkv, d = 3, 2, 4, 2, 64
+    (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
+        gen, [5, 2, 9], 4, [(hkv, d), (hkv, d)], dtype=torch.float32, device="cpu")
+    q = torch.randn(b, s, hq, d, generator=gen)
+    out, lse = xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                               page_table=page_table, causal=True,
+                                               return_softmax_lse=True)
+    assert out.shape == (b, s, hq, d) and lse.shape == (b, hq, s)
+    cu = torch.arange(0, b + 1, dtype=I32) * s
+    out64, lse64 = oracle.flash_attn_with_kvcache(
+        q.flatten(0, 1), k_cache, v_cache, cache_seqlens, page_table, cu, None, None, None, None,
+        None, None, max_seqlen_q=s, softmax_scale=d ** -0.5, causal=True, window_size_left=-1,
+        window_size_right=0, softcap=0.0)
+    assert_matches_oracle(out.flatten(0, 1), out64, out.dtype,
+                          lse.transpose(0, 1).flatten(1), lse64)
+    given = torch.full_like(out, float("nan"))
+    assert xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                           page_table=page_table, causal=True, out=given) is given
+    torch.testing.assert_close(given, out, rtol=0, atol=0)
+
+
+def test_wrapper_contiguous_cache_without_page_table():
+    gen = torch.Generator().manual_seed(5)
+    b, seqlen_k, hq, d = 2, 7, 2, 64
+    k_cache, v_cache = (torch.randn(b, seqlen_k, hq, d, generator=gen) for _ in range(2))
+    q = torch.randn(b, 3, hq, d, generator=gen)
+    out = xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    for r in range(b):
+        mask = oracle.visible_mask(3, seqlen_k, causal=True)
+        o, _ = oracle.attend(q[r], k_cache[r], v_cache[r], mask, scale=d ** -0.5)
+        torch.testing.assert_close(out[r].double(), o, **OUT_TOL[torch.float32])
+
+
+def test_wrapper_ignores_performance_hints():
+    t, _, _ = _wrapper_inputs()
+    ref = xpu_ops.flash_attn_with_kvcache(**t, causal=True)
+    hinted = xpu_ops.flash_attn_with_kvcache(**t, causal=True, num_splits=4, pack_gqa=True,
+                                             sm_margin=2, rotary_interleaved=False)
+    torch.testing.assert_close(hinted, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keyword", ["k", "v", "rotary_cos", "rotary_sin", "cache_batch_idx",
+                                     "cache_leftpad", "cu_seqlens_k_new", "rotary_seqlens",
+                                     "scheduler_metadata", "attention_chunk"])
+def test_wrapper_unimplemented_keywords(keyword):
+    t, _, _ = _wrapper_inputs()
+    value = 8 if keyword == "attention_chunk" else torch.zeros(1)
+    with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted"):
+        xpu_ops.flash_attn_with_kvcache(**t, **{keyword: value})
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases from public bug reports (issue 2, item 6)
+# ----------------------------------------------------------------------------------------------
+
+def _one_request(q_len, k_len, *, hq=2, hkv=2, d=64, page_size=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
+        gen, [k_len], page_size, [(hkv, d), (hkv, d)], dtype=torch.float32, device="cpu")
+    q = torch.randn(q_len, hq, d, generator=gen)
+    t = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+             page_table=page_table, cu_seqlens_q=torch.tensor([0, q_len], dtype=I32))
+    keys = oracle.paged_keys(k_cache, page_table, 0, k_len)
+    values = oracle.paged_keys(v_cache, page_table, 0, k_len)
+    return t, keys, values
+
+
+def _explicit_mask(q_len, k_len, allowed):
+    """``allowed(pos) -> iterable of key indices``, API.md's ``pos = k_len - q_len + i``."""
+    mask = torch.zeros(q_len, k_len, dtype=torch.bool)
+    for i in range(q_len):
+        for j in allowed(k_len - q_len + i):
+            if 0 <= j < k_len:
+                mask[i, j] = True
+    return mask
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_hf_sliding_window(provider):
+    q_len, k_len, w = 6, 11, 4
+    t, keys, values = _one_request(q_len, k_len)
+    mask = _explicit_mask(q_len, k_len, lambda pos: range(max(0, pos - w + 1), pos + 1))
+    expected, _ = oracle.attend(t["q"], keys, values, mask, scale=64 ** -0.5)
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_attn_with_kvcache(**t, causal=True, window_size=(w - 1, 0))
+        assert_matches_oracle(out, expected, torch.float32)
+        full = _explicit_mask(q_len, k_len, lambda pos: range(0, pos + 1))
+        expected_full, _ = oracle.attend(t["q"], keys, values, full, scale=64 ** -0.5)
+        assert not torch.allclose(expected_full, expected)   # the window matters here
+        for window, causal in (((k_len - 1, 0), True), ((-1, 0), True), ((-1, -1), True),
+                               ((-1, 0), False), ((k_len - 1, 0), False)):
+            same = xpu_ops.flash_attn_with_kvcache(**t, causal=causal, window_size=window)
+            assert_matches_oracle(same, expected_full, torch.float32)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_window_2_0_non_causal_means_right_zero(provider):
+    q_len, k_len = 3, 9
+    t, keys, values = _one_request(q_len, k_len, page_size=16)
+    mask = _explicit_mask(q_len, k_len, lambda pos: range(pos - 2, pos + 1))
+    expected, _ = oracle.attend(t["q"], keys, values, mask, scale=64 ** -0.5)
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_attn_with_kvcache(**t, causal=False, window_size=(2, 0))
+    assert_matches_oracle(out, expected, torch.float32)
+    unbounded = _explicit_mask(q_len, k_len, lambda pos: range(pos - 2, k_len))
+    assert not torch.allclose(oracle.attend(t["q"], keys, values, unbounded,
+                                            scale=64 ** -0.5)[0], expected)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_nan_past_cache_seqlens_and_in_unused_pages(provider):
+    gen = torch.Generator().manual_seed(7)
+    page_size, hq, hkv, d = 16, 4, 2, 64
+    k_lens, q_lens = [5, 20, 16, 1], [2, 3, 1, 1]
+    (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
+        gen, k_lens, page_size, [(hkv, d), (hkv, d)], dtype=torch.float32, device="cpu",
+        spare_pages=2, extra_columns=2)
+    assert k_cache.isnan().any()
+    # Unused page-table entries point at a spare page that is all NaN, or out of range.
+    spare = int(torch.nonzero(k_cache.isnan().flatten(1).all(dim=1))[0])
+    for r, n in enumerate(k_lens):
+        used = -(-n // page_size)
+        page_table[r, used:] = torch.tensor([spare, 10 ** 6, -1, spare])[:page_table.shape[1]
+                                                                             - used]
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    cu = torch.tensor([0, 2, 5, 6, 7], dtype=I32)
+    with xpu_ops.use_provider(provider):
+        out, lse = xpu_ops.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+            cu_seqlens_q=cu, max_seqlen_q=3, causal=True, return_softmax_lse=True)
+    out64, lse64 = oracle.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, page_table, cu, None, None, None, None, None, None,
+        max_seqlen_q=3, softmax_scale=d ** -0.5, causal=True, window_size_left=-1,
+        window_size_right=0, softcap=0.0)
+    assert_matches_oracle(out, out64, torch.float32, lse, lse64)
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_sinks_closed_form(provider, q_len):
+    k_len, hq, d = 16, 4, 64
+    sinks = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    t, keys, values = _one_request(q_len, k_len, hq=hq, hkv=hq, d=d, page_size=16)
+    t["q"] = torch.zeros(q_len, hq, d)
+    t["v_cache"] = torch.where(t["v_cache"].isnan(), t["v_cache"], 1.0)  # V = 1, garbage kept
+    with xpu_ops.use_provider(provider):
+        out, lse = xpu_ops.flash_attn_with_kvcache(**t, sinks=sinks, return_softmax_lse=True)
+    closed = (k_len / (k_len + torch.exp(sinks.double())))[None, :, None].expand(q_len, hq, d)
+    expected, expected_lse = oracle.attend(t["q"], keys, torch.ones_like(values),
+                                           torch.ones(q_len, k_len, dtype=torch.bool),
+                                           scale=d ** -0.5, sinks=sinks)
+    torch.testing.assert_close(expected, closed, rtol=1e-12, atol=1e-12)   # oracle == formula
+    assert_matches_oracle(out, expected, torch.float32, lse, expected_lse)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("arg", ["cu_seqlens_q", "cache_seqlens", "page_table"])
+def test_int64_index_tensors_rejected_naming_the_argument(arg, fake):
+    t, _, _ = _wrapper_inputs()
+    t[arg] = t[arg].long()
+    msg = _error(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t, fake)
+    assert msg.startswith(f"ValueError: flash_attn_with_kvcache: {arg} has dtype torch.int64; "
+                          f"expected torch.int32, got torch.int64."), msg
+    assert msg == _error(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t,
+                         not fake)
+
+
+@pytest.mark.parametrize("hq,hkv", [(3, 2), (33, 2)])
+def test_incompatible_head_counts(hq, hkv):
+    t, _, _ = _one_request(2, 5, hq=hq, hkv=hkv)
+    with pytest.raises(ValueError, match=f"head counts are incompatible.*Hq={hq}, Hkv={hkv}"):
+        xpu_ops.flash_attn_with_kvcache(**t)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_out_under_compile_writes_the_callers_buffer(backend):
+    t, args, kw = _wrapper_inputs()
+    buffer = torch.full((t["q"].shape[0] + 3, *args[6].shape[1:]), float("nan"))
+
+    def step(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out):
+        o, lse = xpu_ops.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=kw["max_seqlen_q"], causal=True, out=out,
+            return_softmax_lse=True)
+        return o * 2, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    view = buffer[: t["q"].shape[0]]
+    doubled, lse = compiled(**t, out=view)
+    expected_out = xpu_ops.flash_attn_with_kvcache(**t, causal=True)
+    torch.testing.assert_close(view, expected_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(doubled, 2 * expected_out, rtol=1e-6, atol=1e-6)
+    assert buffer[t["q"].shape[0]:].isnan().all()       # nothing past the view is touched
+
+
+# ----------------------------------------------------------------------------------------------
+# Every argument check, eager and under the fake (same message)
+# ----------------------------------------------------------------------------------------------
+
+def _error(call, kwargs, fake) -> str:
+    """The message ``call(**kwargs)`` raises, eagerly or with every tensor fake."""
+    if fake:
+        mode = FakeTensorMode()
+        kwargs = {k: fake_like(mode, v) for k, v in kwargs.items()}
+        with mode, pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+            call(**kwargs)
+    else:
+        with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+            call(**kwargs)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def _bad(t, args):
+    """Mutations of valid wrapper arguments (case 1: 3 requests, Hq 6, Hkv 2, D 80, page 4)."""
+    q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
+    fp8 = torch.float8_e4m3fn
+    b, hkv, total_q = 3, 2, q.shape[0]
+    ok_scale = torch.ones(b, hkv)
+    return {
+        "q not tensor": (dict(q=q.tolist()), TypeError, "q is not a tensor"),
+        "q 2-D": (dict(q=q[0]), ValueError, r"q has the wrong number of dimensions; expected 3-D"),
+        "q int": (dict(q=q.int()), ValueError, "q has dtype torch.int32"),
+        "q 3-D no cu_seqlens_q": (dict(cu_seqlens_q=None), ValueError,
+                                  "cu_seqlens_q is missing for a packed 3-D q"),
+        "q 4-D with cu_seqlens_q": (dict(q=q[None]), ValueError,
+                                    "cu_seqlens_q is given with a 4-D q"),
+        "k_cache not tensor": (dict(k_cache=None), TypeError, "k_cache is not a tensor"),
+        "k_cache 3-D": (dict(k_cache=kc[0]), ValueError,
+                        "k_cache has the wrong number of dimensions; expected 4-D"),
+        "k_cache int": (dict(k_cache=kc.int(), v_cache=vc.int()), ValueError,
+                        "k_cache has dtype torch.int32"),
+        "v_cache dtype": (dict(v_cache=vc.half()), ValueError,
+                          "v_cache has dtype torch.float16; expected torch.float32"),
+        "kv dtype vs q": (dict(k_cache=kc.bfloat16(), v_cache=vc.bfloat16()), ValueError,
+                          "k_cache has dtype torch.bfloat16; expected q's dtype torch.float32"),
+        "fp8 q, float kv": (dict(q=q.to(fp8)), ValueError,
+                            "k_cache has dtype torch.float32; expected q's dtype "
+                            "torch.float8_e4m3fn or an fp8 dtype"),
+        "q head dim": (dict(q=q[..., :64].contiguous()), ValueError,
+                       r"q has the wrong size in dimension 2; expected k_cache.shape\[3\] \(D\)"),
+        "v_cache pages": (dict(v_cache=vc[1:]), ValueError,
+                          r"v_cache has the wrong size in dimension 0; expected k_cache.shape\[0\]"),
+        "v_cache page_size": (dict(v_cache=vc[:, 1:]), ValueError,
+                              r"v_cache has the wrong size in dimension 1; expected k_cache.shape"),
+        "v_cache heads": (dict(v_cache=vc[:, :, :1]), ValueError,
+                          r"v_cache has the wrong size in dimension 2; expected k_cache.shape"),
+        "cache_seqlens missing": (dict(cache_seqlens=None), ValueError,
+                                  "cache_seqlens is missing"),
+        "cache_seqlens 2-D": (dict(cache_seqlens=t["cache_seqlens"][None]), ValueError,
+                              "cache_seqlens has the wrong number of dimensions"),
+        "cache_seqlens device": (dict(cache_seqlens=t["cache_seqlens"].to("meta")), ValueError,
+                                 "cache_seqlens is on the wrong device; expected cpu"),
+        "page_table 1-D": (dict(page_table=t["page_table"][0]), ValueError,
+                           "page_table has the wrong number of dimensions; expected 2-D"),
+        "page_table batch": (dict(page_table=t["page_table"][1:]), ValueError,
+                             r"page_table has the wrong size in dimension 0; expected "
+                             r"cache_seqlens.shape\[0\] \(b\) = 3"),
+        "cu_seqlens_q length": (dict(cu_seqlens_q=t["cu_seqlens_q"][1:]), ValueError,
+                                r"cu_seqlens_q has the wrong size in dimension 0; expected "
+                                r"b \+ 1 = 4"),
+        "out shape": (dict(out=torch.empty(total_q, 6, 64)), ValueError,
+                      r"out has the wrong shape; expected \[total_q, Hq, Dv\]"),
+        "out dtype": (dict(out=torch.empty(total_q, 6, 80, dtype=torch.half)), ValueError,
+                      "out has dtype torch.float16; expected torch.float32"),
+        "out device": (dict(out=torch.empty(total_q, 6, 80, device="meta")), ValueError,
+                       "out is on the wrong device"),
+        "Hkv 0": (dict(k_cache=kc[:, :, :0], v_cache=vc[:, :, :0]), ValueError,
+                  "head counts are incompatible.*Hkv=0"),
+        "qv dtype": (dict(qv=torch.zeros(total_q, 6, 80, dtype=torch.half)), ValueError,
+                     "qv has dtype torch.float16"),
+        "qv shape": (dict(qv=torch.zeros(total_q, 6, 64)), ValueError,
+                     r"qv has the wrong shape; expected \[total_q, Hq, Dv\]"),
+        "k_descale without fp8": (dict(k_descale=ok_scale), ValueError,
+                                  "k_descale is given for a tensor that is not fp8"),
+        "q_descale without fp8": (dict(q_descale=ok_scale), ValueError,
+                                  "q_descale is given for a tensor that is not fp8"),
+        "k_descale dtype": (dict(k_cache=kc.to(fp8), v_cache=vc.to(fp8),
+                                 k_descale=ok_scale.double()), ValueError,
+                            "k_descale has dtype torch.float64; expected torch.float32"),
+        "v_descale shape": (dict(k_cache=kc.to(fp8), v_cache=vc.to(fp8),
+                                 v_descale=torch.ones(b, 6)), ValueError,
+                            r"v_descale has the wrong shape; expected \[b, Hkv\] = \(3, 2\)"),
+        "sinks dtype": (dict(sinks=torch.zeros(6, dtype=torch.half)), ValueError,
+                        "sinks has dtype torch.float16; expected torch.float32"),
+        "sinks size": (dict(sinks=torch.zeros(2)), ValueError,
+                       r"sinks has the wrong size in dimension 0; expected Hq = 6"),
+        "softcap negative": (dict(softcap=-1.0), ValueError, "softcap is negative or NaN"),
+        "softcap NaN": (dict(softcap=float("nan")), ValueError, "softcap is negative or NaN"),
+        "softcap str": (dict(softcap="big"), TypeError, "softcap is not a real number"),
+        "softmax_scale str": (dict(softmax_scale="x"), TypeError,
+                              "softmax_scale is not a real number"),
+        "max_seqlen_q negative": (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q is negative"),
+        "window not pair": (dict(window_size=3), TypeError, "window_size is not a pair"),
+        "window 3 values": (dict(window_size=(1, 2, 3)), TypeError, "window_size is not a pair"),
+        "window < -1": (dict(window_size=(-2, 0)), ValueError,
+                        r"window_size has a negative bound; expected each side >= 0 or -1"),
+        "out 3-D for 4-D q": (dict(q=q[:2][None].contiguous(), cu_seqlens_q=None,
+                                   out=torch.empty(2, 6, 80)), ValueError,
+                              "out has the wrong number of dimensions; expected 4-D"),
+    }
+
+
+_BAD = _bad(*_wrapper_inputs()[:2])
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("name", list(_BAD))
+def test_argument_errors(name, fake):
+    t, args, _ = _wrapper_inputs()
+    change, exc, match = _bad(t, args)[name]
+    call = lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw)  # noqa: E731
+    msg = _error(call, {**t, "causal": True, **change}, fake)
+    assert msg.startswith(f"{exc.__name__}: flash_attn_with_kvcache: "), msg
+    assert re.search(match, msg), (match, msg)
+    if fake:
+        assert msg == _error(call, {**t, "causal": True, **change}, False)
