@@ -157,13 +157,13 @@ def _paged_attention_kernel(
         else:
             k_rows = (kv_start + offs_n).to(tl.int64) * stride_ks
             v_rows = (kv_start + offs_n).to(tl.int64) * stride_vs
-        k = tl.load(k_head + k_rows[None, :] + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(compute_dtype)
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(compute_dtype)
         v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :],
                     mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(compute_dtype)
 
         # ---- scores in the log2 domain, masked by length, causal and window ----
-        s = tl.dot(q, k, input_precision=PRECISION) * k_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale
         if HAS_QV:
             s += tl.dot(qv.to(compute_dtype), tl.trans(v), input_precision=PRECISION) * (
                 qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C))
@@ -350,7 +350,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     dummy = lse
     qv_t = qv if qv is not None else q
     upcast = q.device.type == "cpu" and q.dtype != torch.float32
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 or upcast else None
     launch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits), q.device,
            q, k, v, qv_t, out, lse, o_part, lse_part, cache_seqlens, pt, cu_seqlens_q,
            cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,

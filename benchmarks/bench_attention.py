@@ -1,0 +1,399 @@
+"""Benchmark the ``triton`` attention kernels against the device's ceilings and peers (issue 3).
+
+One process: measure the ceilings (device-to-device copy bandwidth, a large bf16 matmul), then
+each workload of the issue's table with the Triton provider and the peers that apply (torch SDPA
+on contiguous K/V, FlexAttention over the paged cache, the reference provider, FlashInfer when it
+imports). Writes ``attention.md`` (table), ``attention.png`` (plot) and ``attention.json`` to
+``--out``. Times are medians of ``triton.testing.do_bench`` (device events) after warm-up.
+
+    python benchmarks/bench_attention.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from typing import Callable, Optional
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import xpu_ops  # noqa: E402
+from xpu_ops.triton import paged_attention as pa  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D = 32, 8, 128
+BF16 = torch.bfloat16
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried beside the default heuristic
+DECODE_CFGS = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 64, 2, 4)]
+PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                (64, 128, 4, 2)]
+
+
+# ---- bytes and FLOPs ---------------------------------------------------------------------------
+def attention_cost(q_lens, k_lens, hq, hkv, d, dv, causal, elem=2):
+    """(bytes, flops) of one attention call: K/V of every request read once, q read and out
+    written once; FLOPs 2*(D + Dv) per visible (query, key, head), causal bottom-right."""
+    kv_bytes = sum(k_lens) * hkv * (d + dv) * elem
+    q_bytes = sum(q_lens) * hq * (d + dv) * elem
+    pairs = 0
+    for lq, lk in zip(q_lens, k_lens):
+        pairs += sum(min(lk, lk - lq + i + 1) for i in range(lq)) if causal else lq * lk
+    return kv_bytes + q_bytes, 2 * (d + dv) * hq * pairs
+
+
+def mla_cost(b, k_len, h, latent, rope, elem=2):
+    """Latent cache read once ([R + r] per token), q read, out written; 2*(R+r) + 2*R per pair."""
+    return (b * k_len * (latent + rope) + b * h * (2 * latent + rope)) * elem, \
+        b * h * k_len * (2 * (latent + rope) + 2 * latent)
+
+
+# ---- ceilings ----------------------------------------------------------------------------------
+def ceilings():
+    n = 1 << 30  # 2 GiB of bf16 per side
+    src = torch.randn(n, device=DEV, dtype=BF16)
+    dst = torch.empty_like(src)
+    t = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    copy_tbs = 2 * src.numel() * 2 / (t * 1e-3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    t = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    mm_tflops = 2 * 8192 ** 3 / (t * 1e-3) / 1e12
+    return copy_tbs, mm_tflops
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    pages = [-(-k // page_size) for k in k_lens]
+    num_pages = sum(pages)
+    perm = torch.randperm(num_pages, device=DEV, generator=gen).int()
+    table = torch.zeros(len(k_lens), max(pages), dtype=torch.int32, device=DEV)
+    start = 0
+    for r, used in enumerate(pages):
+        table[r, :used] = perm[start:start + used]
+        start += used
+    k = torch.randn(num_pages, page_size, hkv, d, device=DEV, dtype=BF16, generator=gen)
+    v = torch.randn(num_pages, page_size, hkv, d, device=DEV, dtype=BF16, generator=gen)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=BF16, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    return dict(q=q, k=k, v=v, table=table, cu=cu, lens=lens, q_lens=q_lens, k_lens=k_lens,
+                page_size=page_size)
+
+
+def contiguous_kv(w):
+    """Per-request contiguous K/V [b, Hkv, Lk_max, D] (equal lengths only) for SDPA."""
+    b = len(w["k_lens"])
+    lk = max(w["k_lens"])
+    idx = w["table"].long()[:, :, None] * w["page_size"] + torch.arange(w["page_size"],
+                                                                         device=DEV)
+    idx = idx.view(b, -1)[:, :lk]
+    kf = w["k"].flatten(0, 1)[idx].transpose(1, 2).contiguous()
+    vf = w["v"].flatten(0, 1)[idx].transpose(1, 2).contiguous()
+    return kf, vf
+
+
+def triton_fn(w, causal, **kw):
+    out = torch.empty_like(w["q"])
+    mq = max(w["q_lens"])
+
+    def run():
+        with xpu_ops.use_provider("triton"):
+            xpu_ops.flash_attn_with_kvcache(w["q"], w["k"], w["v"], cache_seqlens=w["lens"],
+                                            page_table=w["table"], cu_seqlens_q=w["cu"],
+                                            max_seqlen_q=mq, causal=causal, out=out, **kw)
+    return run
+
+
+def launcher_fn(w, causal, num_splits=None, config=None):
+    """The launcher directly, to sweep split counts and tiles."""
+    out = torch.empty_like(w["q"])
+    page = w["page_size"]
+
+    def run():
+        pa.paged_attention(w["q"], w["k"], w["v"], out, w["lens"], w["cu"], page_table=w["table"],
+                           cu_seqlens_k=None, max_seqlen_q=max(w["q_lens"]),
+                           max_kv_len=w["table"].shape[1] * page, qv=None, q_descale=None,
+                           k_descale=None, v_descale=None, sinks=None,
+                           softmax_scale=1 / math.sqrt(D), window_left=-1,
+                           window_right=0 if causal else -1, softcap=0.0, num_splits=num_splits,
+                           config=config)
+    return run
+
+
+def reference_fn(w, causal):
+    def run():
+        with xpu_ops.use_provider("reference"):
+            xpu_ops.flash_attn_with_kvcache(w["q"], w["k"], w["v"], cache_seqlens=w["lens"],
+                                            page_table=w["table"], cu_seqlens_q=w["cu"],
+                                            max_seqlen_q=max(w["q_lens"]), causal=causal)
+    return run
+
+
+def sdpa_fn(w, causal):
+    """torch SDPA on contiguous per-request K/V (equal lengths), bottom-right causal."""
+    from torch.nn.attention.bias import causal_lower_right
+    b, lq, lk = len(w["q_lens"]), max(w["q_lens"]), max(w["k_lens"])
+    if len(set(w["k_lens"])) > 1 or len(set(w["q_lens"])) > 1:
+        return None
+    kf, vf = contiguous_kv(w)
+    q = w["q"].view(b, lq, HQ, D).transpose(1, 2).contiguous()
+    F = torch.nn.functional
+    if lq == 1:
+        return lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
+    kx, vx = kf.repeat_interleave(HQ // HKV, 1), vf.repeat_interleave(HQ // HKV, 1)
+    if lq == lk:
+        return lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=causal)
+    bias = causal_lower_right(lq, lk)
+    return lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=bias)
+
+
+def flex_fn(w, causal):
+    """FlexAttention over the physical paged cache: K/V [1, Hkv, slots, D] shared by the batch,
+    a mask_mod mapping each physical slot back to (request, logical position)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    b, lq = len(w["q_lens"]), max(w["q_lens"])
+    if len(set(w["q_lens"])) > 1:
+        return None
+    page = w["page_size"]
+    num_pages = w["k"].shape[0]
+    slots = num_pages * page
+    owner = torch.full((num_pages,), -1, dtype=torch.int64, device=DEV)
+    logical = torch.zeros(num_pages, dtype=torch.int64, device=DEV)
+    for r, n in enumerate(w["k_lens"]):
+        used = -(-n // page)
+        owner[w["table"][r, :used].long()] = r
+        logical[w["table"][r, :used].long()] = torch.arange(used, device=DEV)
+    lens = w["lens"].long()
+
+    def mask_mod(bi, h, qi, kv):
+        p = kv // page
+        pos = logical[p] * page + kv % page
+        ok = (owner[p] == bi) & (pos < lens[bi])
+        if causal:
+            ok = ok & (pos <= lens[bi] - lq + qi)
+        return ok
+
+    bm = create_block_mask(mask_mod, b, None, lq, slots, device=DEV, _compile=True)
+    q = w["q"].view(b, lq, HQ, D).transpose(1, 2)
+    k = w["k"].view(1, slots, HKV, D).transpose(1, 2).expand(b, HKV, slots, D)
+    v = w["v"].view(1, slots, HKV, D).transpose(1, 2).expand(b, HKV, slots, D)
+    fa = torch.compile(flex_attention, dynamic=False)
+    return lambda: fa(q, k, v, block_mask=bm, enable_gqa=True)
+
+
+def flashinfer_fn(w):
+    try:
+        import flashinfer
+    except Exception:
+        return None
+    if max(w["q_lens"]) != 1:
+        return None
+    page = w["page_size"]
+    b = len(w["k_lens"])
+    pages = [-(-n // page) for n in w["k_lens"]]
+    indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32,
+                          device=DEV)
+    indices = torch.cat([w["table"][r, :pages[r]] for r in range(b)])
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(w["k_lens"], pages)],
+                        dtype=torch.int32, device=DEV)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    dec.plan(indptr, indices, last, HQ, HKV, D, page, data_type=BF16, q_data_type=BF16)
+    kv = (w["k"], w["v"])
+    return lambda: dec.run(w["q"], kv)
+
+
+@dataclasses.dataclass
+class Row:
+    workload: str
+    kind: str           # "bw" or "flops"
+    target: str
+    triton_ms: float
+    bytes: float
+    flops: float
+    peers: dict
+
+
+def measure(fn: Optional[Callable]) -> Optional[float]:
+    if fn is None:
+        return None
+    try:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except Exception as e:  # a peer that cannot run this shape is reported as missing
+        print(f"    peer failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def safe(make):
+    try:
+        return make()
+    except Exception as e:
+        print(f"    peer setup failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=("sdpa", "flex",
+                                                                           "reference",
+                                                                           "flashinfer"),
+                  sweep=()):
+    print(f"== {name}", flush=True)
+    w = make_paged(k_lens, q_lens, page)
+    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal)
+    t = measure(triton_fn(w, causal))
+    res = {}
+    for p in peers:
+        make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal),
+                "reference": lambda: reference_fn(w, causal),
+                "flashinfer": lambda: flashinfer_fn(w)}[p]
+        res[p] = measure(safe(make))
+        torch.cuda.empty_cache()
+    for label, kw in sweep:
+        ms = measure(launcher_fn(w, causal, **kw))
+        print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
+    row = Row(name, kind, target, t, nbytes, flops, res)
+    print(f"    triton {t:.4f} ms, peers {res}", flush=True)
+    del w
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64):
+    print(f"== {name}", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    width = k_len // page
+    kv = torch.randn(b * width, page, latent + rope, device=DEV, dtype=BF16, generator=gen)
+    table = torch.randperm(b * width, device=DEV, generator=gen).view(b, width).int()
+    lens = torch.full((b,), k_len, dtype=torch.int32, device=DEV)
+    qn = torch.randn(b, h, latent, device=DEV, dtype=BF16, generator=gen)
+    qr = torch.randn(b, h, rope, device=DEV, dtype=BF16, generator=gen)
+    ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(k_len, b, h, page), dtype=torch.uint8,
+                     device=DEV)
+
+    def fn(prov):
+        def run():
+            with xpu_ops.use_provider(prov):
+                xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576))
+        return run
+    t = measure(fn("triton"))
+    res = {"reference": measure(fn("reference"))}
+    nbytes, flops = mla_cost(b, k_len, h, latent, rope)
+    print(f"    triton {t:.4f} ms, peers {res}", flush=True)
+    return Row(name, "bw", target, t, nbytes, flops, res)
+
+
+def table(rows, copy_tbs, mm_tflops, header):
+    peers = ["sdpa", "flex", "flashinfer", "reference"]
+    lines = [header, "",
+             f"Ceilings measured in this run: device copy {copy_tbs:.2f} TB/s (read + write), "
+             f"bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s.", "",
+             "| workload | triton ms | TB/s | TFLOP/s | fraction of ceiling | target | met | "
+             + " | ".join(f"x {p}" for p in peers) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(peers)]
+    for r in rows:
+        tbs = r.bytes / (r.triton_ms * 1e-3) / 1e12
+        tfl = r.flops / (r.triton_ms * 1e-3) / 1e12
+        frac = tbs / copy_tbs if r.kind == "bw" else tfl / mm_tflops
+        if r.target.startswith(">="):
+            num = float(r.target.split()[1])
+            if "SDPA" in r.target:
+                s = r.peers.get("sdpa")
+                met = "n/a" if not s else ("yes" if s / r.triton_ms >= num else
+                                           f"no ({s / r.triton_ms:.2f})")
+            else:
+                met = "yes" if frac >= num else f"no ({frac:.2f})"
+        else:
+            met = ""
+        ratios = [("missing" if r.peers.get(p) is None else f"{r.peers[p] / r.triton_ms:.2f}")
+                  if p in r.peers else "-" for p in peers]
+        lines.append(f"| {r.workload} | {r.triton_ms:.4f} | {tbs:.2f} | {tfl:.0f} | "
+                     f"{frac:.2f} of {'copy BW' if r.kind == 'bw' else 'matmul'} | {r.target} | "
+                     f"{met} | " + " | ".join(ratios) + " |")
+    lines += ["", "`x peer` = peer time / triton time (> 1: triton faster). `missing`: the peer "
+              "could not run this shape in this process (see the log); `-`: not applicable."]
+    return "\n".join(lines)
+
+
+def plot(rows, copy_tbs, mm_tflops, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    names = [r.workload for r in rows]
+    fr = [(r.bytes / (r.triton_ms * 1e-3) / 1e12) / copy_tbs if r.kind == "bw" else
+          (r.flops / (r.triton_ms * 1e-3) / 1e12) / mm_tflops for r in rows]
+    ax.barh(names, fr, color="tab:blue", label="triton, fraction of ceiling")
+    for p, c in (("sdpa", "tab:orange"), ("flashinfer", "tab:green"), ("flex", "tab:red")):
+        xs = []
+        for r, f in zip(rows, fr):
+            xs.append(f * r.triton_ms / r.peers[p] if r.peers.get(p) else float("nan"))
+        ax.scatter(xs, names, color=c, label=p, zorder=3)
+    ax.axvline(1.0, color="k", lw=0.5)
+    ax.set_xlabel("fraction of ceiling (copy BW for decode, bf16 matmul for prefill)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="skip the sweeps and slow peers")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    copy_tbs, mm_tflops = ceilings()
+    print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    import random
+    rng = random.Random(0)
+    uniform = [rng.randint(100, 8000) for _ in range(64)]
+    splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s}) for s in (1, 2, 4, 8))
+    long_splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s})
+                                              for s in (4, 8, 16, 32))
+    def cfgs(shapes):
+        return () if args.quick else tuple((f"cfg={c}", {"config": pa._Config(*c)})
+                                           for c in shapes)
+    rows = [
+        run_attention("decode 64x4096 page 16", "bw", ">= 0.90 copy", [4096] * 64, [1] * 64, 16,
+                      False, sweep=splits),
+        run_attention("decode 64x4096 page 64", "bw", ">= 0.90 copy", [4096] * 64, [1] * 64, 64,
+                      False, sweep=splits + cfgs(DECODE_CFGS)),
+        run_attention("decode 8x32768 (split-KV)", "bw", ">= 0.75 copy", [32768] * 8, [1] * 8,
+                      64, False, sweep=long_splits),
+        run_attention("decode 64 x U[100,8000]", "bw", ">= 0.85 copy", uniform, [1] * 64, 64,
+                      False, peers=("reference", "flex", "flashinfer"), sweep=splits),
+        run_attention("prefill 8x4096 causal page 64", "flops", ">= 0.85 SDPA", [4096] * 8,
+                      [4096] * 8, 64, True, peers=("sdpa", "flex"), sweep=cfgs(PREFILL_CFGS)),
+        run_attention("extend 8x(4096+512) page 64", "flops", ">= 0.80 SDPA", [4608] * 8,
+                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference")),
+        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.80 copy"),
+    ]
+    gpu = torch.cuda.get_device_name()
+    header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
+              f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
+              f"Hkv={HKV}, D={D} unless stated.")
+    md = table(rows, copy_tbs, mm_tflops, header)
+    print(md)
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump({"copy_tbs": copy_tbs, "mm_tflops": mm_tflops, "header": header,
+                   "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    try:
+        plot(rows, copy_tbs, mm_tflops, os.path.join(args.out, "attention.png"))
+    except Exception as e:
+        print(f"plot failed: {e}")
+
+
+if __name__ == "__main__":
+    main()

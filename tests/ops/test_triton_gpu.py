@@ -1,0 +1,186 @@
+"""GPU suite of the ``triton`` provider: realistic shapes, NaN poison, opcheck on the device.
+
+Marked ``gpu`` (CI deselects it with ``-m 'not gpu'``); run on the GPU machine with
+``pytest -m gpu tests/ops/test_triton_gpu.py``. Every case poisons the output and the unused
+cache slots / page-table entries with NaN or out-of-range ids, and compares the Triton kernels
+with the reference provider by relative Frobenius error.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import xpu_ops
+import xpu_ops.testing as xt
+
+DEVICE = "cuda" if torch.cuda.is_available() else ("xpu" if hasattr(torch, "xpu") and
+                                                   torch.xpu.is_available() else None)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA or XPU device")]
+OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
+       "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+
+
+def _rel(got, want):
+    got, want = got.float(), want.float()
+    assert not torch.isnan(got).any(), "NaN in the triton output"
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def paged_case(k_lens, q_lens, page_size, hq=32, hkv=8, d=128, dv=None, dtype=torch.bfloat16,
+               kv_dtype=None):
+    """Random paged cache on the device; slots past the lengths hold NaN, page-table entries
+    past a request's last page hold out-of-range ids, and pages are shuffled."""
+    dv = dv or d
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    pages = [-(-k // page_size) for k in k_lens]
+    num_pages = sum(pages) + 3
+    perm = torch.randperm(num_pages, device=DEVICE, generator=gen)
+    width = max(pages) + 2
+    table = torch.full((len(k_lens), width), num_pages + 1000, dtype=torch.int32, device=DEVICE)
+    table[:, ::2] = -7
+    start = 0
+    k = torch.randn(num_pages, page_size, hkv, d, device=DEVICE, generator=gen, dtype=dtype)
+    v = torch.randn(num_pages, page_size, hkv, dv, device=DEVICE, generator=gen, dtype=dtype)
+    for r, (n, used) in enumerate(zip(k_lens, pages)):
+        ids = perm[start:start + used]
+        start += used
+        table[r, :used] = ids.to(torch.int32)
+        tail = n - (used - 1) * page_size if used else 0
+        if used and tail < page_size:
+            k[ids[-1], tail:] = float("nan")
+            v[ids[-1], tail:] = float("nan")
+    k[perm[start:]] = float("nan")
+    v[perm[start:]] = float("nan")
+    if kv_dtype is not None:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    q = torch.randn(sum(q_lens), hq, d, device=DEVICE, dtype=dtype, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                      device=DEVICE)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=DEVICE)
+    return q, k, v, lens, table, cu
+
+
+def _both(q, k, v, **kw):
+    with xpu_ops.use_provider("reference"):
+        ref, ref_lse = xpu_ops.flash_attn_with_kvcache(q, k, v, return_softmax_lse=True, **kw)
+    out = torch.full_like(ref, float("nan"))
+    with xpu_ops.use_provider("triton"):
+        got, lse = xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, return_softmax_lse=True,
+                                                   **kw)
+    assert got is out
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-2
+    return _rel(got, ref)
+
+
+@pytest.mark.parametrize("page_size", [64, 16, 1])
+def test_long_context_decode_split_kv(page_size):
+    """4 requests, one > 64k tokens: the split-KV path with the LSE-weighted merge."""
+    q, k, v, lens, table, cu = paged_case([70001, 1, 9000, 33333], [1, 1, 1, 1], page_size)
+    assert _both(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1) < 1e-2
+
+
+@pytest.mark.parametrize("causal,window,softcap,sinks", [(True, (-1, -1), 0.0, False),
+                                                         (True, (1000, 0), 30.0, True),
+                                                         (False, (-1, -1), 0.0, True)])
+def test_extend_128_pages_of_64(causal, window, softcap, sinks):
+    """Extend over 128 pages of 64 tokens (cached prefix + new tokens), GQA 32/8, D 128."""
+    q, k, v, lens, table, cu = paged_case([128 * 64, 128 * 64 - 5], [700, 300], 64)
+    extra = {"sinks": torch.randn(32, device=DEVICE)} if sinks else {}
+    assert _both(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu,
+                 max_seqlen_q=700, causal=causal, window_size=window, softcap=softcap,
+                 **extra) < 1e-2
+
+
+@pytest.mark.parametrize("d,dv,hq,hkv", [(64, 64, 8, 1), (80, 80, 16, 4), (96, 96, 12, 12),
+                                         (256, 256, 8, 2), (192, 128, 16, 2)])
+def test_head_dims_prefill_and_decode(d, dv, hq, hkv):
+    q, k, v, lens, table, cu = paged_case([3000, 517, 1], [333, 1, 1], 32, hq=hq, hkv=hkv, d=d,
+                                          dv=dv)
+    assert _both(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu,
+                 max_seqlen_q=333, causal=True) < 1e-2
+
+
+def test_fp8_kv_decode():
+    q, k, v, lens, table, cu = paged_case([5000, 77], [1, 4], 64, kv_dtype=torch.float8_e4m3fn)
+    desc = torch.rand(2, 8, device=DEVICE) + 0.5
+    assert _both(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=4,
+                 causal=True, k_descale=desc, v_descale=desc.flip(0)) < 2e-2
+
+
+def test_mla_decode_128_heads():
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    b, h, latent, rope, page = 4, 128, 512, 64, 64
+    lens = torch.tensor([5000, 1, 70000, 300], dtype=torch.int32, device=DEVICE)
+    width = 70000 // page + 2
+    kv = torch.randn(b * width, page, latent + rope, device=DEVICE, dtype=torch.bfloat16,
+                     generator=gen)
+    table = torch.randperm(b * width, device=DEVICE, generator=gen).view(b, width).int()
+    qn = torch.randn(b, h, latent, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    qr = torch.randn(b, h, rope, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(70000, b, h, page), dtype=torch.uint8,
+                     device=DEVICE)
+    outs = []
+    for prov in ("reference", "triton"):
+        with xpu_ops.use_provider(prov):
+            outs.append(xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576)))
+    assert _rel(outs[1], outs[0]) < 1e-2
+
+
+def test_decode_cuda_graph_capture_and_replay():
+    """The launch (split-KV included) captures in a device graph; replay sees new values."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs")
+    q, k, v, lens, table, cu = paged_case([40000, 100], [1, 1], 64)
+    out = torch.empty_like(q)
+    kw = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1)
+    with xpu_ops.use_provider("triton"):
+        xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)      # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([100, 39999], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    with xpu_ops.use_provider("reference"):
+        ref = xpu_ops.flash_attn_with_kvcache(q, k, v, **kw)
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_samples_match_reference_and_opcheck(op):
+    """Every ``sample_inputs`` case on the device: triton == reference, then opcheck."""
+    for args, kwargs in xt.sample_inputs(op, DEVICE):
+        results = []
+        for prov in ("reference", "triton"):
+            a, kw = copy.deepcopy(args), copy.deepcopy(kwargs)
+            with xpu_ops.use_provider(prov):
+                res = getattr(torch.ops.xpu_ops, op)(*a, **kw)
+            results.append((res, a))
+        (want, want_args), (got, got_args) = results
+        pairs = list(zip(got if isinstance(got, tuple) else [got],
+                         want if isinstance(want, tuple) else [want]))
+        pairs += [(g, w) for i, (g, w) in enumerate(zip(got_args, want_args))
+                  if not (op == "flash_mla_decode" and i == 5)]
+        for g, w in pairs:
+            if not isinstance(g, torch.Tensor) or g.numel() == 0:
+                continue
+            if g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or not g.is_floating_point():
+                assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                                   w.view(torch.uint8) if w.element_size() == 1 else w), op
+                continue
+            fin = torch.isfinite(w)
+            assert torch.equal(fin, torch.isfinite(g)), op
+            tol = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}[g.dtype]
+            assert (g[fin].float() - w[fin].float()).abs().max().item() <= tol * max(
+                1.0, w[fin].float().abs().max().item()), op
+        with xpu_ops.use_provider("triton"):
+            torch.library.opcheck(getattr(torch.ops.xpu_ops, op).default, args, kwargs)
