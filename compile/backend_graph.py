@@ -20,7 +20,6 @@ topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch

@@ -88,17 +88,23 @@ def make_local_attention_virtual_batches(attn_chunk_size: int, cu_seqlens_q_cpu:
     pages_per_chunk = chunk // page_size
     cols = (start // page_size)[:, None] + torch.arange(pages_per_chunk)
     cols = cols.clamp(max=max(page_table.shape[1] - 1, 0))
-    num_virtual = req.shape[0]
+    dev = page_table.device
+    if page_table.shape[1] == 0:
+        table = torch.zeros((req.shape[0], pages_per_chunk), dtype=torch.int32, device=dev)
+    else:
+        table = page_table[req.to(dev)[:, None], cols.to(dev)]
+    return _pack(table, vq_len, vk_len, pad_to)
+
+
+def _pack(table: Tensor, vq_len: Tensor, vk_len: Tensor, pad_to: Optional[int]
+          ) -> LocalAttentionMetadata:
+    """Pad to ``pad_to`` empty virtual requests and move the lengths to the table's device."""
+    num_virtual, dev = table.shape[0], table.device
     pad = 0 if pad_to is None else pad_to - num_virtual
     if pad < 0:
         raise ValueError(f"make_local_attention_virtual_batches: pad_to is too small; expected "
                          f">= {num_virtual} virtual requests, got {pad_to}.")
-    dev = page_table.device
-    if page_table.shape[1] == 0:
-        table = torch.zeros((num_virtual, pages_per_chunk), dtype=torch.int32, device=dev)
-    else:
-        table = page_table[req.to(dev)[:, None], cols.to(dev)]
-    table = torch.cat([table, table.new_zeros((pad, pages_per_chunk))])
+    table = torch.cat([table, table.new_zeros((pad, table.shape[1]))])
     vq_len = torch.cat([vq_len, vq_len.new_zeros(pad)])
     vk_len = torch.cat([vk_len, vk_len.new_zeros(pad)])
     cu = torch.zeros(num_virtual + pad + 1, dtype=torch.int32)

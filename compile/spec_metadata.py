@@ -11,8 +11,6 @@ split by position, so target verify on them uses one merged row per draft instea
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
