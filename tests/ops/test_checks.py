@@ -1,0 +1,151 @@
+"""The shared checks (``xpu_ops/_checks.py``, ``xpu_ops/ops/common.py``) branch by branch, and
+the contract that every public wrapper answers a non-tensor with a ``TypeError`` naming it.
+
+The per-op checks are exercised through the wrappers in each op's test module (eager and fake).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xpu_ops
+from xpu_ops import _checks
+from xpu_ops.ops import common
+from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, sample_inputs, \
+    varlen_case_inputs
+
+FN = "some_op"
+
+
+def test_check_tensor_branches():
+    t = torch.zeros(2, 3)
+    assert _checks.check_tensor(FN, "x", t, ndim=(2, 3), dtypes=(torch.float32,),
+                                device=torch.device("cpu")) is t
+    with pytest.raises(TypeError, match=r"^some_op: x is not a tensor; expected a torch.Tensor, "
+                                        r"got int\.$"):
+        _checks.check_tensor(FN, "x", 3)
+    with pytest.raises(ValueError, match=r"x has the wrong number of dimensions; expected 3-D or "
+                                         r"4-D, got 2-D with shape \(2, 3\)"):
+        _checks.check_tensor(FN, "x", t, ndim=(3, 4))
+    with pytest.raises(ValueError, match=r"x has dtype torch.float32; expected torch.int32, got "
+                                         r"torch.float32\. Build it with dtype=torch.int32\.$"):
+        _checks.check_tensor(FN, "x", t, dtypes=(torch.int32,))
+    with pytest.raises(ValueError, match=r"expected torch.float16 or torch.bfloat16, got "
+                                         r"torch.float32\.$"):
+        _checks.check_tensor(FN, "x", t, dtypes=(torch.float16, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x is on the wrong device; expected meta \(the device "
+                                         r"of q\), got cpu\. Move it with \.to\(q\.device\)\."):
+        _checks.check_tensor(FN, "x", t, device=torch.device("meta"))
+    assert _checks.check_optional(FN, "x", None, ndim=5) is None
+    with pytest.raises(ValueError, match="x has the wrong number of dimensions"):
+        _checks.check_optional(FN, "x", t, ndim=5)
+
+
+def test_check_size_shape_contiguous():
+    t = torch.zeros(4, 6)
+    _checks.check_size(FN, "x", t, 1, 6, "H")
+    with pytest.raises(ValueError, match=r"x has the wrong size in dimension 1; expected H = 5, "
+                                         r"got shape \(4, 6\)"):
+        _checks.check_size(FN, "x", t, 1, 5, "H")
+    with pytest.raises(ValueError, match=r"x has the wrong shape; expected \[b, H\] = \(4, 5\), "
+                                         r"got \(4, 6\)"):
+        _checks.check_shape(FN, "x", t, (4, 5), "[b, H]")
+    _checks.check_contiguous_last(FN, "x", t)
+    _checks.check_contiguous_last(FN, "x", t.t()[:, :1])      # size-1 last dim: stride irrelevant
+    with pytest.raises(ValueError, match=r"x has a non-unit stride in its last dimension.*"
+                                         r"Call \.contiguous\(\) on it"):
+        _checks.check_contiguous_last(FN, "x", t.t())
+
+
+def test_check_gqa_and_window():
+    _checks.check_gqa(FN, 8, 2)
+    for hq, hkv in ((3, 2), (33, 2), (4, 0)):
+        with pytest.raises(ValueError, match=f"q/k_cache head counts are incompatible; expected "
+                                             f"Hq to be a multiple of Hkv.*Hq={hq}, Hkv={hkv}"):
+            _checks.check_gqa(FN, hq, hkv)
+    assert _checks.check_window(FN, [3, -1]) == (3, -1)
+    with pytest.raises(TypeError, match="window_size is not a pair"):
+        _checks.check_window(FN, None)
+    with pytest.raises(ValueError, match=r"window_size has a negative bound.*got \(0, -5\)"):
+        _checks.check_window(FN, (0, -5))
+    assert common.normalize_window(FN, (4, 7), causal=True) == (4, 0)
+    assert common.normalize_window(FN, (4, 7), causal=False) == (4, 7)
+
+
+def test_check_not_implemented():
+    _checks.check_not_implemented(FN, a=None, b=False, c=0)
+    for value in (torch.zeros(1), 1, True, "x"):
+        with pytest.raises(NotImplementedError, match="keyword a is accepted for compatibility"):
+            _checks.check_not_implemented(FN, a=value)
+
+
+def test_common_helpers():
+    q = torch.zeros(2, 4, 8)
+    assert common.output_dtype(q) == torch.float32
+    assert common.output_dtype(q.to(torch.float8_e5m2)) == torch.bfloat16
+    assert common.default_softmax_scale(64) == 0.125
+    assert common.default_softmax_scale(64, 192) == 1 / 16
+    assert common.float_scalar(FN, "s", torch.tensor(0.5)) == 0.5
+    assert common.float_scalar(FN, "s", 2) == 2.0
+    with pytest.raises(TypeError, match="s is not a real number; expected a float, got list"):
+        common.float_scalar(FN, "s", [1.0])
+    with pytest.raises(ValueError, match=r"cu has the wrong size in dimension 0; expected "
+                                         r"b \+ 1 = 3"):
+        common.check_cu_seqlens(FN, "cu", torch.zeros(2, dtype=torch.int32), 2, q.device)
+    with pytest.raises(ValueError, match=r"Build it with dtype=torch.int32 \(e.g. "
+                                         r"idx.to\(torch.int32\)\)"):
+        common.check_index(FN, "idx", torch.zeros(2, dtype=torch.int64), 1, q.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# A non-tensor where a tensor belongs: TypeError naming the argument (API.md "Bad input")
+# ----------------------------------------------------------------------------------------------
+
+def _wrapper_calls():
+    a, _ = attention_case_inputs(ATTENTION_CASES[1], "cpu")
+    yield "flash_attn_with_kvcache", xpu_ops.flash_attn_with_kvcache, dict(zip(
+        ("q", "k_cache", "v_cache", "cache_seqlens", "page_table", "cu_seqlens_q"), a[:6]))
+    a, _ = varlen_case_inputs(ATTENTION_CASES[1], "cpu")
+    yield "flash_attn_varlen_func", xpu_ops.flash_attn_varlen_func, dict(zip(
+        ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), a[:5]))
+    a, _ = next(sample_inputs("merge_state_v2", "cpu"))
+    yield "merge_state_v2", xpu_ops.merge_state_v2, dict(zip(("v_a", "s_a", "v_b", "s_b"), a))
+    a, _ = next(sample_inputs("flash_mla_decode", "cpu"))
+    yield "flash_mla_decode", xpu_ops.flash_mla_decode, dict(zip(
+        ("q_nope", "q_rope", "kv_cache", "cache_seqlens", "page_table", "workspace",
+         "softmax_scale"), a))
+    a, _ = next(sample_inputs("store_kv_cache", "cpu"))
+    yield "store_kv_cache", xpu_ops.store_kv_cache, dict(zip(
+        ("k_cache", "v_cache", "loc", "k", "v"), a))
+    a, _ = next(sample_inputs("store_mla_kv_cache", "cpu"))
+    yield "store_mla_kv_cache", xpu_ops.store_mla_kv_cache, dict(zip(
+        ("kv_cache", "loc", "k_nope", "k_rope"), a))
+    a, _ = next(sample_inputs("prepare_swa_spec_page_table", "cpu"))
+    yield "prepare_swa_spec_page_table", xpu_ops.prepare_swa_spec_page_table, dict(zip(
+        ("page_table", "prefix_lens", "draft_slots", "custom_mask"), a))
+
+
+# Arguments that the wrappers check today; the others reach the dispatcher, which raises
+# RuntimeError ("Expected a value of type 'Tensor' for argument ..."): reported to the lead.
+_CHECKED = {("flash_attn_with_kvcache", "q"), ("flash_attn_with_kvcache", "k_cache"),
+            ("flash_attn_varlen_func", "q"), ("flash_attn_varlen_func", "k"),
+            ("flash_attn_varlen_func", "v"), ("merge_state_v2", "v_a"), ("merge_state_v2", "s_a"),
+            ("store_kv_cache", "k"), ("store_mla_kv_cache", "k_nope"),
+            ("store_mla_kv_cache", "k_rope")}
+_NON_TENSOR = [pytest.param(name, arg, id=f"{name}-{arg}", marks=() if (name, arg) in _CHECKED
+                            else pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                                   reason="wrapper does not type-check this "
+                                                          "argument (RuntimeError from the "
+                                                          "dispatcher); remove the mark once "
+                                                          "fixed"))
+               for name, _, kwargs in _wrapper_calls()
+               for arg, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name,arg", _NON_TENSOR)
+def test_wrappers_reject_non_tensors_with_type_error(name, arg):
+    _, fn, kwargs = next(c for c in _wrapper_calls() if c[0] == name)
+    kwargs[arg] = kwargs[arg].tolist()
+    with pytest.raises(TypeError, match=f"^{name}: {arg} is not a tensor"):
+        fn(**kwargs)

@@ -1,0 +1,108 @@
+"""``flash_mla_decode`` and ``flash_mla_get_workspace_size``: numerics against the float64
+oracle (paged latent cache with NaN garbage, empty caches, every split count), and every argument
+check."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import xpu_ops
+from xpu_ops.testing import sample_inputs
+
+from . import oracle
+from .test_paged_attention import _error
+from .utils import assert_matches_oracle, runnable_providers
+
+OP = torch.ops.xpu_ops.flash_mla_decode
+PROVIDERS = runnable_providers("flash_mla_decode")
+N_SAMPLES = len(list(sample_inputs(OP, "cpu")))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("index", range(N_SAMPLES))
+def test_matches_oracle(provider, index):
+    args, _ = list(sample_inputs(OP, "cpu", seed=5000 + index))[index]
+    q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace, scale, splits = args
+    assert kv_cache.isnan().any()                      # garbage past cache_seqlens is present
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_mla_decode(*args)
+    expected = oracle.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, scale)
+    assert_matches_oracle(out, expected, q_nope.dtype)
+
+
+@pytest.mark.parametrize("max_seq_len,b,h,splits", [(1, 1, 16, -1), (4096, 2, 16, -1),
+                                                    (100, 3, 128, 4), (70000, 1, 0, -1)])
+def test_workspace_size_is_enough(max_seq_len, b, h, splits):
+    size = xpu_ops.flash_mla_get_workspace_size(max_seq_len, b, h, 64, splits)
+    assert isinstance(size, int) and size > 0
+    heads = h or 128
+    q_nope, q_rope = torch.randn(b, heads, 512), torch.randn(b, heads, 64)
+    kv = torch.randn(1, 64, 576)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()      # shapes only: fast for 128 heads
+    with mode:
+        fargs = [mode.from_tensor(t) for t in (q_nope, q_rope, kv)]
+        ws = torch.empty(size, dtype=torch.uint8)
+        seqlens, table = torch.ones(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int32)
+        xpu_ops.flash_mla_decode(*fargs, seqlens, table, ws, 0.1, splits)
+        with pytest.raises(ValueError, match="workspace is too small"):
+            xpu_ops.flash_mla_decode(*fargs, seqlens, table, ws[:8], 0.1, splits)
+    assert xpu_ops.flash_mla_get_workspace_size(2 * max_seq_len, b + 1, h) >= \
+        xpu_ops.flash_mla_get_workspace_size(max_seq_len, b, h)
+
+
+def _valid():
+    b, h, latent, rope = 2, 4, 64, 16
+    return dict(q_nope=torch.randn(b, h, latent), q_rope=torch.randn(b, h, rope),
+                kv_cache=torch.randn(3, 4, latent + rope),
+                cache_seqlens=torch.tensor([3, 7], dtype=torch.int32),
+                page_table=torch.tensor([[2, 0], [0, 1]], dtype=torch.int32),
+                workspace=torch.empty(xpu_ops.flash_mla_get_workspace_size(8, b, h),
+                                      dtype=torch.uint8), softmax_scale=0.1)
+
+
+def _bad(t):
+    return {
+        "q_nope 2-D": (dict(q_nope=t["q_nope"][0]), ValueError,
+                       "q_nope has the wrong number of dimensions"),
+        "q_nope int": (dict(q_nope=t["q_nope"].int()), ValueError, "q_nope has dtype torch.int32"),
+        "q_rope dtype": (dict(q_rope=t["q_rope"].half()), ValueError, "q_rope has dtype"),
+        "q_rope batch": (dict(q_rope=t["q_rope"][:1]), ValueError,
+                         r"q_rope has the wrong size in dimension 0"),
+        "q_rope heads": (dict(q_rope=t["q_rope"][:, :2]), ValueError,
+                         r"q_rope has the wrong size in dimension 1"),
+        "kv_cache 4-D": (dict(kv_cache=t["kv_cache"][:, :, None]), ValueError,
+                         "kv_cache has the wrong number of dimensions"),
+        "kv_cache dtype": (dict(kv_cache=t["kv_cache"].half()), ValueError,
+                           "kv_cache has dtype torch.float16"),
+        "kv_cache R + r": (dict(kv_cache=t["kv_cache"][..., :70]), ValueError,
+                           r"kv_cache has the wrong size in dimension 2; expected R \+ r = 80"),
+        "cache_seqlens int64": (dict(cache_seqlens=t["cache_seqlens"].long()), ValueError,
+                                "cache_seqlens has dtype torch.int64"),
+        "cache_seqlens length": (dict(cache_seqlens=t["cache_seqlens"][:1]), ValueError,
+                                 "cache_seqlens has the wrong size in dimension 0"),
+        "page_table int64": (dict(page_table=t["page_table"].long()), ValueError,
+                             "page_table has dtype torch.int64"),
+        "page_table batch": (dict(page_table=t["page_table"][:1]), ValueError,
+                             "page_table has the wrong size in dimension 0"),
+        "workspace dtype": (dict(workspace=torch.empty(10 ** 5)), ValueError,
+                            "workspace has dtype torch.float32; expected torch.uint8"),
+        "workspace small": (dict(workspace=t["workspace"][:100]), ValueError,
+                            "workspace is too small"),
+        "softmax_scale str": (dict(softmax_scale="s"), TypeError,
+                              "softmax_scale is not a real number"),
+    }
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("name", list(_bad(_valid())))
+def test_argument_errors(name, fake):
+    t = _valid()
+    change, exc, match = _bad(t)[name]
+    kwargs = {**t, **change}
+    msg = _error(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, fake)
+    assert msg.startswith(f"{exc.__name__}: flash_mla_decode: ") and re.search(match, msg), msg
+    if fake:
+        assert msg == _error(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, False)
