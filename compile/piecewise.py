@@ -292,6 +292,11 @@ class PiecewiseModel(nn.Module):
                                                              device=self.device),
                              persistent=False)
 
+    def compiled_pieces(self) -> list[PieceRunner]:
+        """The ``PieceRunner``s of every Dynamo graph compiled so far, in graph order."""
+        return [runner for gm in self.backend.split_gms for runner in gm.__dict__.values()
+                if isinstance(runner, PieceRunner)]
+
     def graph_size_for(self, num_tokens: int, forward_batch) -> Optional[int]:
         """The bucket a step of ``num_tokens`` is captured at, or None (run uncaptured)."""
         mode = getattr(forward_batch, "forward_mode", None)

@@ -38,7 +38,9 @@ def _check(q: Tensor, output: Tensor) -> None:
                          f"{output.device}; expected q's {q.dtype} on {q.device}.")
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("output",))
+@torch.library.custom_op(OP_NAME, mutates_args=("output",),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) output, int layer_id) "
+                                "-> ()")
 def unified_attention_with_output(q: Tensor, k: Tensor, v: Tensor, output: Tensor,
                                   layer_id: int) -> None:
     """Attention of layer ``layer_id`` over the forward context's batch, into ``output``.

@@ -120,7 +120,7 @@ def fx_op_sequence(gm: torch.fx.GraphModule) -> str:
         if node.op in ("call_function", "call_method", "call_module"):
             target = node.target
             name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
-            if isinstance(target, torch._ops.OpOverload):
+            if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 name = str(target)
             lines.append(f"{node.op} {name}")
     return "\n".join(lines)
