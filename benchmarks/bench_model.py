@@ -1,0 +1,223 @@
+"""Decode throughput of a 1B-class Llama (random weights) in four modes, plus compile times.
+
+Modes: ``eager`` (the model as written), ``compiled`` (``torch.compile(model, fullgraph=True)``,
+Inductor, no graphs), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
+device graph per token bucket, attention eager), ``graphs`` (``compile.graph_runner.
+DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket).
+
+Throughput: decode tokens/s = b / median step time (steps after warm-up, device synchronised;
+the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
+decodes one token per request at a cache length of ``--context`` tokens.
+Compile time: first call of ``torch.compile`` with an empty Inductor cache (cold) and again in
+the same process after ``torch._dynamo.reset()`` with the cache filled (warm).
+
+    python benchmarks/bench_model.py --device cuda              # the H200 table and plot
+    python benchmarks/bench_model.py --device cpu --layers 2 --hidden 256 --batches 1 8  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from compile import device as dev
+from compile.attention_backend import XPUAttentionBackend
+from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.graph_runner import DecodeGraphRunner
+from compile.layer import PagedAttention
+from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.model_runner import ModelRunnerInfo
+from compile.models import LlamaForCausalLM, ModelConfig
+from compile.piecewise import PiecewiseModel
+
+RESULTS = Path(__file__).parent / "results"
+# Llama-3.2-1B shapes
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def build(args):
+    cfg = dict(LLAMA_1B, num_hidden_layers=args.layers)
+    if args.hidden:
+        cfg.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                   head_dim=args.hidden // 32, vocab_size=32000)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(**cfg), dtype=args.dtype, device=args.device).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    _ensure_split_hook(model)
+    return model
+
+
+def _ensure_split_hook(model) -> None:
+    """Until compile/layer.py has the piecewise hook, use the tests' hooked subclass."""
+    import inspect
+    if "use_split_op" in inspect.getsource(PagedAttention.forward):
+        return
+    from tests.compile.compile_helpers import SplitPagedAttention
+    for m in model.modules():
+        if type(m) is PagedAttention:
+            m.__class__ = SplitPagedAttention
+
+
+def decode_batch(model, b: int, context: int, page_size: int = 16):
+    """Pools, backend and one DECODE batch of ``b`` requests with ``context`` cached tokens."""
+    cfg, device = model.config, next(model.parameters()).device
+    pages_per_req = -(-(context + 1) // page_size)
+    num_pages = b * pages_per_req + 1
+    req_pool = ReqToTokenPool(b, context + 1, device)
+    kv = MHATokenToKVPool(num_pages * page_size, page_size, next(model.parameters()).dtype,
+                          cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, device)
+    alloc = PageAllocator(num_pages, page_size, device)
+    runner = ModelRunnerInfo(model_config=SimpleNamespace(
+        context_len=context + 1, num_attention_heads=cfg.num_attention_heads), tp_size=1,
+        device=device, page_size=page_size, req_to_token_pool=req_pool, token_to_kv_pool=kv,
+        kv_cache_dtype=kv.dtype)
+    backend = XPUAttentionBackend(runner)
+    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, context + 1)[-1:] for r in range(b)])
+    seq_lens_cpu = torch.full((b,), context + 1, dtype=torch.int32)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=b,
+                      req_pool_indices=torch.arange(b, device=device),
+                      seq_lens=seq_lens_cpu.to(device), seq_lens_cpu=seq_lens_cpu,
+                      out_cache_loc=loc.to(device),
+                      positions=torch.full((b,), context, dtype=torch.long, device=device))
+    fb.attn_backend, fb.token_to_kv_pool, fb.req_to_token_pool = backend, kv, req_pool
+    ids = torch.randint(0, cfg.vocab_size, (b,), device=device)
+    return ids, fb
+
+
+def make_forward(model, mode: str):
+    if mode == "eager":
+        return model
+    if mode == "compiled":
+        return torch.compile(model, fullgraph=True)
+    if mode == "piecewise":
+        return PiecewiseModel(model)
+    if mode == "graphs":
+        return DecodeGraphRunner(model, forward=torch.compile(model, fullgraph=True))
+    raise ValueError(f"bench_model: mode {mode!r} is unknown; expected eager, compiled, "
+                     "piecewise or graphs.")
+
+
+def step_seconds(forward, ids, fb, warmup: int, steps: int) -> float:
+    times = []
+    with torch.inference_mode():
+        for i in range(warmup + steps):
+            dev.synchronize(fb.device)
+            t0 = time.perf_counter()
+            fb.attn_backend.init_forward_metadata(fb)
+            forward(ids, fb.positions, fb)
+            dev.synchronize(fb.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def compile_times(model, ids, fb) -> tuple[float, float]:
+    """(cold, warm) seconds of the first compiled call, fresh cache then filled cache."""
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        for _ in range(2):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True)
+            fb.attn_backend.init_forward_metadata(fb)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                compiled(ids, fb.positions, fb)
+            dev.synchronize(fb.device)
+            out.append(time.perf_counter() - t0)
+    return out[0], out[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=str(dev.as_device()))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=0, help="shrink the model (smoke runs)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--modes", nargs="+", default=["eager", "compiled", "piecewise", "graphs"])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--compile-layers", type=int, default=30,
+                    help="layers of the model whose compile time is measured (0: skip)")
+    ap.add_argument("--out", default=str(RESULTS / "bench_model"))
+    args = ap.parse_args()
+    args.dtype = getattr(torch, args.dtype)
+    model = build(args)
+    rows = []
+    for b in args.batches:
+        ids, fb = decode_batch(model, b, args.context)
+        row = {"batch": b}
+        for mode in args.modes:
+            torch._dynamo.reset()
+            row[mode] = b / step_seconds(make_forward(model, mode), ids, fb, args.warmup,
+                                         args.steps)
+            print(f"b={b} {mode}: {row[mode]:.1f} tok/s", flush=True)
+        rows.append(row)
+    compile_s = None
+    if args.compile_layers:
+        cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
+        big = build(cargs)
+        compile_s = compile_times(big, *decode_batch(big, 8, 64))
+        print(f"compile {args.compile_layers} layers: cold {compile_s[0]:.1f} s, warm "
+              f"{compile_s[1]:.1f} s", flush=True)
+    write_results(args, rows, compile_s)
+
+
+def write_results(args, rows, compile_s) -> None:
+    name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "absent"
+    head = (f"# bench_model: decode tokens/s, {args.layers} layers, context {args.context}\n\n"
+            f"{name}, torch {torch.__version__}, Triton {tv}, {args.dtype}\n\n")
+    cols = args.modes
+    table = "| batch | " + " | ".join(cols) + " | graphs / eager | piecewise / graphs |\n"
+    table += "|---" * (len(cols) + 3) + "|\n"
+    for r in rows:
+        ratio = (f"{r['graphs'] / r['eager']:.2f}x" if "graphs" in r and "eager" in r else "-")
+        pw = (f"{r['piecewise'] / r['graphs']:.2f}" if "graphs" in r and "piecewise" in r
+              else "-")
+        table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
+                  + f" | {ratio} | {pw} |\n")
+    if compile_s:
+        table += (f"\nCompile ({args.compile_layers} layers, {args.device}): cold "
+                  f"{compile_s[0]:.1f} s, warm {compile_s[1]:.1f} s\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(head + table)
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "compile_s": compile_s}))
+    print(head + table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in cols:
+        ax.plot([r["batch"] for r in rows], [r[c] for r in rows], marker="o", label=c)
+    ax.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
+           title=f"{name}: {args.layers}-layer 1B-class Llama decode")
+    ax.legend()
+    fig.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
