@@ -33,9 +33,13 @@ DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
 BF16 = torch.bfloat16
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried beside the default heuristic
-DECODE_CFGS = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 64, 2, 4)]
-PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-                (64, 128, 4, 2)]
+DECODE_CFGS = [(16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 2, 3), (16, 32, 2, 4), (16, 64, 2, 3),
+               (16, 64, 1, 4), (16, 32, 1, 6)]
+# (num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages) for MLA decode
+MLA_CFGS = [(8, 64, 32, 8, 2), (8, 32, 32, 4, 2), (8, 64, 64, 8, 2), (8, 128, 32, 8, 2),
+            (4, 64, 32, 4, 2), (8, 16, 64, 4, 2), (2, 64, 32, 8, 3)]
+PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+                (128, 32, 4, 3)]
 
 
 # ---- bytes and FLOPs ---------------------------------------------------------------------------
@@ -184,7 +188,7 @@ def flex_fn(w, causal):
             ok = ok & (pos <= lens[bi] - lq + qi)
         return ok
 
-    bm = create_block_mask(mask_mod, b, None, lq, slots, device=DEV, _compile=True)
+    bm = torch.compile(create_block_mask)(mask_mod, b, None, lq, slots, device=DEV)
     q = w["q"].view(b, lq, HQ, D).transpose(1, 2)
     k = w["k"].view(1, slots, HKV, D).transpose(1, 2).expand(b, HKV, slots, D)
     v = w["v"].view(1, slots, HKV, D).transpose(1, 2).expand(b, HKV, slots, D)
@@ -268,7 +272,7 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=("sdpa
     return row
 
 
-def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64):
+def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64, sweep=()):
     print(f"== {name}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     width = k_len // page
@@ -287,6 +291,19 @@ def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64)
         return run
     t = measure(fn("triton"))
     res = {"reference": measure(fn("reference"))}
+    out = torch.empty_like(qn)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+    for c in sweep:
+        def direct(c=c):
+            pa.paged_attention(qr, kv[:, :, None, latent:], kv[:, :, None, :latent], out, lens, cu,
+                               page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+                               max_kv_len=k_len, qv=qn, q_descale=None, k_descale=None,
+                               v_descale=None, sinks=None, softmax_scale=1 / math.sqrt(576),
+                               window_left=-1, window_right=-1, softcap=0.0, num_splits=c[0],
+                               config=pa._Config(*c[1:]))
+        ms = measure(direct)
+        print(f"    sweep splits, cfg={c}: {ms:.4f} ms" if ms else f"    sweep {c}: failed",
+              flush=True)
     nbytes, flops = mla_cost(b, k_len, h, latent, rope)
     print(f"    triton {t:.4f} ms, peers {res}", flush=True)
     return Row(name, "bw", target, t, nbytes, flops, res)
@@ -337,7 +354,8 @@ def plot(rows, copy_tbs, mm_tflops, path):
         xs = []
         for r, f in zip(rows, fr):
             xs.append(f * r.triton_ms / r.peers[p] if r.peers.get(p) else float("nan"))
-        ax.scatter(xs, names, color=c, label=p, zorder=3)
+        if any(x == x for x in xs):
+            ax.scatter(xs, names, color=c, label=p, zorder=3)
     ax.axvline(1.0, color="k", lw=0.5)
     ax.set_xlabel("fraction of ceiling (copy BW for decode, bf16 matmul for prefill)")
     ax.legend(loc="lower right", fontsize=8)
@@ -359,7 +377,7 @@ def main():
     uniform = [rng.randint(100, 8000) for _ in range(64)]
     splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s}) for s in (1, 2, 4, 8))
     long_splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s})
-                                              for s in (4, 8, 16, 32))
+                                              for s in (8, 16, 24, 32))
     def cfgs(shapes):
         return () if args.quick else tuple((f"cfg={c}", {"config": pa._Config(*c)})
                                            for c in shapes)
@@ -375,8 +393,10 @@ def main():
         run_attention("prefill 8x4096 causal page 64", "flops", ">= 0.85 SDPA", [4096] * 8,
                       [4096] * 8, 64, True, peers=("sdpa", "flex"), sweep=cfgs(PREFILL_CFGS)),
         run_attention("extend 8x(4096+512) page 64", "flops", ">= 0.80 SDPA", [4608] * 8,
-                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference")),
-        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.80 copy"),
+                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference"),
+                      sweep=cfgs(PREFILL_CFGS)),
+        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.80 copy",
+                sweep=() if args.quick else MLA_CFGS),
     ]
     gpu = torch.cuda.get_device_name()
     header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "

@@ -121,3 +121,36 @@ def test_triton_matches_reference_on_samples(op):
             _compare(g, w, f"{op} sample {count} arg {i}")
         count += 1
     assert count > 0
+
+
+def _paged_case(gen, q_lens, k_lens, page, hq, hkv, d, dv):
+    (k, v), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(hkv, d), (hkv, dv)],
+                                            dtype=torch.float32, device="cpu")
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    return q, k, v, lens, table, cu
+
+
+@in_subprocess
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,softcap,sinks", [((-1, 0), 0.0, False), ((5, 2), 2.0, True),
+                                                  ((0, -1), 0.0, True)])
+def test_forced_splits_windows_sinks(num_splits, window, softcap, sinks):
+    """The launcher with a forced split count equals the reference (split merge adds sinks once;
+    window tiles skipped; empty rows 0 / -inf)."""
+    from xpu_ops.triton.paged_attention import paged_attention
+    gen = torch.Generator().manual_seed(num_splits)
+    q, k, v, lens, table, cu = _paged_case(gen, [1, 4, 2, 3], [37, 4, 0, 50], 3, 4, 2, 16, 8)
+    sink = torch.randn(4, generator=gen) if sinks else None
+    with xpu_ops.use_provider("reference"):
+        want, want_lse = xpu_ops.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=4,
+            window_size=window, softcap=softcap, sinks=sink, return_softmax_lse=True)
+    out = torch.full_like(want, float("nan"))
+    lse = paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+                          max_seqlen_q=4, max_kv_len=table.shape[1] * 3, qv=None, q_descale=None,
+                          k_descale=None, v_descale=None, sinks=sink, softmax_scale=0.25,
+                          window_left=window[0], window_right=window[1], softcap=softcap,
+                          num_splits=num_splits)
+    _compare(out, want, "out")
+    _compare(lse, want_lse, "lse")
