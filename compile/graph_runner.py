@@ -61,7 +61,7 @@ class GraphRunner:
     def __init__(self, model, *, mode: ForwardMode, q_per_req: int = 1,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  forward: Optional[Callable] = None, capture: Optional[bool] = None):
-        self.model, self.forward = model, forward or model
+        self.model, self.forward = model, (model if forward is None else forward)
         self.mode, self.q_per_req = mode, int(q_per_req)
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         self.max_bs = self.batch_sizes[-1]

@@ -164,9 +164,10 @@ class TestPiecewiseCapture(TestCase):
                 out = pw(ids, pos, fb)
             torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb),
                                        rtol=1e-4, atol=1e-4)
-            runner = pw.compiled_pieces()[0]
-            for size, (_, _, piece_out) in runner.graphs.items():
-                ptrs = [t.data_ptr() for t in piece_out if isinstance(t, torch.Tensor)]
-                self.assertEqual(outputs.setdefault(size, ptrs), ptrs)  # addresses fixed
+            for i, runner in enumerate(pw.compiled_pieces()):
+                for size, (_, _, piece_out) in runner.graphs.items():
+                    ptrs = [t.data_ptr() for t in piece_out if isinstance(t, torch.Tensor)]
+                    self.assertEqual(outputs.setdefault((i, size), ptrs), ptrs)  # fixed
+        self.assertEqual(len(outputs), 2 * (2 + 1))
         # buckets 4 and 8 used; every piece captured once per bucket: 2 * (num_layers + 1)
         self.assertEqual(pw.backend.stats["captures"], 2 * (2 + 1))
