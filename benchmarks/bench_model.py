@@ -37,6 +37,7 @@ from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.piecewise import PiecewiseModel
+from compile.split_op import enable_split_op
 
 RESULTS = Path(__file__).parent / "results"
 # Llama-3.2-1B shapes
@@ -97,6 +98,7 @@ def decode_batch(model, b: int, context: int, page_size: int = 16):
 
 
 def make_forward(model, mode: str):
+    enable_split_op(model, False)  # PiecewiseModel switches the layers back on for itself
     if mode == "eager":
         return model
     if mode == "compiled":
