@@ -32,7 +32,6 @@ from compile import device as dev
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
 from compile.graph_runner import DecodeGraphRunner
-from compile.layer import PagedAttention
 from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import LlamaForCausalLM, ModelConfig
@@ -56,19 +55,7 @@ def build(args):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
-    _ensure_split_hook(model)
     return model
-
-
-def _ensure_split_hook(model) -> None:
-    """Until compile/layer.py has the piecewise hook, use the tests' hooked subclass."""
-    import inspect
-    if "use_split_op" in inspect.getsource(PagedAttention.forward):
-        return
-    from tests.compile.compile_helpers import SplitPagedAttention
-    for m in model.modules():
-        if type(m) is PagedAttention:
-            m.__class__ = SplitPagedAttention
 
 
 def decode_batch(model, b: int, context: int, page_size: int = 16):

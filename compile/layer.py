@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .split_op import unified_attention
+
 
 class PagedAttention(nn.Module):
     """One attention layer over the paged KV cache (tensor-parallel sizes already divided).
@@ -57,6 +59,8 @@ class PagedAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.use_irope = use_irope
         self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
+        # Piecewise mode (compile/piecewise.py): attend through the opaque split op.
+        self.use_split_op = False
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
@@ -92,6 +96,8 @@ class PagedAttention(nn.Module):
             raise ValueError(f"PagedAttention.forward: k and v must both be tensors or both be "
                              f"None; expected a pair, got k={type(k).__name__}, "
                              f"v={type(v).__name__}.")
+        if self.use_split_op:
+            return unified_attention(self, q, k, v)
         if k is not None and "k_rope" not in kwargs:
             k = k.reshape(-1, self.tp_k_head_num, self.qk_head_dim)
             v = v.reshape(-1, self.tp_v_head_num, self.v_head_dim)

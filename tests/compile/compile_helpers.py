@@ -1,8 +1,7 @@
-"""Shared setup of the compile tests: a tiny Llama on the real backend, batches, the split hook.
+"""Shared setup of the compile tests: a tiny Llama on the real backend, and its batches.
 
-``SplitPagedAttention`` is ``PagedAttention`` plus the piecewise hook this package asks for in
-``compile/layer.py`` (until it lands there): with ``use_split_op`` set, ``forward`` returns
-``unified_attention(self, q, k, v)``. ``tiny_model`` swaps it into a zoo Llama.
+``PagedAttention`` layers attend through the split op when ``use_split_op`` is set
+(``compile.split_op.enable_split_op``), which is how the piecewise tests use them.
 """
 
 from __future__ import annotations
@@ -14,39 +13,25 @@ import torch
 
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.layer import PagedAttention
 from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import ModelConfig
 from compile.models.llama import LlamaForCausalLM
-from compile.split_op import unified_attention
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             max_position_embeddings=256)
 
 
-class SplitPagedAttention(PagedAttention):
-    """PagedAttention with the piecewise hook (the lines proposed for compile/layer.py)."""
-
-    def forward(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs):
-        if getattr(self, "use_split_op", False):
-            return unified_attention(self, q, k, v)
-        return super().forward(q, k, v, forward_batch, save_kv_cache, **kwargs)
-
-
 def tiny_model(num_layers: int = 2, device="cpu", dtype=torch.float32, seed: int = 0,
                **overrides) -> LlamaForCausalLM:
-    """A zoo Llama with random weights (std 0.15) whose attention layers have the split hook."""
+    """A zoo Llama with random weights (std 0.15)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**TINY, "num_hidden_layers": num_layers, **overrides})
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.15)
-    for module in model.modules():
-        if type(module) is PagedAttention:
-            module.__class__ = SplitPagedAttention
     return model
 
 

@@ -1,7 +1,7 @@
 """Piecewise mode: forward context, split op, graph split, per-piece compile, capture (``gpu``).
 
-The tiny zoo Llama's attention layers carry the split hook (``SplitPagedAttention`` in
-``compile_helpers``), so the splitter runs on the real model structure and backend.
+The tiny zoo Llama's ``PagedAttention`` layers take the split op (``use_split_op``, set by
+``enable_split_op``), so the splitter runs on the real model structure and backend.
 """
 
 from __future__ import annotations
