@@ -61,14 +61,17 @@ def test_store_mla_kv_cache_matches_oracle(provider, index):
     _assert_cache(kv_cache, expected, provider)
 
 
-def test_store_kv_cache_python_float_scale():
+@pytest.mark.parametrize("provider", runnable_providers("store_kv_cache"))
+def test_store_kv_cache_python_float_scale(provider):
+    gen = torch.Generator().manual_seed(12)
     k_cache = torch.zeros(8, 1, 4, dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros(8, 1, 4, dtype=torch.float8_e4m3fn)
-    k, v = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
+    k, v = torch.randn(2, 1, 4, generator=gen), torch.randn(2, 1, 4, generator=gen)
     loc = torch.tensor([6, 1])
-    xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=2.0, v_scale=0.5)
-    _assert_cache(k_cache, oracle.store_kv(torch.zeros_like(k_cache), loc, k, 2.0))
-    _assert_cache(v_cache, oracle.store_kv(torch.zeros_like(v_cache), loc, v, 0.5))
+    with xpu_ops.use_provider(provider):
+        xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=2.0, v_scale=0.5)
+    _assert_cache(k_cache, oracle.store_kv(torch.zeros_like(k_cache), loc, k, 2.0), provider)
+    _assert_cache(v_cache, oracle.store_kv(torch.zeros_like(v_cache), loc, v, 0.5), provider)
 
 
 def test_compiled_write_then_read_equals_eager():
