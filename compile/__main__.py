@@ -54,7 +54,7 @@ def make_forward(model, mode: str) -> Callable:
     if mode == "eager":
         return model
     if mode == "compile":
-        return torch.compile(model, dynamic=True)
+        return torch.compile(model)  # automatic dynamic shapes after the first recompile
     raise NotImplementedError(f"--mode {mode}: the {mode} runner is not wired into the engine "
                               "yet (compile/piecewise.py, compile/graph_runner.py); use --mode "
                               "eager or --mode compile.")
@@ -167,6 +167,8 @@ def cmd_generate(args) -> int:
     from compile.models import from_hf
     from compile.models.gguf import load_hf
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -202,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--verify", action="store_true",
                    help="compare greedy ids with transformers' generate; exit 1 on mismatch")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.set_defaults(func=cmd_generate)
     return parser

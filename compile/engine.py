@@ -98,7 +98,8 @@ class Engine:
                  kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None):
         cfg = model.config
         weight = next(model.parameters())
-        self.device, self.model, self.forward = weight.device, model, forward or model
+        self.device, self.model = weight.device, model
+        self.forward = model if forward is None else forward
         self.page_size, self.chunked_prefill_size = page_size, chunked_prefill_size
         num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
