@@ -13,8 +13,7 @@ import xpu_ops
 from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, sample_inputs
 
 from . import oracle
-from .test_paged_attention import _error
-from .utils import FP8, bitwise_equal, clone, runnable_providers
+from .utils import FP8, bitwise_equal, clone, error_message, runnable_providers
 
 STORE = torch.ops.xpu_ops.store_kv_cache
 STORE_MLA = torch.ops.xpu_ops.store_mla_kv_cache
@@ -142,8 +141,10 @@ MATCH_KV = {"k 2-D": "k has the wrong number of dimensions", "k int": "k has dty
             "k_cache 2-D": "k_cache has the wrong number of dimensions; expected 3-D or 4-D",
             "k_cache dtype": "k_cache has dtype torch.float16",
             "k_cache heads": "k_cache has the wrong size in dimension -2",
-            "k_cache head dim": r"k_cache has the wrong size in dimension -1; expected k.shape\[2\]",
-            "v_cache head dim": r"v_cache has the wrong size in dimension -1; expected v.shape\[2\]",
+            "k_cache head dim": r"k_cache has the wrong size in dimension -1; expected "
+                                r"k.shape\[2\]",
+            "v_cache head dim": r"v_cache has the wrong size in dimension -1; expected "
+                                r"v.shape\[2\]",
             "v_cache slots": "v_cache has a different number of token slots than k_cache",
             "k_scale not fp8": "k_scale is given for a cache that is not fp8",
             "k_scale dtype": "k_scale has dtype torch.float64",
@@ -155,10 +156,10 @@ MATCH_KV = {"k 2-D": "k has the wrong number of dimensions", "k int": "k has dty
 def test_store_kv_cache_argument_errors(name, fake):
     t = _valid_kv()
     kwargs = {**t, **_bad_kv(t)[name]}
-    msg = _error(lambda **kw: xpu_ops.store_kv_cache(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.store_kv_cache(**kw), kwargs, fake)
     assert msg.startswith("ValueError: store_kv_cache: ") and re.search(MATCH_KV[name], msg), msg
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.store_kv_cache(**kw), kwargs, False)
+        assert msg == error_message(lambda **kw: xpu_ops.store_kv_cache(**kw), kwargs, False)
 
 
 def _valid_mla():
@@ -188,7 +189,7 @@ def test_store_mla_kv_cache_argument_errors(name, fake):
     t = _valid_mla()
     change, match = BAD_MLA[name]
     kwargs = {**t, **change(t)}
-    msg = _error(lambda **kw: xpu_ops.store_mla_kv_cache(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.store_mla_kv_cache(**kw), kwargs, fake)
     assert msg.startswith("ValueError: store_mla_kv_cache: ") and re.search(match, msg), msg
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.store_mla_kv_cache(**kw), kwargs, False)
+        assert msg == error_message(lambda **kw: xpu_ops.store_mla_kv_cache(**kw), kwargs, False)

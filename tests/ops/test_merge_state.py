@@ -12,8 +12,7 @@ import xpu_ops
 from xpu_ops.testing import sample_inputs
 
 from . import oracle
-from .test_paged_attention import _error
-from .utils import OUT_TOL, runnable_providers
+from .utils import OUT_TOL, error_message, runnable_providers
 
 OP = torch.ops.xpu_ops.merge_state_v2
 PROVIDERS = runnable_providers("merge_state_v2")
@@ -90,7 +89,7 @@ BAD = {
 def test_argument_errors(name, fake):
     change, match = BAD[name]
     kwargs = {**_valid(), **change}
-    msg = _error(lambda **kw: xpu_ops.merge_state_v2(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.merge_state_v2(**kw), kwargs, fake)
     assert msg.startswith("ValueError: merge_state_v2: ") and re.search(match, msg), msg
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.merge_state_v2(**kw), kwargs, False)
+        assert msg == error_message(lambda **kw: xpu_ops.merge_state_v2(**kw), kwargs, False)

@@ -13,8 +13,7 @@ import xpu_ops
 from xpu_ops.testing import sample_inputs
 
 from . import oracle
-from .test_paged_attention import _error
-from .utils import assert_matches_oracle, runnable_providers
+from .utils import assert_matches_oracle, error_message, runnable_providers
 
 OP = torch.ops.xpu_ops.flash_mla_decode
 PROVIDERS = runnable_providers("flash_mla_decode")
@@ -102,7 +101,7 @@ def test_argument_errors(name, fake):
     t = _valid()
     change, exc, match = _bad(t)[name]
     kwargs = {**t, **change}
-    msg = _error(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, fake)
     assert msg.startswith(f"{exc.__name__}: flash_mla_decode: ") and re.search(match, msg), msg
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, False)
+        assert msg == error_message(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, False)

@@ -9,30 +9,16 @@ import re
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import xpu_ops
 from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, paged_kv_cache
 
 from . import oracle
-from .utils import OUT_TOL, assert_matches_oracle, fake_like, runnable_providers
+from .utils import OUT_TOL, assert_matches_oracle, case_id, error_message, runnable_providers
 
 OP = torch.ops.xpu_ops.flash_attn_with_kvcache
 PROVIDERS = runnable_providers("flash_attn_with_kvcache")
 I32 = torch.int32
-
-
-def _case_id(case) -> str:
-    flags = [f"ps{case.page_size}", f"h{case.hq}/{case.hkv}", f"d{case.d}"]
-    flags += [f"dv{case.dv}"] if case.dv else []
-    flags += [str(case.dtype).split(".")[1]]
-    flags += ["causal"] * case.causal + [f"w{case.window}".replace(" ", "")] * (
-        case.window != (-1, -1))
-    flags += ["softcap"] * (case.softcap > 0) + ["sinks"] * case.sinks + ["qv"] * case.qv
-    if case.kv_dtype is not None:
-        flags.append("kv_" + str(case.kv_dtype).split(".")[1])
-    flags += ["q_fp8"] * case.q_fp8
-    return "-".join(flags)
 
 
 def _run_case(case, provider, seed, dtype=None):
@@ -45,7 +31,7 @@ def _run_case(case, provider, seed, dtype=None):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("index", range(len(ATTENTION_CASES)),
-                         ids=[_case_id(c) for c in ATTENTION_CASES])
+                         ids=[case_id(c) for c in ATTENTION_CASES])
 def test_matches_oracle(provider, index):
     _run_case(ATTENTION_CASES[index], provider, seed=1000 + index)
 
@@ -248,10 +234,10 @@ def test_sinks_closed_form(provider, q_len):
 def test_int64_index_tensors_rejected_naming_the_argument(arg, fake):
     t, _, _ = _wrapper_inputs()
     t[arg] = t[arg].long()
-    msg = _error(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t, fake)
+    msg = error_message(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t, fake)
     assert msg.startswith(f"ValueError: flash_attn_with_kvcache: {arg} has dtype torch.int64; "
                           f"expected torch.int32, got torch.int64."), msg
-    assert msg == _error(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t,
+    assert msg == error_message(lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw, causal=True), t,
                          not fake)
 
 
@@ -288,19 +274,6 @@ def test_out_under_compile_writes_the_callers_buffer(backend):
 # Every argument check, eager and under the fake (same message)
 # ----------------------------------------------------------------------------------------------
 
-def _error(call, kwargs, fake) -> str:
-    """The message ``call(**kwargs)`` raises, eagerly or with every tensor fake."""
-    if fake:
-        mode = FakeTensorMode()
-        kwargs = {k: fake_like(mode, v) for k, v in kwargs.items()}
-        with mode, pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
-            call(**kwargs)
-    else:
-        with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
-            call(**kwargs)
-    return f"{type(info.value).__name__}: {info.value}"
-
-
 def _bad(t, args):
     """Mutations of valid wrapper arguments (case 1: 3 requests, Hq 6, Hkv 2, D 80, page 4)."""
     q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
@@ -330,7 +303,8 @@ def _bad(t, args):
         "q head dim": (dict(q=q[..., :64].contiguous()), ValueError,
                        r"q has the wrong size in dimension 2; expected k_cache.shape\[3\] \(D\)"),
         "v_cache pages": (dict(v_cache=vc[1:]), ValueError,
-                          r"v_cache has the wrong size in dimension 0; expected k_cache.shape\[0\]"),
+                          r"v_cache has the wrong size in dimension 0; expected "
+                          r"k_cache.shape\[0\]"),
         "v_cache page_size": (dict(v_cache=vc[:, 1:]), ValueError,
                               r"v_cache has the wrong size in dimension 1; expected k_cache.shape"),
         "v_cache heads": (dict(v_cache=vc[:, :, :1]), ValueError,
@@ -400,8 +374,8 @@ def test_argument_errors(name, fake):
     t, args, _ = _wrapper_inputs()
     change, exc, match = _bad(t, args)[name]
     call = lambda **kw: xpu_ops.flash_attn_with_kvcache(**kw)  # noqa: E731
-    msg = _error(call, {**t, "causal": True, **change}, fake)
+    msg = error_message(call, {**t, "causal": True, **change}, fake)
     assert msg.startswith(f"{exc.__name__}: flash_attn_with_kvcache: "), msg
     assert re.search(match, msg), (match, msg)
     if fake:
-        assert msg == _error(call, {**t, "causal": True, **change}, False)
+        assert msg == error_message(call, {**t, "causal": True, **change}, False)

@@ -11,8 +11,7 @@ import torch
 import xpu_ops
 from xpu_ops.testing import sample_inputs
 
-from .test_paged_attention import _error
-from .utils import runnable_providers
+from .utils import error_message, runnable_providers
 
 OP = torch.ops.xpu_ops.prepare_swa_spec_page_table
 N_SAMPLES = len(list(sample_inputs(OP, "cpu")))
@@ -77,9 +76,9 @@ def test_argument_errors(name, fake):
     t = _valid()
     change, exc, match = BAD[name]
     kwargs = {**t, **change(t)}
-    msg = _error(lambda **kw: xpu_ops.prepare_swa_spec_page_table(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.prepare_swa_spec_page_table(**kw), kwargs, fake)
     assert msg.startswith(f"{exc.__name__}: prepare_swa_spec_page_table: "), msg
     assert re.search(match, msg), msg
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.prepare_swa_spec_page_table(**kw), kwargs,
+        assert msg == error_message(lambda **kw: xpu_ops.prepare_swa_spec_page_table(**kw), kwargs,
                              False)

@@ -12,8 +12,7 @@ import xpu_ops
 from xpu_ops.testing import ATTENTION_CASES, varlen_case_inputs
 
 from . import oracle
-from .test_paged_attention import _case_id, _error
-from .utils import assert_matches_oracle, runnable_providers
+from .utils import assert_matches_oracle, case_id, error_message, runnable_providers
 
 OP = torch.ops.xpu_ops.flash_attn_varlen_func
 PROVIDERS = runnable_providers("flash_attn_varlen_func")
@@ -33,7 +32,7 @@ def _oracle(args, kw):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("index", range(len(ATTENTION_CASES)),
-                         ids=[_case_id(c) for c in ATTENTION_CASES])
+                         ids=[case_id(c) for c in ATTENTION_CASES])
 def test_matches_oracle(provider, index):
     gen = torch.Generator().manual_seed(3000 + index)
     args, kw = varlen_case_inputs(ATTENTION_CASES[index], "cpu", gen=gen, seqused=index % 2 == 0)
@@ -103,8 +102,9 @@ def test_argument_errors(name, fake):
     t = _valid()
     change, exc, match = _bad(t)[name]
     kwargs = {**t, "causal": True, **change}
-    msg = _error(lambda **kw: xpu_ops.flash_attn_varlen_func(**kw), kwargs, fake)
+    msg = error_message(lambda **kw: xpu_ops.flash_attn_varlen_func(**kw), kwargs, fake)
     assert msg.startswith(f"{exc.__name__}: flash_attn_varlen_func: "), msg
     assert re.search(match, msg), (match, msg)
     if fake:
-        assert msg == _error(lambda **kw: xpu_ops.flash_attn_varlen_func(**kw), kwargs, False)
+        assert msg == error_message(lambda **kw: xpu_ops.flash_attn_varlen_func(**kw), kwargs,
+                                    False)

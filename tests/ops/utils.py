@@ -107,3 +107,30 @@ def assert_matches_oracle(out: torch.Tensor, expected: torch.Tensor, dtype: torc
         torch.testing.assert_close(lse.double(), expected_lse, **LSE_TOL[dtype])
         empty = torch.isneginf(expected_lse)
         assert torch.isneginf(lse[empty]).all()
+
+
+def case_id(case) -> str:
+    """A readable test id for an ``AttentionCase``."""
+    flags = [f"ps{case.page_size}", f"h{case.hq}/{case.hkv}", f"d{case.d}"]
+    flags += [f"dv{case.dv}"] if case.dv else []
+    flags += [str(case.dtype).split(".")[1]]
+    flags += ["causal"] * case.causal + [f"w{case.window}".replace(" ", "")] * (
+        case.window != (-1, -1))
+    flags += ["softcap"] * (case.softcap > 0) + ["sinks"] * case.sinks + ["qv"] * case.qv
+    if case.kv_dtype is not None:
+        flags.append("kv_" + str(case.kv_dtype).split(".")[1])
+    flags += ["q_fp8"] * case.q_fp8
+    return "-".join(flags)
+
+
+def error_message(call, kwargs, fake) -> str:
+    """The message ``call(**kwargs)`` raises, eagerly or with every tensor fake."""
+    if fake:
+        mode = FakeTensorMode()
+        kwargs = {k: fake_like(mode, v) for k, v in kwargs.items()}
+        with mode, pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+            call(**kwargs)
+    else:
+        with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+            call(**kwargs)
+    return f"{type(info.value).__name__}: {info.value}"
