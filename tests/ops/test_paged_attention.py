@@ -424,3 +424,40 @@ def test_fp8_cache_end_to_end(provider, fp8):
             # Triton 3.9's interpreter drops the carry when fp32 -> fp8 rounds up to the next
             # power of two (1.96 -> 1.0) in store_kv_cache; compiled kernels convert in hardware.
             pytest.xfail("Triton interpreter fp32->fp8 rounding bug (CPU only)")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_strided_views(provider):
+    """q sliced out of a fused qkv projection, K/V views of one combined KV buffer, and out a
+    column slice or a transpose of a larger buffer: the values are read and written through the
+    strides. A provider may decline a layout it cannot write (NotImplementedError); the default
+    selection must then still give the right answer through the next provider."""
+    gen = torch.Generator().manual_seed(14)
+    page_size, hq, hkv, d = 4, 4, 2, 64
+    (kc, vc), page_table, cache_seqlens = paged_kv_cache(
+        gen, [9, 6], page_size, [(hkv, d), (hkv, d)], dtype=torch.float32, device="cpu")
+    qkv = torch.randn(5, (hq + 2 * hkv) * d, generator=gen)
+    q = qkv[:, :hq * d].view(5, hq, d)
+    kv = torch.stack([kc, vc], dim=1)                          # [num_pages, 2, page_size, H, D]
+    cu = torch.tensor([0, 2, 5], dtype=I32)
+    kw = dict(cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu, causal=True)
+    expected, _ = oracle.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens, page_table, cu, None, None, None, None, None, None,
+        max_seqlen_q=3, softmax_scale=d ** -0.5, causal=True, window_size_left=-1,
+        window_size_right=0, softcap=0.0)
+    assert not q.is_contiguous() and not kv[:, 0].is_contiguous()
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_attn_with_kvcache(q, kv[:, 0], kv[:, 1], **kw)
+    assert_matches_oracle(out, expected, torch.float32)
+    wide = torch.full((5, hq, 2 * d), float("nan"))
+    transposed = torch.full((5, d, hq), float("nan"))
+    for buffer, out in ((wide, wide[..., :d]), (transposed, transposed.transpose(1, 2))):
+        try:
+            with xpu_ops.use_provider(provider):
+                result = xpu_ops.flash_attn_with_kvcache(q, kc, vc, out=out, **kw)
+        except NotImplementedError as e:
+            assert provider != "reference" and "out" in str(e)
+            result = xpu_ops.flash_attn_with_kvcache(q, kc, vc, out=out, **kw)
+        assert result is out
+        assert_matches_oracle(out, expected, torch.float32)
+        assert buffer.isnan().sum() == buffer.numel() - out.numel()   # only the view is written
