@@ -163,7 +163,7 @@ def test_hf_sliding_window(provider):
         expected_full, _ = oracle.attend(t["q"], keys, values, full, scale=64 ** -0.5)
         assert not torch.allclose(expected_full, expected)   # the window matters here
         for window, causal in (((k_len - 1, 0), True), ((-1, 0), True), ((-1, -1), True),
-                               ((-1, 0), False), ((k_len - 1, 0), False)):
+                               ((-1, 0), False), ((k_len - 1, 0), False), ((-1, 3), True)):
             same = xpu_ops.flash_attn_with_kvcache(**t, causal=causal, window_size=window)
             assert_matches_oracle(same, expected_full, torch.float32)
 
