@@ -362,14 +362,28 @@ def _bad(t, args):
         "out 3-D for 4-D q": (dict(q=q[:2][None].contiguous(), cu_seqlens_q=None,
                                    out=torch.empty(2, 6, 80)), ValueError,
                               "out has the wrong number of dimensions; expected 4-D"),
+        "out 4-D wrong Dv": (dict(q=q[:3][None].contiguous(), cu_seqlens_q=None,
+                                  page_table=t["page_table"][:1], cache_seqlens=t[
+                                      "cache_seqlens"][:1], out=torch.empty(1, 3, 6, 64)),
+                             ValueError, "out has the wrong shape"),
+        "out 4-D wrong s": (dict(q=q[:3][None].contiguous(), cu_seqlens_q=None,
+                                 page_table=t["page_table"][:1], cache_seqlens=t[
+                                     "cache_seqlens"][:1], out=torch.empty(1, 2, 6, 80)),
+                            ValueError, "out has the wrong shape"),
     }
 
 
 _BAD = _bad(*_wrapper_inputs()[:2])
+# Known bugs: the 4-D path views ``out`` before checking it, so a wrong batch/seqlen raises the
+# RuntimeError of Tensor.view (xpu_ops/ops/paged_attention.py, ``out.view(q3.shape[0], ...)``).
+_KNOWN_BUGS = {"out 4-D wrong s"}
+_BAD_PARAMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                                          reason="4-D out viewed before checked"))
+               if name in _KNOWN_BUGS else name for name in _BAD]
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
-@pytest.mark.parametrize("name", list(_BAD))
+@pytest.mark.parametrize("name", _BAD_PARAMS)
 def test_argument_errors(name, fake):
     t, args, _ = _wrapper_inputs()
     change, exc, match = _bad(t, args)[name]
