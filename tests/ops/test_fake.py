@@ -3,6 +3,7 @@ device ``xpu`` without an Intel GPU, and every ``return_softmax_lse`` x ``out=``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -189,3 +190,37 @@ def test_fake_matches_real_for_lse_and_out(kind, lse, given_out):
     if given_out:
         assert (real[0] if lse else real) is out and (fake[0] if lse else fake) is fout
         assert not out.isnan().any()
+
+
+def test_compile_dynamic_token_counts_one_graph():
+    """Dynamo + AOTAutograd over the real fakes: with the token, batch and page dimensions marked
+    dynamic, varying them reuses one graph (no guard on their values), and every run matches
+    eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q):
+        return xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                               page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                                               max_seqlen_q=8, causal=True,
+                                               return_softmax_lse=True)
+
+    torch._dynamo.reset()
+    # Token counts, batch sizes and page counts all change; dtype and head shapes stay.
+    for reqs in (((3, 7), (1, 4)), ((2, 2), (5, 9), (1, 12)), ((1, 3), (4, 4), (2, 6), (6, 6))):
+        case = dataclasses.replace(ATTENTION_CASES[1], reqs=reqs)
+        args, _ = attention_case_inputs(case, "cpu")
+        tensors = dict(zip(("q", "k_cache", "v_cache", "cache_seqlens", "page_table",
+                            "cu_seqlens_q"), args[:6]))
+        for name, dims in (("q", (0,)), ("k_cache", (0,)), ("v_cache", (0,)),
+                           ("cache_seqlens", (0,)), ("page_table", (0, 1)),
+                           ("cu_seqlens_q", (0,))):
+            torch._dynamo.mark_dynamic(tensors[name], dims)
+        out, lse = step(**tensors)
+        ref, ref_lse = xpu_ops.flash_attn_with_kvcache(**tensors, causal=True,
+                                                       return_softmax_lse=True)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    assert counter.frame_count == 1   # one graph for every size
