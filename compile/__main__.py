@@ -139,6 +139,8 @@ def report(tokenizer, prompts, outputs, stats, mode: str) -> None:
           f"{pre:.1f} tokens/s")
     print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
           f"{dec:.1f} tokens/s ({stats.steps} steps)")
+    if mode != "eager":
+        print("(first-call compilation is included in these times)")
     if mode == "compile":
         from torch._dynamo.utils import counters
         breaks = sum(counters["graph_break"].values())

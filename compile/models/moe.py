@@ -43,7 +43,8 @@ class Experts(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: Tensor, weights: Tensor) -> Tensor:
-        gate_up = torch.einsum("th,ehf->etf", x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
+        gate_up = torch.einsum("th,ehf->etf", x, self.gate_up_proj)
+        gate_up = gate_up + self.gate_up_proj_bias[:, None]  # [E, T, 2I], gate/up interleaved
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # [E, T, I]
