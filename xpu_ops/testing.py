@@ -29,7 +29,7 @@ from torch import Tensor
 import xpu_ops  # noqa: F401  (registers the ops)
 
 __all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "sample_inputs",
-           "paged_kv_cache", "attention_case_inputs", "op_name"]
+           "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name"]
 
 #: The op packets the package registers (``xpu_ops.REGISTERED_OPS``), each with a sampler here.
 REGISTERED_OPS = list(xpu_ops.REGISTERED_OPS)
