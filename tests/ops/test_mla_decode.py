@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xpu_ops
-from xpu_ops.testing import sample_inputs
+from xpu_ops.testing import paged_kv_cache, sample_inputs
 
 from . import oracle
 from .utils import assert_matches_oracle, error_message, runnable_providers
@@ -105,3 +105,19 @@ def test_argument_errors(name, fake):
     assert msg.startswith(f"{exc.__name__}: flash_mla_decode: ") and re.search(match, msg), msg
     if fake:
         assert msg == error_message(lambda **kw: xpu_ops.flash_mla_decode(**kw), kwargs, False)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_strided_q_nope(provider):
+    """q_nope as it comes out of the absorbing bmm, ``[H, b, R].transpose(0, 1)``."""
+    gen = torch.Generator().manual_seed(15)
+    (kv,), page_table, cache_seqlens = paged_kv_cache(gen, [9, 20], 16, [(80,)],
+                                                      dtype=torch.float32, device="cpu")
+    q_nope = torch.randn(4, 2, 64, generator=gen).transpose(0, 1)
+    q_rope = torch.randn(2, 4, 16, generator=gen)
+    workspace = torch.empty(xpu_ops.flash_mla_get_workspace_size(32, 2, 4), dtype=torch.uint8)
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, workspace,
+                                       0.1)
+    expected = oracle.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, 0.1)
+    assert_matches_oracle(out, expected, torch.float32)

@@ -108,3 +108,19 @@ def test_argument_errors(name, fake):
     if fake:
         assert msg == error_message(lambda **kw: xpu_ops.flash_attn_varlen_func(**kw), kwargs,
                                     False)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_strided_qkv_views(provider):
+    """q, k and v as views into one fused qkv projection (strided token dimension)."""
+    gen = torch.Generator().manual_seed(16)
+    qkv = torch.randn(7, (4 + 2 + 2) * 32, generator=gen)
+    q, k, v = qkv[:, :128].view(7, 4, 32), qkv[:, 128:192].view(7, 2, 32), \
+        qkv[:, 192:].view(7, 2, 32)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with xpu_ops.use_provider(provider):
+        out, lse = xpu_ops.flash_attn_varlen_func(q, k, v, cu, cu, causal=True,
+                                                  return_softmax_lse=True)
+    out64, lse64 = oracle.flash_attn_varlen_func(q, k, v, cu, cu, causal=True,
+                                                 softmax_scale=32 ** -0.5)
+    assert_matches_oracle(out, out64, torch.float32, lse, lse64)
