@@ -55,6 +55,19 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
     return t
 
 
+def check_tensor_args(fn: str, optional: Iterable[str] = (), **args: object) -> None:
+    """``TypeError`` naming the first argument that is not a tensor (``None`` is allowed for the
+    names in ``optional``). Public wrappers call it first, before the dispatcher sees the call.
+    """
+    allowed_none = set(optional)
+    for arg, value in args.items():
+        if value is None and arg in allowed_none:
+            continue
+        if not isinstance(value, torch.Tensor):
+            rule = "a torch.Tensor or None" if arg in allowed_none else "a torch.Tensor"
+            fail(fn, arg, "is not a tensor", rule, type(value).__name__, exc=TypeError)
+
+
 def check_optional(fn: str, arg: str, t: object, **kwargs) -> Optional[torch.Tensor]:
     """``check_tensor`` for an argument that may be ``None``."""
     return None if t is None else check_tensor(fn, arg, t, **kwargs)

@@ -126,19 +126,7 @@ def _wrapper_calls():
         ("page_table", "prefix_lens", "draft_slots", "custom_mask"), a))
 
 
-# Arguments that the wrappers check today; the others reach the dispatcher, which raises
-# RuntimeError ("Expected a value of type 'Tensor' for argument ..."): reported to the lead.
-_CHECKED = {("flash_attn_with_kvcache", "q"), ("flash_attn_with_kvcache", "k_cache"),
-            ("flash_attn_varlen_func", "q"), ("flash_attn_varlen_func", "k"),
-            ("flash_attn_varlen_func", "v"), ("merge_state_v2", "v_a"), ("merge_state_v2", "s_a"),
-            ("store_kv_cache", "k"), ("store_mla_kv_cache", "k_nope"),
-            ("store_mla_kv_cache", "k_rope")}
-_NON_TENSOR = [pytest.param(name, arg, id=f"{name}-{arg}", marks=() if (name, arg) in _CHECKED
-                            else pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                                   reason="wrapper does not type-check this "
-                                                          "argument (RuntimeError from the "
-                                                          "dispatcher); remove the mark once "
-                                                          "fixed"))
+_NON_TENSOR = [pytest.param(name, arg, id=f"{name}-{arg}")
                for name, _, kwargs in _wrapper_calls()
                for arg, v in kwargs.items() if isinstance(v, torch.Tensor)]
 

@@ -108,7 +108,7 @@ def _bad(t, args):
                         r"window_size has a negative bound; expected each side >= 0 or -1"),
         "out 3-D for 4-D q": (dict(q=q[:2][None].contiguous(), cu_seqlens_q=None,
                                    out=torch.empty(2, 6, 80)), ValueError,
-                              "out has the wrong number of dimensions; expected 4-D"),
+                              r"out has the wrong shape; expected \[b, s, Hq, Dv\] for a 4-D q"),
         "out 4-D wrong Dv": (dict(q=q[:3][None].contiguous(), cu_seqlens_q=None,
                                   page_table=t["page_table"][:1], cache_seqlens=t[
                                       "cache_seqlens"][:1], out=torch.empty(1, 3, 6, 64)),
@@ -120,13 +120,7 @@ def _bad(t, args):
     }
 
 
-_BAD = _bad(*_wrapper_inputs()[:2])
-# Known bugs: the 4-D path views ``out`` before checking it, so a wrong batch/seqlen raises the
-# RuntimeError of Tensor.view (xpu_ops/ops/paged_attention.py, ``out.view(q3.shape[0], ...)``).
-_KNOWN_BUGS = {"out 4-D wrong s"}
-_BAD_PARAMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                                          reason="4-D out viewed before checked"))
-               if name in _KNOWN_BUGS else name for name in _BAD]
+_BAD_PARAMS = list(_bad(*_wrapper_inputs()[:2]))
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])

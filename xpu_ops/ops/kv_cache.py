@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, fail)
+from .._checks import FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail
 
 STORE_KV = "store_kv_cache"
 STORE_MLA = "store_mla_kv_cache"
@@ -102,6 +102,7 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     >>> torch.equal(kc[5], k[0]) and torch.equal(vc[1], v[1]) and kc[0].abs().sum().item() == 0
     True
     """
+    check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
     check_tensor(STORE_KV, "k", k, ndim=3)
     torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v,
                                      _scale_tensor(k_scale, k.device),
@@ -157,6 +158,7 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     >>> cache[2, 0].tolist()
     [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
     """
+    check_tensor_args(STORE_MLA, kv_cache=kv_cache, loc=loc, k_nope=k_nope, k_rope=k_rope)
     k_nope = check_tensor(STORE_MLA, "k_nope", k_nope, ndim=(2, 3))
     k_rope = check_tensor(STORE_MLA, "k_rope", k_rope, ndim=(2, 3))
     k_nope = k_nope.unsqueeze(1) if k_nope.dim() == 2 else k_nope

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+from .._checks import FLOAT_DTYPES, check_shape, check_tensor, check_tensor_args
 
 NAME = "merge_state_v2"
 
@@ -71,6 +71,8 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
     >>> torch.allclose(v, w[0] * v_a + w[1] * v_b, atol=1e-6), torch.allclose(s, torch.logaddexp(s_a, s_b))
     (True, True)
     """
+    check_tensor_args(NAME, ("v_merged", "s_merged"), v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b,
+                      v_merged=v_merged, s_merged=s_merged)
     check_tensor(NAME, "v_a", v_a, ndim=3)
     check_tensor(NAME, "s_a", s_a, ndim=2)
     if v_merged is None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .._checks import FLOAT_DTYPES, check_size, check_tensor, fail
+from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .common import check_index, float_scalar
 
 NAME = "flash_mla_decode"
@@ -138,6 +138,8 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     >>> torch.allclose(o[0], p @ kv[0, :3, :8], atol=1e-5)
     True
     """
+    check_tensor_args(NAME, q_nope=q_nope, q_rope=q_rope, kv_cache=kv_cache,
+                      cache_seqlens=cache_seqlens, page_table=page_table, workspace=workspace)
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
                                               float_scalar(NAME, "softmax_scale", softmax_scale),

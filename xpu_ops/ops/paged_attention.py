@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .._checks import check_not_implemented, check_size, check_tensor, fail, FLOAT_DTYPES, FP8_DTYPES
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
+                       check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
                      check_out, check_query, default_softmax_scale, float_scalar,
                      normalize_window, output_dtype)
@@ -90,8 +91,6 @@ def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_d
 
 def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
     """Turn a 4-D ``q [b, s, Hq, D]`` into packed ``[b*s, Hq, D]`` with its ``cu_seqlens_q``."""
-    if not isinstance(q, Tensor):
-        fail(fn, "q", "is not a tensor", "a torch.Tensor", type(q).__name__, exc=TypeError)
     if q.dim() != 4:
         if cu_seqlens_q is None:
             fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
@@ -172,6 +171,12 @@ def flash_attn_with_kvcache(
                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                           cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
                           scheduler_metadata=scheduler_metadata, attention_chunk=attention_chunk)
+    check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
+                           "k_descale", "v_descale", "sinks", "out"),
+                      q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                      page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv,
+                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sinks=sinks,
+                      out=out)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = _as_packed(fn, q, cu_seqlens_q, max_seqlen_q)
     check_tensor(fn, "k_cache", k_cache, ndim=4)
     if page_table is None:
@@ -182,7 +187,7 @@ def flash_attn_with_kvcache(
             cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
     elif cache_seqlens is None:
         fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table", None)
-    head_dim_v = v_cache.shape[-1] if isinstance(v_cache, Tensor) else 0
+    head_dim_v = v_cache.shape[-1]
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     left, right = normalize_window(fn, window_size, causal)
@@ -190,8 +195,9 @@ def flash_attn_with_kvcache(
     if out is None:
         out3 = q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=output_dtype(q3))
     elif batch_shape is not None:
-        check_tensor(fn, "out", out, ndim=4)
-        out3 = out.view(q3.shape[0], q3.shape[1], out.shape[-1])
+        check_out(fn, out, (*batch_shape, q3.shape[1], head_dim_v), output_dtype(q3), q3.device,
+                  "[b, s, Hq, Dv] for a 4-D q")
+        out3 = out.view(q3.shape[0], q3.shape[1], head_dim_v)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from .._checks import check_shape, check_size, check_tensor
+from .._checks import check_shape, check_size, check_tensor, check_tensor_args
 from .common import check_index
 
 NAME = "prepare_swa_spec_page_table"
@@ -22,8 +22,7 @@ NAME = "prepare_swa_spec_page_table"
 def _check_prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask):
     """Validate shapes/dtypes/devices (runs in the fake too)."""
     fn = NAME
-    check_index(fn, "page_table", page_table, 2, page_table.device if isinstance(
-        page_table, Tensor) else None)
+    check_index(fn, "page_table", page_table, 2, None)
     device = page_table.device
     batch = page_table.shape[0]
     check_index(fn, "prefix_lens", prefix_lens, 1, device)
@@ -82,5 +81,7 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     >>> pt.tolist(), lens.tolist()
     ([[7, 8, 20, 0, 0], [7, 8, 20, 21, 0]], [3, 4])
     """
+    check_tensor_args(NAME, page_table=page_table, prefix_lens=prefix_lens,
+                      draft_slots=draft_slots, custom_mask=custom_mask)
     return torch.ops.xpu_ops.prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots,
                                                          custom_mask)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import providers
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
-                       fail)
+                       check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
                      check_out, check_query, default_softmax_scale, float_scalar,
                      normalize_window, output_dtype)
@@ -130,6 +130,11 @@ def flash_attn_varlen_func(
     """
     fn = NAME
     check_not_implemented(fn, seqused_q=seqused_q)
+    check_tensor_args(fn, ("seqused_k", "qv", "q_descale", "k_descale", "v_descale", "sinks",
+                           "out"),
+                      q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale, sinks=sinks, out=out)
     check_tensor(fn, "q", q, ndim=3)
     check_tensor(fn, "k", k, ndim=3)
     check_tensor(fn, "v", v, ndim=3)
