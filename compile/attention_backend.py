@@ -160,7 +160,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
             return AttentionMetadata(main=main, write=write)
         prefix, expand, mask = spec_metadata.verify_tree(fb, self.req_to_token, self.page_size, d)
         swa_spec = None
-        if self.sliding_window_size or self.is_hybrid_swa:
+        if self.sliding_window_size is not None or self.is_hybrid_swa:
             swa_spec = spec_metadata.verify_tree_swa(fb, self.token_to_kv_pool,
                                                      self.req_to_token, mask, d)
         return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
@@ -299,7 +299,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         Raises:
             NotImplementedError: a layer kind this mode cannot serve, naming both.
         """
-        windowed = layer.sliding_window_size > 0
+        windowed = layer.sliding_window_size >= 0
         if layer.is_cross_attention:
             if meta.encoder is None:
                 raise NotImplementedError("XPUAttentionBackend: a cross-attention layer in a "
@@ -334,7 +334,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
         w = layer.sliding_window_size
         kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap,
-                  window_size=(w - 1, 0) if w > 0 and not layer.is_cross_attention else (-1, -1))
+                  window_size=(w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1))
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
         args = dict(cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                     cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,

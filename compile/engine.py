@@ -112,7 +112,8 @@ class Engine:
                                          num_attention_heads=cfg.num_attention_heads),
             tp_size=1, device=self.device, page_size=page_size,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
-            kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=cfg.sliding_window,
+            kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
+                None if cfg.sliding_window is None else cfg.sliding_window - 1),
             attention_chunk_size=cfg.attention_chunk_size)
         if backend_cls is None:
             from compile.attention_backend import XPUAttentionBackend as backend_cls

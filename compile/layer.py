@@ -22,8 +22,9 @@ class PagedAttention(nn.Module):
         num_kv_heads: Hkv. layer_id: global layer index (selects the layer's KV buffers).
         logit_cap: softcap on the scores (0 disables it).
         v_head_dim: Dv (-1: same as D).
-        sliding_window_size: Hugging Face ``sliding_window`` W (-1: full attention); the backend
-            attends ``window_size = (W - 1, 0)``.
+        sliding_window_size: left window bound in tokens, as sglang's ``RadixAttention`` takes
+            it: ``W - 1`` for a Hugging Face ``sliding_window = W`` (-1 or None: full
+            attention); the backend attends ``window_size = (sliding_window_size, 0)``.
         is_cross_attention: encoder-decoder cross attention (keys are the encoder tokens).
         use_irope: chunked local attention (Llama 4 iRoPE layers, ``attention_chunk_size``).
         kv_sharing_target_layer_id: read the KV cache of that layer instead (cross-layer KV

@@ -28,7 +28,8 @@ class ModelRunnerInfo:
         kv_cache_dtype: dtype of the KV cache (an fp8 dtype enables scale/descale).
         server_args: object with sglang's ``speculative_eagle_topk``,
             ``speculative_num_draft_tokens``, ``speculative_num_steps`` (may be absent).
-        sliding_window_size: the model's HF ``sliding_window`` or None.
+        sliding_window_size: the left window bound of sliding layers, ``W - 1`` for a Hugging Face
+            ``sliding_window = W`` (sglang's convention), or None.
         attention_chunk_size: chunk of local-attention (iRoPE) layers or None.
         is_hybrid_swa: True when ``token_to_kv_pool`` is an SWAKVPool.
         use_mla_backend: True for MLA models (default: the pool is an MLATokenToKVPool).

@@ -110,10 +110,11 @@ class ModelConfig:
         return float(base) ** -0.5
 
     def layer_sliding_window(self, layer_id: int) -> int:
-        """Hugging Face window W of ``layer_id`` (-1: not a sliding layer), as ``PagedAttention``'s
-        ``sliding_window_size`` takes it."""
+        """Left window bound ``W - 1`` of ``layer_id`` for a Hugging Face ``sliding_window = W``
+        (-1: not a sliding layer), as ``PagedAttention``'s ``sliding_window_size`` takes it (the
+        sglang convention)."""
         if self.layer_types[layer_id] == "sliding_attention":
-            return self.sliding_window
+            return self.sliding_window - 1
         return -1
 
     def layer_uses_rope(self, layer_id: int) -> bool:

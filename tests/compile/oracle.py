@@ -265,7 +265,7 @@ class Harness:
         for r, n in zip(reqs, new_lens):
             qr = q[off:off + n].view(n, self.hq, self.d)
             o = attention_oracle(qr, r.k[lid], r.v[lid], scale=layer.scaling,
-                                 window_left=w - 1 if w > 0 else -1,
+                                 window_left=w if w >= 0 else -1,
                                  chunk=(self.chunk or 0) if layer.use_irope else 0,
                                  softcap=layer.logit_cap, sinks=sinks)
             outs.append(o.reshape(n, -1))

@@ -64,7 +64,7 @@ def _tree_expected(h, reqs, prefixes, masks, layer, q, sinks=None):
             qi = q[r * d + i].view(1, h.hq, h.d)
             o = attention_oracle(qi, req.k[layer.layer_id][keep], req.v[layer.layer_id][keep],
                                  scale=layer.scaling, softcap=layer.logit_cap, sinks=sinks,
-                                 window_left=w - 1 if w > 0 else -1)
+                                 window_left=w if w >= 0 else -1)
             rows.append(o.reshape(1, -1))
     return torch.cat(rows)
 

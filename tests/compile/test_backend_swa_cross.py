@@ -31,7 +31,7 @@ def test_hybrid_swa_pool(page_size, mode):
     for r in reqs:
         _evict_out_of_window(h, r, 8)
     new = [5, 9, 1, 4] if mode == ForwardMode.EXTEND else [1] * 4
-    full, swa = h.layer(0), h.layer(1, sliding_window_size=8)
+    full, swa = h.layer(0), h.layer(1, sliding_window_size=8 - 1)   # HF window W = 8
     outs, qs = h.step(mode, reqs, new, [full, swa])
     assert_close(outs[0], h.expected(reqs, new, full, qs[0]))
     assert_close(outs[1], h.expected(reqs, new, swa, qs[1]))
