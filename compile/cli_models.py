@@ -1,0 +1,67 @@
+"""Models for ``python -m compile``: ``--model tiny`` (random weights, byte tokenizer) or a
+GGUF / Hugging Face folder loaded offline by ``compile.models.gguf.load_hf``.
+
+``tiny`` is a 2-layer ``transformers`` Llama with random weights, so every mode of ``generate``
+(``--verify`` included: ``transformers``' own ``generate`` runs on the same weights) and
+``check`` can be exercised in seconds without any downloaded file.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+TINY = "tiny"
+# A 2-layer GQA Llama over a 256-token byte vocabulary (token id = UTF-8 byte).
+TINY_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                   pad_token_id=None)
+
+
+class ByteTokenizer:
+    """A tokenizer for ``tiny``: one token per UTF-8 byte, no chat template.
+
+    There is no end-of-sequence token, so every request runs to ``max_new_tokens``.
+    """
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [i for i in ids if not (skip_special_tokens and i == self.eos_token_id)]
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def tiny_hf_model(seed: int = 0, std: float = 0.15, num_layers: int = 2):
+    """A ``transformers`` ``LlamaForCausalLM`` of ``TINY_CONFIG`` shape with N(0, std) weights.
+
+    ``std`` is larger than Hugging Face's 0.02 so greedy argmax margins stay well above float32
+    rounding differences between the engine's modes and ``transformers``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_CONFIG, "num_hidden_layers": num_layers})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)
+    return model
+
+
+def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
+    """``(hf_model, tokenizer)`` for ``--model``: ``tiny``, None/``default`` (SmolLM2 GGUF), a
+    ``.gguf`` file or a Hugging Face folder (see ``compile.models.gguf.resolve_model``)."""
+    if name == TINY:
+        return tiny_hf_model().to(dtype), ByteTokenizer()
+    from compile.models.gguf import load_hf
+    return load_hf(name, dtype=dtype)
+
+
+__all__ = ["TINY", "TINY_CONFIG", "ByteTokenizer", "tiny_hf_model", "load_model"]
