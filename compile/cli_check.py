@@ -1,0 +1,158 @@
+"""``python -m compile check MODEL``: does the model trace whole, and how does it split?
+
+    python -m compile check tiny            # 2-layer random Llama, seconds
+    python -m compile check default         # SmolLM2-135M-Instruct (GGUF)
+
+Runs the engine for one EXTEND step (two prompts) and one DECODE step (both requests) three
+times over the same model:
+
+1. eager, for the reference greedy ids;
+2. ``torch.compile(model, fullgraph=True)``: a graph break raises, is reported, and the steps are
+   traced again without ``fullgraph`` to count every break and name its reason; graphs compiled
+   and recompiles come from ``torch._dynamo``'s counters;
+3. ``compile_piecewise(model, capture=False)``: the piecewise split count per Dynamo graph,
+   expected ``num_layers + 1`` pieces around ``num_layers`` attention calls.
+
+The Dynamo ``eager`` backend is used unless ``--inductor`` is given: breaks, guards and splits
+are decided before Inductor runs. Exit status 1 when any break, a wrong split count or an id
+mismatch is found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Callable
+
+import torch
+
+PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """What ``check_model`` found.
+
+    Attributes:
+        num_layers: decoder layers of the model.
+        graph_breaks: breaks counted by Dynamo (0 when ``fullgraph=True`` traced everything).
+        break_reasons: reason -> count, empty without breaks.
+        graphs: Dynamo graphs compiled for the two steps; ``recompiles = graphs - 1``.
+        pieces_per_graph: piecewise pieces per Dynamo graph (expected ``num_layers + 1``; 0 when
+            a graph break stopped the piecewise trace).
+        split_ops: attention calls per Dynamo graph (expected ``num_layers``).
+        ids_match: compiled and piecewise greedy ids equal eager's.
+    """
+
+    num_layers: int
+    graph_breaks: int
+    break_reasons: dict[str, int]
+    graphs: int
+    pieces_per_graph: float
+    split_ops: float
+    ids_match: bool
+
+    @property
+    def ok(self) -> bool:
+        return (self.graph_breaks == 0 and self.ids_match
+                and self.pieces_per_graph == self.num_layers + 1)
+
+
+def run_steps(model, forward: Callable, page_size: int = 16) -> list[list[int]]:
+    """Greedy ids of ``PROMPTS`` after one EXTEND and one DECODE step through ``forward``."""
+    from compile.engine import Engine, SamplingParams
+
+    engine = Engine(model, forward=forward, page_size=page_size, max_running=len(PROMPTS),
+                    max_context_len=64, max_total_tokens=128)
+    vocab = model.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in PROMPTS]
+    return engine.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def _trace(model, backend: str, page_size: int) -> tuple[list[list[int]], int, dict[str, int]]:
+    """(ids, breaks, reasons): fullgraph first; after a break, again without fullgraph."""
+    from torch._dynamo.utils import counters
+
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            ids = run_steps(model, torch.compile(model, fullgraph=fullgraph, backend=backend),
+                            page_size)
+        except torch._dynamo.exc.Unsupported:
+            continue  # counted by the second pass
+        reasons = Counter({k: v for k, v in counters["graph_break"].items()})
+        return ids, sum(reasons.values()), dict(reasons)
+    raise AssertionError("unreachable: the pass without fullgraph cannot raise Unsupported")
+
+
+def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckResult:
+    """Trace ``model`` (a zoo model) on one EXTEND and one DECODE step; see the module doc."""
+    from torch._dynamo.utils import counters
+
+    from compile.piecewise import compile_piecewise
+    from compile.split_op import enable_split_op
+
+    backend = "inductor" if inductor else "eager"
+    expected = run_steps(model, model, page_size)
+    ids, breaks, reasons = _trace(model, backend, page_size)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    piecewise = compile_piecewise(model, inductor=inductor, capture=False)
+    try:
+        pw_ids = run_steps(model, piecewise, page_size)
+    except torch._dynamo.exc.Unsupported:  # a graph break: piecewise needs one whole graph
+        pw_ids = None
+    finally:
+        enable_split_op(model, False)
+    s = piecewise.backend.stats
+    n = max(s["graphs"], 1)
+    return CheckResult(num_layers=model.config.num_hidden_layers, graph_breaks=breaks,
+                       break_reasons=reasons, graphs=graphs, pieces_per_graph=s["pieces"] / n,
+                       split_ops=s["split_ops"] / n, ids_match=ids == expected == pw_ids)
+
+
+def format_result(name: str, r: CheckResult, backend: str) -> str:
+    """The few lines ``check`` prints."""
+    lines = [f"check {name}: {r.num_layers} layers; one EXTEND (2 requests, 8 tokens) and one "
+             f"DECODE (2 requests) step; backend {backend}",
+             f"  graph breaks: {r.graph_breaks}"
+             + ("" if r.graph_breaks else " (fullgraph=True traced every step)")]
+    lines += [f"    {count} x {reason}" for reason, count in r.break_reasons.items()]
+    lines.append(f"  graphs compiled: {r.graphs} ({max(r.graphs - 1, 0)} recompiles)")
+    want = r.num_layers + 1
+    lines.append(f"  piecewise split: {r.pieces_per_graph:g} pieces around {r.split_ops:g} "
+                 f"attention calls per graph (expected num_layers + 1 = {want}: "
+                 f"{'ok' if r.pieces_per_graph == want else 'WRONG'})")
+    lines.append(f"  greedy ids (compiled, piecewise) equal eager: "
+                 f"{'yes' if r.ids_match else 'NO'}")
+    lines.append(f"check: {'ok' if r.ok else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def cmd_check(args) -> int:
+    """Entry point of ``python -m compile check MODEL``; 0 when ``CheckResult.ok``."""
+    from compile.cli_models import load_model, pick_device
+    from compile.models import from_hf
+
+    device = pick_device(args.device)
+    hf_model, _ = load_model(None if args.model == "default" else args.model)
+    model = from_hf(hf_model, dtype=getattr(torch, args.dtype), device=device)
+    result = check_model(model, inductor=args.inductor, page_size=args.page_size)
+    print(format_result(args.model, result, "inductor" if args.inductor else "eager"))
+    return 0 if result.ok else 1
+
+
+def add_parser(sub) -> None:
+    """Register ``check`` on the ``python -m compile`` subparsers."""
+    c = sub.add_parser("check", help="trace a model: graph breaks, recompiles, split count")
+    c.add_argument("model", help="'default' (SmolLM2-135M GGUF), 'tiny', a .gguf or a folder")
+    c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
+    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--inductor", action="store_true",
+                   help="compile with Inductor too (default: Dynamo's eager backend)")
+    c.set_defaults(func=cmd_check)
+
+
+__all__ = ["CheckResult", "check_model", "format_result", "cmd_check", "add_parser"]
