@@ -20,6 +20,7 @@
 # transformers' generate (on the CPU) token for token.
 set -u
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/*.py import compile, xpu_ops
 OUT="${OUT:?set OUT to the folder that receives the logs}"
 PY="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
