@@ -1,7 +1,8 @@
 """KV-cache writes: ``store_kv_cache`` (MHA) and ``store_mla_kv_cache`` (latent + rope).
 
-Both ops mutate only the addressed token slots of the caches they declare in ``mutates_args``;
-the caller's ``k``/``v`` are read, never modified.
+Both ops mutate only the addressed token slots of the caches they declare in ``mutates_args``
+(entries of ``loc`` outside ``[0, slots)`` are skipped by every provider); the caller's
+``k``/``v`` are read, never modified.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import _value_checks, providers
 from .._checks import FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail
 
 STORE_KV = "store_kv_cache"
@@ -86,6 +87,8 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
             page_size + offset), k's dtype or fp8.
         v_cache: same layout with Dv, same number of slots.
         loc: [N] int64 (or int32) token slot of each new token; slots must be distinct.
+            Slots outside ``[0, slots)`` are never written (skipped, without a host sync);
+            with ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise.
         k: [N, Hkv, D], v: [N, Hkv, Dv] fp16|bf16|fp32; never modified.
         k_scale, v_scale: per-tensor scale (float or 1-element float32 tensor) for fp8 caches:
             the cache stores ``k / k_scale`` (read back with ``k_descale = k_scale``).
@@ -93,6 +96,8 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
         None. Only the slots in ``loc`` of the two caches change.
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)`` (the message
+            names the valid range and the first bad value).
     Source: sglang ``MHATokenToKVPool.set_kv_buffer`` semantics.
 
     >>> import torch, xpu_ops
@@ -104,6 +109,7 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     """
     check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
     check_tensor(STORE_KV, "k", k, ndim=3)
+    _value_checks.check_store_kv_cache(loc, k_cache)
     torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v,
                                      _scale_tensor(k_scale, k.device),
                                      _scale_tensor(v_scale, k.device))
@@ -144,12 +150,14 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     Args:
         kv_cache: [slots, 1, R + r] (or [num_pages, page_size, R + r], or
             [num_pages, page_size, 1, R + r]); latent part first, then the rope part.
-        loc: [N] int64 (or int32) token slots.
+        loc: [N] int64 (or int32) token slots. Slots outside ``[0, slots)`` are never written
+            (skipped); with ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise.
         k_nope: [N, 1, R] (or [N, R]) compressed latent; k_rope: [N, 1, r] (or [N, r]).
     Returns:
         None. Only the slots in ``loc`` change.
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)``.
     Source: DeepSeek-V2 (arXiv 2405.04434) latent cache; sglang ``MLATokenToKVPool``.
 
     >>> import torch, xpu_ops
@@ -163,4 +171,5 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     k_rope = check_tensor(STORE_MLA, "k_rope", k_rope, ndim=(2, 3))
     k_nope = k_nope.unsqueeze(1) if k_nope.dim() == 2 else k_nope
     k_rope = k_rope.unsqueeze(1) if k_rope.dim() == 2 else k_rope
+    _value_checks.check_store_mla_kv_cache(loc, kv_cache)
     torch.ops.xpu_ops.store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
