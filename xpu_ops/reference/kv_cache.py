@@ -1,4 +1,4 @@
-"""Reference KV-cache writes (index_put into the addressed slots only)."""
+"""Reference KV-cache writes (index_put into the addressed in-range slots only)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,27 @@ from .._checks import FP8_DTYPES
 
 
 def write_slots(cache_rows: Tensor, loc: Tensor, values: Tensor) -> None:
-    """``cache_rows[loc] = values`` cast to the cache dtype; fp8 caches are written as bytes
-    (index_put has no fp8 kernel on every device)."""
+    """``cache_rows[loc] = values`` cast to the cache dtype, skipping slots outside
+    ``[0, slots)``; fp8 caches are written as bytes (index_put has no fp8 kernel on every device).
+
+    No host sync (so it also runs in a captured graph): an out-of-range entry is redirected to
+    repeat the first in-range write (same slot, same value), or, when no entry is in range, to
+    rewrite slot 0 with its own contents; either way no slot outside ``loc`` changes.
+    """
+    num_slots = cache_rows.shape[0]
+    if num_slots == 0 or loc.shape[0] == 0:
+        return
     values = values.to(cache_rows.dtype)
     if cache_rows.dtype in FP8_DTYPES:
         cache_rows, values = cache_rows.view(torch.uint8), values.view(torch.uint8)
-    cache_rows[loc.long()] = values
+    loc = loc.long()
+    in_range = (loc >= 0) & (loc < num_slots)                                  # [N]
+    first = in_range.to(torch.uint8).argmax()                  # first in-range entry (0 if none)
+    any_in_range = in_range[first]
+    fill_slot = torch.where(any_in_range, loc[first], 0)
+    fill_value = torch.where(any_in_range, values[first], cache_rows[0])
+    row_mask = in_range.view(-1, *([1] * (values.dim() - 1)))
+    cache_rows[torch.where(in_range, loc, fill_slot)] = torch.where(row_mask, values, fill_value)
 
 
 @providers.register("store_kv_cache", "reference")

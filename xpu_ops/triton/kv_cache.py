@@ -2,7 +2,7 @@
 
 One program per written token copies its ``[Hkv * D]`` row into slot ``loc[i]`` of the flat
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
-Only the addressed slots are touched.
+Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off.
 """
 
 from __future__ import annotations
@@ -18,30 +18,35 @@ from ._common import available, launch, next_pow2
 def _store_rows_kernel(
     SRC, DST, LOC, SCALE,
     stride_src_t, stride_src_h, stride_dst_t, stride_dst_h, num_heads, head_dim, col_offset,
+    num_slots,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    # dst[loc[i], h, col_offset + d] = src[i, h, d] (/ scale)
+    # dst[loc[i], h, col_offset + d] = src[i, h, d] (/ scale); slots outside [0, num_slots)
+    # are skipped (the store is masked off), never written.
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + tok).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
+    mask_store = mask & slot_ok
     x = tl.load(SRC + tok * stride_src_t + offs_h[:, None] * stride_src_h + offs_d[None, :],
                 mask=mask, other=0.0)
     if HAS_SCALE:
         x = x.to(tl.float32) / tl.load(SCALE)
     tl.store(DST + slot * stride_dst_t + offs_h[:, None] * stride_dst_h + col_offset
-             + offs_d[None, :], x.to(DST.dtype.element_ty), mask=mask)
+             + offs_d[None, :], x.to(DST.dtype.element_ty), mask=mask_store)
 
 
 def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
-    """Launch ``_store_rows_kernel``: ``src [N, H, D]`` into ``dst [slots, H, >= D]``."""
+    """Launch ``_store_rows_kernel``: ``src [N, H, D]`` into ``dst [slots, H, >= D]``; entries
+    of ``loc`` outside ``[0, slots)`` are skipped."""
     num_tokens, num_heads, head_dim = src.shape
     if num_tokens == 0:
         return
     launch(_store_rows_kernel, (num_tokens,), src.device, src, dst, loc,
            scale if scale is not None else loc, src.stride(0), src.stride(1), dst.stride(0),
-           dst.stride(1), num_heads, head_dim, col_offset,
+           dst.stride(1), num_heads, head_dim, col_offset, dst.shape[0],
            BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), HAS_SCALE=scale is not None,
            num_warps=4)
 

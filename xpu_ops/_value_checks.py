@@ -1,0 +1,223 @@
+"""Checks that read tensor values (slots and page ids in range, prefix sums), behind a switch.
+
+Shape/dtype checks (``_checks.py``) run always, in the ops and their fakes. The checks here need
+the values of index tensors, i.e. a host synchronisation on a GPU, so they run only when the
+debug switch is on: ``XPU_OPS_DEBUG_CHECKS=1`` in the environment (read on every call) or inside
+``with xpu_ops.debug_checks():``. The public wrappers call one ``check_<op>`` each, right before
+the ``torch.ops.xpu_ops`` call; calling the ops directly skips them.
+
+Even with the switch on, nothing is checked while ``torch.compile`` traces, for fake or meta
+tensors, or while the current stream of the tensors' device is being captured into a graph (a
+host sync there would break the capture): run one eager step with the switch on to debug.
+Each check raises ``ValueError`` in the house format, naming the argument, the rule and the first
+bad value with its index. The checks assume the shapes the op expects and skip otherwise, so
+the op's own shape check reports a malformed call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from ._checks import fail
+
+ENV = "XPU_OPS_DEBUG_CHECKS"
+_INT_DTYPES = (torch.int32, torch.int64)
+_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+    "xpu_ops_debug_checks", default=None)
+
+
+def debug_checks_enabled() -> bool:
+    """True inside ``debug_checks()`` or when ``XPU_OPS_DEBUG_CHECKS=1`` (read on every call)."""
+    forced = _override.get()
+    return forced if forced is not None else os.environ.get(ENV, "0") == "1"
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True) -> Iterator[None]:
+    """Turn the value checks of the public ops on (or off) inside the block, whatever the
+    environment says.
+
+    >>> import torch, xpu_ops
+    >>> kc = vc = torch.zeros(4, 1, 2)
+    >>> with xpu_ops.debug_checks():
+    ...     xpu_ops.store_kv_cache(kc, vc, torch.tensor([4]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    Traceback (most recent call last):
+    ValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
+    """
+    token = _override.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def _capturing(device: torch.device) -> bool:
+    backend = getattr(torch, device.type, None)
+    is_capturing = getattr(backend, "is_current_stream_capturing", None)
+    try:
+        return bool(is_capturing()) if is_capturing is not None else False
+    except RuntimeError:
+        return False
+
+
+def _active(*tensors: Optional[Tensor]) -> bool:
+    """Run value checks now? Off while tracing, for fake/meta tensors and during graph capture."""
+    if torch.compiler.is_compiling() or not debug_checks_enabled():
+        return False
+    real = [t for t in tensors if isinstance(t, Tensor)]
+    if torch._guards.detect_fake_mode(real) is not None:
+        return False
+    return not any(t.device.type == "meta" or _capturing(t.device) for t in real)
+
+
+def _index_ok(t, ndim: int, device: Optional[torch.device] = None) -> bool:
+    """``t`` has the rank and integer dtype the check needs (else the op's own check reports)."""
+    return (isinstance(t, Tensor) and t.dim() == ndim and t.dtype in _INT_DTYPES
+            and (device is None or t.device == device))
+
+
+def _first(bad: Tensor) -> Optional[tuple[int, ...]]:
+    """Index of the first True element of ``bad`` (one host sync), or None."""
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def _at(arg: str, t: Tensor, index: tuple[int, ...]) -> str:
+    return f"{arg}[{', '.join(map(str, index))}] = {int(t[index])}"
+
+
+def check_loc(fn: str, loc, num_slots: int) -> None:
+    """Every ``loc`` entry is a token slot in ``[0, num_slots)``."""
+    if not _index_ok(loc, 1):
+        return
+    where = _first((loc < 0) | (loc >= num_slots))
+    if where is not None:
+        fail(fn, "loc", "has a token slot out of range", f"0 <= loc < {num_slots} (token slots "
+             f"of the cache)", _at("loc", loc, where),
+             "Allocate slots from the cache's pool; out-of-range slots are skipped (never "
+             "written) when XPU_OPS_DEBUG_CHECKS is off.")
+
+
+def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None:
+    """``cu`` starts at 0, never decreases and ends at ``total`` tokens."""
+    if not _index_ok(cu, 1) or cu.shape[0] == 0:
+        return
+    if int(cu[0]) != 0:
+        fail(fn, arg, "does not start at 0", f"prefix sums with {arg}[0] = 0", _at(arg, cu, (0,)),
+             "Prepend a 0 (e.g. torch.nn.functional.pad(lens.cumsum(0), (1, 0))).")
+    where = _first(cu[1:] < cu[:-1])
+    if where is not None:
+        fail(fn, arg, "decreases", "non-decreasing prefix sums", _at(arg, cu, (where[0] + 1,)),
+             f"Build it as a cumulative sum of per-request lengths (previous entry "
+             f"{int(cu[where[0]])}).")
+    if int(cu[-1]) != total:
+        fail(fn, arg, "does not end at the number of tokens", f"{arg}[-1] = {total_rule} = "
+             f"{total}", _at(arg, cu, (cu.shape[0] - 1,)),
+             "Pass the prefix sums of exactly the packed tokens.")
+
+
+def check_max_seqlen(fn: str, arg: str, max_seqlen: int, cu, cu_arg: str) -> None:
+    """``max_seqlen`` bounds every request's length ``cu[r + 1] - cu[r]``."""
+    if not _index_ok(cu, 1) or cu.shape[0] < 2:
+        return
+    lens = cu[1:] - cu[:-1]
+    where = _first(lens > max_seqlen)
+    if where is not None:
+        r = where[0]
+        fail(fn, arg, "is smaller than a request's length", f"{arg} >= {cu_arg}[r + 1] - "
+             f"{cu_arg}[r] for every request r", f"{max_seqlen} < {int(lens[r])} (request {r})",
+             f"Pass {arg}=int(({cu_arg}[1:] - {cu_arg}[:-1]).max()) or leave it None.")
+
+
+def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: int) -> None:
+    """``0 <= cache_seqlens <= capacity`` and every page-table entry that is read is a page id."""
+    if not (_index_ok(cache_seqlens, 1) and _index_ok(page_table, 2, cache_seqlens.device)
+            and page_table.shape[0] == cache_seqlens.shape[0]):
+        return
+    max_pages = page_table.shape[1]
+    capacity = max_pages * page_size
+    where = _first((cache_seqlens < 0) | (cache_seqlens > capacity))
+    if where is not None:
+        fail(fn, "cache_seqlens", "is out of range", f"0 <= cache_seqlens <= page_table.shape[1] "
+             f"* page_size = {max_pages} * {page_size} = {capacity} tokens",
+             _at("cache_seqlens", cache_seqlens, where),
+             "Give each request enough page-table columns for its tokens.")
+    pages_used = (cache_seqlens.long() + page_size - 1) // page_size
+    read = torch.arange(max_pages, device=page_table.device)[None, :] < pages_used[:, None]
+    where = _first(read & ((page_table < 0) | (page_table >= num_pages)))
+    if where is not None:
+        fail(fn, "page_table", "has a page id out of range in an entry that is read",
+             f"0 <= page id < {num_pages} (num_pages) in the first ceil(cache_seqlens / "
+             f"page_size) entries of each row", _at("page_table", page_table, where),
+             "Map each request's pages to physical pages of the cache.")
+
+
+def check_prefix_lens(fn: str, prefix_lens, page_table) -> None:
+    """``0 <= prefix_lens <= page_table.shape[1]`` (P)."""
+    if not (_index_ok(prefix_lens, 1) and _index_ok(page_table, 2)):
+        return
+    width = page_table.shape[1]
+    where = _first((prefix_lens < 0) | (prefix_lens > width))
+    if where is not None:
+        fail(fn, "prefix_lens", "is out of range", f"0 <= prefix_lens <= page_table.shape[1] "
+             f"(P) = {width} tokens", _at("prefix_lens", prefix_lens, where),
+             "Widen page_table to the longest prefix.")
+
+
+# One entry point per public wrapper (called right before its torch.ops.xpu_ops call).
+
+def check_store_kv_cache(loc, k_cache) -> None:
+    if _active(loc, k_cache) and isinstance(k_cache, Tensor) and k_cache.dim() in (3, 4):
+        check_loc("store_kv_cache", loc, k_cache.shape[:-2].numel())
+
+
+def check_store_mla_kv_cache(loc, kv_cache) -> None:
+    if _active(loc, kv_cache) and isinstance(kv_cache, Tensor) and kv_cache.dim() in (3, 4):
+        slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 4 else 1)
+        check_loc("store_mla_kv_cache", loc, slots)
+
+
+def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seqlens_q,
+                                  max_seqlen_q) -> None:
+    fn = "flash_attn_with_kvcache"
+    if not _active(q, k_cache, cache_seqlens, page_table, cu_seqlens_q) or k_cache.dim() != 4:
+        return
+    check_paged(fn, cache_seqlens, page_table, k_cache.shape[1], k_cache.shape[0])
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
+    check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
+
+
+def check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                 max_seqlen_k) -> None:
+    fn = "flash_attn_varlen_func"
+    if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        return
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
+    check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)")
+    check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
+    check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, cu_seqlens_k, "cu_seqlens_k")
+    if _index_ok(seqused_k, 1) and _index_ok(cu_seqlens_k, 1, seqused_k.device) \
+            and cu_seqlens_k.shape[0] == seqused_k.shape[0] + 1:
+        where = _first((seqused_k < 0) | (seqused_k > cu_seqlens_k[1:] - cu_seqlens_k[:-1]))
+        if where is not None:
+            fail(fn, "seqused_k", "is out of range", "0 <= seqused_k[r] <= cu_seqlens_k[r + 1] "
+                 "- cu_seqlens_k[r]", _at("seqused_k", seqused_k, where),
+                 "Use at most the keys each request has.")
+
+
+def check_flash_mla_decode(kv_cache, cache_seqlens, page_table) -> None:
+    if _active(kv_cache, cache_seqlens, page_table) and kv_cache.dim() == 3:
+        check_paged("flash_mla_decode", cache_seqlens, page_table, kv_cache.shape[1],
+                    kv_cache.shape[0])
+
+
+def check_prepare_swa_spec_page_table(page_table, prefix_lens) -> None:
+    if _active(page_table, prefix_lens):
+        check_prefix_lens("prepare_swa_spec_page_table", prefix_lens, page_table)
