@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import _value_checks, providers
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
@@ -151,6 +151,8 @@ def flash_attn_with_kvcache(
         TypeError: an argument is not a tensor (or number) where one is required.
         ValueError: a shape, dtype or device mismatch, naming the argument and both values.
         NotImplementedError: a compatibility keyword with a non-default value.
+        ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
+            ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read (unchecked otherwise).
     Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
     PagedAttention (arXiv 2309.06180); semantics of sgl-kernel's ``flash_attn_with_kvcache``.
 
@@ -198,6 +200,8 @@ def flash_attn_with_kvcache(
         check_out(fn, out, (*batch_shape, q3.shape[1], head_dim_v), output_dtype(q3), q3.device,
                   "[b, s, Hq, Dv] for a 4-D q")
         out3 = out.view(q3.shape[0], q3.shape[1], head_dim_v)
+    _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
+                                                cu_seqlens_q, max_seqlen_q)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,
