@@ -124,8 +124,9 @@ def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None
 
 
 def check_max_seqlen(fn: str, arg: str, max_seqlen: int, cu, cu_arg: str) -> None:
-    """``max_seqlen`` bounds every request's length ``cu[r + 1] - cu[r]``."""
-    if not _index_ok(cu, 1) or cu.shape[0] < 2:
+    """``max_seqlen`` bounds every request's length ``cu[r + 1] - cu[r]`` (None: the default,
+    the total, which always does)."""
+    if max_seqlen is None or not _index_ok(cu, 1) or cu.shape[0] < 2:
         return
     lens = cu[1:] - cu[:-1]
     where = _first(lens > max_seqlen)

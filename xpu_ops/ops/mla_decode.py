@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import _value_checks, providers
 from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .common import check_index, float_scalar
 
@@ -126,6 +126,8 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
         [b, H, R], dtype of q_nope.
     Raises:
         TypeError/ValueError: shape, dtype or device mismatch, naming the argument.
+        ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, ``cache_seqlens`` or a page id that is read
+            out of range.
     Source: DeepSeek-V2 (arXiv 2405.04434) weight absorption; FlashAttention-2 online softmax;
     FlashDecoding split-KV.
 
@@ -140,6 +142,7 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     """
     check_tensor_args(NAME, q_nope=q_nope, q_rope=q_rope, kv_cache=kv_cache,
                       cache_seqlens=cache_seqlens, page_table=page_table, workspace=workspace)
+    _value_checks.check_flash_mla_decode(kv_cache, cache_seqlens, page_table)
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
                                               float_scalar(NAME, "softmax_scale", softmax_scale),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import _value_checks, providers
 from .._checks import check_shape, check_size, check_tensor, check_tensor_args
 from .common import check_index
 
@@ -64,7 +64,8 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     Args:
         page_table: [b, P] int32 token slots of each request's prefix (page_size 1, e.g.
             ``req_to_token[req_pool_indices]``, translated to the SWA pool when it has one).
-        prefix_lens: [b] int32 prefix length in tokens (<= P).
+        prefix_lens: [b] int32 prefix length in tokens (<= P; checked only with
+            ``XPU_OPS_DEBUG_CHECKS=1``).
         draft_slots: [b, D] int32 token slots of the D draft tokens of each request.
         custom_mask: [b, D, D] bool tree mask, ``[r, i, j]`` = draft i may attend to draft j.
     Returns:
@@ -83,5 +84,6 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     """
     check_tensor_args(NAME, page_table=page_table, prefix_lens=prefix_lens,
                       draft_slots=draft_slots, custom_mask=custom_mask)
+    _value_checks.check_prepare_swa_spec_page_table(page_table, prefix_lens)
     return torch.ops.xpu_ops.prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots,
                                                          custom_mask)

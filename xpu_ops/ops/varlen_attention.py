@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import _value_checks, providers
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
@@ -118,6 +118,8 @@ def flash_attn_varlen_func(
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
         NotImplementedError: ``seqused_q`` given.
+        ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
+            ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` or ``seqused_k``.
     Source: FlashAttention-2 (arXiv 2307.08691) varlen forward; sgl-kernel's semantics.
 
     >>> import torch, xpu_ops
@@ -143,6 +145,8 @@ def flash_attn_varlen_func(
     left, right = normalize_window(fn, window_size, causal)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q))
+    _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                               max_seqlen_q, max_seqlen_k)
     lse = torch.ops.xpu_ops.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
         sinks, max_seqlen_q=q.shape[0] if max_seqlen_q is None else max_seqlen_q,
