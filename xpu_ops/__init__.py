@@ -15,6 +15,7 @@ from .ops.paged_attention import flash_attn_with_kvcache
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
 from .providers import use_provider
+from ._value_checks import debug_checks  # value checks behind XPU_OPS_DEBUG_CHECKS=1
 from . import compat  # issue 7: install_sgl_kernel_shim
 from .sgl_kernel_fakes import register_sgl_kernel_fakes  # issue 7
 
@@ -32,5 +33,5 @@ REGISTERED_OPS = [
 __all__ = [
     "REGISTERED_OPS", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_mla_decode",
     "flash_mla_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
-    "store_kv_cache", "store_mla_kv_cache", "use_provider",
+    "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",
 ]
