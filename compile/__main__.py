@@ -207,17 +207,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (rejected at parse time, before the model loads)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m compile", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text with a model through the paged KV cache")
+    g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", action="append", help="a user prompt (repeatable)")
     g.add_argument("--prompts-file", help="file with one prompt per line")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto")
-    g.add_argument("--mode", choices=MODES, default="eager")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--chunked-prefill-size", type=int, default=512,
+    g.add_argument("--max-new-tokens", type=positive_int, default=32,
+                   help="tokens to generate per prompt")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
+                   help="auto: cuda, else xpu, else cpu")
+    g.add_argument("--mode", choices=MODES, default="eager",
+                   help="eager: the model as written; compile: torch.compile (Inductor); "
+                        "piecewise: split at attention, pieces compiled (and captured on GPUs); "
+                        "graphs: whole decode steps captured as device graphs")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
     g.add_argument("--model", help="a .gguf file, a Hugging Face model folder, or 'tiny' "
                    "(2 layers, random weights, byte tokenizer; default: SmolLM2-135M-Instruct "

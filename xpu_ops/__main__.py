@@ -10,6 +10,23 @@ import torch
 from . import REGISTERED_OPS, providers
 
 
+def describe_choice(op: str, device_type: str, forced) -> str:
+    """``-> provider`` plus why higher-priority providers were skipped, or the error a call
+    would raise when the forced provider cannot run there."""
+    rows = providers.candidates(op, device_type)
+    if forced is not None:
+        why = dict(rows)[forced]
+        return (f"-> {forced} (forced)" if why is None
+                else f"-> error: forced provider {forced} cannot run on {device_type}: {why}")
+    chosen = next((name for name, why in rows if why is None), None)
+    if chosen is None:
+        return "-> error: no provider can run here"
+    rank = providers.PROVIDER_ORDER.index(chosen)
+    skipped = "; ".join(f"{name}: {why}" for name, why in rows
+                        if why is not None and providers.PROVIDER_ORDER.index(name) < rank)
+    return f"-> {chosen}" + (f"   (skipped {skipped})" if skipped else "")
+
+
 def _devices() -> list[str]:
     found = ["cpu"]
     for name in ("cuda", "xpu"):
@@ -29,17 +46,13 @@ def info(device_types: list[str], out=sys.stdout) -> None:
     forced = providers.forced_provider()
     if forced:
         print(f"forced provider: {forced} (XPU_OPS_PROVIDER or use_provider)", file=out)
+    available = _devices()
     for device_type in device_types:
-        print(f"\ndevice {device_type}:", file=out)
+        note = "" if device_type in available else " (not available in this process)"
+        print(f"\ndevice {device_type}{note}:", file=out)
         for packet in REGISTERED_OPS:
             op = packet._qualified_op_name.split("::")[-1]
-            rows = providers.candidates(op, device_type)
-            chosen = forced or next((name for name, why in rows if why is None), "none")
-            skipped = "; ".join(f"{name}: {why}" for name, why in rows
-                                if why is not None and providers.PROVIDER_ORDER.index(name)
-                                < providers.PROVIDER_ORDER.index(chosen))
-            print(f"  {op:30s} -> {chosen}" + (f"   (skipped {skipped})" if skipped else ""),
-                  file=out)
+            print(f"  {op:30s} {describe_choice(op, device_type, forced)}", file=out)
     for (op, name, reason), count in providers.fallbacks().items():
         print(f"fallback: {op}: {name} declined {count} call(s): {reason}", file=out)
 
@@ -50,7 +63,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", action="append", help="device type(s) to report "
                         "(default: cpu plus every available accelerator)")
     args = parser.parse_args(argv)
-    info(args.device or _devices())
+    try:
+        info(args.device or _devices())
+    except ValueError as e:       # a bad XPU_OPS_PROVIDER: say so without a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

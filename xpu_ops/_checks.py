@@ -120,5 +120,4 @@ def check_not_implemented(fn: str, **kwargs) -> None:
             raise NotImplementedError(
                 f"{fn}: keyword {name} is accepted for compatibility with sgl-kernel but is not "
                 f"implemented by xpu-ops; expected None/default, got {type(value).__name__}. "
-                f"Apply it before the call (e.g. rotary embedding, appending new K/V through "
-                f"store_kv_cache).")
+                f"See the function's docstring for the supported way to get the same effect.")

@@ -86,3 +86,11 @@ def test_check_counts_an_injected_graph_break():
     layer.forward = breaking
     result = check_model(model)
     assert result.graph_breaks >= 1 and not result.ok, result
+
+
+@pytest.mark.parametrize("option", ["--page-size", "--max-new-tokens", "--chunked-prefill-size"])
+def test_sizes_below_one_are_rejected_before_loading(option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", option, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: expected an integer >= 1, got 0" in capsys.readouterr().err

@@ -121,3 +121,13 @@ def test_strided_q_nope(provider):
                                        0.1)
     expected = oracle.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, 0.1)
     assert_matches_oracle(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(max_seq_len=-5, num_batches=1), ValueError, "max_seq_len is negative"),
+    (dict(max_seq_len=4096.5, num_batches=1), TypeError, "max_seq_len is not an integer"),
+    (dict(max_seq_len=64, num_batches=True), TypeError, "num_batches is not an integer"),
+])
+def test_workspace_size_rejects_bad_sizes(kwargs, exc, match):
+    with pytest.raises(exc, match=f"^flash_mla_get_workspace_size: {match}"):
+        xpu_ops.flash_mla_get_workspace_size(**kwargs)

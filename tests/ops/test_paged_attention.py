@@ -91,6 +91,11 @@ def test_wrapper_4d_q():
     assert xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                            page_table=page_table, causal=True, out=given) is given
     torch.testing.assert_close(given, out, rtol=0, atol=0)
+    # An out whose [b, s] dims cannot merge into one token dim (a transposed buffer).
+    given = torch.full((b, hq, s, d), float("nan")).transpose(1, 2)
+    assert xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                           page_table=page_table, causal=True, out=given) is given
+    torch.testing.assert_close(given, out, rtol=0, atol=0)
 
 
 def test_wrapper_contiguous_cache_without_page_table():

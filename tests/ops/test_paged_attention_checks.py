@@ -106,6 +106,9 @@ def _bad(t, args):
         "window 3 values": (dict(window_size=(1, 2, 3)), TypeError, "window_size is not a pair"),
         "window < -1": (dict(window_size=(-2, 0)), ValueError,
                         r"window_size has a negative bound; expected each side >= 0 or -1"),
+        "q 5-D": (dict(q=q[None, None]), ValueError,
+                  r"q has the wrong number of dimensions; expected 3-D \[total_q, Hq, D\] \(with "
+                  r"cu_seqlens_q\) or 4-D \[b, s, Hq, D\], got 5-D"),
         "out 3-D for 4-D q": (dict(q=q[:2][None].contiguous(), cu_seqlens_q=None,
                                    out=torch.empty(2, 6, 80)), ValueError,
                               r"out has the wrong shape; expected \[b, s, Hq, Dv\] for a 4-D q"),

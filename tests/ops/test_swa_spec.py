@@ -82,3 +82,16 @@ def test_argument_errors(name, fake):
     if fake:
         assert msg == error_message(lambda **kw: xpu_ops.prepare_swa_spec_page_table(**kw), kwargs,
                              False)
+
+
+@pytest.mark.parametrize("provider", runnable_providers("prepare_swa_spec_page_table"))
+@pytest.mark.parametrize("batch,num_draft", [(0, 3), (2, 0)], ids=["no requests", "no drafts"])
+def test_empty_batch_or_no_drafts_give_empty_tables(provider, batch, num_draft):
+    i32 = dict(dtype=torch.int32)
+    args = (torch.zeros(batch, 5, **i32), torch.zeros(batch, **i32),
+            torch.zeros(batch, num_draft, **i32),
+            torch.zeros(batch, num_draft, num_draft, dtype=torch.bool))
+    with xpu_ops.use_provider(provider):
+        table, lens = xpu_ops.prepare_swa_spec_page_table(*args)
+    assert table.shape == (batch * num_draft, 5 + num_draft) and table.is_contiguous()
+    assert lens.shape == (batch * num_draft,) and lens.dtype == torch.int32

@@ -7,6 +7,8 @@ only, so the op never allocates during a captured graph.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -47,12 +49,22 @@ def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_siz
         page_size: accepted for sgl-kernel compatibility (unused).
         num_kv_splits: forced split count, or -1 to derive it from ``max_seq_len``.
     Returns:
-        int, bytes: ``b * H * splits * (R + 1) * 4`` with R = 512 (float32 partials + LSE).
+        int, bytes: ``b * H * splits * (R + 1) * 4`` with R = 512 (float32 partials + LSE); a
+        model with a larger latent (R > 512) needs ``mla_split_bytes`` times its split count.
+    Raises:
+        TypeError: an argument is not an integer. ValueError: a negative size.
     Source: FlashDecoding split-KV (Dao et al., 2023); sgl-kernel's workspace convention.
 
     >>> flash_mla_get_workspace_size(4096, 2, 16)
     525312
     """
+    for arg, value in (("max_seq_len", max_seq_len), ("num_batches", num_batches),
+                       ("num_heads", num_heads), ("page_size", page_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            fail("flash_mla_get_workspace_size", arg, "is not an integer", "an int",
+                 repr(value), exc=TypeError)
+        if value < 0:
+            fail("flash_mla_get_workspace_size", arg, "is negative", ">= 0", value)
     heads = num_heads if num_heads > 0 else WORKSPACE_HEADS
     splits = mla_num_kv_splits(max_seq_len, num_kv_splits)
     return splits * mla_split_bytes(int(num_batches), heads, WORKSPACE_LATENT_DIM)

@@ -91,7 +91,11 @@ def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_d
 
 def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
     """Turn a 4-D ``q [b, s, Hq, D]`` into packed ``[b*s, Hq, D]`` with its ``cu_seqlens_q``."""
-    if q.dim() != 4:
+    if q.dim() not in (3, 4):
+        fail(fn, "q", "has the wrong number of dimensions",
+             "3-D [total_q, Hq, D] (with cu_seqlens_q) or 4-D [b, s, Hq, D]",
+             f"{q.dim()}-D with shape {tuple(q.shape)}")
+    if q.dim() == 3:
         if cu_seqlens_q is None:
             fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
                  "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
@@ -199,7 +203,12 @@ def flash_attn_with_kvcache(
     elif batch_shape is not None:
         check_out(fn, out, (*batch_shape, q3.shape[1], head_dim_v), output_dtype(q3), q3.device,
                   "[b, s, Hq, Dv] for a 4-D q")
-        out3 = out.view(q3.shape[0], q3.shape[1], head_dim_v)
+        # [b, s] merge into one token dimension when out's strides allow it; otherwise the op
+        # writes a contiguous buffer that is copied into the caller's out afterwards.
+        mergeable = out.shape[0] <= 1 or out.shape[1] <= 1 or out.stride(0) == (
+            out.shape[1] * out.stride(1))
+        out3 = (out.view(q3.shape[0], q3.shape[1], head_dim_v) if mergeable
+                else q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=out.dtype))
     _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
                                                 cu_seqlens_q, max_seqlen_q)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
@@ -209,7 +218,10 @@ def flash_attn_with_kvcache(
         window_size_left=left, window_size_right=right,
         softcap=float_scalar(fn, "softcap", softcap))
     if batch_shape is not None:
-        result = out if out is not None else out3.view(*batch_shape, *out3.shape[1:])
+        result = out3.view(*batch_shape, *out3.shape[1:])
+        if out is not None and not mergeable:
+            out.copy_(result)
+        result = out if out is not None else result
         lse = lse.view(lse.shape[0], *batch_shape).transpose(0, 1)
     else:
         result = out3

@@ -23,6 +23,7 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     target = torch.where(custom_mask, lens[:, None, None] + rank, width + num_draft)
     source = draft_slots[:, None, :].expand(batch, num_draft, num_draft)
     table.scatter_(2, target, source.to(torch.int32))
-    table = table[:, :, :width + num_draft].reshape(batch * num_draft, -1).contiguous()
+    table = table[:, :, :width + num_draft].reshape(batch * num_draft, width + num_draft)
+    table = table.contiguous()
     seqlens = (lens[:, None] + custom_mask.sum(dim=-1)).reshape(-1).to(torch.int32)
     return table, seqlens

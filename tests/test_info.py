@@ -1,0 +1,43 @@
+"""``python -m xpu_ops info``: it reports what a call would actually run."""
+
+import io
+
+import pytest
+
+import xpu_ops
+from xpu_ops import providers
+from xpu_ops.__main__ import info, main
+
+
+def _info(*device_types):
+    buf = io.StringIO()
+    info(list(device_types), out=buf)
+    return buf.getvalue()
+
+
+def test_reports_reference_on_cpu_for_every_op():
+    text = _info("cpu")
+    for packet in xpu_ops.REGISTERED_OPS:
+        name = packet._qualified_op_name.split("::")[-1]
+        assert f"{name:30s} -> reference" in text
+
+
+def test_forced_provider_that_cannot_run_is_reported_as_an_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("XPU_OPS_PROVIDER", "triton")
+    if providers.candidates("flash_attn_with_kvcache", "cpu")[1][1] is None:
+        pytest.skip("triton runs on cpu in this process (interpreter enabled)")
+    text = _info("cpu")
+    assert "-> error: forced provider triton cannot run on cpu" in text
+    assert "-> triton" not in text
+
+
+def test_forced_reference_is_marked_forced():
+    with xpu_ops.use_provider("reference"):
+        assert "flash_attn_with_kvcache        -> reference (forced)" in _info("cpu")
+
+
+def test_unknown_provider_exits_2_with_a_message(monkeypatch, capsys):
+    monkeypatch.setenv("XPU_OPS_PROVIDER", "bogus")
+    assert main(["info", "--device", "cpu"]) == 2
+    assert "'bogus' is not a provider" in capsys.readouterr().err
