@@ -25,11 +25,14 @@ def _store_rows_kernel(
     # are skipped (the store is masked off), never written.
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + tok).to(tl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
-    mask_store = mask & slot_ok
+    # The slot test is broadcast over heads first: Triton's interpreter rejects a mask built
+    # as block & scalar-bool ("mask has unsupported dtype").
+    slot_h = slot + tl.zeros([BLOCK_H], dtype=tl.int64)
+    mask_slot = (slot_h >= 0) & (slot_h < num_slots)
+    mask_store = mask & mask_slot[:, None]
     x = tl.load(SRC + tok * stride_src_t + offs_h[:, None] * stride_src_h + offs_d[None, :],
                 mask=mask, other=0.0)
     if HAS_SCALE:
