@@ -174,7 +174,8 @@ PAGED_CASES = [
      r"cache_seqlens is out of range; .*got cache_seqlens\[0\] = 5\."),
     ("page_table", [[2, 0], [-1, 3]], r"page_table has a page id out of range in an entry that "
      r"is read; expected 0 <= page id < 4 \(num_pages\) .*, got page_table\[1, 0\] = -1\."),
-    ("page_table", [[2, 4], [1, 3]], r"page_table has a page id out of range .*got page_table\[0, 1\] = 4\."),
+    ("page_table", [[2, 4], [1, 3]],
+     r"page_table has a page id out of range .*got page_table\[0, 1\] = 4\."),
 ]
 
 
