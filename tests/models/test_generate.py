@@ -81,7 +81,3 @@ def test_cli_verify_reports_match(default_model, monkeypatch, capsys):
     assert "verify: prompt 0: match" in out and "verify: all prompts match" in out
     assert "decode:" in out and "tokens/s" in out
 
-
-def test_piecewise_mode_not_wired_yet_raises():
-    with pytest.raises(NotImplementedError, match="--mode piecewise"):
-        make_forward(torch.nn.Linear(2, 2), "piecewise")
