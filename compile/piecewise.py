@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch

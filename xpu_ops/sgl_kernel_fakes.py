@@ -21,7 +21,6 @@ newer schema (writes ``out``/``softmax_lse``, returns nothing) compiles with eve
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

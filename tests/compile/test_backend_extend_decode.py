@@ -1,7 +1,6 @@
 """XPUAttentionBackend: decode, extend (with/without prefix), mixed, idle and layer features,
 each compared with the float64 oracle over logical token sequences."""
 
-import math
 
 import pytest
 import torch

@@ -118,7 +118,6 @@ def test_mla_mha_prefill_chunked_prefix_returns_lse():
     rows = [w.request(p) for p in (0, 0)]
     n = [4, 6]
     loc = torch.cat([w.alloc.alloc_extend(w.req_pool, r, 0, k) for r, k in zip(rows, n)])
-    prefix_chunk = [5, 0]                                   # one chunk of 5 / 0 prefix tokens
     fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2,
                       req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(n),
                       out_cache_loc=loc, extend_seq_lens=torch.tensor(n, dtype=torch.int32))
