@@ -21,7 +21,6 @@ newer schema (writes ``out``/``softmax_lse``, returns nothing) compiles with eve
 
 from __future__ import annotations
 
-
 import torch
 
 #: Raw native ops that get a fake when present and lacking one.
