@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+                                 ReqToTokenPool)
 from compile.model_runner import ModelRunnerInfo
 
 
@@ -103,9 +104,15 @@ class Engine:
         self.page_size, self.chunked_prefill_size = page_size, chunked_prefill_size
         num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.num_hidden_layers, self.device)
+        if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
+            self.token_to_kv_pool = MLATokenToKVPool(
+                num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.kv_lora_rank,
+                cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(
+                num_pages * page_size, page_size, kv_dtype or weight.dtype,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.device)
+        window = getattr(cfg, "sliding_window", None)
         self.allocator = PageAllocator(num_pages, page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
@@ -113,8 +120,8 @@ class Engine:
             tp_size=1, device=self.device, page_size=page_size,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
-                None if cfg.sliding_window is None else cfg.sliding_window - 1),
-            attention_chunk_size=cfg.attention_chunk_size)
+                None if window is None else window - 1),
+            attention_chunk_size=getattr(cfg, "attention_chunk_size", None))
         if backend_cls is None:
             from compile.attention_backend import XPUAttentionBackend as backend_cls
         self.attn_backend = backend_cls(self.model_runner)
