@@ -27,12 +27,13 @@ _FUSED = {
 }
 
 
-def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> LlamaForCausalLM:
-    """Zoo ``LlamaForCausalLM`` holding a copy of ``hf_model``'s weights.
+def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch.nn.Module:
+    """Zoo model holding a copy of ``hf_model``'s weights.
 
     Args:
         hf_model: a ``transformers`` causal LM of a type ``ModelConfig.from_hf`` supports
-            (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...).
+            (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...), or a
+            ``DeepseekV2ForCausalLM`` (MLA; ``compile.models.deepseek_v2``).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
@@ -40,6 +41,9 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Llama
         KeyError: a parameter of the zoo model has no source in ``hf_model``'s state dict.
         ValueError: a source tensor's shape differs from the zoo parameter's.
     """
+    if getattr(hf_model.config, "model_type", None) == "deepseek_v2":
+        from compile.models import deepseek_v2   # imports this module: resolve at call time
+        return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
     config = ModelConfig.from_hf(hf_model.config)
     src = hf_model.state_dict()
     first = next(iter(src.values()))

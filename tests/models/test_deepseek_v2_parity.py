@@ -87,3 +87,11 @@ def test_config_rejects_moe_layers():
     cfg = transformers.DeepseekV2Config(**{**TINY, "first_k_dense_replace": 1})
     with pytest.raises(NotImplementedError, match="first_k_dense_replace >= 2"):
         deepseek_v2.DeepseekV2Config.from_hf(cfg)
+
+
+def test_generic_from_hf_dispatches_to_deepseek_v2():
+    from compile.models import from_hf
+    hf = make_hf(None)
+    model = from_hf(hf)
+    assert isinstance(model, deepseek_v2.DeepseekV2ForCausalLM)
+    check_parity(hf, model, page_size=4)
