@@ -98,6 +98,12 @@ class PagedAttention(nn.Module):
                              f"None; expected a pair, got k={type(k).__name__}, "
                              f"v={type(v).__name__}.")
         if self.use_split_op:
+            extras = sorted(name for name, value in kwargs.items() if value is not None)
+            if extras or k is None:
+                raise NotImplementedError(
+                    f"PagedAttention.forward: piecewise mode (the split op takes q, k, v only) "
+                    f"does not support {', '.join(extras) or 'k = v = None (KV sharing)'} on "
+                    f"layer {self.layer_id}; use --mode compile or graphs for this model.")
             return unified_attention(self, q, k, v)
         if k is not None and "k_rope" not in kwargs:
             k = k.reshape(-1, self.tp_k_head_num, self.qk_head_dim)

@@ -171,3 +171,13 @@ class TestPiecewiseCapture(TestCase):
         self.assertEqual(len(outputs), 2 * (2 + 1))
         # buckets 4 and 8 used; every piece captured once per bucket: 2 * (num_layers + 1)
         self.assertEqual(pw.backend.stats["captures"], 2 * (2 + 1))
+
+
+@pytest.mark.parametrize("kwargs", [dict(sinks=torch.zeros(4)), dict(k_rope=torch.zeros(1, 1, 2))],
+                         ids=["sinks", "mla"])
+def test_split_mode_rejects_what_the_split_op_cannot_carry(kwargs):
+    from compile.layer import PagedAttention
+    layer = PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=0)
+    layer.use_split_op = True
+    with pytest.raises(NotImplementedError, match="piecewise mode .* does not support"):
+        layer(torch.zeros(1, 32), torch.zeros(1, 16), torch.zeros(1, 16), None, **kwargs)
