@@ -27,11 +27,10 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compile.layer import PagedAttention
-from compile.models.llama import LlamaMLP, RMSNorm
+from compile.models.llama import LlamaMLP, RMSNorm, lm_logits
 from compile.models.loading import _source, load_state
 from compile.models.rope import rope_inv_freq
 
@@ -259,11 +258,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
         h = self.model(input_ids, positions, forward_batch)
-        mode = forward_batch.forward_mode
-        if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed():
-            h = h[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]  # [b], no host sync
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return lm_logits(self, h, forward_batch, return_all_logits)
 
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> DeepseekV2ForCausalLM:

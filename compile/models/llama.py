@@ -181,14 +181,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
         h = self.model(input_ids, positions, forward_batch)
-        mode = forward_batch.forward_mode
-        if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed():
-            last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # [b], no host sync
-            h = h[last]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, weight).float()
+        logits = lm_logits(self, h, forward_batch, return_all_logits)
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def lm_logits(causal_lm: nn.Module, h: Tensor, forward_batch, return_all_logits: bool) -> Tensor:
+    """Float32 logits of a causal LM with ``model.embed_tokens`` and an optional ``lm_head``
+    (None: tied embeddings): every row of ``h [T, hidden]``, or in extend-like modes only each
+    request's last token unless ``return_all_logits``."""
+    if not return_all_logits and forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
+        h = h[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]  # [b], no host sync
+    lm_head = causal_lm.lm_head
+    weight = causal_lm.model.embed_tokens.weight if lm_head is None else lm_head.weight
+    return F.linear(h, weight).float()
 
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
