@@ -64,6 +64,7 @@ FORWARDS: dict[str, Callable] = {
 
 
 def read_prompts(args) -> list[str]:
+    """Prompts from ``--prompt``, then ``--prompts-file`` (non-blank lines); else the defaults."""
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
@@ -85,6 +86,9 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 def stop_ids(tokenizer, hf_model) -> tuple[int, ...]:
+    """Sorted token ids that end generation: the tokenizer's EOS plus the model config's
+    ``eos_token_id`` (an int or a list).
+    """
     ids = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.config, "eos_token_id", None))}
     return tuple(sorted(i for i in ids if i is not None))
 
@@ -135,6 +139,9 @@ def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[i
 
 
 def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> None:
+    """Print each prompt's decoded output, prefill and decode tokens/s, and for compiled modes the
+    compile summary (first-call compilation and capture are inside the timed seconds).
+    """
     for i, (p, ids) in enumerate(zip(prompts, outputs)):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         print(f"--- prompt {i}: {p!r}\n{text}\n")
@@ -183,6 +190,9 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def cmd_generate(args) -> int:
+    """``generate``: load the model, run the prompts through the engine in ``--mode``, print the
+    report; returns 1 when ``--verify`` finds a mismatch with transformers, else 0.
+    """
     from compile.cli_models import load_model
     from compile.models import from_hf
 
@@ -216,6 +226,7 @@ def positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m compile`` parser: ``generate``, ``bench`` and the check subcommand."""
     parser = argparse.ArgumentParser(prog="python -m compile", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
@@ -270,6 +281,9 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m compile``; returns the exit status (2: ``--verify`` without
+    ``--temperature 0``). Unparsed arguments are passed on only to ``bench``.
+    """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":

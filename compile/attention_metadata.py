@@ -40,6 +40,7 @@ class PagedAttnMetadata:
 
     @property
     def batch_size(self) -> int:
+        """Number of (possibly virtual) requests ``b`` (``cache_seqlens.shape[0]``)."""
         return self.cache_seqlens.shape[0]
 
     def with_table(self, page_table: Tensor, page_size: Optional[int] = None

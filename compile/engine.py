@@ -59,6 +59,7 @@ class Req:
 
     @property
     def finished(self) -> bool:
+        """True once ``finish_reason`` is set."""
         return self.finish_reason is not None
 
     @property
@@ -153,6 +154,7 @@ class Engine:
         return req
 
     def has_work(self) -> bool:
+        """True while any request is waiting or running."""
         return bool(self.waiting or self.running)
 
     def _pages_needed(self, req: Req) -> int:

@@ -40,24 +40,31 @@ class ForwardMode(enum.IntEnum):
                         ForwardMode.TARGET_VERIFY)
 
     def is_decode(self) -> bool:
+        """True for DECODE only."""
         return self == ForwardMode.DECODE
 
     def is_mixed(self) -> bool:
+        """True for MIXED only."""
         return self == ForwardMode.MIXED
 
     def is_idle(self) -> bool:
+        """True for IDLE only."""
         return self == ForwardMode.IDLE
 
     def is_target_verify(self) -> bool:
+        """True for TARGET_VERIFY only."""
         return self == ForwardMode.TARGET_VERIFY
 
     def is_draft_extend(self) -> bool:
+        """True for DRAFT_EXTEND only."""
         return self == ForwardMode.DRAFT_EXTEND
 
     def is_decode_or_idle(self) -> bool:
+        """True for DECODE and IDLE."""
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
     def is_extend_or_draft_extend_or_mixed(self) -> bool:
+        """True for EXTEND, DRAFT_EXTEND and MIXED (not TARGET_VERIFY)."""
         return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED)
 
     def is_cuda_graph(self) -> bool:
@@ -156,6 +163,7 @@ class ForwardBatch:
 
     @property
     def device(self) -> torch.device:
+        """Device of the batch's tensors (that of ``seq_lens``)."""
         return self.seq_lens.device
 
 

@@ -39,6 +39,7 @@ class ReqToTokenPool:
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
+        """Free request rows."""
         return len(self.free_slots)
 
     def alloc(self, need_size: int) -> Optional[list[int]]:
@@ -49,6 +50,7 @@ class ReqToTokenPool:
         return rows
 
     def free(self, rows: int | Sequence[int]) -> None:
+        """Return request rows (one int or several) to the free list."""
         self.free_slots.extend([rows] if isinstance(rows, int) else list(rows))
 
     def write(self, index, values: Tensor) -> None:
@@ -83,6 +85,7 @@ class PageAllocator:
         return len(self.free_pages) * self.page_size
 
     def alloc_pages(self, n: int) -> list[int]:
+        """Take ``n`` free page ids; ``RuntimeError`` when fewer than ``n`` are free."""
         if n > len(self.free_pages):
             raise RuntimeError(f"PageAllocator.alloc_pages: out of pages; asked for {n}, "
                                f"{len(self.free_pages)} free. Free finished requests first.")
@@ -90,6 +93,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        """Return page ids to the free list."""
         self.free_pages.extend(int(p) for p in pages)
 
     def alloc_extend(self, req_to_token_pool: ReqToTokenPool, row: int, prefix_len: int,
@@ -129,6 +133,9 @@ class KVWriteLoc:
     encoder_loc: Optional[Tensor] = None
 
     def for_layer(self, is_swa: bool, is_cross_attention: bool = False) -> Tensor:
+        """Slots ``[N]`` int64 a layer writes: ``encoder_loc`` for cross attention, ``swa_loc``
+        for a sliding-window layer when there is an SWA pool, else ``loc``.
+        """
         if is_cross_attention:
             return self.encoder_loc
         return self.swa_loc if is_swa and self.swa_loc is not None else self.loc
@@ -163,6 +170,7 @@ class MHATokenToKVPool:
 
     @property
     def num_pages(self) -> int:
+        """Pages per layer (``size // page_size``, page 0 included)."""
         return self.size // self.page_size
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
@@ -170,9 +178,11 @@ class MHATokenToKVPool:
         return self.k_buffer[layer_id - self.start_layer]
 
     def get_value_buffer(self, layer_id: int) -> Tensor:
+        """[num_slots, Hkv, Dv] of layer ``layer_id``."""
         return self.v_buffer[layer_id - self.start_layer]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """``(K [num_slots, Hkv, D], V [num_slots, Hkv, Dv])`` of layer ``layer_id``."""
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def get_paged_kv(self, layer_id: int, page_size: Optional[int] = None
@@ -233,6 +243,7 @@ class SWAKVPool:
         self.v_head_dim = self.full_kv_pool.v_head_dim
 
     def is_swa_layer(self, layer_id: int) -> bool:
+        """True when ``layer_id`` is a sliding-window layer (stored in the SWA pool)."""
         return self.layers_mapping[layer_id][1]
 
     def _pool(self, layer_id: int) -> tuple[MHATokenToKVPool, int]:
@@ -240,17 +251,21 @@ class SWAKVPool:
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), idx
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
+        """[num_slots, Hkv, D] of ``layer_id``, from the SWA or the full pool."""
         pool, idx = self._pool(layer_id)
         return pool.get_key_buffer(idx)
 
     def get_value_buffer(self, layer_id: int) -> Tensor:
+        """[num_slots, Hkv, Dv] of ``layer_id``, from the SWA or the full pool."""
         pool, idx = self._pool(layer_id)
         return pool.get_value_buffer(idx)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """``(K, V)`` buffers of ``layer_id`` from the pool that holds it."""
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def get_paged_kv(self, layer_id: int, page_size: Optional[int] = None):
+        """Paged K/V views ``[num_pages, page_size, Hkv, D]`` of ``layer_id`` from its pool."""
         pool, idx = self._pool(layer_id)
         return pool.get_paged_kv(idx, page_size)
 
@@ -308,6 +323,7 @@ class MLATokenToKVPool:
         return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """``(latent cache [num_slots, 1, R + r], its latent part [num_slots, 1, R])``."""
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def set_mla_kv_buffer(self, layer, loc: Tensor, cache_k_nope: Tensor,

@@ -231,6 +231,7 @@ class _PieceCompiler(fx.Interpreter):
         self.pieces, self.backend = pieces, backend
 
     def run(self, *args):
+        """Run the split graph on fake copies of ``args`` (compiling pieces on the way)."""
         from torch._guards import detect_fake_mode
         fake_mode = detect_fake_mode(args)
         if fake_mode is None:
@@ -242,6 +243,9 @@ class _PieceCompiler(fx.Interpreter):
             return super().run(*fake)
 
     def call_module(self, target, args, kwargs):
+        """Run submodule ``target``; if it is a piece, compile it for these fake ``args`` and
+        replace it with a ``PieceRunner``.
+        """
         out = super().call_module(target, args, kwargs)
         if target in self.pieces:
             submod = self.fetch_attr(target)
@@ -305,6 +309,11 @@ class PiecewiseModel(nn.Module):
         return self.graph_sizes[i] if i < len(self.graph_sizes) else None
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, **kwargs):
+        """``input_ids [T]``, ``positions [T]`` -> the model's output for the ``T`` tokens.
+
+        Steps that fit a graph bucket are padded into static buffers; the output is then cut back
+        to ``T`` rows and cloned.
+        """
         n = input_ids.shape[0]
         size = self.graph_size_for(n, forward_batch)
         if size is not None:

@@ -175,11 +175,13 @@ def check_prefix_lens(fn: str, prefix_lens, page_table) -> None:
 # One entry point per public wrapper (called right before its torch.ops.xpu_ops call).
 
 def check_store_kv_cache(loc, k_cache) -> None:
+    """Debug-switch value check of ``store_kv_cache``: ``loc`` within the cache's token slots."""
     if _active(loc, k_cache) and isinstance(k_cache, Tensor) and k_cache.dim() in (3, 4):
         check_loc("store_kv_cache", loc, k_cache.shape[:-2].numel())
 
 
 def check_store_mla_kv_cache(loc, kv_cache) -> None:
+    """Debug-switch value check of ``store_mla_kv_cache``: ``loc`` within the token slots."""
     if _active(loc, kv_cache) and isinstance(kv_cache, Tensor) and kv_cache.dim() in (3, 4):
         slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 4 else 1)
         check_loc("store_mla_kv_cache", loc, slots)
@@ -187,6 +189,9 @@ def check_store_mla_kv_cache(loc, kv_cache) -> None:
 
 def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seqlens_q,
                                   max_seqlen_q) -> None:
+    """Debug-switch value checks of ``flash_attn_with_kvcache``: ``cache_seqlens``/``page_table`` in
+    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound.
+    """
     fn = "flash_attn_with_kvcache"
     if not _active(q, k_cache, cache_seqlens, page_table, cu_seqlens_q) or k_cache.dim() != 4:
         return
@@ -197,6 +202,9 @@ def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seql
 
 def check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                  max_seqlen_k) -> None:
+    """Debug-switch value checks of ``flash_attn_varlen_func``: both ``cu_seqlens`` valid prefix
+    sums, ``max_seqlen_q/k`` bounds, ``0 <= seqused_k[r] <=`` request ``r``'s keys.
+    """
     fn = "flash_attn_varlen_func"
     if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
         return
@@ -214,11 +222,13 @@ def check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, ma
 
 
 def check_flash_mla_decode(kv_cache, cache_seqlens, page_table) -> None:
+    """Debug-switch value check of ``flash_mla_decode``: cache_seqlens/page_table in range."""
     if _active(kv_cache, cache_seqlens, page_table) and kv_cache.dim() == 3:
         check_paged("flash_mla_decode", cache_seqlens, page_table, kv_cache.shape[1],
                     kv_cache.shape[0])
 
 
 def check_prepare_swa_spec_page_table(page_table, prefix_lens) -> None:
+    """Debug-switch value check of ``prepare_swa_spec_page_table``: ``prefix_lens`` within ``P``."""
     if _active(page_table, prefix_lens):
         check_prefix_lens("prepare_swa_spec_page_table", prefix_lens, page_table)

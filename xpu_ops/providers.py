@@ -32,6 +32,9 @@ SupportsFn = Callable[..., Optional[str]]
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
+    """One registered implementation: ``fn`` is ``provider``'s code for ``op``; ``available``
+    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call.
+    """
     op: str
     provider: str
     fn: Callable

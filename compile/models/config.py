@@ -118,6 +118,7 @@ class ModelConfig:
         return -1
 
     def layer_uses_rope(self, layer_id: int) -> bool:
+        """True unless ``use_rope`` marks ``layer_id`` as a NoPE layer."""
         return True if self.use_rope is None else bool(self.use_rope[layer_id])
 
     @classmethod

@@ -139,6 +139,7 @@ class InterleavedRotaryEmbedding(nn.Module):
         return out.flatten(-2).to(x.dtype)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate ``q [T, H, r]`` and ``k [T, 1, r]`` by ``positions [T]``; shapes kept."""
         cos = self.cos_cached[positions].unsqueeze(1)      # [T, 1, r/2]
         sin = self.sin_cached[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -178,6 +179,10 @@ class DeepseekV2Attention(nn.Module):
         return w[:, :self.dn], w[:, self.dn:]
 
     def forward(self, positions: Tensor, hidden_states: Tensor, forward_batch) -> Tensor:
+        """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``: absorbed MLA
+        over the latent cache (queries ``[T, H, R]`` plus rope ``[T, H, r]``; output through
+        ``w_vc``).
+        """
         t = hidden_states.shape[0]
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
@@ -208,6 +213,7 @@ class DeepseekV2DecoderLayer(nn.Module):
                                                 dtype=dtype, device=device)
 
     def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
+        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
         h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -227,6 +233,7 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(positions, h, forward_batch)
@@ -257,6 +264,9 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``
+        (see the class docstring).
+        """
         h = self.model(input_ids, positions, forward_batch)
         return lm_logits(self, h, forward_batch, return_all_logits)
 

@@ -38,6 +38,7 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x [..., dim]`` normalised over the last dim; same shape and dtype."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
@@ -59,6 +60,7 @@ class LlamaMLP(nn.Module):
         self.act = config.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x [T, hidden] -> [T, hidden]``."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(gate * up)
@@ -91,6 +93,9 @@ class LlamaAttention(nn.Module):
             use_irope=config.layer_types[layer_id] == "chunked_attention")
 
     def forward(self, positions: Tensor, hidden_states: Tensor, forward_batch) -> Tensor:
+        """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
+        step's K/V into the cache through ``PagedAttention``.
+        """
         qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
@@ -120,6 +125,7 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
+        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
         attn = self.self_attn(positions, self.input_layernorm(h), forward_batch)
         if self.pre_feedforward_layernorm is None:  # Llama: post_attention_layernorm = pre-MLP
             h = h + attn
@@ -146,6 +152,7 @@ class LlamaModel(nn.Module):
                             dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
@@ -180,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``
+        (see the class docstring); soft-capped when ``final_logit_softcap`` is set.
+        """
         h = self.model(input_ids, positions, forward_batch)
         logits = lm_logits(self, h, forward_batch, return_all_logits)
         cap = self.config.final_logit_softcap

@@ -24,6 +24,7 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x [T, hidden] -> [T, E]`` routing weights, zero outside each token's top-k."""
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)
         return torch.zeros_like(logits).scatter(-1, idx, torch.softmax(top, dim=-1))
@@ -43,6 +44,9 @@ class Experts(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: Tensor, weights: Tensor) -> Tensor:
+        """``x [T, hidden]``, ``weights [T, E]`` -> ``[T, hidden]``: every expert runs on every
+        token (dense einsum), outputs summed with ``weights``.
+        """
         gate_up = torch.einsum("th,ehf->etf", x, self.gate_up_proj)
         gate_up = gate_up + self.gate_up_proj_bias[:, None]  # [E, T, 2I], gate/up interleaved
         gate = gate_up[..., ::2].clamp(max=self.limit)
@@ -62,6 +66,7 @@ class MoEMLP(nn.Module):
         self.experts = Experts(h, i, e, config.swiglu_alpha, config.swiglu_limit, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x [T, hidden] -> [T, hidden]``: route, then the weighted expert sum."""
         return self.experts(x, self.router(x))
 
 

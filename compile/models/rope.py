@@ -51,6 +51,7 @@ def _llama3_scale(inv_freq: Tensor, s: dict[str, Any]) -> Tensor:
 
 
 def rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (neox layout); same shape and dtype."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -75,6 +76,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
         cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -35,6 +35,11 @@ def write_slots(cache_rows: Tensor, loc: Tensor, values: Tensor) -> None:
 
 @providers.register("store_kv_cache", "reference")
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
+    """Reference ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
+
+    Writes K and V rows ``[N, Hkv, D]`` into token slots ``loc`` of the flat caches with
+    ``write_slots`` (index_put), dividing by ``k_scale``/``v_scale`` first when given (fp8).
+    """
     for cache, src, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         rows = cache.view(-1, *cache.shape[-2:])
         write_slots(rows, loc, src if scale is None else src.float() / scale.float())
@@ -42,5 +47,9 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
 
 @providers.register("store_mla_kv_cache", "reference")
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
+    """Reference ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
+
+    Writes ``cat(k_nope, k_rope)`` rows ``[N, R + r]`` into token slots ``loc`` (``write_slots``).
+    """
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     write_slots(rows, loc, torch.cat([k_nope, k_rope], dim=-1).view(loc.shape[0], rows.shape[-1]))

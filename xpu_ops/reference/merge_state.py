@@ -9,6 +9,11 @@ from .. import providers
 
 @providers.register("merge_state_v2", "reference")
 def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    """Reference ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
+
+    LSE-weighted sum of two partial outputs in float32, written into ``v_merged [N, H, D]`` and
+    ``s_merged [N, H]``; an empty side (``-inf`` LSE) adds nothing, even if its values are NaN.
+    """
     s_max = torch.maximum(s_a, s_b)
     s_max = torch.where(torch.isfinite(s_max), s_max, 0.0)   # both sides empty: no NaN
     w_a = torch.exp(s_a - s_max)

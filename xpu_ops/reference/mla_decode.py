@@ -12,6 +12,12 @@ from .paged_attention import gather_pages
 @providers.register("flash_mla_decode", "reference")
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):
+    """Reference ``flash_mla_decode`` (contract: ``xpu_ops/ops/mla_decode.py``).
+
+    Gathers each request's latent cache into a padded block and runs masked softmax attention with
+    one KV head (keys ``[R + r]``, values the latent ``[R]``); ``workspace`` and ``num_kv_splits``
+    are unused. Returns ``[b, H, R]`` in ``q_nope``'s dtype.
+    """
     batch, num_heads, latent_dim = q_nope.shape
     q = torch.cat([q_nope, q_rope], dim=-1)                        # [b, H, R + r], one token each
     kv = gather_pages(kv_cache.unsqueeze(2), page_table, cache_seqlens)   # [b, L, 1, R + r]

@@ -34,6 +34,11 @@ def gather_pages(cache: Tensor, page_table: Tensor, cache_seqlens: Tensor) -> Te
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """Reference ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
+
+    Gathers the paged K/V into padded float32 blocks (``gather_pages``), dequantizes, then runs
+    masked softmax attention per request (``attend_packed``); writes ``out`` and returns the LSE.
+    """
     k_pad = dequantize(gather_pages(k_cache, page_table, cache_seqlens), k_descale)
     v_pad = dequantize(gather_pages(v_cache, page_table, cache_seqlens), v_descale)
     return attend_packed(q, cu_seqlens_q, max_seqlen_q, k_pad, v_pad, cache_seqlens, out, qv=qv,

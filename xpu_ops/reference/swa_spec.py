@@ -9,6 +9,12 @@ from .. import providers
 
 @providers.register("prepare_swa_spec_page_table", "reference")
 def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask):
+    """Reference ``prepare_swa_spec_page_table`` (contract: ``xpu_ops/ops/swa_spec.py``).
+
+    Vectorised: copies each prefix, scatters the allowed drafts after it by their rank (a spare
+    last column takes disallowed ones). Returns ``(table [b * num_draft, P + num_draft] int32,
+    seqlens [b * num_draft] int32 tokens)``.
+    """
     batch, width = page_table.shape
     num_draft = draft_slots.shape[1]
     device = page_table.device

@@ -10,6 +10,11 @@ from .attention import attend_packed, dequantize, gather_padded, request_rows
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """Reference ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).
+
+    Gathers the ragged K/V rows (``cu_seqlens_k``, cut to ``seqused_k`` when given) into padded
+    float32 blocks, then masked softmax attention per request; writes ``out``, returns the LSE.
+    """
     k_idx, k_valid, k_lens = request_rows(cu_seqlens_k, max_seqlen_k)
     if seqused_k is not None:
         k_lens = seqused_k.long()

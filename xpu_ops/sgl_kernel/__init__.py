@@ -38,6 +38,7 @@ __all__ = ["Binding", "binding", "bound_to", "limits", "native"]
 
 def _available(op: str):
     def available(device_type: str) -> Optional[str]:
+        """``None`` when the native op has a kernel for ``device_type``, else why not."""
         return native.unavailable(op, device_type)
     return available
 
@@ -74,6 +75,11 @@ def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """sgl_kernel ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
+
+    Native ``fwd`` with the paged cache (``cache_seqlens`` as ``cu_seqlens_k`` on sgl-kernel-xpu,
+    ``seqused_k`` on FlashAttention-3). Writes ``out``, returns the LSE ``[Hq, total_q]`` float32.
+    """
     values = _attention_values(q, k_cache, v_cache, qv, q_descale, k_descale, v_descale, sinks,
                                max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
                                causal=causal, window_size_left=window_size_left,
@@ -92,6 +98,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """sgl_kernel ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).
+
+    Native ``fwd`` without a page table. Writes ``out``, returns the LSE ``[Hq, total_q]`` float32.
+    """
     values = _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks,
                                max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
                                causal=causal, window_size_left=window_size_left,
@@ -103,6 +113,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
 
 @providers.register("merge_state_v2", "sgl_kernel", available=_available("merge_state_v2"))
 def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    """sgl_kernel ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
+
+    Calls the native op on contiguous copies; non-contiguous outputs are staged, then copied back.
+    """
     # Native kernels index dense rows; callers often pass a transposed LSE ([H, N] -> [N, H]).
     outputs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                for t in (v_merged, s_merged)]
@@ -117,6 +131,10 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
                     supports=limits.flash_mla_decode)
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):
+    """sgl_kernel ``flash_mla_decode`` (contract: ``xpu_ops/ops/mla_decode.py``).
+
+    Calls the native split-KV MLA decode kernel; returns a new ``[b, H, R]`` tensor.
+    """
     batch, num_heads, latent_dim = q_nope.shape
     out = q_nope.new_empty((batch, num_heads, latent_dim))
     native.packet("flash_mla_decode").default(

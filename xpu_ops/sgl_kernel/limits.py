@@ -55,6 +55,9 @@ def _common(q, k_dtype, head_dim, head_dim_v, qv, sinks, flavour) -> Optional[st
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             **_) -> Optional[str]:
+    """``supports=`` hook of ``flash_attn_with_kvcache``: ``None``, or why native ``fwd`` cannot
+    serve it (on ``"xpu"``: listed head dims; decode also listed page sizes and Hq/Hkv).
+    """
     flavour = native.fwd_flavour(native.schema("fwd"))
     _, page_size, num_heads_kv, head_dim = k_cache.shape
     reason = _common(q, k_cache.dtype, head_dim, v_cache.shape[-1], qv, sinks, flavour)
@@ -75,6 +78,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, **_) -> Optional[str]:
+    """``supports=`` hook of ``flash_attn_varlen_func``: ``None``, or why native ``fwd`` cannot
+    serve it (on ``"xpu"``: no ``seqused_k``, listed head dims only).
+    """
     flavour = native.fwd_flavour(native.schema("fwd"))
     head_dim = k.shape[-1]
     reason = _common(q, k.dtype, head_dim, v.shape[-1], qv, sinks, flavour)
@@ -99,6 +105,10 @@ def native_mla_workspace_bytes(max_seq_len: int, batch: int, num_heads: int, pag
 
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits) -> Optional[str]:
+    """``supports=`` hook of ``flash_mla_decode``: ``None``, or why the native kernel cannot serve
+    it ((R, r) = (512, 64), H <= 128, fp16/bf16, page-table width a multiple of 128 tokens, enough
+    ``workspace`` bytes).
+    """
     batch, num_heads, latent_dim = q_nope.shape
     page_size = kv_cache.shape[1]
     if (latent_dim, q_rope.shape[-1]) != (MLA_LATENT_DIM, MLA_ROPE_DIM):

@@ -89,6 +89,7 @@ def packet(name: str):
 
 
 def schema(name: str) -> torch.FunctionSchema:
+    """``FunctionSchema`` of native op ``name`` in the current binding (it must be registered)."""
     return packet(name).default._schema
 
 

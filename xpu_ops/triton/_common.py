@@ -76,4 +76,5 @@ def next_pow2(n: int) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division ``ceil(a / b)`` for ints (e.g. tiles or pages covering ``a`` tokens)."""
     return -(-a // b)

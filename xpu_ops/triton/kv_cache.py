@@ -71,6 +71,11 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
 
 @providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
+    """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
+
+    Two launches of ``_store_rows_kernel`` (K, then V), one program per token copying its
+    ``[Hkv, D]`` row into slot ``loc[i]``; out-of-range slots are masked off.
+    """
     store_rows(k, _flat(k_cache), loc, k_scale)
     store_rows(v, _flat(v_cache), loc, v_scale)
 
@@ -85,6 +90,11 @@ def _supports_mla(kv_cache, loc, k_nope, k_rope):
 
 @providers.register("store_mla_kv_cache", "triton", available=available, supports=_supports_mla)
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
+    """Triton ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
+
+    Two launches of ``_store_rows_kernel`` into the flat ``[slots, 1, R + r]`` view: ``k_nope`` at
+    columns ``[0, R)``, ``k_rope`` at ``[R, R + r)``.
+    """
     rows = kv_cache.view(-1, 1, kv_cache.shape[-1])              # [slots, 1, R + r]
     store_rows(k_nope, rows, loc, None)
     store_rows(k_rope, rows, loc, None, col_offset=k_nope.shape[-1])

@@ -31,6 +31,12 @@ def _supports(q_nope, q_rope, kv_cache, *args):
 @providers.register("flash_mla_decode", "triton", available=available, supports=_supports)
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):
+    """Triton ``flash_mla_decode`` (contract: ``xpu_ops/ops/mla_decode.py``).
+
+    Runs ``paged_attention`` with one KV head through its ``qv`` path (q_rope vs the rope part,
+    q_nope vs the latent part), split-KV with partials in ``workspace`` (split count from shapes
+    only). Returns ``[b, H, R]`` in ``q_nope``'s dtype.
+    """
     batch, num_heads, latent_dim = q_nope.shape
     out = q_nope.new_empty((batch, num_heads, latent_dim))
     if batch == 0:

@@ -416,6 +416,11 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """Triton ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
+
+    ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
+    split-KV; ``max_kv_len`` is the page-table capacity in tokens. Writes ``out``, returns the LSE.
+    """
     return paged_attention(
         q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
         cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,

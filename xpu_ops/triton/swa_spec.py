@@ -49,6 +49,12 @@ def _swa_spec_page_table_kernel(
 
 @providers.register("prepare_swa_spec_page_table", "triton", available=available)
 def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask):
+    """Triton ``prepare_swa_spec_page_table`` (contract: ``xpu_ops/ops/swa_spec.py``).
+
+    One program per (request, draft row) computes every output column (prefix entry or ranked
+    allowed draft, no scatter). Returns ``(table [b * num_draft, P + num_draft] int32,
+    seqlens [b * num_draft] int32 tokens)``.
+    """
     batch, width = page_table.shape
     num_draft = draft_slots.shape[1]
     table = torch.empty((batch * num_draft, width + num_draft), dtype=torch.int32,

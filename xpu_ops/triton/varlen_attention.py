@@ -18,6 +18,11 @@ from .paged_attention import paged_attention, supports_attention
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+    """Triton ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).
+
+    ``paged_attention`` on ragged K/V rows (no page table); per-request key counts are
+    ``seqused_k`` or the ``cu_seqlens_k`` differences. Writes ``out``, returns the LSE.
+    """
     kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     return paged_attention(
         q, k, v, out, kv_lens, cu_seqlens_q, page_table=None, cu_seqlens_k=cu_seqlens_k,
