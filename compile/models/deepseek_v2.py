@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from compile.layer import PagedAttention
-from compile.models.llama import LlamaMLP, RMSNorm, lm_logits
+from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
 from compile.models.loading import _source, load_state
 from compile.models.rope import rope_inv_freq
 
@@ -257,10 +257,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV2Model(config, dtype, device)
-        self.lm_head = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                     dtype=dtype, device=device)
+        self.lm_head = make_lm_head(config, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:

@@ -180,10 +180,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, device)
-        self.lm_head = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                     dtype=dtype, device=device)
+        self.lm_head = make_lm_head(config, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
@@ -194,6 +191,15 @@ class LlamaForCausalLM(nn.Module):
         logits = lm_logits(self, h, forward_batch, return_all_logits)
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def make_lm_head(config, dtype: torch.dtype, device) -> Optional[nn.Linear]:
+    """``[vocab_size, hidden_size]`` output projection, or None with tied embeddings (then
+    ``lm_logits`` reads ``model.embed_tokens``)."""
+    if config.tie_word_embeddings:
+        return None
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                     device=device)
 
 
 def lm_logits(causal_lm: nn.Module, h: Tensor, forward_batch, return_all_logits: bool) -> Tensor:

@@ -16,7 +16,7 @@ if not hasattr(transformers, "DeepseekV2ForCausalLM"):
     pytest.skip("transformers has no DeepseekV2ForCausalLM", allow_module_level=True)
 
 from compile.models import deepseek_v2  # noqa: E402
-from tests.models.test_llama_parity import run_paged  # noqa: E402
+from tests.models import test_llama_parity as llama_parity  # noqa: E402
 
 VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -38,19 +38,8 @@ def make_hf(q_lora_rank, seed: int = 0):
 
 
 def check_parity(hf, model, page_size: int) -> int:
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 5, 9)]
-    outs, rows = run_paged(model, prompts, page_size)
-    checked = 0
-    for rid, (prompt, out) in enumerate(zip(prompts, outs)):
-        seq = prompt + out[:-1]  # the last sampled token was never fed back
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0].float()
-        for pos in range(len(seq)):
-            torch.testing.assert_close(rows[(rid, pos)], ref[pos], atol=2e-4, rtol=1e-4,
-                                       msg=lambda m: f"request {rid} pos {pos}: {m}")
-            checked += 1
-    return checked
+    """Engine vs transformers logits of every prompt and decode row (shared parity check)."""
+    return llama_parity.check_parity(hf, model, page_size, vocab=VOCAB, label="deepseek_v2")
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -85,13 +85,11 @@ def run_paged(model, prompts, page_size: int, max_new_tokens: int = 4, chunk: in
     return outs, rec.rows
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_match_transformers(variant, page_size):
-    hf = make_hf(variant)
-    model = from_hf(hf)
+def check_parity(hf, model, page_size: int, vocab: int, label: str = "") -> int:
+    """Run 3 random prompts through the engine (``run_paged``) and compare every prompt and
+    decode logit row with ``hf`` on the same token sequence; returns the rows checked."""
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (11, 5, 9)]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (11, 5, 9)]
     outs, rows = run_paged(model, prompts, page_size)
     checked = 0
     for rid, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -100,9 +98,17 @@ def test_logits_match_transformers(variant, page_size):
             ref = hf(torch.tensor([seq])).logits[0].float()
         for pos in range(len(seq)):
             torch.testing.assert_close(rows[(rid, pos)], ref[pos], atol=2e-4, rtol=1e-4,
-                                       msg=lambda m: f"{variant} request {rid} pos {pos}: {m}")
+                                       msg=lambda m: f"{label} request {rid} pos {pos}: {m}")
             checked += 1
     assert checked == sum(len(p) + 3 for p in prompts)  # prompt + (max_new_tokens - 1) decodes
+    return checked
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers(variant, page_size):
+    hf = make_hf(variant)
+    check_parity(hf, from_hf(hf), page_size, vocab=97, label=variant)
 
 
 def test_config_reads_every_variant_option():
