@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from xpu_ops._registration import define_op
+
 from .forward_context import get_forward_context
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
@@ -38,9 +40,9 @@ def _check(q: Tensor, output: Tensor) -> None:
                          f"{output.device}; expected q's {q.dtype} on {q.device}.")
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("output",),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) output, int layer_id) "
-                                "-> ()")
+@define_op(OP_NAME, mutates_args=("output",),
+           schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) output, int layer_id) "
+                  "-> ()")
 def unified_attention_with_output(q: Tensor, k: Tensor, v: Tensor, output: Tensor,
                                   layer_id: int) -> None:
     """Attention of layer ``layer_id`` over the forward context's batch, into ``output``.

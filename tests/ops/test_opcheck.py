@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._library.custom_ops import OPDEFS
 
 import xpu_ops
+from xpu_ops._registration import DEFINED
 from xpu_ops.testing import ATTENTION_CASES, REGISTERED_OPS, op_name, sample_inputs
 
 from .utils import (OPCHECK_UTILS, all_sample_params, arg_names, bitwise_equal, clone, has_fp8,
@@ -20,8 +20,8 @@ SAMPLES = all_sample_params()
 
 
 def test_registered_ops_is_complete_and_sampled():
-    ours = {name.split("::")[1] for name, d in OPDEFS.items()
-            if name.startswith("xpu_ops::") and d._init_fn.__module__.startswith("xpu_ops.")}
+    ours = {name.split("::")[1] for name, d in DEFINED.items()
+            if name.startswith("xpu_ops::") and d.fn.__module__.startswith("xpu_ops.")}
     assert ours == {op_name(op) for op in xpu_ops.REGISTERED_OPS}
     for op in REGISTERED_OPS:
         n = len(list(sample_inputs(op.default, "cpu")))   # the overload works as well

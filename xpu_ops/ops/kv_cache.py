@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks, providers
+from .._registration import define_op
 from .._checks import FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail
 
 STORE_KV = "store_kv_cache"
@@ -60,7 +61,7 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
     _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
-@torch.library.custom_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
+@define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
 def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Op form of ``store_kv_cache`` (all arguments explicit)."""
@@ -132,7 +133,7 @@ def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
     check_size(fn, "kv_cache", kv_cache, -1, latent_dim + k_rope.shape[2], "R + r")
 
 
-@torch.library.custom_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))
+@define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))
 def store_mla_kv_cache_op(kv_cache: Tensor, loc: Tensor, k_nope: Tensor, k_rope: Tensor) -> None:
     """Op form of ``store_mla_kv_cache``."""
     _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)

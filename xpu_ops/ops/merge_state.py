@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
+from .._registration import define_op
 from .._checks import FLOAT_DTYPES, check_shape, check_tensor, check_tensor_args
 
 NAME = "merge_state_v2"
@@ -31,7 +32,7 @@ def _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
         check_shape(fn, arg, s, (num_tokens, num_heads), "[N, H]")
 
 
-@torch.library.custom_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"))
+@define_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"))
 def merge_state_v2_op(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, v_merged: Tensor,
                       s_merged: Tensor) -> None:
     """Op form of ``merge_state_v2``: writes ``v_merged`` and ``s_merged`` in place."""

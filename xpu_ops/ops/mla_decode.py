@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks, providers
+from .._registration import define_op
 from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .common import check_index, float_scalar
 
@@ -97,7 +98,7 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
              "Size it with flash_mla_get_workspace_size.")
 
 
-@torch.library.custom_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",))
+@define_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",))
 def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_seqlens: Tensor,
                         page_table: Tensor, workspace: Tensor, softmax_scale: float,
                         num_kv_splits: int) -> Tensor:

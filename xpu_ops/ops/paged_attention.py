@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks, providers
+from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
@@ -56,7 +57,7 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
                            sinks=sinks, softcap=softcap, max_seqlen_q=max_seqlen_q)
 
 
-@torch.library.custom_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
 def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],

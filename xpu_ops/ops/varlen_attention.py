@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks, providers
+from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
@@ -54,7 +55,7 @@ def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sequ
                            softcap=softcap, max_seqlen_q=max_seqlen_q)
 
 
-@torch.library.custom_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
 def flash_attn_varlen_func_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
     seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
