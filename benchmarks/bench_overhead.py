@@ -1,0 +1,170 @@
+"""Host (Python) time of one attention layer call, layer by layer of the call stack.
+
+In piecewise mode every decoder layer's attention runs eagerly between captured graph pieces, so
+its host time adds to each decode step unless it stays below the GPU time of a layer. This
+script measures, in microseconds per call, the rows
+
+    providers.select       provider resolution of flash_attn_with_kvcache
+    op: store_kv_cache     torch.ops.xpu_ops.store_kv_cache (shape checks + dispatch)
+    store wrapper          xpu_ops.store_kv_cache (+ argument checks, scale handling)
+    op: flash_attn         torch.ops.xpu_ops.flash_attn_with_kvcache
+    flash_attn wrapper     xpu_ops.flash_attn_with_kvcache (+ defaults, packing, checks)
+    backend.forward        XPUAttentionBackend.forward of one DECODE layer (store + attend)
+
+Kernels are stubbed by default (``--kernels stub``): the ``fn`` of every registered
+implementation of the two ops is swapped for a no-op (the attention stub still allocates its
+``[Hq, total_q]`` float32 LSE, as a kernel does), so the rows are pure host time: checks,
+provider selection, dispatcher, allocation. ``--kernels real`` keeps the kernels (on a GPU
+launches are asynchronous, so the rows stay host time while the GPU keeps up; on CPU they
+include the kernel itself). Each row is the minimum over ``--repeats`` of the mean of
+``--iters`` calls, after a warm-up; the minimum because the machine may be shared.
+
+    PYTHONPATH=. python benchmarks/bench_overhead.py                 # CPU, stub kernels
+    PYTHONPATH=. python benchmarks/bench_overhead.py --device cuda   # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import time
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+import xpu_ops
+from xpu_ops import providers
+from compile.attention_backend import XPUAttentionBackend
+from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.layer import PagedAttention
+from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.model_runner import ModelRunnerInfo
+
+OPS = ("flash_attn_with_kvcache", "store_kv_cache")
+
+
+def _stub_attention(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, *args,
+                    **kwargs):
+    return torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+
+
+def _stub_store(*args, **kwargs) -> None:
+    return None
+
+
+def stub_kernels() -> None:
+    """Swap the ``fn`` of every implementation of ``OPS`` for a no-op (this process only)."""
+    providers.select(OPS[0], torch.device("cpu"))  # make sure every provider is imported
+    stubs = {"flash_attn_with_kvcache": _stub_attention, "store_kv_cache": _stub_store}
+    for op, stub in stubs.items():
+        impls = providers._registry[op]
+        for name, impl in impls.items():
+            impls[name] = dataclasses.replace(impl, fn=stub)
+    invalidate = getattr(providers, "invalidate_cache", None)
+    if invalidate is not None:
+        invalidate()
+
+
+def decode_setup(args) -> SimpleNamespace:
+    """Pool, backend, one layer and a DECODE batch of ``args.batch`` requests (small shapes)."""
+    device, dtype, b, ps, ctx = torch.device(args.device), args.dtype, args.batch, 16, args.context
+    hq, hkv, d, layers = 8, 2, 64, 1
+    num_pages = b * -(-(ctx + 1) // ps) + 1
+    req_pool = ReqToTokenPool(b, ctx + 1, device)
+    kv = MHATokenToKVPool(num_pages * ps, ps, dtype, hkv, d, layers, device)
+    alloc = PageAllocator(num_pages, ps, device)
+    runner = ModelRunnerInfo(model_config=SimpleNamespace(context_len=ctx + 1,
+                                                          num_attention_heads=hq),
+                             tp_size=1, device=device, page_size=ps, req_to_token_pool=req_pool,
+                             token_to_kv_pool=kv, kv_cache_dtype=dtype)
+    backend = XPUAttentionBackend(runner)
+    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, ctx + 1)[-1:] for r in range(b)])
+    seq_lens_cpu = torch.full((b,), ctx + 1, dtype=torch.int32)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=b,
+                      req_pool_indices=torch.arange(b, device=device),
+                      seq_lens=seq_lens_cpu.to(device), seq_lens_cpu=seq_lens_cpu,
+                      out_cache_loc=loc.to(device))
+    fb.attn_backend, fb.token_to_kv_pool, fb.req_to_token_pool = backend, kv, req_pool
+    backend.init_forward_metadata(fb)
+    layer = PagedAttention(hq, d, d ** -0.5, hkv, layer_id=0).to(device)
+    q = torch.randn(b, hq * d, dtype=dtype, device=device)
+    k = torch.randn(b, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(b, hkv, d, dtype=dtype, device=device)
+    meta = backend.forward_metadata.main
+    k_cache, v_cache = kv.get_paged_kv(0)
+    return SimpleNamespace(backend=backend, fb=fb, layer=layer, q=q, k=k, v=v, meta=meta,
+                           kv=kv, k_cache=k_cache, v_cache=v_cache, q3=q.view(b, hq, d),
+                           out=torch.empty(b, hq, d, dtype=dtype, device=device),
+                           loc=fb.out_cache_loc)
+
+
+def cases(s: SimpleNamespace) -> dict[str, Callable[[], object]]:
+    """Name -> zero-argument call, one per row of the table."""
+    m, kbuf, vbuf = s.meta, *s.kv.get_kv_buffer(0)
+    attn_args = (s.q3, s.k_cache, s.v_cache, m.cache_seqlens, m.page_table, m.cu_seqlens_q,
+                 s.out, None, None, None, None, None)
+    attn_kwargs = dict(max_seqlen_q=m.max_seqlen_q, softmax_scale=s.layer.scaling, causal=True,
+                       window_size_left=-1, window_size_right=0, softcap=0.0)
+    op_attn, op_store = torch.ops.xpu_ops.flash_attn_with_kvcache, torch.ops.xpu_ops.store_kv_cache
+    return {
+        "providers.select": lambda: providers.select(OPS[0], s.q3.device, *attn_args,
+                                                     **attn_kwargs),
+        "op: store_kv_cache": lambda: op_store(kbuf, vbuf, s.loc, s.k, s.v, None, None),
+        "store wrapper": lambda: xpu_ops.store_kv_cache(kbuf, vbuf, s.loc, s.k, s.v),
+        "op: flash_attn_with_kvcache": lambda: op_attn(*attn_args, **attn_kwargs),
+        "flash_attn wrapper": lambda: xpu_ops.flash_attn_with_kvcache(
+            s.q3, s.k_cache, s.v_cache, cache_seqlens=m.cache_seqlens, page_table=m.page_table,
+            cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q,
+            softmax_scale=s.layer.scaling, causal=True, out=s.out),
+        "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
+    }
+
+
+def time_us(fn: Callable[[], object], device: torch.device, iters: int, repeats: int) -> float:
+    """Minimum over ``repeats`` of the mean host microseconds of ``iters`` calls."""
+    for _ in range(max(iters // 10, 5)):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / iters / 1e3)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--kernels", choices=("stub", "real"), default="stub")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--grad", action="store_true", help="run outside torch.inference_mode")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    args.dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    if args.kernels == "stub":
+        stub_kernels()
+    ctx = torch.no_grad() if args.grad else torch.inference_mode()
+    with ctx:
+        calls = cases(decode_setup(args))
+        impl = calls["providers.select"]()
+        rows = [(name, time_us(fn, device, args.iters, args.repeats))
+                for name, fn in calls.items()]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
+          f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, {args.dtype}")
+    print("| call | host us/call |\n|---|---:|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
