@@ -41,8 +41,9 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
     if not isinstance(t, torch.Tensor):
         fail(fn, arg, "is not a tensor", "a torch.Tensor", type(t).__name__, exc=TypeError)
     if ndim is not None:
-        ndims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in ndims:
+        dim = t.dim()
+        if dim != ndim if isinstance(ndim, int) else dim not in ndim:
+            ndims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
             rule = " or ".join(f"{n}-D" for n in ndims)
             fail(fn, arg, "has the wrong number of dimensions", rule,
                  f"{t.dim()}-D with shape {tuple(t.shape)}", fix)
@@ -53,6 +54,19 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
         fail(fn, arg, "is on the wrong device", f"{device} (the device of q)", t.device,
              "Move it with .to(q.device).")
     return t
+
+
+def tensors_or_none(required: Sequence[object], optional: Sequence[object] = ()) -> bool:
+    """True when every value of ``required`` is a tensor and every value of ``optional`` a tensor
+    or ``None``: the allocation-free common case of ``check_tensor_args`` (wrappers call that one
+    only when this says False, so it names the argument)."""
+    for value in required:
+        if not isinstance(value, torch.Tensor):
+            return False
+    for value in optional:
+        if value is not None and not isinstance(value, torch.Tensor):
+            return False
+    return True
 
 
 def check_tensor_args(fn: str, optional: Iterable[str] = (), **args: object) -> None:
@@ -103,6 +117,10 @@ def check_gqa(fn: str, num_heads_q: int, num_heads_kv: int) -> None:
 
 def check_window(fn: str, window_size: object) -> tuple[int, int]:
     """Validate ``window_size=(left, right)``; -1 means unbounded on that side."""
+    if type(window_size) is tuple and len(window_size) == 2:
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return left, right  # the common case, without the int() conversions below
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         fail(fn, "window_size", "is not a pair", "(left, right) with -1 for unbounded",
              repr(window_size), exc=TypeError)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from ._checks import fail
+from .providers import getenv
 
 ENV = "XPU_OPS_DEBUG_CHECKS"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -35,7 +35,7 @@ _override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
 def debug_checks_enabled() -> bool:
     """True inside ``debug_checks()`` or when ``XPU_OPS_DEBUG_CHECKS=1`` (read on every call)."""
     forced = _override.get()
-    return forced if forced is not None else os.environ.get(ENV, "0") == "1"
+    return forced if forced is not None else getenv(ENV) == "1"
 
 
 @contextlib.contextmanager

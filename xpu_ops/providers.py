@@ -9,6 +9,13 @@ recorded (``fallbacks()``, printed by ``python -m xpu_ops info``) and warned abo
 swapped silently.
 
 Providers only compute: they receive the op's already-validated, fully defaulted arguments.
+
+Selection runs on every op call, so its host cost counts (piecewise decode calls two ops per layer
+eagerly). ``XPU_OPS_PROVIDER`` and ``use_provider`` are read on every call. What each provider's
+``available(device_type)`` says is cached per ``(op, device_type)`` and the current values of the
+functions declared with ``availability_depends_on`` (Triton's ``TRITON_INTERPRET`` flag, the
+``sgl_kernel`` binding); registering an implementation clears the cache. ``supports`` runs on
+every call.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import sys
 import warnings
 from typing import Callable, Iterator, Optional
 
@@ -46,6 +54,11 @@ _registry: dict[str, dict[str, Implementation]] = {}
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("xpu_ops_provider",
                                                                        default=None)
 _fallbacks: dict[tuple[str, str, str], int] = {}
+# (op, device_type, *availability state) -> ((provider, Implementation | None, reason), ...)
+_rows_cache: dict[tuple, tuple[tuple[str, Optional[Implementation], Optional[str]], ...]] = {}
+_state_fns: list[Callable[[], object]] = []
+_loaded = False
+_FS_ENCODING = sys.getfilesystemencoding()
 
 
 def _always(device_type: str) -> Optional[str]:
@@ -72,14 +85,50 @@ def register(op: str, provider: str, *, available: AvailableFn = _always,
     def decorate(fn: Callable) -> Callable:
         _registry.setdefault(op, {})[provider] = Implementation(op, provider, fn, available,
                                                                 supports)
+        invalidate_cache()
         return fn
 
     return decorate
 
 
+def availability_depends_on(state: Callable[[], object]) -> Callable[[], object]:
+    """Declare that some provider's ``available`` answer changes with ``state()``.
+
+    ``state`` is a cheap zero-argument function returning a hashable value (an environment flag,
+    a context variable); ``select`` keys its availability cache on the values of all of them, so
+    a change (``TRITON_INTERPRET`` set by a test, ``sgl_kernel.native.bound_to``) is seen by the
+    next call. Returns ``state`` (usable as a decorator).
+    """
+    if state not in _state_fns:
+        _state_fns.append(state)
+        invalidate_cache()
+    return state
+
+
+def invalidate_cache() -> None:
+    """Forget the cached availability answers (after changing what ``available`` depends on in a
+    way no ``availability_depends_on`` function reports)."""
+    _rows_cache.clear()
+
+
+def getenv(name: str) -> Optional[str]:
+    """``os.environ.get(name)``, read now: flags stay live on every call.
+
+    On POSIX CPython ``os.environ`` keeps its encoded copy in ``_data`` (``setenv``,
+    ``monkeypatch.setenv`` and ``os.environ[...] =`` all update it); reading that skips the
+    ``Mapping.get`` encode/decode round trip (about 0.2 us instead of 2 us). Elsewhere this is
+    ``os.environ.get``.
+    """
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(data) is dict:
+        raw = data.get(name.encode(_FS_ENCODING, "surrogateescape"))
+        return None if raw is None else raw.decode(_FS_ENCODING, "surrogateescape")
+    return os.environ.get(name)
+
+
 def forced_provider() -> Optional[str]:
     """The provider forced by ``use_provider`` (innermost) or ``XPU_OPS_PROVIDER``, if any."""
-    name = _forced.get() or os.environ.get("XPU_OPS_PROVIDER") or None
+    name = _forced.get() or getenv("XPU_OPS_PROVIDER") or None
     if name is not None and name not in PROVIDER_ORDER:
         raise ValueError(f"XPU_OPS_PROVIDER/use_provider: {name!r} is not a provider; expected "
                          f"one of {PROVIDER_ORDER}, got {name!r}.")
@@ -111,10 +160,30 @@ def use_provider(name: str) -> Iterator[None]:
 
 
 def _load_providers() -> None:
-    # Importing a provider package registers its implementations; optional ones may be missing.
+    # Importing a provider package registers its implementations (once per process).
+    global _loaded
+    if _loaded:
+        return
     from . import reference  # noqa: F401
     from . import triton as _triton  # noqa: F401
-    from . import sgl_kernel as _sgl  # noqa: F401
+    from . import sgl_kernel as _sgl
+    availability_depends_on(_sgl.native.binding)  # bound_to() switches the native library
+    _loaded = True
+
+
+def _rows(op: str, device_type: str
+          ) -> tuple[tuple[str, Optional[Implementation], Optional[str]], ...]:
+    """``(provider, implementation or None, None or why it cannot run)`` in priority order,
+    cached per op, device type and availability state (see the module docstring)."""
+    _load_providers()
+    key = (op, device_type, *[state() for state in _state_fns])
+    rows = _rows_cache.get(key)
+    if rows is None:
+        impls = _registry.get(op, {})
+        rows = tuple((name, impls.get(name), "no implementation of this op" if name not in impls
+                      else impls[name].available(device_type)) for name in PROVIDER_ORDER)
+        _rows_cache[key] = rows
+    return rows
 
 
 def candidates(op: str, device_type: str) -> list[tuple[str, Optional[str]]]:
@@ -149,12 +218,10 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
         RuntimeError: the forced provider cannot run on this device, or no provider can.
         NotImplementedError: the forced provider declines this call's arguments.
     """
-    _load_providers()
-    impls = _registry.get(op, {})
+    rows = _rows(op, device.type)
     forced = forced_provider()
     if forced is not None:
-        impl = impls.get(forced)
-        reason = "no implementation of this op" if impl is None else impl.available(device.type)
+        _, impl, reason = rows[PROVIDER_ORDER.index(forced)]
         if reason is not None:
             raise RuntimeError(f"xpu_ops.{op}: provider {forced!r} was requested (use_provider or "
                                f"XPU_OPS_PROVIDER) but cannot run on {device.type}: {reason}.")
@@ -163,16 +230,15 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
             raise NotImplementedError(f"xpu_ops.{op}: provider {forced!r} was requested but does "
                                       f"not support this call: {declined}.")
         return impl
-    for name in PROVIDER_ORDER:
-        impl = impls.get(name)
-        if impl is None or impl.available(device.type) is not None:
+    for name, impl, reason in rows:
+        if reason is not None:
             continue
-        declined = impl.supports(*args, **kwargs) if impl.supports else None
+        declined = impl.supports(*args, **kwargs) if impl.supports is not None else None
         if declined is None:
             return impl
         _record_fallback(op, name, declined)
     raise RuntimeError(f"xpu_ops.{op}: no provider can run on {device.type}; tried "
-                       f"{list(impls)}. See `python -m xpu_ops info`.")
+                       f"{list(_registry.get(op, {}))}. See `python -m xpu_ops info`.")
 
 
 def dispatch(op: str, device: torch.device, *args, **kwargs):

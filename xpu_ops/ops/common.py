@@ -32,6 +32,9 @@ def normalize_window(fn: str, window_size, causal: bool) -> tuple[int, int]:
 
 def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
     """An int32 index/length tensor (int64 is rejected with the argument's name)."""
+    if (isinstance(t, torch.Tensor) and t.dtype in INDEX_DTYPES and t.dim() == ndim
+            and t.device == device):
+        return t  # valid: skip building the message parts below
     return check_tensor(fn, arg, t, ndim=ndim, dtypes=INDEX_DTYPES, device=device,
                         fix=f"Build it with dtype=torch.int32 (e.g. {arg}.to(torch.int32)).")
 
@@ -67,8 +70,10 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
     if qv is not None:
         check_tensor(fn, "qv", qv, ndim=3, dtypes=(q.dtype,), device=device)
         check_shape(fn, "qv", qv, (total_q, num_heads_q, head_dim_v), "[total_q, Hq, Dv]")
-    for arg, t, dtype in (("q_descale", q_descale, q.dtype), ("k_descale", k_descale, k_dtype),
-                          ("v_descale", v_descale, v_dtype)):
+    no_descales = q_descale is None and k_descale is None and v_descale is None
+    for arg, t, dtype in () if no_descales else (
+            ("q_descale", q_descale, q.dtype), ("k_descale", k_descale, k_dtype),
+            ("v_descale", v_descale, v_dtype)):
         if t is None:
             continue
         if dtype not in FP8_DTYPES:
@@ -88,6 +93,9 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
 
 def check_out(fn: str, out, shape, dtype: torch.dtype, device: torch.device, rule: str) -> None:
     """A caller-provided ``out`` must have exactly the result's shape, dtype and device."""
+    if (isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == device
+            and tuple(out.shape) == tuple(shape)):
+        return  # valid: skip building the message parts below
     check_tensor(fn, "out", out, dtypes=(dtype,), device=device,
                  fix=f"Allocate it with dtype={dtype}.")
     check_shape(fn, "out", out, shape, rule)
@@ -101,6 +109,8 @@ def check_cu_seqlens(fn: str, arg: str, t, batch: int, device: torch.device) -> 
 
 def float_scalar(fn: str, arg: str, value) -> float:
     """Accept a Python/NumPy real number (not a tensor) for a float argument."""
+    if type(value) is float:
+        return value
     if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
         try:
             return float(value)

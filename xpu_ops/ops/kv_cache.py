@@ -14,16 +14,18 @@ from torch import Tensor
 
 from .. import _value_checks, providers
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail,
+                       tensors_or_none)
 
 STORE_KV = "store_kv_cache"
 STORE_MLA = "store_mla_kv_cache"
 _LOC_DTYPES = (torch.int64, torch.int32)
 
 
-def flat_slots(cache: Tensor) -> Tensor:
-    """View a cache ``[slots, H, D]`` or ``[num_pages, page_size, H, D]`` as ``[slots, H, D]``."""
-    return cache if cache.dim() == 3 else cache.flatten(0, 1)
+def num_slots(cache: Tensor):
+    """Token slots of a cache ``[slots, H, D]`` or ``[num_pages, page_size, H, D]`` (no view)."""
+    shape = cache.shape
+    return shape[0] if len(shape) == 3 else shape[0] * shape[1]
 
 
 def _check_scale(fn: str, arg: str, scale, cache: Tensor) -> None:
@@ -49,16 +51,19 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
     check_size(fn, "v", v, 1, num_heads_kv, "k.shape[1] (Hkv)")
     check_tensor(fn, "loc", loc, ndim=1, dtypes=_LOC_DTYPES, device=device)
     check_size(fn, "loc", loc, 0, num_tokens, "k.shape[0] (N)")
-    for arg, cache, src in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
-        check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=(k.dtype,) + FP8_DTYPES, device=device,
+    cache_dtypes = (k.dtype,) + FP8_DTYPES
+    for arg, cache, src, rule in (("k_cache", k_cache, k, "k.shape[2]"),
+                                  ("v_cache", v_cache, v, "v.shape[2]")):
+        check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=cache_dtypes, device=device,
                      fix="Store into a cache of k's dtype or an fp8 dtype.")
         check_size(fn, arg, cache, -2, num_heads_kv, "k.shape[1] (Hkv)")
-        check_size(fn, arg, cache, -1, src.shape[2], f"{'k' if arg == 'k_cache' else 'v'}.shape[2]")
-    if flat_slots(k_cache).shape[0] != flat_slots(v_cache).shape[0]:
+        check_size(fn, arg, cache, -1, src.shape[2], rule)
+    if num_slots(k_cache) != num_slots(v_cache):
         fail(fn, "v_cache", "has a different number of token slots than k_cache",
-             f"{flat_slots(k_cache).shape[0]} slots", flat_slots(v_cache).shape[0])
-    _check_scale(fn, "k_scale", k_scale, k_cache)
-    _check_scale(fn, "v_scale", v_scale, v_cache)
+             f"{num_slots(k_cache)} slots", num_slots(v_cache))
+    if k_scale is not None or v_scale is not None:
+        _check_scale(fn, "k_scale", k_scale, k_cache)
+        _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
 @define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -108,7 +113,8 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     >>> torch.equal(kc[5], k[0]) and torch.equal(vc[1], v[1]) and kc[0].abs().sum().item() == 0
     True
     """
-    check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
+    if not tensors_or_none((k_cache, v_cache, loc, k, v)):
+        check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
     check_tensor(STORE_KV, "k", k, ndim=3)
     _value_checks.check_store_kv_cache(loc, k_cache)
     torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v,

@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import _value_checks, providers
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
-                       check_tensor_args, fail)
+                       check_tensor_args, fail, tensors_or_none)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
                      check_out, check_query, default_softmax_scale, float_scalar,
                      normalize_window, output_dtype)
@@ -38,10 +38,11 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
     check_kv_dtype(fn, "k_cache", k_cache, q)
     num_pages, page_size, num_heads_kv, head_dim = k_cache.shape
     check_size(fn, "q", q, 2, head_dim, "k_cache.shape[3] (D)")
-    for dim, (size, rule) in enumerate(((num_pages, "k_cache.shape[0] (num_pages)"),
-                                        (page_size, "k_cache.shape[1] (page_size)"),
-                                        (num_heads_kv, "k_cache.shape[2] (Hkv)"))):
-        check_size(fn, "v_cache", v_cache, dim, size, rule)
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        for dim, (size, rule) in enumerate(((num_pages, "k_cache.shape[0] (num_pages)"),
+                                            (page_size, "k_cache.shape[1] (page_size)"),
+                                            (num_heads_kv, "k_cache.shape[2] (Hkv)"))):
+            check_size(fn, "v_cache", v_cache, dim, size, rule)
     check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
     batch = cache_seqlens.shape[0]
     check_index(fn, "page_table", page_table, 2, device)
@@ -174,16 +175,25 @@ def flash_attn_with_kvcache(
     True
     """
     fn = NAME
-    check_not_implemented(fn, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                          cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
-                          scheduler_metadata=scheduler_metadata, attention_chunk=attention_chunk)
-    check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
-                           "k_descale", "v_descale", "sinks", "out"),
-                      q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                      page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv,
-                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, sinks=sinks,
-                      out=out)
+    # The usual call passes none of the compatibility keywords and only tensors: test that
+    # without building keyword dicts; otherwise the full checks name the culprit.
+    if not (k is None and v is None and rotary_cos is None and rotary_sin is None
+            and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
+            and rotary_seqlens is None and scheduler_metadata is None
+            and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)):
+        check_not_implemented(fn, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                              cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                              cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
+                              scheduler_metadata=scheduler_metadata,
+                              attention_chunk=attention_chunk)
+    if not tensors_or_none((q, k_cache, v_cache), (cache_seqlens, page_table, cu_seqlens_q, qv,
+                                                   q_descale, k_descale, v_descale, sinks, out)):
+        check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
+                               "k_descale", "v_descale", "sinks", "out"),
+                          q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                          page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv,
+                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          sinks=sinks, out=out)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = _as_packed(fn, q, cu_seqlens_q, max_seqlen_q)
     check_tensor(fn, "k_cache", k_cache, ndim=4)
     if page_table is None:

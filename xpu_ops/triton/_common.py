@@ -4,17 +4,20 @@ Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled o
 (``TRITON_INTERPRET=1`` read from the environment when the decorator runs). Kernels here are
 always decorated for compilation; a launch on CPU tensors instead runs an ``InterpretedFunction``
 built from the same Python function, so tests can turn the interpreter on with the environment
-variable at any time, whatever imported this package first.
+variable at any time, whatever imported this package first: ``interpreting()`` reads it on every
+call and is declared to the registry (``providers.availability_depends_on``), so a change is seen
+by the next op call.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Optional
 
 import torch
+
+from .. import providers
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -23,9 +26,10 @@ if HAS_TRITON:
     import triton.language as tl  # noqa: F401
 
 
+@providers.availability_depends_on
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels may run on CPU tensors (slowly)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return providers.getenv("TRITON_INTERPRET") == "1"
 
 
 def available(device_type: str) -> Optional[str]:
