@@ -3,8 +3,9 @@
 Field names follow Hugging Face ``transformers`` configs, so ``ModelConfig.from_hf(hf_config)``
 is mostly a copy. Per-layer attention options are lists indexed by layer id (``layer_types``,
 ``use_rope``); everything else is global. Supported ``model_type`` values: llama, mistral,
-qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings) and gpt_oss (attention sinks,
-mixture of experts; default or llama3 RoPE only).
+qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings), gpt_oss (attention sinks,
+mixture of experts; default or llama3 RoPE only) and llama4_text (``Llama4Config``: the fields
+only ``compile.models.llama4`` reads).
 """
 
 from __future__ import annotations
@@ -123,32 +124,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
-        """Build from a ``transformers`` config (llama/mistral/qwen2/qwen3/gemma2/gpt_oss).
+        """Build from a ``transformers`` config (llama/mistral/qwen2/qwen3/gemma2/gpt_oss; a
+        llama4_text config gives a ``Llama4Config``).
 
         Raises:
             NotImplementedError: a model type or RoPE type this zoo does not implement.
         """
         model_type = getattr(hf_config, "model_type", "llama")
+        if model_type == "llama4_text":
+            return Llama4Config.from_hf(hf_config)
         if model_type not in _HF_MODEL_TYPES:
             raise NotImplementedError(f"ModelConfig.from_hf: model_type {model_type!r} is not "
-                                      f"supported; expected one of {sorted(_HF_MODEL_TYPES)}.")
+                                      f"supported; expected one of "
+                                      f"{sorted(_HF_MODEL_TYPES | {'llama4_text'})}.")
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
-        theta, scaling = _hf_rope(hf_config)
-        kw = dict(
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=get("num_key_value_heads") or hf_config.num_attention_heads,
-            head_dim=get("head_dim"), rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", model_type == "qwen2")),
-            mlp_bias=bool(get("mlp_bias", False)),
-            hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
-            qk_norm=model_type == "qwen3",
-            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+        kw = _hf_common(hf_config, model_type)
         kw.update(_hf_layer_types(hf_config, model_type))
         if model_type == "gemma2":
             kw.update(norm_weight_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5,
@@ -166,6 +156,97 @@ class ModelConfig:
 
 
 _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
+
+
+@dataclasses.dataclass
+class Llama4Config(ModelConfig):
+    """A Llama 4 text decoder (``compile.models.llama4``): ``ModelConfig`` plus Llama 4's options.
+
+    Inherited fields keep their meaning; in Llama 4 ``layer_types`` marks the RoPE layers
+    "chunked_attention" (``attention_chunk_size``) and the NoPE layers (``use_rope`` False)
+    "full_attention", and ``intermediate_size`` is the size of each expert and of the shared
+    expert. ``qk_norm`` (Qwen3's weighted norm before RoPE) must stay False.
+
+    Attributes:
+        intermediate_size_mlp: hidden size of the dense (non-MoE) layers' MLP.
+        moe_layers: ids of the layers whose MLP is Llama 4's MoE (``num_local_experts`` experts,
+            top-``num_experts_per_tok`` sigmoid router, one shared expert); empty: all dense.
+        qk_l2_norm: weightless RMS ("L2") norm of q and k after RoPE, on RoPE layers only.
+        attn_temperature_tuning: NoPE layers scale the query at position ``p`` by
+            ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (floor_scale in tokens).
+    """
+
+    intermediate_size_mlp: int = 128
+    moe_layers: list[int] = dataclasses.field(default_factory=list)
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"Llama4Config: moe_layers must be layer ids below "
+                             f"{self.num_hidden_layers}; got {self.moe_layers}.")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(f"Llama4Config: MoE layers need 0 < num_experts_per_tok <= "
+                             f"num_local_experts; got {self.num_experts_per_tok} and "
+                             f"{self.num_local_experts}.")
+        if self.qk_norm:
+            raise ValueError("Llama4Config: qk_norm (weighted, before RoPE) is not Llama 4's; "
+                             "set qk_l2_norm=True instead.")
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "Llama4Config":
+        """Build from a ``transformers`` ``Llama4TextConfig`` (for a multimodal ``Llama4Config``
+        pass its ``text_config``).
+
+        Raises:
+            NotImplementedError: another model type or an unsupported RoPE type.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type != "llama4_text":
+            raise NotImplementedError(f"Llama4Config.from_hf: model_type {model_type!r} is not "
+                                      "supported; expected 'llama4_text' (pass a multimodal "
+                                      "config's text_config).")
+        n, types = hf_config.num_hidden_layers, list(hf_config.layer_types)
+        bias = bool(hf_config.attention_bias)
+        kw = _hf_common(hf_config, model_type)
+        kw.update(layer_types=types, use_rope=[bool(r) for r in hf_config.no_rope_layers[:n]],
+                  attention_chunk_size=(hf_config.attention_chunk_size
+                                        if "chunked_attention" in types else None),
+                  attention_bias=bias, o_proj_bias=bias, qk_norm=False,
+                  intermediate_size_mlp=hf_config.intermediate_size_mlp,
+                  moe_layers=list(hf_config.moe_layers),
+                  num_local_experts=hf_config.num_local_experts,
+                  num_experts_per_tok=hf_config.num_experts_per_tok,
+                  qk_l2_norm=bool(hf_config.use_qk_norm),
+                  attn_temperature_tuning=bool(hf_config.attn_temperature_tuning),
+                  floor_scale=float(hf_config.floor_scale),
+                  attn_scale=float(hf_config.attn_scale))
+        return cls(**kw)
+
+
+def _hf_common(hf_config, model_type: str) -> dict[str, Any]:
+    """``ModelConfig`` keyword arguments every supported ``transformers`` config shares."""
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    theta, scaling = _hf_rope(hf_config)
+    return dict(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=get("num_key_value_heads") or hf_config.num_attention_heads,
+        head_dim=get("head_dim"), rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        attention_bias=bool(get("attention_bias", model_type == "qwen2")),
+        mlp_bias=bool(get("mlp_bias", False)),
+        hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
+        qk_norm=model_type == "qwen3",
+        bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
 
 
 def _hf_rope(hf_config) -> tuple[float, Optional[dict[str, Any]]]:
@@ -198,4 +279,4 @@ def _hf_layer_types(hf_config, model_type: str) -> dict[str, Any]:
                 sliding_window=window if "sliding_attention" in types else None)
 
 
-__all__ = ["ModelConfig", "LAYER_TYPES"]
+__all__ = ["ModelConfig", "Llama4Config", "LAYER_TYPES"]

@@ -22,6 +22,11 @@ _FUSED = {
                                 "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+    # Llama 4 names its MLP feed_forward; MoE layers add a shared expert
+    "feed_forward.gate_up_proj.weight": ("feed_forward.gate_proj.weight",
+                                         "feed_forward.up_proj.weight"),
+    "shared_expert.gate_up_proj.weight": ("shared_expert.gate_proj.weight",
+                                          "shared_expert.up_proj.weight"),
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight",),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight",),
 }
@@ -33,7 +38,8 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
     Args:
         hf_model: a ``transformers`` causal LM of a type ``ModelConfig.from_hf`` supports
             (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...), or a
-            ``DeepseekV2ForCausalLM`` (MLA; ``compile.models.deepseek_v2``).
+            ``DeepseekV2ForCausalLM`` (MLA; ``compile.models.deepseek_v2``) or a
+            ``Llama4ForCausalLM`` (text; ``compile.models.llama4``).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
@@ -41,9 +47,13 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
         KeyError: a parameter of the zoo model has no source in ``hf_model``'s state dict.
         ValueError: a source tensor's shape differs from the zoo parameter's.
     """
-    if getattr(hf_model.config, "model_type", None) == "deepseek_v2":
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type == "deepseek_v2":
         from compile.models import deepseek_v2   # imports this module: resolve at call time
         return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
+    if model_type == "llama4_text":
+        from compile.models import llama4   # imports this module: resolve at call time
+        return llama4.from_hf(hf_model, dtype=dtype, device=device)
     config = ModelConfig.from_hf(hf_model.config)
     src = hf_model.state_dict()
     first = next(iter(src.values()))

@@ -1,4 +1,8 @@
-"""Rotary position embedding (neox / ``rotate_half`` layout) with Llama-3 and linear scaling.
+"""Rotary position embedding with Llama-3 and linear scaling, in two feature layouts.
+
+``RotaryEmbedding`` is the neox / ``rotate_half`` layout (features ``i`` and ``i + D/2`` rotate
+together: Llama, Qwen, Gemma); ``InterleavedRotaryEmbedding`` the GPT-J / complex-pair layout
+(features ``2i`` and ``2i + 1``: Llama 4, Meta's reference code, DeepSeek).
 
 The cos/sin table is computed once for every position, so the forward pass is one gather by
 ``positions`` and a few elementwise ops: no Python loop over tokens, no host sync.
@@ -82,4 +86,37 @@ class RotaryEmbedding(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-__all__ = ["RotaryEmbedding", "rope_inv_freq", "rotate_half"]
+class InterleavedRotaryEmbedding(nn.Module):
+    """RoPE rotating feature pairs ``(2i, 2i + 1)`` by ``position * inv_freq[i]``, computed in
+    float32 (``transformers``' ``torch.polar`` / ``view_as_complex`` form, written with real ops).
+
+    Args:
+        head_dim: D (rotated features; must be even). max_position: positions in the table.
+        theta, scaling: see ``rope_inv_freq``.
+    Forward:
+        positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D] (any float dtype).
+        Returns (q, k) rotated, same shapes and dtypes.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: Optional[dict[str, Any]] = None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        self.register_buffer("cos_cached", freqs.cos(), persistent=False)  # [max_position, D/2]
+        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        pairs = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return out.flatten(-2).to(x.dtype)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
+        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cached[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+__all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_inv_freq", "rotate_half"]

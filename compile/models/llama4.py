@@ -1,0 +1,205 @@
+"""Llama 4 text decoder over the paged KV cache (``transformers``' ``Llama4ForCausalLM``).
+
+Built from the Llama zoo's pieces (``RMSNorm``, ``LlamaMLP``, ``LlamaAttention``'s projections
+and ``PagedAttention``); what Llama 4 changes (``Llama4Config``):
+
+- RoPE rotates interleaved feature pairs ``(2i, 2i + 1)`` (``InterleavedRotaryEmbedding``), and
+  only on the layers ``use_rope`` marks; the others are NoPE layers (every fourth by default).
+- iRoPE: RoPE layers are "chunked_attention" layers, where the token at position ``p`` sees
+  only keys ``C * (p // C) .. p`` (``C = attention_chunk_size``); the backend runs them as
+  chunk-local virtual requests (``compile.local_attention``). NoPE layers attend globally.
+- RoPE layers L2-normalise q and k (weightless RMS norm) after RoPE (``qk_l2_norm``).
+- NoPE layers scale queries by an attention temperature that grows with the position
+  (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``).
+- Dense layers' MLP has ``intermediate_size_mlp`` features; ``moe_layers`` use ``Llama4MoE``.
+- The attention output projection carries a bias whenever q/k/v do (``attention_bias``).
+
+Source: Meta's Llama 4 model card (iRoPE), ``transformers`` ``models/llama4/modeling_llama4.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from compile.models.config import Llama4Config
+from compile.models.llama import LlamaAttention, LlamaMLP, RMSNorm, lm_logits, make_lm_head
+from compile.models.loading import _source, load_state
+from compile.models.rope import InterleavedRotaryEmbedding
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """``x / rms(x)`` over the last dim in float32, no weight; same shape and dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Llama4Attention(LlamaAttention):
+    """``LlamaAttention`` (fused qkv, ``PagedAttention``, chunked-local on "chunked_attention"
+    layers) with Llama 4's order: RoPE, then the L2 QK norm (RoPE layers), or the attention
+    temperature (NoPE layers)."""
+
+    def __init__(self, config: Llama4Config, layer_id: int,
+                 rotary: Optional[InterleavedRotaryEmbedding], dtype=None, device=None):
+        super().__init__(config, layer_id, rotary, dtype, device)
+        self.eps = config.rms_norm_eps
+        self.qk_l2_norm = config.qk_l2_norm and rotary is not None
+        self.temperature_tuning = config.attn_temperature_tuning and rotary is None
+        self.floor_scale, self.attn_scale = config.floor_scale, config.attn_scale
+
+    def forward(self, positions: Tensor, hidden_states: Tensor, forward_batch) -> Tensor:
+        """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
+        step's K/V into the cache through ``PagedAttention``.
+        """
+        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        if self.qk_l2_norm:
+            q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+        if self.temperature_tuning:  # [T] per-token query scale, >= 1
+            scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale))
+            q = (q * (scale * self.attn_scale + 1.0)[:, None, None]).to(q.dtype)
+        out = self.attn(q.reshape(-1, self.hq * self.d), k, v, forward_batch)
+        return self.o_proj(out)  # [T, hidden]
+
+
+class Llama4Experts(nn.Module):
+    """E SwiGLU experts, ``down(silu(gate) * up)``, each run on its own (pre-scaled) input.
+
+    Parameter layouts match ``transformers``: ``gate_up_proj [E, hidden, 2I]`` (gate then up),
+    ``down_proj [E, I, hidden]``.
+    """
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, dtype=None, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden, 2 * inter, **kw))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, inter, hidden, **kw))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [E, T, hidden]`` (expert e's input in row e) -> ``[T, hidden]``, summed over e."""
+        gate, up = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)  # [E, T, I] each
+        return torch.bmm(F.silu(gate) * up, self.down_proj).sum(0)
+
+
+class Llama4MoE(nn.Module):
+    """Llama 4's MoE: a top-k router whose sigmoid scores scale each expert's *input*,
+    ``Llama4Experts``, plus a shared expert (``LlamaMLP``, ``intermediate_size``) on every token.
+
+    Written densely for small reference models (every expert runs on every token with a zero
+    score outside the top-k), so there is no data-dependent control flow and no host sync.
+    """
+
+    def __init__(self, config: Llama4Config, dtype=None, device=None):
+        super().__init__()
+        h, i, e = config.hidden_size, config.intermediate_size, config.num_local_experts
+        self.router = nn.Linear(h, e, bias=False, dtype=dtype, device=device)
+        self.experts = Llama4Experts(h, i, e, dtype, device)
+        self.shared_expert = LlamaMLP(config, dtype, device)
+        self.top_k = config.num_experts_per_tok
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [T, hidden] -> [T, hidden]``."""
+        logits = self.router(x)  # [T, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.zeros_like(logits).scatter(-1, idx, torch.sigmoid(top.float()).to(x.dtype))
+        routed = torch.einsum("th,te->eth", x, scores)  # [E, T, hidden]
+        return self.shared_expert(x) + self.experts(routed)
+
+
+class Llama4DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the dense MLP or the MoE (``feed_forward``)."""
+
+    def __init__(self, config: Llama4Config, layer_id: int, rotary, dtype=None, device=None):
+        super().__init__()
+        self.self_attn = Llama4Attention(config, layer_id, rotary, dtype, device)
+        if layer_id in config.moe_layers:
+            self.feed_forward = Llama4MoE(config, dtype, device)
+        else:
+            dense = dataclasses.replace(config, intermediate_size=config.intermediate_size_mlp)
+            self.feed_forward = LlamaMLP(dense, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                                       device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype, device=device)
+
+    def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
+        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
+        h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
+        return h + self.feed_forward(self.post_attention_layernorm(h))
+
+
+class Llama4Model(nn.Module):
+    """Embedding, decoder layers and final norm: ``input_ids [T] -> hidden [T, hidden]``."""
+
+    def __init__(self, config: Llama4Config, dtype=None, device=None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        rotary = InterleavedRotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                            config.rope_theta, config.rope_scaling).to(device)
+        self.layers = nn.ModuleList(
+            Llama4DecoderLayer(config, i, rotary if config.layer_uses_rope(i) else None,
+                               dtype, device)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, forward_batch)
+        return self.norm(h)
+
+
+class Llama4ForCausalLM(nn.Module):
+    """Decoder plus LM head; same calling convention as ``compile.models.LlamaForCausalLM``.
+
+    Args:
+        config: Llama4Config. dtype/device: of the parameters (the RoPE table stays float32).
+    Forward:
+        input_ids: [T] int64. positions: [T] int64. forward_batch: ForwardBatch with metadata
+            (the engine's backend gets ``attention_chunk_size`` from ``config``).
+        return_all_logits: False keeps only each request's last token in extend modes.
+    Returns:
+        logits [T or b, vocab_size] float32.
+    """
+
+    def __init__(self, config: Llama4Config, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.config = config
+        self.model = Llama4Model(config, dtype, device)
+        self.lm_head = make_lm_head(config, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
+                return_all_logits: bool = False) -> Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``."""
+        h = self.model(input_ids, positions, forward_batch)
+        return lm_logits(self, h, forward_batch, return_all_logits)
+
+
+def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Llama4ForCausalLM:
+    """Zoo ``Llama4ForCausalLM`` holding a copy of a ``transformers`` ``Llama4ForCausalLM``'s
+    weights (q/k/v and gate/up fused).
+
+    Raises:
+        NotImplementedError: see ``Llama4Config.from_hf``.
+        KeyError, ValueError: a missing or mis-shaped source tensor.
+    """
+    config = Llama4Config.from_hf(hf_model.config)
+    src = hf_model.state_dict()
+    first = next(iter(src.values()))
+    model = Llama4ForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
+    load_state(model, lambda name: _source(src, name))
+    return model.eval()
+
+
+__all__ = ["Llama4ForCausalLM", "Llama4Model", "Llama4DecoderLayer", "Llama4Attention",
+           "Llama4MoE", "Llama4Experts", "from_hf", "l2_norm"]
