@@ -1,12 +1,13 @@
 """The forward context: how the opaque split op finds its layer and batch in piecewise mode.
 
 In piecewise mode (``compile/piecewise.py``) attention is one opaque op,
-``xpu_ops::unified_attention_with_output(q, k, v, output, layer_id)``, whose arguments are plain
-tensors and an int, so the graph pieces around it can be compiled and captured once per
-token-count bucket. What attention also needs (the ``PagedAttention`` module of ``layer_id`` and
-the step's ``ForwardBatch`` with its metadata) is read from this context instead. It is the one
-piece of hidden state the project allows (STYLE.md): it exists only inside ``set_forward_context``
-and reading it anywhere else raises ``RuntimeError``.
+``xpu_ops::unified_attention_with_output(q, k, v, output, layer_id, sinks=None, q_rope=None,
+k_rope=None, save_kv_cache=True)`` (``compile/split_op.py``), whose arguments are plain tensors
+(optional ones None), an int and a bool, so the graph pieces around it can be compiled and
+captured once per token-count bucket. What attention also needs (the ``PagedAttention`` module
+of ``layer_id`` and the step's ``ForwardBatch`` with its metadata) is read from this context
+instead. It is the one piece of hidden state the project allows (STYLE.md): it exists only
+inside ``set_forward_context`` and reading it anywhere else raises ``RuntimeError``.
 
 >>> from compile.forward_context import set_forward_context, get_forward_context
 >>> with set_forward_context({}, forward_batch=None, num_tokens=3):
@@ -27,7 +28,8 @@ class ForwardContext:
 
     Attributes:
         layers: ``layer_id -> PagedAttention`` of the model (the split op calls
-            ``forward_batch.attn_backend.forward(q, k, v, layers[layer_id], forward_batch)``).
+            ``forward_batch.attn_backend.forward(q, k, v, layers[layer_id], forward_batch,
+            save_kv_cache, sinks=..., q_rope=..., k_rope=...)``, extras only when given).
         forward_batch: the step's ``ForwardBatch``, metadata already initialised
             (``attn_backend.init_forward_metadata`` ran on the host before the step).
         num_tokens: real tokens of the step. Inputs may be padded to a larger bucket; the split

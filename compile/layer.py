@@ -13,6 +13,9 @@ from torch import Tensor, nn
 
 from .split_op import unified_attention
 
+# Backend extras the split op carries (its optional tensor arguments).
+SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope")
+
 
 class PagedAttention(nn.Module):
     """One attention layer over the paged KV cache (tensor-parallel sizes already divided).
@@ -89,22 +92,27 @@ class PagedAttention(nn.Module):
                 with ``k_rope`` in kwargs (MLA) it is the latent ``[tokens, 1, R]``.
             v: like ``k`` with Dv, or None.
             forward_batch: ForwardBatch whose ``attn_backend`` runs the attention.
-            kwargs: backend extras (``sinks [Hq] float32``, ``k_rope``, ``q_rope``).
+            save_kv_cache: False attends without writing ``k``/``v``.
+            kwargs: backend extras (``sinks [Hq] float32``, ``k_rope``, ``q_rope``); in
+                piecewise mode (``use_split_op``) only these, passed on to the split op.
         Returns:
             [tokens, Hq * Dv] in q's dtype.
+        Raises:
+            ValueError: ``k``/``v`` not paired.
+            TypeError: piecewise mode and a keyword other than ``SPLIT_OP_KWARGS``.
         """
         if (k is None) != (v is None) and "k_rope" not in kwargs:
             raise ValueError(f"PagedAttention.forward: k and v must both be tensors or both be "
                              f"None; expected a pair, got k={type(k).__name__}, "
                              f"v={type(v).__name__}.")
         if self.use_split_op:
-            extras = sorted(name for name, value in kwargs.items() if value is not None)
-            if extras or k is None:
-                raise NotImplementedError(
-                    f"PagedAttention.forward: piecewise mode (the split op takes q, k, v only) "
-                    f"does not support {', '.join(extras) or 'k = v = None (KV sharing)'} on "
-                    f"layer {self.layer_id}; use --mode compile or graphs for this model.")
-            return unified_attention(self, q, k, v)
+            unknown = sorted(set(kwargs) - set(SPLIT_OP_KWARGS))
+            if unknown:
+                raise TypeError(f"PagedAttention.forward: piecewise mode got keyword(s) "
+                                f"{unknown} on layer {self.layer_id}; expected only "
+                                f"{list(SPLIT_OP_KWARGS)} (what the split op carries). Run "
+                                "this model with --mode compile or graphs.")
+            return unified_attention(self, q, k, v, save_kv_cache=save_kv_cache, **kwargs)
         if k is not None and "k_rope" not in kwargs:
             k = k.reshape(-1, self.tp_k_head_num, self.qk_head_dim)
             v = v.reshape(-1, self.tp_v_head_num, self.v_head_dim)
@@ -117,4 +125,4 @@ class PagedAttention(nn.Module):
                 f"logit_cap={self.logit_cap}")
 
 
-__all__ = ["PagedAttention"]
+__all__ = ["PagedAttention", "SPLIT_OP_KWARGS"]

@@ -1,23 +1,30 @@
 """The opaque split op ``xpu_ops::unified_attention_with_output`` for piecewise graphs.
 
-``torch.ops.xpu_ops.unified_attention_with_output(q, k, v, output, layer_id) -> ()`` attends
-``q`` over the paged cache of layer ``layer_id`` after writing ``k``/``v`` into it, and writes the
-result into ``output`` in place. Its arguments are tensors and an int only: the layer and the
-``ForwardBatch`` (with the backend's metadata) come from the forward context
-(``compile/forward_context.py``). ``compile/piecewise.py`` splits the FX graph at this op, so
-the pieces between attention calls see only fixed-shape tensor traffic and can be captured per
-token-count bucket, while attention runs eagerly with whatever metadata the step has.
+``torch.ops.xpu_ops.unified_attention_with_output(q, k, v, output, layer_id, sinks=None,
+q_rope=None, k_rope=None, save_kv_cache=True) -> ()`` attends ``q`` over the paged cache of layer
+``layer_id`` after writing ``k``/``v`` into it, and writes the result into ``output`` in place.
+Its arguments are tensors, an int and a bool only: the layer and the ``ForwardBatch`` (with the
+backend's metadata) come from the forward context (``compile/forward_context.py``).
+``compile/piecewise.py`` splits the FX graph at this op, so the pieces between attention calls see
+only fixed-shape tensor traffic and can be captured per token-count bucket, while attention runs
+eagerly with whatever metadata the step has.
+
+Every attention layer kind of the zoo goes through it: plain, sliding-window and soft-capped
+layers (facts of the layer), attention sinks (``sinks``, GPT-OSS), absorbed MLA (``k`` the latent,
+``q_rope``/``k_rope`` the rotary parts, ``v`` None; DeepSeek-V2) and cross-layer KV sharing
+(``k = v = None``; the layer reads ``kv_sharing_target_layer_id``'s cache).
 
 Rows past ``forward_context.num_tokens`` are padding: they are not attended and their output rows
 are zeroed, so the padded tail of a captured piece always reads zeros.
 
 A ``PagedAttention`` layer uses the op when ``layer.use_split_op`` is True
-(``enable_split_op(model)`` sets it); its forward then returns ``unified_attention(self, q, k, v)``.
+(``enable_split_op(model)`` sets it); its forward then returns
+``unified_attention(self, q, k, v, sinks=..., q_rope=..., k_rope=...)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -27,45 +34,93 @@ from xpu_ops._registration import define_op
 from .forward_context import get_forward_context
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
+_FN = "unified_attention_with_output"
 
 
-def _check(q: Tensor, output: Tensor) -> None:
+def _check_rows(name: str, x: Optional[Tensor], tokens) -> None:
+    if x is not None and (x.dim() < 2 or x.shape[0] != tokens):
+        raise ValueError(f"{_FN}: {name} has shape {tuple(x.shape)}; expected [tokens, ...] with "
+                         f"tokens = q.shape[0] = {tokens}. Pass this step's rows of {name}.")
+
+
+def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
+           sinks: Optional[Tensor], q_rope: Optional[Tensor], k_rope: Optional[Tensor]) -> None:
     """Shape checks that need no values (run in the fake too)."""
     if output.dim() != 2 or output.shape[0] != q.shape[0]:
-        raise ValueError(f"unified_attention_with_output: output has shape {tuple(output.shape)}; "
-                         f"expected [tokens, Hq * Dv] with tokens = q.shape[0] = {q.shape[0]}. "
-                         "Allocate it with unified_attention(layer, q, k, v).")
+        raise ValueError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
+                         f"Hq * Dv] with tokens = q.shape[0] = {q.shape[0]}. Allocate it with "
+                         "unified_attention(layer, q, k, v).")
     if output.dtype != q.dtype or output.device != q.device:
-        raise ValueError(f"unified_attention_with_output: output is {output.dtype} on "
-                         f"{output.device}; expected q's {q.dtype} on {q.device}.")
+        raise ValueError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
+                         f"{q.dtype} on {q.device}.")
+    if k_rope is not None and k is None:
+        raise ValueError(f"{_FN}: k_rope is given but k is None; expected the MLA latent k "
+                         "[tokens, 1, R] with k_rope [tokens, 1, r], got k=None.")
+    if k_rope is None and (k is None) != (v is None):
+        raise ValueError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
+                         f"k_rope instead of v); got k={type(k).__name__}, "
+                         f"v={type(v).__name__}.")
+    for name, x in (("k", k), ("v", v), ("q_rope", q_rope), ("k_rope", k_rope)):
+        _check_rows(name, x, q.shape[0])
+    if sinks is not None and (sinks.dim() != 1 or sinks.dtype != torch.float32):
+        raise ValueError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
+                         "expected [Hq] torch.float32 (one sink logit per query head).")
+
+
+def _rows(x: Optional[Tensor], n: int) -> Optional[Tensor]:
+    """The first ``n`` rows of ``x`` (None stays None)."""
+    return None if x is None else x[:n]
 
 
 @define_op(OP_NAME, mutates_args=("output",),
-           schema="(Tensor q, Tensor k, Tensor v, Tensor(a!) output, int layer_id) "
-                  "-> ()")
-def unified_attention_with_output(q: Tensor, k: Tensor, v: Tensor, output: Tensor,
-                                  layer_id: int) -> None:
+           schema="(Tensor q, Tensor? k, Tensor? v, Tensor(a!) output, int layer_id, "
+                  "Tensor? sinks=None, Tensor? q_rope=None, Tensor? k_rope=None, "
+                  "bool save_kv_cache=True) -> ()")
+def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                                  output: Tensor, layer_id: int, sinks: Optional[Tensor] = None,
+                                  q_rope: Optional[Tensor] = None,
+                                  k_rope: Optional[Tensor] = None,
+                                  save_kv_cache: bool = True) -> None:
     """Attention of layer ``layer_id`` over the forward context's batch, into ``output``.
 
     Args:
-        q: [T, Hq * D] or [T, Hq, D]; rows past ``num_tokens`` are padding.
-        k: [T, Hkv * D] or [T, Hkv, D] new keys (written into the cache, then attended).
-        v: [T, Hkv * Dv] or [T, Hkv, Dv].
+        q: [T, Hq * D] or [T, Hq, D]; rows past ``num_tokens`` are padding. MLA: ``q_latent``
+            [T, Hq * R] (with ``q_rope``).
+        k: [T, Hkv * D] or [T, Hkv, D] new keys (written into the cache, then attended); MLA:
+            the latent [T, 1, R]; None: nothing to write (KV sharing, or already cached).
+        v: [T, Hkv * Dv] or [T, Hkv, Dv]; None with ``k`` None, and for MLA.
         output: [T, Hq * Dv], q's dtype; rows ``[:num_tokens]`` get the attention result, the
             rest zeros.
         layer_id: key into ``forward_context.layers``.
+        sinks: [Hq] float32 sink logits (GPT-OSS), or None.
+        q_rope: MLA [T, Hq, r] rotary part of the query, or None.
+        k_rope: MLA [T, 1, r] rotary key, or None.
+        save_kv_cache: False attends without writing ``k``/``v``.
     Raises:
         RuntimeError: no forward context is set.
-        ValueError: ``output`` has the wrong shape, dtype or device.
+        ValueError: ``output`` has the wrong shape, dtype or device; ``k``/``v``/``q_rope``/
+            ``k_rope`` rows differ from ``q``'s; ``k``/``v`` not paired; ``sinks`` not [Hq]
+            float32.
+        NotImplementedError: the backend returned ``(out, lse)`` (MLA's MHA prefill path).
     """
-    _check(q, output)
+    _check(q, k, v, output, sinks, q_rope, k_rope)
     ctx = get_forward_context()
     layer = ctx.layers[layer_id]
     n = ctx.num_tokens
     batch = ctx.forward_batch
-    k = k[:n].reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
-    v = v[:n].reshape(n, layer.tp_v_head_num, layer.v_head_dim)
-    result = batch.attn_backend.forward(q[:n], k, v, layer, batch, True)
+    if k is not None:
+        k = k[:n]
+        if k_rope is None:  # MHA: [n, Hkv, D] as the backend stores it (MLA keeps its latent)
+            k = k.reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
+            v = v[:n].reshape(n, layer.tp_v_head_num, layer.v_head_dim)
+    extras = {name: x for name, x in (("sinks", sinks), ("q_rope", _rows(q_rope, n)),
+                                      ("k_rope", _rows(k_rope, n))) if x is not None}
+    result = batch.attn_backend.forward(q[:n], k, v, layer, batch, save_kv_cache, **extras)
+    if not isinstance(result, Tensor):
+        raise NotImplementedError(f"{_FN}: layer {layer_id}'s backend returned "
+                                  f"{type(result).__name__} (out, lse), which the split op cannot "
+                                  "return; MLA's MHA prefill path is not supported in piecewise "
+                                  "mode. Use --mode compile for it.")
     out = output[:n]
     if result.data_ptr() != out.data_ptr():
         out.copy_(result.reshape(out.shape))
@@ -73,22 +128,26 @@ def unified_attention_with_output(q: Tensor, k: Tensor, v: Tensor, output: Tenso
 
 
 @unified_attention_with_output.register_fake
-def _(q, k, v, output, layer_id):
-    _check(q, output)
+def _(q, k, v, output, layer_id, sinks=None, q_rope=None, k_rope=None, save_kv_cache=True):
+    _check(q, k, v, output, sinks, q_rope, k_rope)
 
 
-def unified_attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], *,
+                      sinks: Optional[Tensor] = None, q_rope: Optional[Tensor] = None,
+                      k_rope: Optional[Tensor] = None, save_kv_cache: bool = True) -> Tensor:
     """What ``PagedAttention.forward`` returns in piecewise mode: a fresh output, filled by the op.
 
     Args:
         layer: the PagedAttention (its ``layer_id``, ``tp_q_head_num``, ``v_head_dim``).
-        q, k, v: as ``unified_attention_with_output``.
+        q, k, v, sinks, q_rope, k_rope, save_kv_cache: as ``unified_attention_with_output``.
     Returns:
         [T, Hq * Dv] in q's dtype.
     """
     output = torch.empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), dtype=q.dtype,
                          device=q.device)
-    torch.ops.xpu_ops.unified_attention_with_output(q, k, v, output, layer.layer_id)
+    torch.ops.xpu_ops.unified_attention_with_output(
+        q, k, v, output, layer.layer_id, sinks=sinks, q_rope=q_rope, k_rope=k_rope,
+        save_kv_cache=save_kv_cache)
     return output
 
 
