@@ -1,46 +1,60 @@
 """Piecewise graphs: split the FX graph at the attention split op, Inductor per piece, a device
-graph per token-count bucket.
+graph per token-count bucket for every piece that reads only fixed-address tensors.
 
 Entry point: ``compile_piecewise(model, ...)`` returns a ``PiecewiseModel`` that is called like
 the model (``(input_ids [T], positions [T], forward_batch) -> logits``) once the host has run
 ``forward_batch.attn_backend.init_forward_metadata(forward_batch)``.
 
-How a step runs (CUDA/XPU, decode or target verify, ``T <= max(graph_sizes)``):
+How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
 
 1. ``PiecewiseModel`` copies ``input_ids``/``positions`` into static buffers padded to the
-   smallest bucket ``B >= T`` (padded tail zeroed) and sets the forward context
-   (``num_tokens=T``, ``graph_size=B``).
-2. Dynamo runs the model's one graph (token dim dynamic); ``PiecewiseBackend`` has split it at
-   every ``xpu_ops::unified_attention_with_output`` node into ``num_layers + 1`` pieces around
-   ``num_layers`` attention calls, each piece compiled by Inductor (structurally identical
-   pieces, i.e. the middle layers, share one compilation).
-3. Each piece is a ``PieceRunner``: its first call at ``B`` runs the compiled piece (warm-up:
-   Triton autotuning happens here, never during capture), the second captures it into a device
-   graph and replays it, later calls only replay. A piece's inputs are the static buffers of
-   step 1, parameters, and outputs of earlier captured pieces or attention, so their addresses
-   never change; its outputs (including each attention ``output``) are fixed buffers of the
-   graph pool.
-4. Attention runs eagerly between pieces with the step's metadata and writes the fixed
-   ``output`` in place (rows ``>= T`` zeroed).
+   smallest bucket ``B >= T`` (padded tail zeroed), sets the forward context (``num_tokens=T``)
+   and the backend's ``graph_size=B``.
+2. Dynamo runs the model's graph for the step's mode (token dim dynamic); ``PiecewiseBackend``
+   has split it at every ``xpu_ops::unified_attention_with_output`` node into
+   ``num_layers + 1`` pieces around ``num_layers`` attention calls, each piece compiled by
+   Inductor (structurally identical pieces, i.e. the middle layers, share one compilation).
+3. At compile time each piece is marked capturable or not (``capture_plan``): it may be
+   captured only if every input has a fixed address and a shape that is a function of the
+   bucket, i.e. is a parameter/buffer of the model, a padded static input (``input_ids``,
+   ``positions`` and their length), or an output of an earlier captured piece (attention writes
+   into such outputs in place). Inputs with any other Dynamo source are per-step
+   (``per_step_placeholders``; e.g. ``forward_batch.extend_seq_lens``, shape ``[b]``): a piece
+   is cut before its first node that depends on one, and the part after the cut, plus every
+   piece reading its outputs, runs uncaptured. For the zoo's Llama this captures every piece of
+   decode and target-verify steps, and for extend, mixed and draft-extend steps everything but
+   the LM head's pick of each request's last token (``h[cumsum(extend_seq_lens) - 1]``, the
+   ``lm_head`` matmul over those ``b`` rows): ``num_layers + 1`` captured pieces and one
+   uncaptured.
+4. A captured piece is a ``PieceRunner``: its first call at ``B`` runs the compiled piece
+   (warm-up: Triton autotuning happens here, never during capture), the second captures it
+   into a device graph and replays it, later calls only replay and return the same output
+   tensors (fixed buffers of the shared graph pool).
+5. Attention runs eagerly between pieces with the step's metadata and writes the fixed
+   ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero).
 
 What it does not do: capture attention itself (``compile/graph_runner.py`` captures whole decode
-steps), capture extend batches (their graphs read per-request tensors; they run the compiled
-pieces without capture), or check input addresses on every replay (``debug=True`` does).
-On the CPU the same split and Inductor pieces run without capture.
+steps), capture steps past the largest bucket or idle steps, share captured graphs between the
+Dynamo graphs of different modes (each mode's pieces capture their own graphs per bucket), or
+check input addresses on every replay (``debug=True`` does). On the CPU the same split and
+Inductor pieces run without capture; ``emulate_graphs=True`` runs the whole bucket, capture and
+replay bookkeeping there with ``EmulatedGraph`` stand-ins (tests).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+import inspect
+import re
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
 from . import device as dev
-from .forward_context import get_forward_context, has_forward_context, set_forward_context
+from .forward_context import set_forward_context
 from .split_op import enable_split_op
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -57,39 +71,54 @@ def is_split_node(node: fx.Node) -> bool:
 
 @dataclasses.dataclass
 class SplitItem:
-    """One submodule of the split graph: ``submod_<index>``, an attention call or a piece."""
+    """One submodule of the split graph: ``submod_<index>``, an attention call or a piece
+    (``is_cut``: the tail of a piece, cut off before its first per-step node)."""
 
     name: str
     index: int
     is_split: bool
     graph: fx.GraphModule
+    is_cut: bool = False
 
 
-def split_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[SplitItem]]:
-    """Split ``gm`` at split-op nodes, each in its own submodule, original order kept.
+def split_graph(gm: fx.GraphModule, per_step: Collection[fx.Node] = ()
+                ) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split ``gm`` at split-op nodes, each in its own submodule, original order kept; a piece
+    is also cut before its first node that depends on a ``per_step`` node, so the part before
+    the cut can still be captured.
 
+    Args:
+        gm: a Dynamo graph.
+        per_step: nodes (placeholders, from ``per_step_placeholders``) whose address or shape
+            may change between steps of one bucket.
     Returns:
         ``(split_gm, items)``: ``split_gm`` calls ``submod_0, submod_1, ...`` in order; ``items``
         lists them with ``is_split`` True for the attention submodules. A graph with ``L`` split
-        ops gives ``2 L + 1`` submodules when no two split ops are adjacent.
+        ops gives ``2 L + 1`` submodules when no two split ops are adjacent, plus one per cut.
     """
     partition: dict[fx.Node, int] = {}
-    current = 0
+    tainted, cut_ids = set(per_step), set()
+    current, cut = 0, False
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
+        if any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
         if is_split_node(node):
             current += 1  # a partition of its own
             partition[node] = current
-            current += 1
-        else:
-            partition[node] = current
+            current, cut = current + 1, False
+            continue
+        if node in tainted and not cut:
+            current, cut = current + 1, True  # the rest of this piece: uncaptured
+            cut_ids.add(current)
+        partition[node] = current
     split_gm = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
     split_ids = {partition[n] for n in partition if is_split_node(n)}
     items = []
     for name, sub in split_gm.named_children():
         index = int(name.rsplit("_", 1)[1])
-        items.append(SplitItem(name, index, index in split_ids, sub))
+        items.append(SplitItem(name, index, index in split_ids, sub, index in cut_ids))
     items.sort(key=lambda item: item.index)
     return split_gm, items
 
@@ -119,44 +148,138 @@ def graph_signature(gm: fx.GraphModule, args: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
+_LOCAL = re.compile(r"^L\['(\w+)'\]")
+
+
+def _source_name(node: fx.Node) -> Optional[str]:
+    """Dynamo's source of a placeholder (``L['forward_batch'].extend_seq_lens``), or None."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name
+
+
+def per_step_placeholders(gm: fx.GraphModule, static_inputs: Sequence[str]
+                          ) -> dict[fx.Node, str]:
+    """``placeholder -> Dynamo source`` of every input of ``gm`` that may change address or
+    shape between steps of one bucket.
+
+    An input is fixed when Dynamo's source for it is rooted at ``L['self']`` (parameters and
+    buffers) or at a local named in ``static_inputs`` (the padded static buffers and their
+    sizes); every other one (``forward_batch`` fields such as ``extend_seq_lens``, extra kwargs,
+    globals, placeholders without a source) is per-step.
+    """
+    fixed_roots = {"self", *static_inputs}
+    per_step = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            name = _source_name(node)
+            match = _LOCAL.match(name or "")
+            if match is None or match.group(1) not in fixed_roots:
+                per_step[node] = name or node.name
+    return per_step
+
+
+def capture_plan(split_gm: fx.GraphModule, pieces: Collection[str],
+                 static_inputs: Sequence[str]) -> dict[str, Optional[str]]:
+    """Which pieces of ``split_gm`` may be captured: ``piece name -> None`` (capturable) or the
+    reason it must run uncaptured.
+
+    A piece reading a per-step input (``per_step_placeholders``) is uncaptured, and so is every
+    piece reading an output of an uncaptured piece (its address changes every step). Outputs of
+    captured pieces are fixed buffers of their graphs, and attention writes into them in place.
+    """
+    reasons = {node: f"reads {name}"
+               for node, name in per_step_placeholders(split_gm, static_inputs).items()}
+    plan: dict[str, Optional[str]] = {}
+    for node in split_gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        reason = next((reasons[a] for a in node.all_input_nodes if a in reasons), None)
+        if node.op == "call_module" and node.target in pieces:
+            plan[node.target] = reason
+            if reason is not None:
+                reason = f"reads uncaptured {node.target}"
+        if reason is not None:
+            reasons[node] = reason
+    return plan
+
+
+class EmulatedGraph:
+    """CPU stand-in for a captured device graph (tests): it keeps the piece, the very input
+    tensors of the capture call and that call's outputs; ``replay()`` reruns the piece on those
+    inputs and copies the result into the same outputs. Like a real graph it never sees later
+    calls' arguments, so a replay after an input moved reads stale values.
+    """
+
+    def __init__(self, fn: Callable, args: Sequence[Any]):
+        self.fn, self.args = fn, tuple(args)
+        self.outputs = fn(*self.args)
+
+    def replay(self) -> None:
+        for dst, src in zip(_tensors(self.outputs), _tensors(self.fn(*self.args))):
+            dst.copy_(src)
+
+
+def _tensors(out: Any) -> list[Tensor]:
+    """The tensors of a piece's output (a tensor, or a tuple/list of values)."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [t for t in items if isinstance(t, Tensor)]
+
+
 class PieceRunner:
     """Runs one compiled piece: directly, or captured and replayed per token-count bucket.
 
-    Per bucket ``B`` (``forward_context.graph_size``): call 1 runs the compiled piece (warm-up);
-    call 2 captures it into a device graph, records its input addresses and outputs, and
+    Steps run uncaptured when ``backend.graph_size`` is None or the piece reads a per-step input
+    (``uncaptured_reason``, from ``capture_plan``). Otherwise, per bucket ``B``: call 1 runs the
+    compiled piece (warm-up); call 2 captures it, records its input addresses and outputs, and
     replays; later calls replay and return the same output tensors (fixed addresses). With
     ``debug`` every replay checks that the input addresses match the capture.
+
+    Attributes:
+        uncaptured_reason: None for a capturable piece, else which per-step input it reads.
+        graphs: ``B -> (graph, input addresses, outputs)`` of the captures made.
     """
 
-    def __init__(self, index: int, compiled: Callable, backend: "PiecewiseBackend"):
+    def __init__(self, index: int, compiled: Callable, backend: "PiecewiseBackend",
+                 uncaptured_reason: Optional[str] = None):
         self.index, self.compiled, self.backend = index, compiled, backend
+        self.uncaptured_reason = uncaptured_reason
+        self.capturable = uncaptured_reason is None
+        self.debug = backend.debug
         self.calls: dict[int, int] = {}
-        self.graphs: dict[int, tuple[Any, list[int], Any]] = {}
+        self.graphs: dict[int, tuple[Any, list, Any]] = {}
 
     def __call__(self, *args):
-        size = get_forward_context().graph_size if has_forward_context() else None
-        if size is None:
+        size = self.backend.graph_size  # one attribute read: this is the replay hot path
+        if size is None or not self.capturable:
             return self.compiled(*args)
-        if size in self.graphs:
-            graph, addresses, outputs = self.graphs[size]
-            if self.backend.debug:
-                self._check_addresses(size, addresses, args)
-            graph.replay()
-            return outputs
+        entry = self.graphs.get(size)
+        if entry is None:
+            return self._warm_up_or_capture(size, args)
+        graph, addresses, outputs = entry
+        if self.debug:
+            self._check_addresses(size, addresses, args)
+        graph.replay()
+        return outputs
+
+    def _warm_up_or_capture(self, size: int, args):
         self.calls[size] = self.calls.get(size, 0) + 1
         if self.calls[size] == 1:
             return self.compiled(*args)
-        return self._capture(size, args)
-
-    def _capture(self, size: int, args):
-        device = self.backend.device
-        graph = dev.new_graph(device)
-        dev.synchronize(device)
-        with dev.graph_capture(graph, device, pool=self.backend.graph_pool()):
-            outputs = self.compiled(*args)
+        backend = self.backend
+        if backend.emulate_graphs:
+            graph = EmulatedGraph(self.compiled, args)
+            outputs = graph.outputs
+        else:
+            graph = dev.new_graph(backend.device)
+            dev.synchronize(backend.device)
+            with dev.graph_capture(graph, backend.device, pool=backend.graph_pool()):
+                outputs = self.compiled(*args)
         addresses = [a.data_ptr() if isinstance(a, Tensor) else None for a in args]
         self.graphs[size] = (graph, addresses, outputs)
-        self.backend.stats["captures"] += 1
+        backend.stats["captures"] += 1
         graph.replay()  # capture records without running; run it once for this call's result
         return outputs
 
@@ -176,18 +299,29 @@ class PiecewiseBackend:
         device: where the model runs (graphs are captured on CUDA/XPU only).
         debug: check input addresses on every replay.
         inductor: compile pieces with Inductor (False: run the FX pieces as they are, for tests).
+        static_inputs: names of the model's arguments that are fed from fixed buffers in
+            bucketed steps (see ``capture_plan``).
+        emulate_graphs: capture ``EmulatedGraph``s instead of device graphs (CPU tests).
     Attributes:
-        stats: counters: ``graphs`` (Dynamo graphs received), ``pieces`` (non-attention pieces),
-            ``split_ops`` (attention submodules), ``compiles`` (distinct Inductor compilations),
-            ``captures`` (device graphs captured).
+        graph_size: the bucket of the step running now, None for an uncaptured step; set by
+            ``PiecewiseModel.forward`` and read by every ``PieceRunner``.
+        stats: counters: ``graphs`` (Dynamo graphs received), ``pieces`` (pieces around the
+            attention calls, ``num_layers + 1`` per graph), ``cuts`` (extra pieces cut off at a
+            per-step input), ``split_ops`` (attention submodules), ``compiles`` (distinct
+            Inductor compilations), ``uncaptured`` (pieces, cuts included, that read per-step
+            inputs), ``captures`` (graphs captured).
         split_gms: the split graph of every Dynamo graph received.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, debug: bool = False,
-                 inductor: bool = True):
+                 inductor: bool = True, static_inputs: Sequence[str] = ("input_ids", "positions"),
+                 emulate_graphs: bool = False):
         self.device = torch.device(device)
-        self.debug, self.inductor = debug, inductor
-        self.stats = dict(graphs=0, pieces=0, split_ops=0, compiles=0, captures=0)
+        self.debug, self.inductor, self.emulate_graphs = debug, inductor, emulate_graphs
+        self.static_inputs = tuple(static_inputs)
+        self.graph_size: Optional[int] = None
+        self.stats = dict(graphs=0, pieces=0, cuts=0, split_ops=0, compiles=0, uncaptured=0,
+                          captures=0)
         self.split_gms: list[fx.GraphModule] = []
         self._compiled: dict[str, Callable] = {}
         self._pool = None
@@ -200,12 +334,16 @@ class PiecewiseBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         self.stats["graphs"] += 1
-        split_gm, items = split_graph(gm)
+        split_gm, items = split_graph(gm, per_step_placeholders(gm, self.static_inputs))
         self.split_gms.append(split_gm)
         pieces = {item.name for item in items if not item.is_split}
-        self.stats["pieces"] += len(pieces)
+        cuts = sum(item.is_cut for item in items)
+        self.stats["pieces"] += len(pieces) - cuts
+        self.stats["cuts"] += cuts
         self.stats["split_ops"] += len(items) - len(pieces)
-        _PieceCompiler(split_gm, pieces, self).run(*example_inputs)
+        plan = capture_plan(split_gm, pieces, self.static_inputs)
+        self.stats["uncaptured"] += sum(reason is not None for reason in plan.values())
+        _PieceCompiler(split_gm, plan, self).run(*example_inputs)
         return split_gm
 
     def compile_piece(self, gm: fx.GraphModule, fake_args: Sequence[Any]) -> Callable:
@@ -224,11 +362,12 @@ class PiecewiseBackend:
 
 class _PieceCompiler(fx.Interpreter):
     """Runs the split graph on fake inputs; compiles each piece with its fake arguments and
-    swaps the submodule for a ``PieceRunner``."""
+    swaps the submodule for a ``PieceRunner`` (capturable or not, per ``plan``)."""
 
-    def __init__(self, split_gm: fx.GraphModule, pieces: set[str], backend: PiecewiseBackend):
+    def __init__(self, split_gm: fx.GraphModule, plan: dict[str, Optional[str]],
+                 backend: PiecewiseBackend):
         super().__init__(split_gm)
-        self.pieces, self.backend = pieces, backend
+        self.plan, self.backend = plan, backend
 
     def run(self, *args):
         """Run the split graph on fake copies of ``args`` (compiling pieces on the way)."""
@@ -247,11 +386,12 @@ class _PieceCompiler(fx.Interpreter):
         replace it with a ``PieceRunner``.
         """
         out = super().call_module(target, args, kwargs)
-        if target in self.pieces:
+        if target in self.plan:
             submod = self.fetch_attr(target)
             compiled = self.backend.compile_piece(submod, args)
             index = int(target.rsplit("_", 1)[1])
-            self.module.__dict__[target] = PieceRunner(index, compiled, self.backend)
+            self.module.__dict__[target] = PieceRunner(index, compiled, self.backend,
+                                                       self.plan[target])
         return out
 
 
@@ -266,16 +406,18 @@ class PiecewiseModel(nn.Module):
         capture: capture graphs (default: when ``device`` supports them).
         debug: check input addresses on every replay.
         inductor: False runs the FX pieces without Inductor (fast tests).
+        emulate_graphs: capture ``EmulatedGraph``s (implies ``capture``): the bucket, capture and
+            replay bookkeeping on the CPU, for tests.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
     Returns (forward):
-        the model's output; for captured steps rows ``[:T]`` of the padded result, cloned.
+        the model's output; for bucketed steps rows ``[:T]`` of the padded result, cloned.
     """
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, emulate_graphs: bool = False):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -283,17 +425,33 @@ class PiecewiseModel(nn.Module):
         self.model = model
         self.layers = enable_split_op(model)
         self.graph_sizes = sorted(set(int(s) for s in graph_sizes))
-        self.capture = dev.supports_graphs(self.device) if capture is None else capture
-        self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor)
+        if capture is None:
+            capture = emulate_graphs or dev.supports_graphs(self.device)
+        self.capture = capture
+        self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
+                                        static_inputs=_first_two_args(model),
+                                        emulate_graphs=emulate_graphs)
         # Not a submodule (it would list the model's parameters twice).
         self.__dict__["compiled"] = torch.compile(model, backend=self.backend, fullgraph=True)
         n = self.graph_sizes[-1] if self.graph_sizes else 0
+        self.max_graph_size = n
         self.register_buffer("static_input_ids", torch.zeros(n, dtype=torch.long,
                                                              device=self.device),
                              persistent=False)
         self.register_buffer("static_positions", torch.zeros(n, dtype=torch.long,
                                                              device=self.device),
                              persistent=False)
+        # Per step: one table lookup for the bucket, views made (and marked dynamic) once.
+        self._bucket = [None] + [self.graph_sizes[bisect.bisect_left(self.graph_sizes, t)]
+                                 for t in range(1, n + 1)]
+        self._static_views = {size: self._static_view(size) for size in self.graph_sizes}
+
+    def _static_view(self, size: int) -> tuple[Tensor, Tensor]:
+        ids, pos = self.static_input_ids[:size], self.static_positions[:size]
+        if size >= 2:  # 0 and 1 are specialised by Dynamo anyway
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
 
     def compiled_pieces(self) -> list[PieceRunner]:
         """The ``PieceRunner``s of every Dynamo graph compiled so far, in graph order."""
@@ -301,12 +459,15 @@ class PiecewiseModel(nn.Module):
                 if isinstance(runner, PieceRunner)]
 
     def graph_size_for(self, num_tokens: int, forward_batch) -> Optional[int]:
-        """The bucket a step of ``num_tokens`` is captured at, or None (run uncaptured)."""
-        mode = getattr(forward_batch, "forward_mode", None)
-        if not self.capture or mode is None or not mode.is_cuda_graph() or mode.is_idle():
+        """The bucket a step of ``num_tokens`` is padded to and captured at, or None (run
+        uncaptured: capture off, idle, or more tokens than the largest bucket). Every mode is
+        bucketed; which pieces capture is ``capture_plan``'s decision."""
+        if not self.capture or num_tokens > self.max_graph_size:
             return None
-        i = bisect.bisect_left(self.graph_sizes, num_tokens)
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else None
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None or mode.is_idle():
+            return None
+        return self._bucket[num_tokens]
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, **kwargs):
         """``input_ids [T]``, ``positions [T]`` -> the model's output for the ``T`` tokens.
@@ -317,34 +478,42 @@ class PiecewiseModel(nn.Module):
         n = input_ids.shape[0]
         size = self.graph_size_for(n, forward_batch)
         if size is not None:
-            input_ids = _pad_into(self.static_input_ids, input_ids, size)
-            positions = _pad_into(self.static_positions, positions, size)
-        if input_ids.shape[0] >= 2:  # 0 and 1 are specialised by Dynamo anyway
+            ids, pos = self._static_views[size]
+            ids[:n].copy_(input_ids)
+            ids[n:].zero_()
+            pos[:n].copy_(positions)
+            pos[n:].zero_()
+            input_ids, positions = ids, pos
+        elif n >= 2:
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        with set_forward_context(self.layers, forward_batch, n, size):
-            out = self.compiled(input_ids, positions, forward_batch, **kwargs)
+        backend = self.backend
+        backend.graph_size = size
+        try:
+            with set_forward_context(self.layers, forward_batch, n, size):
+                out = self.compiled(input_ids, positions, forward_batch, **kwargs)
+        finally:
+            backend.graph_size = None
         if size is None:
             return out
         return (out[:n] if out.shape[0] == size else out).clone()
 
 
-def _pad_into(buffer: Tensor, values: Tensor, size: int) -> Tensor:
-    """``buffer[:size]`` holding ``values`` then zeros (same address for every call)."""
-    n = values.shape[0]
-    buffer[:n].copy_(values)
-    buffer[n:size].zero_()
-    return buffer[:size]
+def _first_two_args(model: nn.Module) -> tuple[str, ...]:
+    """Names of ``model.forward``'s first two parameters (``input_ids``, ``positions``), the
+    arguments ``PiecewiseModel`` feeds from its static buffers."""
+    params = list(inspect.signature(model.forward).parameters)
+    return tuple(params[:2])
 
 
 def compile_piecewise(model: nn.Module, **kwargs) -> PiecewiseModel:
     """``PiecewiseModel(model, **kwargs)``: the piecewise entry point for ``python -m compile``.
 
-    >>> # engine = Engine(model, forward=compile_piecewise(model))   # decode steps captured
+    >>> # engine = Engine(model, forward=compile_piecewise(model))   # extend and decode captured
     """
     return PiecewiseModel(model, **kwargs)
 
 
 __all__ = ["DEFAULT_GRAPH_SIZES", "is_split_node", "SplitItem", "split_graph",
-           "graph_signature", "PieceRunner", "PiecewiseBackend", "PiecewiseModel",
-           "compile_piecewise"]
+           "graph_signature", "per_step_placeholders", "capture_plan", "EmulatedGraph",
+           "PieceRunner", "PiecewiseBackend", "PiecewiseModel", "compile_piecewise"]

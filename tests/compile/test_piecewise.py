@@ -1,7 +1,11 @@
-"""Piecewise mode: forward context, split op, graph split, per-piece compile, capture (``gpu``).
+"""Piecewise mode: forward context, split op, graph split, per-piece compile, capture plan,
+capture and replay bookkeeping (CPU, through ``EmulatedGraph``), device capture (``gpu``).
 
 The tiny zoo Llama's ``PagedAttention`` layers take the split op (``use_split_op``, set by
 ``enable_split_op``), so the splitter runs on the real model structure and backend.
+``emulate_graphs=True`` runs the bucket/capture/replay path on the CPU: an emulated replay
+reruns a piece on the tensors recorded at capture and copies into the recorded outputs, so a
+piece fed a moved input reads stale values here just as a device graph would.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import torch
 from expecttest import TestCase
 
 from compile import device as dev
+from compile.forward_batch import ForwardMode
 from compile.forward_context import get_forward_context, has_forward_context, set_forward_context
-from compile.piecewise import PiecewiseModel, compile_piecewise, split_graph
+from compile.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, compile_piecewise,
+                               split_graph)
 from compile.split_op import enable_split_op
 from tests.compile.compile_helpers import Harness, fx_op_sequence, tiny_model
 
@@ -27,6 +33,34 @@ def _eager(model, layers, ids, pos, fb):
     finally:
         for layer in layers.values():
             layer.use_split_op = True
+
+
+def _mixed(h, rows, lens):
+    """A MIXED batch: requests with a cached prefix, some extending by 1 token (decode-like)."""
+    ids, pos, fb = h.extend(rows, lens, init=False)
+    fb.forward_mode = ForwardMode.MIXED
+    h.backend.init_forward_metadata(fb)
+    return ids, pos, fb
+
+
+def _run_steps(test, pw, model, h, steps, tol=1e-5):
+    """Run ``steps`` (``(kind, rows, lens)``) through ``pw``; each step's output must equal eager
+    and every captured piece output must keep its address. Returns ``{(piece, bucket): ptrs}``."""
+    addresses = {}
+    for kind, rows, lens in steps:
+        make = {"extend": lambda: h.extend(rows, lens), "mixed": lambda: _mixed(h, rows, lens),
+                "decode": lambda: h.decode(rows)}[kind]
+        ids, pos, fb = make()
+        with torch.no_grad():
+            out = pw(ids, pos, fb)
+        ref = _eager(model, pw.layers, ids, pos, fb)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        for i, runner in enumerate(pw.compiled_pieces()):
+            for size, (_, _, piece_out) in runner.graphs.items():
+                items = piece_out if isinstance(piece_out, (tuple, list)) else [piece_out]
+                ptrs = [t.data_ptr() for t in items if isinstance(t, torch.Tensor)]
+                test.assertEqual(addresses.setdefault((i, size), ptrs), ptrs)  # fixed
+    return addresses
 
 
 class TestForwardContext(TestCase):
@@ -85,9 +119,11 @@ class TestSplit(TestCase):
         stats = pw.backend.stats
         self.assertEqual(stats["graphs"], 1)
         self.assertEqual(stats["pieces"], num_layers + 1)  # num_layers + 1 pieces
+        self.assertEqual(stats["cuts"], 1)  # the last one cut before the LM head's row pick
         self.assertEqual(stats["split_ops"], num_layers)  # one attention submodule per layer
-        # first piece (embedding), one shared middle piece (num_layers - 1 identical), last
-        self.assertEqual(stats["compiles"], 3)
+        # first piece (embedding), one shared middle piece (num_layers - 1 identical), last,
+        # LM-head tail
+        self.assertEqual(stats["compiles"], 4)
         self.assertEqual(stats["captures"], 0)  # CPU: no capture
         split_gm = pw.backend.split_gms[0]
         self.assertExpectedInline(fx_op_sequence(split_gm), """\
@@ -112,7 +148,8 @@ call_function getitem
 call_function getitem
 call_function getitem
 call_module submod_5
-call_module submod_6""")
+call_module submod_6
+call_module submod_7""")
         attention = [name for name, sub in split_gm.named_children()
                      if "unified_attention_with_output" in str(sub.code)]
         self.assertEqual(attention, ["submod_1", "submod_3", "submod_5"])
@@ -131,19 +168,138 @@ call_module submod_6""")
                          [("submod_0", False), ("submod_1", True), ("submod_2", False),
                           ("submod_3", True), ("submod_4", False)])
 
-    def test_decode_and_extend_equal_eager_with_inductor(self):
+    def test_split_graph_cuts_before_per_step_nodes(self):
+        def f(x, lens, out):
+            y = x.sin()
+            torch.ops.xpu_ops.unified_attention_with_output(y, y, y, out, 0)
+            z = out.cos()  # fixed inputs only: stays in the capturable head
+            return (z + 1)[lens.cumsum(0) - 1] * 2  # depends on lens: the uncaptured tail
+
+        gm = torch.fx.symbolic_trace(f)
+        lens = next(n for n in gm.graph.nodes if n.name == "lens")
+        split_gm, items = split_graph(gm, per_step=[lens])
+        self.assertEqual([(i.name, i.is_split, i.is_cut) for i in items],
+                         [("submod_0", False, False), ("submod_1", True, False),
+                          ("submod_2", False, False), ("submod_3", False, True)])
+        self.assertIn("cos", str(items[2].graph.code))
+        self.assertNotIn("cumsum", str(items[2].graph.code))
+        self.assertIn("cumsum", str(items[3].graph.code))
+
+    def test_capture_plan_per_mode(self):
+        num_layers = 3
+        model = tiny_model(num_layers=num_layers)
+        h = Harness(model)
+        pw = compile_piecewise(model, inductor=False)  # the plan is made on the CPU too
+        with torch.no_grad():
+            pw(*h.extend([0, 1], [6, 3]))
+            pw(*h.decode([0, 1]))
+        extend, decode = pw.backend.split_gms
+        plan = {name: [r.uncaptured_reason for r in gm.__dict__.values()
+                       if isinstance(r, PieceRunner)] for name, gm in (("extend", extend),
+                                                                        ("decode", decode))}
+        # extend: num_layers + 1 captured pieces, then the LM head's last-token pick uncaptured
+        self.assertEqual(plan["extend"], [None] * (num_layers + 1)
+                         + ["reads L['forward_batch'].extend_seq_lens"])
+        self.assertEqual(plan["decode"], [None] * (num_layers + 1))  # every piece captured
+        self.assertEqual(pw.backend.stats["uncaptured"], 1)
+        tail = extend.__dict__[f"submod_{2 * num_layers + 1}"].compiled
+        self.assertExpectedInline(fx_op_sequence(tail), """\
+call_function cumsum
+call_function sub
+call_function getitem
+call_function linear
+call_method float""")
+
+
+class TestEmulatedCapture(TestCase):
+    """The bucket, capture and replay bookkeeping on the CPU (``EmulatedGraph``)."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_piece_runner_warm_up_capture_replay_and_moved_inputs(self):
+        for debug in (False, True):
+            backend = PiecewiseBackend(debug=debug, emulate_graphs=True)
+            runner = PieceRunner(0, lambda x: (x * 2,), backend)
+            x = torch.arange(4.0)
+            backend.graph_size = 4
+            first, second, third = runner(x), runner(x), runner(x)  # warm-up, capture, replay
+            self.assertEqual(backend.stats["captures"], 1)
+            self.assertIsNot(first[0], second[0])  # warm-up output: a fresh tensor
+            self.assertIs(second[0], third[0])  # replays return the captured buffer
+            x.add_(1)  # new values at the same address: replay sees them
+            self.assertEqual(runner(x)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
+            moved = x + 10
+            if debug:
+                with self.assertRaisesRegex(RuntimeError, "input 0 of piece 0 moved"):
+                    runner(moved)
+            else:  # a replay reads the captured address, not the new tensor: stale
+                self.assertEqual(runner(moved)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
+            backend.graph_size = None  # uncaptured step: runs the piece on these inputs
+            self.assertEqual(runner(moved)[0].tolist(), [22.0, 24.0, 26.0, 28.0])
+            self.assertEqual(backend.stats["captures"], 1)
+
+    def test_extend_mixed_decode_schedule_equals_eager(self):
+        num_layers = 2
+        model = tiny_model(num_layers=num_layers)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(4, 8, 16), inductor=False, emulate_graphs=True,
+                            debug=True)
+        steps = [("extend", [0, 1], [3, 4]),  # no prefix, T 7 -> bucket 8: warm-up
+                 ("extend", [2, 3], [5, 3]),  # no prefix, T 8 -> 8: capture
+                 ("extend", [0, 1], [2, 4]),  # cached prefix, T 6 -> 8: replay
+                 ("extend", [2, 3], [9, 9]),  # T 18 > 16: uncaptured, no padding
+                 ("extend", [3, 0], [1, 6]),  # cached prefix, T 7 -> 8: replay
+                 ("mixed", [0, 1], [1, 3]), ("mixed", [2, 3], [2, 1]),  # T 4, 3 -> 4
+                 ("mixed", [1, 0], [1, 1]),
+                 ("decode", [0, 1, 2, 3], None), ("decode", [0, 1, 2], None),  # -> 4
+                 ("decode", [3, 1], None), ("decode", [0, 1, 2, 3, 4], None)]  # 2 -> 4, 5 -> 8
+        addresses = _run_steps(self, pw, model, h, steps)
+        stats = pw.backend.stats
+        self.assertEqual(stats["graphs"], 3)  # extend (b = 2), mixed, decode
+        # one bucket captured per graph (extend 8, mixed 4, decode 4): 3 * (num_layers + 1)
+        self.assertEqual(stats["captures"], 3 * (num_layers + 1))
+        self.assertEqual(len(addresses), 3 * (num_layers + 1))
+        graphs = [sorted(r.graphs) for r in pw.compiled_pieces()]
+        self.assertEqual(graphs, [[8]] * (num_layers + 1) + [[]]  # extend; tail uncaptured
+                         + [[4]] * (num_layers + 1) + [[]]  # mixed
+                         + [[4]] * (num_layers + 1))  # decode (bucket 8 only warmed up)
+
+    def test_moved_static_input_is_caught(self):
         model = tiny_model()
         h = Harness(model)
-        pw = compile_piecewise(model)  # Inductor pieces
-        for kind, rows, lens in (("extend", [0, 1, 2], [5, 2, 7]), ("decode", [0, 1, 2], None),
-                                 ("decode", [0, 1], None)):
-            ids, pos, fb = h.extend(rows, lens) if kind == "extend" else h.decode(rows)
-            with torch.no_grad():
+        for debug in (True, False):
+            torch._dynamo.reset()
+            pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True,
+                                debug=debug)
+            h.lens = [0] * len(h.lens)  # fresh requests
+            _run_steps(self, pw, model, h, [("extend", [0, 1], [1, 2])] * 3)  # captured
+            ids, pos = pw._static_views[4]
+            pw._static_views[4] = (ids.clone(), pos.clone())  # a bug: inputs fed elsewhere
+            ids, pos, fb = h.extend([0, 1], [2, 1])
+            if debug:
+                with self.assertRaisesRegex(RuntimeError, "input 0 of piece 0 moved"), \
+                        torch.no_grad():
+                    pw(ids, pos, fb)
+                continue
+            with torch.no_grad():  # without the check the replay reads the old tokens
                 out = pw(ids, pos, fb)
-            torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb),
-                                       rtol=1e-4, atol=1e-5)
-        # extend graph: first, middle and last pieces; decode graph: only its last piece is new
-        self.assertEqual(pw.backend.stats["compiles"], 3 + 1)
+            self.assertEqual(pw.backend.stats["graphs"], 1)  # the same runners replayed
+            self.assertFalse(torch.allclose(out, _eager(model, pw.layers, ids, pos, fb)))
+
+    def test_inductor_pieces_capture_extend_and_decode(self):
+        num_layers = 2
+        model = tiny_model(num_layers=num_layers)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(4, 8), emulate_graphs=True, debug=True)
+        steps = ([("extend", [0, 1, 2], [5, 2, 1])] + [("decode", [0, 1, 2], None)] * 3
+                 + [("extend", [0, 1, 2], [1, 2, 3]), ("extend", [2, 1, 0], [2, 2, 2])])
+        _run_steps(self, pw, model, h, steps, tol=1e-4)
+        stats = pw.backend.stats
+        # extend: first, middle (num_layers - 1 identical), last, LM-head tail; decode: its last
+        self.assertEqual(stats["compiles"], 4 + 1)
+        # extend at 8 and decode at 4, num_layers + 1 captured pieces each
+        self.assertEqual(stats["captures"], 2 * (num_layers + 1))
 
 
 @pytest.mark.gpu
@@ -154,7 +310,7 @@ class TestPiecewiseCapture(TestCase):
         model = tiny_model(device=device)
         h = Harness(model, device=device)
         pw = PiecewiseModel(model, graph_sizes=(4, 8), debug=True)
-        with torch.no_grad():  # prefill: an extend step runs the pieces uncaptured
+        with torch.no_grad():  # prefill, 36 tokens > bucket 8: the pieces run uncaptured
             pw(*h.extend([0, 1, 2, 3, 4], [5, 9, 3, 17, 2]))
         outputs = {}
         for step, rows in enumerate([[0, 1, 2], [0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2],
@@ -171,6 +327,29 @@ class TestPiecewiseCapture(TestCase):
         self.assertEqual(len(outputs), 2 * (2 + 1))
         # buckets 4 and 8 used; every piece captured once per bucket: 2 * (num_layers + 1)
         self.assertEqual(pw.backend.stats["captures"], 2 * (2 + 1))
+
+    def test_extend_capture_varying_lengths_equals_eager_with_stable_buffers(self):
+        device = dev.as_device()
+        num_layers = 2
+        model = tiny_model(num_layers=num_layers, device=device)
+        h = Harness(model, device=device)
+        pw = PiecewiseModel(model, graph_sizes=(8, 16, 32), debug=True)
+        # T per step: 7 8 11 15 3 25 40 8 21 13 30 7 25 -> buckets 8 8 16 16 8 32 - 8 32 16 32 8 32
+        # (40 > 32 runs uncaptured); the prefix grows for every request after its first step
+        lens = [(3, 4), (5, 3), (6, 5), (7, 8), (1, 2), (12, 13), (20, 20), (4, 4), (10, 11),
+                (6, 7), (15, 15), (6, 1), (16, 9)]
+        rows = [[0, 1], [2, 3], [4, 5]]
+        steps = [("extend", rows[i % 3], n) for i, n in enumerate(lens)]
+        steps += [("decode", [0, 1, 2, 3, 4, 5], None)] * 3  # decode after extend captures
+        addresses = _run_steps(self, pw, model, h, steps, tol=1e-4)
+        stats = pw.backend.stats
+        self.assertEqual(stats["graphs"], 2)  # extend (b = 2), decode
+        # extend: buckets 8, 16, 32 each used >= 2 times, num_layers + 1 captured pieces each
+        # (the LM-head tail never); decode: bucket 8
+        self.assertEqual(stats["captures"], 3 * (num_layers + 1) + (num_layers + 1))
+        self.assertEqual(len(addresses), stats["captures"])
+        tails = [r for r in pw.compiled_pieces() if not r.capturable]
+        self.assertEqual([r.graphs for r in tails], [{}])
 
 
 @pytest.mark.parametrize("kwargs", [dict(sinks=torch.zeros(4)), dict(k_rope=torch.zeros(1, 1, 2))],
