@@ -33,6 +33,7 @@ from compile.layer import PagedAttention
 from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
 from compile.models.loading import _source, load_state
 from compile.models.rope import rope_inv_freq
+from compile.regions import run_layers
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
 
@@ -235,8 +236,7 @@ class DeepseekV2Model(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
         """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h, forward_batch)
+        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
         return self.norm(h)
 
 

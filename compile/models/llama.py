@@ -24,6 +24,7 @@ from compile.layer import PagedAttention
 from compile.models.config import ModelConfig
 from compile.models.moe import MoEMLP
 from compile.models.rope import RotaryEmbedding
+from compile.regions import run_layers
 
 
 class RMSNorm(nn.Module):
@@ -156,8 +157,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(positions, h, forward_batch)
+        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
         return self.norm(h)
 
 

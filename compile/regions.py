@@ -1,0 +1,110 @@
+"""Hierarchical compile of decoder layers: Inductor compiles each kind of layer once.
+
+``torch.compile(model, fullgraph=True)`` of an N-layer decoder inlines N copies of the layer, so
+AOTAutograd and Inductor (lowering, fusion, C++/Triton codegen) repeat the same work N times.
+``run_layers`` calls each layer inside ``torch.compiler.nested_compile_region`` (one
+``invoke_subgraph`` node per layer). Layers whose traced bodies are equal (same shapes and the same
+Python constants: window, softcap, RoPE or NoPE) share one subgraph, compiled once; layers that
+differ get one subgraph per kind. Each layer still reads and writes its own KV buffers: they are
+subgraph inputs, looked up through ``layer_id`` while Dynamo traces that layer.
+
+What it does not do:
+
+1. Dynamo still traces every layer. Its guard-based trace reuse (torch >= 2.13) cannot apply:
+   ``forward_batch`` is a plain object and each layer indexes the pool by its own ``layer_id``.
+2. Piecewise mode: ``compile.piecewise`` splits the top-level graph at the split op, which must
+   not hide inside a subgraph, so layers that attend through the split op run as plain calls.
+3. A region that mutates its inputs (``store_kv_cache`` writes the pool) is functionalized through
+   ``FunctionalCallableWithEpilogue``, which in torch <= 2.13 uses C++ ``torch.func.functionalize``
+   and rejects mutable custom ops ("Found a custom (non-ATen) operator whose output has alias
+   annotations"; pytorch issues 186807 and 189523, fixed upstream by pull request 189543). Where
+   that code is found, ``_backport_python_functionalize`` replaces its ``__call__`` with the
+   upstream fix: Python functionalization (which auto-functionalizes custom ops), then ``copy_``
+   of every mutated input. Where the class is missing, regions stay off (plain calls).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+
+def _functionalize_with_epilogue(self, *args, **kwargs):
+    """``FunctionalCallableWithEpilogue.__call__`` on Python functionalization: run the subgraph
+    on functional wrappers, ``copy_`` each mutated input back, return the unwrapped outputs."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    boxed = getattr(self, "_boxed_call", False)
+    if boxed:  # callers pass one list (or, some of them, the tensors unpacked)
+        args = (args[0] if len(args) == 1 and isinstance(args[0], list) else list(args),)
+    leaves, spec = pytree.tree_flatten((args, kwargs))  # before a boxed callee clears its list
+    no_functionalize = torch._C._ExcludeDispatchKeyGuard(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+    with no_functionalize, FunctionalTensorMode():
+        wrapped = [FunctionalTensor.to_functional(x) if isinstance(x, Tensor) else x
+                   for x in leaves]
+        fargs, fkwargs = pytree.tree_unflatten(wrapped, spec)
+        outs = self.orig_callable(*fargs, **fkwargs)
+        outs = pytree.tree_map_only(FunctionalTensor, _from_functional, outs)
+        updates = []
+        for x, fx in zip(leaves, wrapped):
+            if isinstance(fx, FunctionalTensor):
+                torch._sync(fx)
+                if torch._functionalize_has_data_mutation(fx.elem):
+                    updates.append((x, _from_functional(fx)))
+    for x, new in updates:  # the epilogue: outside the mode, so it is traced as aten.copy_
+        x.copy_(new)
+    return tuple(outs) if boxed else outs
+
+
+def _from_functional(t):
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def _backport_python_functionalize() -> bool:
+    """Make input-mutating regions accept mutable custom ops; False where regions cannot."""
+    try:
+        from torch._higher_order_ops.auto_functionalize import FunctionalCallableWithEpilogue
+    except ImportError:
+        return False
+    call = FunctionalCallableWithEpilogue.__call__
+    names = getattr(getattr(call, "__code__", None), "co_names", ())
+    if "func" in names and "functionalize" in names:  # torch.func.functionalize: the C++ path
+        FunctionalCallableWithEpilogue.__call__ = _functionalize_with_epilogue
+    return True
+
+
+#: Whether ``run_layers`` wraps layers in nested compile regions (tests switch it off to compare).
+LAYER_REGIONS: bool = (hasattr(torch.compiler, "nested_compile_region")
+                       and _backport_python_functionalize())
+
+
+def _call_layer(layer: nn.Module, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
+    return layer(positions, h, forward_batch)
+
+
+_region_call = (torch.compiler.nested_compile_region(_call_layer) if LAYER_REGIONS
+                else _call_layer)
+
+
+def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
+    """``h [T, hidden]`` through every decoder layer, each one a nested compile region.
+
+    Args:
+        layers: decoder layers called as ``layer(positions, h, forward_batch)``, each with its
+            ``PagedAttention`` at ``layer.self_attn.attn``.
+        positions: [T] int64. h: [T, hidden]. forward_batch: ForwardBatch.
+    Returns:
+        [T, hidden]. Plain calls (the same math) when ``LAYER_REGIONS`` is False or a layer
+        attends through the piecewise split op (a Python bool: Dynamo guards on it).
+    """
+    split = any(layer.self_attn.attn.use_split_op for layer in layers)
+    call = _region_call if LAYER_REGIONS and not split else _call_layer
+    for layer in layers:
+        h = call(layer, positions, h, forward_batch)
+    return h
+
+
+__all__ = ["LAYER_REGIONS", "run_layers"]

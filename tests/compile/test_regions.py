@@ -1,0 +1,168 @@
+"""``compile.regions``: every decoder layer is one ``invoke_subgraph``; identical layers share one
+subgraph (compiled once), each layer kind gets its own; compiled == eager; split-op layers stay
+inline for the piecewise split; the functionalization backport handles mutable custom ops.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._dynamo.backends.debugging import aot_eager
+from torch._inductor.compile_fx import compile_fx
+
+from compile import regions
+from compile.attention_backend import XPUAttentionBackend
+from compile.forward_context import set_forward_context
+from compile.memory_pool import MLATokenToKVPool
+from compile.model_runner import ModelRunnerInfo
+from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from compile.split_op import enable_split_op
+from tests.compile.compile_helpers import Harness, tiny_model
+
+pytestmark = pytest.mark.skipif(not regions.LAYER_REGIONS,
+                                reason="torch without usable nested_compile_region")
+
+MIXED = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
+# (kind, rows, extend lens): prefill past the sliding window, then decode twice (2 compiles).
+STEPS = (("extend", [0, 1, 2], [6, 1, 9]), ("decode", [0, 1, 2], None),
+         ("decode", [0, 1, 2], None))
+
+
+class Recorder:
+    """Backend that keeps each Dynamo graph, then compiles it with ``compiler``."""
+
+    def __init__(self, compiler=aot_eager):
+        self.graphs, self.compiler = [], compiler
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self.compiler(gm, example_inputs)
+
+    def subgraphs(self) -> list[str]:
+        """The subgraph each ``invoke_subgraph`` node of the first graph calls, in order."""
+        return [node.args[0].target for node in self.graphs[0].graph.nodes
+                if node.target is torch.ops.higher_order.invoke_subgraph]
+
+
+class MLAHarness(Harness):
+    """``Harness`` over an ``MLATokenToKVPool`` (R + r per token, one buffer per layer)."""
+
+    def __init__(self, model: DeepseekV2ForCausalLM, context: int = 128):
+        cfg = model.config
+        shim = SimpleNamespace(  # what Harness reads from a Llama config
+            config=SimpleNamespace(vocab_size=cfg.vocab_size, num_key_value_heads=1,
+                                   head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   num_hidden_layers=cfg.num_hidden_layers,
+                                   num_attention_heads=cfg.num_attention_heads),
+            parameters=model.parameters)
+        super().__init__(shim, context=context)
+        self.kv_pool = MLATokenToKVPool(self.kv_pool.size, 1, next(model.parameters()).dtype,
+                                        cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                        cfg.num_hidden_layers, self.device)
+        self.backend = XPUAttentionBackend(ModelRunnerInfo(
+            model_config=SimpleNamespace(context_len=context,
+                                         num_attention_heads=cfg.num_attention_heads),
+            tp_size=1, device=self.device, page_size=1, req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype))
+
+
+def _check_equals_eager(model, harness, backend, rtol=1e-4, atol=1e-5):
+    """Run STEPS through ``torch.compile(model, backend)`` and eager on the same batches."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for kind, rows, lens in STEPS:
+        ids, pos, fb = harness.extend(rows, lens) if kind == "extend" else harness.decode(rows)
+        with torch.no_grad():
+            out = compiled(ids, pos, fb)
+            ref = model(ids, pos, fb)  # rewrites the same K/V slots with the same values
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+
+
+def test_identical_layers_share_one_subgraph():
+    num_layers = 3
+    model = tiny_model(num_layers)
+    rec = Recorder()
+    _check_equals_eager(model, Harness(model), rec)
+    # one invoke_subgraph per layer, all calling one body
+    assert len(rec.subgraphs()) == num_layers
+    assert len(set(rec.subgraphs())) == 1
+
+
+def test_sliding_and_full_layers_get_one_subgraph_each_and_inductor_equals_eager():
+    model = tiny_model(4, **MIXED)
+    rec = Recorder(compile_fx)
+    _check_equals_eager(model, Harness(model), rec)
+    subgraphs = rec.subgraphs()
+    assert len(subgraphs) == 4
+    # layer kinds alternate (sliding, full, ...): 2 bodies, each shared by its 2 layers
+    assert subgraphs[0] == subgraphs[2] != subgraphs[1] == subgraphs[3]
+
+
+def test_regions_off_gives_no_subgraph():
+    model = tiny_model(2)
+    rec = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(regions, "LAYER_REGIONS", False)
+        _check_equals_eager(model, Harness(model), rec)
+    assert rec.subgraphs() == []
+
+
+def test_split_op_layers_stay_inline_for_the_piecewise_split():
+    model = tiny_model(2)
+    h = Harness(model)
+    layers = enable_split_op(model)
+    rec = Recorder()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rec, fullgraph=True)
+    ids, pos, fb = h.decode([0, 1, 2])
+    with set_forward_context(layers, fb, num_tokens=3, graph_size=None), torch.no_grad():
+        compiled(ids, pos, fb)
+    assert rec.subgraphs() == []
+    split_ops = [n for n in rec.graphs[0].graph.nodes
+                 if "unified_attention_with_output" in str(n.target)]
+    assert len(split_ops) == 2  # one per layer, at top level where split_graph finds them
+
+
+def test_deepseek_v2_mla_layers_share_one_subgraph():
+    torch.manual_seed(0)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=3,
+                                                   q_lora_rank=24)).eval()
+    rec = Recorder()
+    _check_equals_eager(model, MLAHarness(model), rec)
+    assert len(rec.subgraphs()) == 3 and len(set(rec.subgraphs())) == 1
+
+
+# A mutable custom op, as the KV store is: the region mutates its input through it.
+_lib = torch.library.Library("test_regions", "DEF")  # noqa: TOR901
+_lib.define("add_into(Tensor(a!) dst, Tensor x) -> ()")
+
+
+def _add_into(dst, x):
+    dst.add_(x)
+
+
+_lib.impl("add_into", _add_into, "CompositeExplicitAutograd")
+_lib._register_fake("add_into", lambda dst, x: None)
+
+
+@torch.compiler.nested_compile_region
+def _mutating_region(dst, x):
+    torch.ops.test_regions.add_into(dst, x)
+    return x * 2
+
+
+def test_region_that_mutates_input_through_custom_op():
+    def f(bufs, x):
+        for buf in bufs:
+            x = _mutating_region(buf, x)
+        return x
+
+    torch._dynamo.reset()
+    x = torch.randn(4)
+    bufs, ref_bufs = [torch.zeros(4) for _ in range(3)], [torch.zeros(4) for _ in range(3)]
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(bufs, x)
+    torch.testing.assert_close(out, f(ref_bufs, x))
+    for buf, ref in zip(bufs, ref_bufs):  # each region call wrote its own buffer
+        torch.testing.assert_close(buf, ref)
