@@ -84,6 +84,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
             getattr(args, "speculative_num_draft_tokens", 0) or 0)
         self.forward_metadata: Optional[AttentionMetadata] = None
         self._graph_metadata: dict = {}
+        # (layer_id, b, Hkv, device, inference mode) -> two [b, Hkv] float32, see descales()
+        self._descale_buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.graph_buffers: dict[str, Tensor] = {}
 
     # ----------------------------------------------------------------- plan (host)
@@ -321,28 +323,46 @@ class XPUAttentionBackend(GraphMetadataMixin):
         return meta.main, meta.causal, False
 
     def descales(self, layer, cache: Tensor, batch: int):
-        """``(k_descale, v_descale)`` ``[batch, Hkv]`` for fp8 caches (None otherwise)."""
-        if cache.dtype not in FP8_DTYPES or layer.k_scale is None:
+        """``(k_descale, v_descale)`` ``[batch, Hkv]`` float32 for fp8 caches (None otherwise).
+
+        Eager calls refill two buffers kept per (layer, batch) with one broadcasting ``copy_``
+        each, so the values always follow ``layer.k_scale``/``v_scale`` (also in a captured
+        graph, which replays the copies); traced calls build them from the scales.
+        """
+        k_scale = layer.k_scale
+        if cache.dtype not in FP8_DTYPES or k_scale is None:
             return None, None
-        hkv = layer.tp_k_head_num
-        return (layer.k_scale.float().view(1, 1).expand(batch, hkv).contiguous(),
-                layer.v_scale.float().view(1, 1).expand(batch, hkv).contiguous())
+        hkv, v_scale = layer.tp_k_head_num, layer.v_scale
+        if torch.compiler.is_compiling():
+            return (k_scale.float().view(1, 1).expand(batch, hkv).contiguous(),
+                    v_scale.float().view(1, 1).expand(batch, hkv).contiguous())
+        key = (layer.layer_id, batch, hkv, k_scale.device, torch.is_inference_mode_enabled())
+        bufs = self._descale_buffers.get(key)
+        if bufs is None:
+            bufs = tuple(torch.empty((batch, hkv), dtype=torch.float32, device=k_scale.device)
+                         for _ in range(2))
+            self._descale_buffers[key] = bufs
+        return bufs[0].copy_(k_scale), bufs[1].copy_(v_scale)
 
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
                expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None) -> None:
         """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
         w = layer.sliding_window_size
-        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap,
-                  window_size=(w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1))
+        window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
+        if expand is None:  # the per-layer hot path: keywords spelled out, no dicts built
+            xpu_ops.flash_attn_with_kvcache(
+                q3, k_cache, v_cache, qv=qv, causal=causal, sinks=sinks, out=out,
+                cache_seqlens=call.cache_seqlens, page_table=call.page_table,
+                cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
+                k_descale=k_descale, v_descale=v_descale, softmax_scale=layer.scaling,
+                softcap=layer.logit_cap, window_size=window)
+            return
+        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window)
         args = dict(cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                     cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
                     k_descale=k_descale, v_descale=v_descale)
-        if expand is None:
-            xpu_ops.flash_attn_with_kvcache(q3, k_cache, v_cache, qv=qv, causal=causal,
-                                            sinks=sinks, out=out, **args, **kw)
-            return
         # Cascade: prefix pass (sinks counted once, here) + expand pass, merged by LSE.
         o_a, lse_a = xpu_ops.flash_attn_with_kvcache(q3, k_cache, v_cache, qv=qv, causal=False,
                                                      sinks=sinks, return_softmax_lse=True,

@@ -167,6 +167,8 @@ class MHATokenToKVPool:
                          for _ in range(layer_num)]
         self.v_buffer = [torch.zeros((size, head_num, self.v_head_dim), dtype=dtype,
                                      device=self.device) for _ in range(layer_num)]
+        # (layer_id, page_size, inference mode) -> (K, V, paged K, paged V), see get_paged_kv
+        self._paged_views: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
     @property
     def num_pages(self) -> int:
@@ -193,7 +195,17 @@ class MHATokenToKVPool:
         """
         ps = self.page_size if page_size is None else page_size
         k, v = self.get_kv_buffer(layer_id)
-        return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+        if torch.compiler.is_compiling():  # traced: plain views, no Python-side cache
+            return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+        # Eager (piecewise attention runs here once per layer and step): reuse the views while
+        # the layer's buffers are the same tensors (views made in and out of inference mode
+        # are kept apart, as autograd treats them differently).
+        key = (layer_id, ps, torch.is_inference_mode_enabled())
+        hit = self._paged_views.get(key)
+        if hit is None or hit[0] is not k or hit[1] is not v:
+            hit = (k, v, k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:]))
+            self._paged_views[key] = hit
+        return hit[2], hit[3]
 
     def set_kv_buffer(self, layer, loc: Tensor, cache_k: Tensor, cache_v: Tensor,
                       k_scale=None, v_scale=None) -> None:
