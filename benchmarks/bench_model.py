@@ -9,7 +9,10 @@ Throughput: decode tokens/s = b / median step time (steps after warm-up, device 
 the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
 decodes one token per request at a cache length of ``--context`` tokens.
 Compile time: first call of ``torch.compile`` with an empty Inductor cache (cold) and again in
-the same process after ``torch._dynamo.reset()`` with the cache filled (warm).
+the same process after ``torch._dynamo.reset()`` with the cache filled (warm), as the model
+is (default) and inside ``compile.regions.layer_regions()`` (one compiled body per layer kind;
+opt-in because it patches a torch class, see compile/regions.py).
+Host time: per step, until ``forward`` returns (before the device sync).
 
     python benchmarks/bench_model.py --device cuda              # the H200 table and plot
     python benchmarks/bench_model.py --device cpu --layers 2 --hidden 256 --batches 1 8  # smoke
@@ -36,6 +39,7 @@ from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.piecewise import PiecewiseModel
+from compile.regions import layer_regions, supported as regions_supported
 from compile.split_op import enable_split_op
 
 RESULTS = Path(__file__).parent / "results"
@@ -98,24 +102,30 @@ def make_forward(model, mode: str):
                      "piecewise or graphs.")
 
 
-def step_seconds(forward, ids, fb, warmup: int, steps: int) -> float:
-    times = []
+def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, float]:
+    """Median ``(step, host)`` seconds: ``step`` from the host plan to the device finishing,
+    ``host`` until ``forward`` returns (launches are asynchronous on GPUs, so ``host`` close to
+    ``step`` means the step is bound by host work)."""
+    times, host = [], []
     with torch.inference_mode():
         for i in range(warmup + steps):
             dev.synchronize(fb.device)
             t0 = time.perf_counter()
             fb.attn_backend.init_forward_metadata(fb)
             forward(ids, fb.positions, fb)
+            t1 = time.perf_counter()
             dev.synchronize(fb.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+                host.append(t1 - t0)
+    return statistics.median(times), statistics.median(host)
 
 
-def compile_times(model, ids, fb) -> tuple[float, float]:
-    """(cold, warm) seconds of the first compiled call, fresh cache then filled cache."""
+def compile_times(model, ids, fb, regions: bool = False) -> tuple[float, float]:
+    """(cold, warm) seconds of the first compiled call, fresh cache then filled cache; with
+    ``regions`` inside ``compile.regions.layer_regions()`` (one compiled body per layer kind)."""
     out = []
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache, layer_regions(regions):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         for _ in range(2):
             torch._dynamo.reset()
@@ -153,17 +163,21 @@ def main(argv=None):
         row = {"batch": b}
         for mode in args.modes:
             torch._dynamo.reset()
-            row[mode] = b / step_seconds(make_forward(model, mode), ids, fb, args.warmup,
-                                         args.steps)
-            print(f"b={b} {mode}: {row[mode]:.1f} tok/s", flush=True)
+            step, host = step_seconds(make_forward(model, mode), ids, fb, args.warmup, args.steps)
+            row[mode], row[f"{mode}_host_ms"] = b / step, host * 1e3
+            print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {step * 1e3:.2f} ms, host "
+                  f"{host * 1e3:.2f} ms)", flush=True)
         rows.append(row)
     compile_s = None
     if args.compile_layers:
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
         big = build(cargs)
-        compile_s = compile_times(big, *decode_batch(big, 8, 64))
-        print(f"compile {args.compile_layers} layers: cold {compile_s[0]:.1f} s, warm "
-              f"{compile_s[1]:.1f} s", flush=True)
+        compile_s = {}
+        for regions in (False, True) if regions_supported() else (False,):
+            key = "layer regions" if regions else "default"
+            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
+            print(f"compile {args.compile_layers} layers ({key}): cold "
+                  f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s", flush=True)
     write_results(args, rows, compile_s)
 
 
@@ -185,9 +199,12 @@ def write_results(args, rows, compile_s) -> None:
               else "-")
         table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
                   + f" | {ratio} | {pw} |\n")
-    if compile_s:
-        table += (f"\nCompile ({args.compile_layers} layers, {args.device}): cold "
-                  f"{compile_s[0]:.1f} s, warm {compile_s[1]:.1f} s\n")
+    table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
+              + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
+                                                        for c in cols) for r in rows) + "\n")
+    for key, (cold, warm) in (compile_s or {}).items():
+        table += (f"\nCompile ({args.compile_layers} layers, {args.device}, {key}): cold "
+                  f"{cold:.1f} s, warm {warm:.1f} s\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(head + table)

@@ -21,8 +21,15 @@ from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.split_op import enable_split_op
 from tests.compile.compile_helpers import Harness, tiny_model
 
-pytestmark = pytest.mark.skipif(not regions.LAYER_REGIONS,
+pytestmark = pytest.mark.skipif(not regions.supported(),
                                 reason="torch without usable nested_compile_region")
+
+
+@pytest.fixture
+def regions_on():
+    """Regions are opt-in: the test runs inside ``layer_regions()`` (torch restored after)."""
+    with regions.layer_regions():
+        yield
 
 MIXED = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
 # (kind, rows, extend lens): prefill past the sliding window, then decode twice (2 compiles).
@@ -80,7 +87,7 @@ def _check_equals_eager(model, harness, backend, rtol=1e-4, atol=1e-5):
         torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
 
-def test_identical_layers_share_one_subgraph():
+def test_identical_layers_share_one_subgraph(regions_on):
     num_layers = 3
     model = tiny_model(num_layers)
     rec = Recorder()
@@ -90,7 +97,7 @@ def test_identical_layers_share_one_subgraph():
     assert len(set(rec.subgraphs())) == 1
 
 
-def test_sliding_and_full_layers_get_one_subgraph_each_and_inductor_equals_eager():
+def test_sliding_and_full_layers_get_one_subgraph_each_and_inductor_equals_eager(regions_on):
     model = tiny_model(4, **MIXED)
     rec = Recorder(compile_fx)
     _check_equals_eager(model, Harness(model), rec)
@@ -100,7 +107,7 @@ def test_sliding_and_full_layers_get_one_subgraph_each_and_inductor_equals_eager
     assert subgraphs[0] == subgraphs[2] != subgraphs[1] == subgraphs[3]
 
 
-def test_regions_off_gives_no_subgraph():
+def test_regions_off_gives_no_subgraph(regions_on):
     model = tiny_model(2)
     rec = Recorder()
     with pytest.MonkeyPatch.context() as mp:
@@ -109,7 +116,7 @@ def test_regions_off_gives_no_subgraph():
     assert rec.subgraphs() == []
 
 
-def test_split_op_layers_stay_inline_for_the_piecewise_split():
+def test_split_op_layers_stay_inline_for_the_piecewise_split(regions_on):
     model = tiny_model(2)
     h = Harness(model)
     layers = enable_split_op(model)
@@ -125,7 +132,7 @@ def test_split_op_layers_stay_inline_for_the_piecewise_split():
     assert len(split_ops) == 2  # one per layer, at top level where split_graph finds them
 
 
-def test_deepseek_v2_mla_layers_share_one_subgraph():
+def test_deepseek_v2_mla_layers_share_one_subgraph(regions_on):
     torch.manual_seed(0)
     model = DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=3,
                                                    q_lora_rank=24)).eval()
@@ -153,7 +160,7 @@ def _mutating_region(dst, x):
     return x * 2
 
 
-def test_region_that_mutates_input_through_custom_op():
+def test_region_that_mutates_input_through_custom_op(regions_on):
     def f(bufs, x):
         for buf in bufs:
             x = _mutating_region(buf, x)
@@ -166,3 +173,21 @@ def test_region_that_mutates_input_through_custom_op():
     torch.testing.assert_close(out, f(ref_bufs, x))
     for buf, ref in zip(bufs, ref_bufs):  # each region call wrote its own buffer
         torch.testing.assert_close(buf, ref)
+
+
+
+def test_regions_are_opt_in_and_torch_is_restored():
+    from torch._higher_order_ops.auto_functionalize import FunctionalCallableWithEpilogue
+    original = FunctionalCallableWithEpilogue.__call__
+    needs_backport = regions._epilogue_class() is not None
+    assert not regions.LAYER_REGIONS                     # off by default
+    with regions.layer_regions():
+        assert regions.LAYER_REGIONS
+        patched = FunctionalCallableWithEpilogue.__call__
+        assert (patched is not original) == needs_backport
+        with regions.layer_regions(False):               # nested: flag off, patch kept
+            assert not regions.LAYER_REGIONS
+            assert FunctionalCallableWithEpilogue.__call__ is patched
+        assert regions.LAYER_REGIONS
+    assert not regions.LAYER_REGIONS
+    assert FunctionalCallableWithEpilogue.__call__ is original
