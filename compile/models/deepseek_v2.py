@@ -15,8 +15,8 @@ backend runs ``flash_mla_decode`` for decode and ``flash_attn_with_kvcache(qv=..
 The MHA prefill path (decompressed K/V over chunked prefix caches) is not used.
 
 RoPE is the interleaved (GPT-J / complex-pair) layout that ``transformers``' DeepseekV2 uses:
-features ``(2i, 2i + 1)`` rotate together. Dense MLP only: every layer must be dense
-(``first_k_dense_replace >= num_hidden_layers``).
+features ``(2i, 2i + 1)`` rotate together (``compile.models.rope.InterleavedRotaryEmbedding``).
+Dense MLP only: every layer must be dense (``first_k_dense_replace >= num_hidden_layers``).
 Source: DeepSeek-V2 (arXiv 2405.04434), sglang ``python/sglang/srt/models/deepseek_v2.py``
 (weight absorption, ``w_kc``/``w_vc``).
 """
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from compile.layer import PagedAttention
 from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
 from compile.models.loading import _source, load_state
-from compile.models.rope import rope_inv_freq
+from compile.models.rope import InterleavedRotaryEmbedding
 from compile.regions import run_layers
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
@@ -117,33 +117,6 @@ class DeepseekV2Config:
             attention_bias=bool(get("attention_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)), hidden_act=get("hidden_act", "silu"),
             bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
-
-
-class InterleavedRotaryEmbedding(nn.Module):
-    """RoPE rotating feature pairs ``(2i, 2i + 1)`` by ``position * inv_freq[i]``.
-
-    Forward:
-        positions: [T] int64; q: [T, H, r]; k: [T, 1, r]. Returns (q, k) rotated, same shapes.
-    """
-
-    def __init__(self, rope_dim: int, max_position: int, theta: float):
-        super().__init__()
-        inv_freq = rope_inv_freq(rope_dim, theta, None)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)  # [max_position, r/2]
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
-
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        pairs = x.float().unflatten(-1, (-1, 2))            # [T, H, r/2, 2]
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return out.flatten(-2).to(x.dtype)
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate ``q [T, H, r]`` and ``k [T, 1, r]`` by ``positions [T]``; shapes kept."""
-        cos = self.cos_cached[positions].unsqueeze(1)      # [T, 1, r/2]
-        sin = self.sin_cached[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
 class DeepseekV2Attention(nn.Module):
@@ -285,5 +258,4 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Deeps
     return model.eval()
 
 
-__all__ = ["DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Attention",
-           "InterleavedRotaryEmbedding", "from_hf"]
+__all__ = ["DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "from_hf"]

@@ -54,6 +54,13 @@ def _llama3_scale(inv_freq: Tensor, s: dict[str, Any]) -> Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def rope_angles(head_dim: int, max_position: int, theta: float,
+                scaling: Optional[dict[str, Any]]) -> Tensor:
+    """Rotation angles ``position * inv_freq[i]``, [max_position, head_dim // 2] float32."""
+    positions = torch.arange(max_position, dtype=torch.int64).float()
+    return torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dim (neox layout); same shape and dtype."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -73,8 +80,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        freqs = rope_angles(head_dim, max_position, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, D]
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
@@ -101,8 +107,7 @@ class InterleavedRotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        freqs = rope_angles(head_dim, max_position, theta, scaling)
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)  # [max_position, D/2]
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
 
@@ -119,4 +124,5 @@ class InterleavedRotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
-__all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_inv_freq", "rotate_half"]
+__all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_angles", "rope_inv_freq",
+           "rotate_half"]
