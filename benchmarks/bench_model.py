@@ -1,9 +1,11 @@
-"""Decode throughput of a 1B-class Llama (random weights) in four modes, plus compile times.
+"""Decode throughput of a 1B-class Llama (random weights) in five modes, plus compile times.
 
 Modes: ``eager`` (the model as written), ``compiled`` (``torch.compile(model, fullgraph=True)``,
 Inductor, no graphs), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
 device graph per token bucket, attention eager), ``graphs`` (``compile.graph_runner.
-DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket).
+DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
+``full_and_piecewise`` (``compile.graph_runner.full_and_piecewise``: the decode graphs recorded
+through the piecewise model; the decode steps timed here replay those whole-step graphs).
 
 Throughput: decode tokens/s = b / median step time (steps after warm-up, device synchronised;
 the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
@@ -34,7 +36,7 @@ import torch
 from compile import device as dev
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.graph_runner import DecodeGraphRunner
+from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import LlamaForCausalLM, ModelConfig
@@ -98,8 +100,10 @@ def make_forward(model, mode: str):
         return PiecewiseModel(model)
     if mode == "graphs":
         return DecodeGraphRunner(model, forward=torch.compile(model, fullgraph=True))
+    if mode == "full_and_piecewise":
+        return full_and_piecewise(model)
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected eager, compiled, "
-                     "piecewise or graphs.")
+                     "piecewise, graphs or full_and_piecewise.")
 
 
 def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, float]:
@@ -147,7 +151,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=0, help="shrink the model (smoke runs)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+", default=["eager", "compiled", "piecewise", "graphs"])
+    ap.add_argument("--modes", nargs="+",
+                    default=["eager", "compiled", "piecewise", "graphs", "full_and_piecewise"],
+                    help="eager, compiled, piecewise, graphs, full_and_piecewise")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
@@ -191,14 +197,16 @@ def write_results(args, rows, compile_s) -> None:
     head = (f"# bench_model: decode tokens/s, {args.layers} layers, context {args.context}\n\n"
             f"{name}, torch {torch.__version__}, Triton {tv}, {args.dtype}\n\n")
     cols = args.modes
-    table = "| batch | " + " | ".join(cols) + " | graphs / eager | piecewise / graphs |\n"
-    table += "|---" * (len(cols) + 3) + "|\n"
+    ratios = (("graphs", "eager", "x"), ("piecewise", "graphs", ""),
+              ("full_and_piecewise", "graphs", ""))
+    table = ("| batch | " + " | ".join(cols) + " | "
+             + " | ".join(f"{a} / {b}" for a, b, _ in ratios) + " |\n")
+    table += "|---" * (len(cols) + 1 + len(ratios)) + "|\n"
     for r in rows:
-        ratio = (f"{r['graphs'] / r['eager']:.2f}x" if "graphs" in r and "eager" in r else "-")
-        pw = (f"{r['piecewise'] / r['graphs']:.2f}" if "graphs" in r and "piecewise" in r
-              else "-")
+        cells = [f"{r[a] / r[b]:.2f}{unit}" if a in r and b in r else "-"
+                 for a, b, unit in ratios]
         table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
-                  + f" | {ratio} | {pw} |\n")
+                  + " | " + " | ".join(cells) + " |\n")
     table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
               + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
                                                         for c in cols) for r in rows) + "\n")

@@ -26,7 +26,7 @@ import torch
 
 from compile.cli_check import add_parser as add_check_parser
 from compile.cli_models import pick_device
-from compile.graph_runner import DecodeGraphRunner
+from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.piecewise import PiecewiseModel, compile_piecewise
 
 DEFAULT_PROMPTS = [
@@ -35,7 +35,7 @@ DEFAULT_PROMPTS = [
     "Explain what a paged KV cache is in one sentence.",
     "List three prime numbers.",
 ]
-MODES = ("eager", "compile", "piecewise", "graphs")
+MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")
 
 
 def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
@@ -60,6 +60,7 @@ FORWARDS: dict[str, Callable] = {
     "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
     "graphs": lambda model, inductor: DecodeGraphRunner(
         model, forward=torch.compile(model, backend=_backend(inductor))),
+    "full_and_piecewise": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
 }
 
 
@@ -240,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default="eager",
                    help="eager: the model as written; compile: torch.compile (Inductor); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
-                        "graphs: whole decode steps captured as device graphs")
+                        "graphs: whole decode steps captured as device graphs; "
+                        "full_and_piecewise: decode steps as whole graphs, other steps "
+                        "piecewise (one compiled model)")
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")

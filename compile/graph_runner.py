@@ -25,7 +25,8 @@ growing batches never read stale lengths or page-table rows.
 
 On the CPU (or ``capture=False``) the same steps run ``forward`` instead of capture/replay, so the
 static-buffer and metadata-refill logic is tested without a GPU. Not done here: draft-decode or
-topk > 1 graphs (the backend's graph hooks reject them), capturing extend batches.
+topk > 1 graphs (the backend's graph hooks reject them), capturing extend batches (compose with
+piecewise graphs for those: ``full_and_piecewise``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from . import device as dev
 from .forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from .piecewise import PiecewiseModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -53,6 +55,8 @@ class GraphRunner:
         batch_sizes: captured buckets (a batch of ``b`` requests uses the smallest ``>= b``).
         forward: what is captured (default ``model``; e.g. ``torch.compile(model)``).
         capture: capture device graphs (default: when the model's device supports them).
+        graph_pool: a ``device.graph_pool_handle`` to share with other graphs (e.g. a
+            ``PiecewiseBackend``'s pool); None: a pool of its own, made at the first capture.
     Attributes:
         captures: number of device graphs captured (one per bucket used).
         replays: number of graph replays (or, without capture, static-buffer runs).
@@ -60,7 +64,8 @@ class GraphRunner:
 
     def __init__(self, model, *, mode: ForwardMode, q_per_req: int = 1,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 forward: Optional[Callable] = None, capture: Optional[bool] = None):
+                 forward: Optional[Callable] = None, capture: Optional[bool] = None,
+                 graph_pool=None):
         self.model, self.forward = model, (model if forward is None else forward)
         self.mode, self.q_per_req = mode, int(q_per_req)
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
@@ -70,7 +75,7 @@ class GraphRunner:
         self.graphs: dict[int, tuple[object, ForwardBatch, Tensor]] = {}
         self.captures = self.replays = 0
         self._backend = None
-        self._pool = None
+        self._pool = graph_pool
         n, i64 = self.max_bs * self.q_per_req, dict(dtype=torch.int64, device=self.device)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
@@ -194,4 +199,50 @@ class TargetVerifyGraphRunner(GraphRunner):
                          **kwargs)
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "DecodeGraphRunner", "TargetVerifyGraphRunner"]
+def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                       capture: Optional[bool] = None, **piecewise_kwargs) -> DecodeGraphRunner:
+    """Full graphs for decode steps, piecewise graphs for every other step: one forward.
+
+    Returns ``DecodeGraphRunner(model, forward=PiecewiseModel(model, ...))``; the split of work:
+
+    1. DECODE steps of at most ``max(batch_sizes)`` requests (``runner.can_run``) are padded
+       to a request bucket and replayed as one device graph per bucket. That graph was recorded
+       through the ``PiecewiseModel``: the pieces ran as compiled code, the split op ran the
+       backend on the runner's fixed metadata buffers (all ``bs`` rows, padded rows with
+       ``seq_lens`` 1, as the plain graphs mode), so a replay launches the whole step at once
+       and runs no Python (nothing reads the forward context then).
+    2. Every other step (extend, mixed, draft extend, target verify, draft decode, decode past
+       the largest request bucket) runs ``PiecewiseModel.forward``: pieces captured per
+       token-count bucket, attention eager between them.
+    3. ``full_graph_steps=runner.can_run`` keeps the pieces uncaptured for the steps of 1,
+       so no piece warms up or captures inside the runner's warm-up or capture (a nested
+       capture also raises in ``PieceRunner``); both share one graph memory pool.
+
+    Why: attention between pieces costs host time per layer (launches plus Python), which
+    decode, with little device work per step, cannot hide; extend steps have enough device
+    work to hide it and too many shapes to capture whole.
+
+    Source: vLLM's ``CUDAGraphMode.FULL_AND_PIECEWISE`` (one compiled model; uniform decode
+    batches replay whole-step graphs, all other batches piecewise graphs); sglang pairs
+    piecewise prefill graphs with full decode graphs the same way.
+
+    Args:
+        model: as ``PiecewiseModel``'s (its attention layers are switched to the split op).
+        batch_sizes: request buckets of the decode graphs.
+        capture: capture device graphs, both kinds (default: when the device supports them).
+        **piecewise_kwargs: ``PiecewiseModel`` options (``graph_sizes``, ``inductor``, ``debug``,
+            ``emulate_graphs``, ``device``).
+    Returns:
+        a ``DecodeGraphRunner`` whose ``forward`` is the ``PiecewiseModel``.
+
+    >>> # engine = Engine(model, forward=full_and_piecewise(model))
+    """
+    pw = PiecewiseModel(model, capture=capture, **piecewise_kwargs)
+    runner = DecodeGraphRunner(model, batch_sizes=batch_sizes, forward=pw, capture=capture,
+                               graph_pool=pw.backend.graph_pool())
+    pw.full_graph_steps = runner.can_run
+    return runner
+
+
+__all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "DecodeGraphRunner", "TargetVerifyGraphRunner",
+           "full_and_piecewise"]

@@ -34,7 +34,9 @@ How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
    ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero).
 
 What it does not do: capture attention itself (``compile/graph_runner.py`` captures whole decode
-steps), capture steps past the largest bucket or idle steps, share captured graphs between the
+steps; ``graph_runner.full_and_piecewise`` composes the two: full graphs for decode, pieces for
+the rest, with ``full_graph_steps`` keeping the pieces uncaptured for the full-graph steps),
+capture steps past the largest bucket or idle steps, share captured graphs between the
 Dynamo graphs of different modes (each mode's pieces capture their own graphs per bucket), or
 check input addresses on every replay (``debug=True`` does). On the CPU the same split and
 Inductor pieces run without capture; ``emulate_graphs=True`` runs the whole bucket, capture and
@@ -228,6 +230,12 @@ def _tensors(out: Any) -> list[Tensor]:
     return [t for t in items if isinstance(t, Tensor)]
 
 
+def _capture_in_progress(device: torch.device) -> bool:
+    """True while a device graph capture is recording on ``device``'s current stream."""
+    fn = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
+    return bool(fn()) if fn is not None else False
+
+
 class PieceRunner:
     """Runs one compiled piece: directly, or captured and replayed per token-count bucket.
 
@@ -269,6 +277,12 @@ class PieceRunner:
         if self.calls[size] == 1:
             return self.compiled(*args)
         backend = self.backend
+        if _capture_in_progress(backend.device):
+            raise RuntimeError(f"PieceRunner: piece {self.index} was asked to capture bucket "
+                               f"{size} while a device graph capture is already recording "
+                               "(an outer full-graph runner); graphs cannot nest. Give the "
+                               "PiecewiseModel full_graph_steps=<the runner's can_run> (as "
+                               "compile.graph_runner.full_and_piecewise does).")
         if backend.emulate_graphs:
             graph = EmulatedGraph(self.compiled, args)
             outputs = graph.outputs
@@ -408,6 +422,10 @@ class PiecewiseModel(nn.Module):
         inductor: False runs the FX pieces without Inductor (fast tests).
         emulate_graphs: capture ``EmulatedGraph``s (implies ``capture``): the bucket, capture and
             replay bookkeeping on the CPU, for tests.
+        full_graph_steps: ``forward_batch -> bool``, True for the steps an outer runner captures
+            whole (``DecodeGraphRunner.can_run``); those run the compiled pieces uncaptured
+            (``graph_size_for`` None), so no piece ever warms up or captures inside the outer
+            runner's warm-up or capture. None: every mode is bucketed.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
@@ -417,7 +435,8 @@ class PiecewiseModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
-                 device: torch.device | str | None = None, emulate_graphs: bool = False):
+                 device: torch.device | str | None = None, emulate_graphs: bool = False,
+                 full_graph_steps: Optional[Callable[[Any], bool]] = None):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -428,6 +447,7 @@ class PiecewiseModel(nn.Module):
         if capture is None:
             capture = emulate_graphs or dev.supports_graphs(self.device)
         self.capture = capture
+        self.full_graph_steps = full_graph_steps
         self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
                                         static_inputs=_first_two_args(model),
                                         emulate_graphs=emulate_graphs)
@@ -460,12 +480,15 @@ class PiecewiseModel(nn.Module):
 
     def graph_size_for(self, num_tokens: int, forward_batch) -> Optional[int]:
         """The bucket a step of ``num_tokens`` is padded to and captured at, or None (run
-        uncaptured: capture off, idle, or more tokens than the largest bucket). Every mode is
-        bucketed; which pieces capture is ``capture_plan``'s decision."""
+        uncaptured: capture off, idle, more tokens than the largest bucket, or a step that
+        ``full_graph_steps`` leaves to an outer runner). Every other mode is bucketed; which
+        pieces capture is ``capture_plan``'s decision."""
         if not self.capture or num_tokens > self.max_graph_size:
             return None
         mode = getattr(forward_batch, "forward_mode", None)
         if mode is None or mode.is_idle():
+            return None
+        if self.full_graph_steps is not None and self.full_graph_steps(forward_batch):
             return None
         return self._bucket[num_tokens]
 

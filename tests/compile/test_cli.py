@@ -41,7 +41,8 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
     assert rc == 0 and "verify: all prompts match" in out, out
     assert len(eager) == len(PROMPTS)
     for mode, marker in (("piecewise", "piecewise: 6 pieces around 4 attention calls"),
-                         ("graphs", "decode graphs: 0 captured")):
+                         ("graphs", "decode graphs: 0 captured"),
+                         ("full_and_piecewise", "decode graphs: 0 captured")):
         rc, out, texts = generate(mode, capsys)
         assert rc == 0 and "verify: all prompts match" in out, out
         assert texts == eager, (mode, texts, eager)
@@ -49,6 +50,8 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
         # graphs mode on the CPU replays the static-buffer step without capture.
         assert marker in out, out
         assert "0 graph breaks" in out, out
+        if mode == "full_and_piecewise":  # decode steps took the decode runner's path
+            assert re.search(r"decode graphs: 0 captured, [1-9]\d* replays", out), out
 
 
 def test_verify_fails_on_a_wrong_model(capsys, monkeypatch):
