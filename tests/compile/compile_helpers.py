@@ -1,4 +1,5 @@
-"""Shared setup of the compile tests: a tiny Llama on the real backend, and its batches.
+"""Shared setup of the compile tests: a tiny Llama on the real backend, and its batches
+(``MLAHarness``: the same over the MLA latent cache of a DeepSeek-V2 model).
 
 ``PagedAttention`` layers attend through the split op when ``use_split_op`` is set
 (``compile.split_op.enable_split_op``), which is how the piecewise tests use them.
@@ -13,7 +14,7 @@ import torch
 
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.memory_pool import MHATokenToKVPool, MLATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.models import ModelConfig
 from compile.models.llama import LlamaForCausalLM
@@ -50,9 +51,7 @@ class Harness:
         self.vocab = cfg.vocab_size
         num_pages = max_reqs * (-(-context // page_size)) + 1
         self.req_pool = ReqToTokenPool(max_reqs, context, self.device)
-        self.kv_pool = MHATokenToKVPool(num_pages * page_size, page_size,
-                                        next(model.parameters()).dtype, cfg.num_key_value_heads,
-                                        cfg.head_dim, cfg.num_hidden_layers, self.device)
+        self.kv_pool = self._kv_pool(model, num_pages * page_size, page_size)
         gen = torch.Generator().manual_seed(seed)
         self.allocator = PageAllocator(num_pages, page_size, self.device, generator=gen)
         runner = ModelRunnerInfo(
@@ -63,6 +62,13 @@ class Harness:
         self.backend = XPUAttentionBackend(runner)
         self.lens = [0] * max_reqs
         self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def _kv_pool(self, model, size: int, page_size: int):
+        """The KV pool of ``size`` tokens for ``model`` (one K and one V buffer per layer)."""
+        cfg = model.config
+        return MHATokenToKVPool(size, page_size, next(model.parameters()).dtype,
+                                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
+                                self.device)
 
     def _batch(self, mode, rows, new_lens, ids, init=True) -> ForwardBatch:
         prefix = [self.lens[r] for r in rows]
@@ -96,6 +102,17 @@ class Harness:
     def decode(self, rows: Sequence[int], init=True):
         ids = torch.randint(0, self.vocab, (len(rows),), generator=self.gen)
         return self._batch(ForwardMode.DECODE, list(rows), [1] * len(rows), ids, init)
+
+
+class MLAHarness(Harness):
+    """``Harness`` over an ``MLATokenToKVPool`` for a DeepSeek-V2 model (R + r per token, one
+    buffer per layer)."""
+
+    def _kv_pool(self, model, size: int, page_size: int):
+        cfg = model.config
+        return MLATokenToKVPool(size, page_size, next(model.parameters()).dtype,
+                                cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
+                                self.device)
 
 
 def fx_op_sequence(gm: torch.fx.GraphModule) -> str:

@@ -12,49 +12,23 @@ from __future__ import annotations
 
 import copy
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from compile.attention_backend import XPUAttentionBackend
 from compile.forward_context import set_forward_context
 from compile.layer import PagedAttention
 from compile.memory_pool import MLATokenToKVPool
-from compile.model_runner import ModelRunnerInfo
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.models.llama import LlamaAttention
 from compile.piecewise import PiecewiseModel
 from compile.split_op import enable_split_op, unified_attention
-from tests.compile.compile_helpers import Harness, tiny_model
+from tests.compile.compile_helpers import Harness, MLAHarness, tiny_model
 
 # (kind, rows, extend lens): prefill three requests, decode them (and subsets), extend again.
 STEPS = (("extend", [0, 1, 2], [5, 2, 7]), ("decode", [0, 1, 2], None),
          ("decode", [0, 1, 2], None), ("decode", [2, 0], None), ("extend", [1, 3], [3, 4]),
          ("decode", [0, 1, 2, 3], None))
-
-
-class MLAHarness(Harness):
-    """``Harness`` over an ``MLATokenToKVPool`` (R + r per token, one buffer per layer)."""
-
-    def __init__(self, model: DeepseekV2ForCausalLM, page_size: int = 1, context: int = 128):
-        cfg = model.config
-        shim = SimpleNamespace(  # what Harness reads from a Llama config
-            config=SimpleNamespace(vocab_size=cfg.vocab_size, num_key_value_heads=1,
-                                   head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   num_hidden_layers=cfg.num_hidden_layers,
-                                   num_attention_heads=cfg.num_attention_heads),
-            parameters=model.parameters)
-        super().__init__(shim, page_size=page_size, context=context)
-        size = self.kv_pool.size
-        self.kv_pool = MLATokenToKVPool(size, page_size, next(model.parameters()).dtype,
-                                        cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                        cfg.num_hidden_layers, self.device)
-        self.backend = XPUAttentionBackend(ModelRunnerInfo(
-            model_config=SimpleNamespace(context_len=context,
-                                         num_attention_heads=cfg.num_attention_heads),
-            tp_size=1, device=self.device, page_size=page_size, req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype))
 
 
 def _kv_buffers(pool) -> list[torch.Tensor]:

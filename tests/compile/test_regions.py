@@ -5,21 +5,16 @@ inline for the piecewise split; the functionalization backport handles mutable c
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch._inductor.compile_fx import compile_fx
 
 from compile import regions
-from compile.attention_backend import XPUAttentionBackend
 from compile.forward_context import set_forward_context
-from compile.memory_pool import MLATokenToKVPool
-from compile.model_runner import ModelRunnerInfo
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.split_op import enable_split_op
-from tests.compile.compile_helpers import Harness, tiny_model
+from tests.compile.compile_helpers import Harness, MLAHarness, tiny_model
 
 pytestmark = pytest.mark.skipif(not regions.supported(),
                                 reason="torch without usable nested_compile_region")
@@ -51,28 +46,6 @@ class Recorder:
         """The subgraph each ``invoke_subgraph`` node of the first graph calls, in order."""
         return [node.args[0].target for node in self.graphs[0].graph.nodes
                 if node.target is torch.ops.higher_order.invoke_subgraph]
-
-
-class MLAHarness(Harness):
-    """``Harness`` over an ``MLATokenToKVPool`` (R + r per token, one buffer per layer)."""
-
-    def __init__(self, model: DeepseekV2ForCausalLM, context: int = 128):
-        cfg = model.config
-        shim = SimpleNamespace(  # what Harness reads from a Llama config
-            config=SimpleNamespace(vocab_size=cfg.vocab_size, num_key_value_heads=1,
-                                   head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   num_hidden_layers=cfg.num_hidden_layers,
-                                   num_attention_heads=cfg.num_attention_heads),
-            parameters=model.parameters)
-        super().__init__(shim, context=context)
-        self.kv_pool = MLATokenToKVPool(self.kv_pool.size, 1, next(model.parameters()).dtype,
-                                        cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                        cfg.num_hidden_layers, self.device)
-        self.backend = XPUAttentionBackend(ModelRunnerInfo(
-            model_config=SimpleNamespace(context_len=context,
-                                         num_attention_heads=cfg.num_attention_heads),
-            tp_size=1, device=self.device, page_size=1, req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype))
 
 
 def _check_equals_eager(model, harness, backend, rtol=1e-4, atol=1e-5):
