@@ -27,14 +27,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def make_hf(q_lora_rank, seed: int = 0):
-    torch.manual_seed(seed)
     cfg = transformers.DeepseekV2Config(**TINY, q_lora_rank=q_lora_rank)
-    cfg._attn_implementation = "eager"
-    hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger than the default init, so mistakes show in the logits
-        for p in hf.parameters():
-            p.normal_(0.0, 0.15)
-    return hf
+    return llama_parity.random_hf(transformers.DeepseekV2ForCausalLM, cfg, seed)
 
 
 def check_parity(hf, model, page_size: int) -> int:

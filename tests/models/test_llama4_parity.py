@@ -20,7 +20,7 @@ if not hasattr(transformers, "Llama4ForCausalLM"):
 
 from compile.models import Llama4Config, Llama4ForCausalLM, ModelConfig, from_hf  # noqa: E402
 from compile.models.llama4 import Llama4MoE  # noqa: E402
-from tests.models.test_llama_parity import run_paged  # noqa: E402
+from tests.models import test_llama_parity as llama_parity  # noqa: E402
 
 VOCAB, CHUNK = 97, 8
 PROMPT_LENS = (27, 9, 20)  # 27 + 3 decodes spans attention chunks 0..3
@@ -41,32 +41,15 @@ VARIANTS = {
 
 
 def make_hf(variant: str, seed: int = 0):
-    torch.manual_seed(seed)
     cfg = transformers.Llama4TextConfig(**TINY, **VARIANTS[variant])
-    cfg._attn_implementation = "eager"
-    hf = transformers.Llama4ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger than the default init, so mistakes show in the logits
-        for p in hf.parameters():
-            p.normal_(0.0, 0.15)
-    return hf
+    return llama_parity.random_hf(transformers.Llama4ForCausalLM, cfg, seed)
 
 
 def check_parity(hf, model, page_size: int, prompt_lens=PROMPT_LENS) -> int:
-    """Engine (``run_paged``) vs ``transformers`` logits of every prompt and decode row of
-    random prompts of ``prompt_lens`` tokens; returns the rows checked."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
-    outs, rows = run_paged(model, prompts, page_size)
-    checked = 0
-    for rid, (prompt, out) in enumerate(zip(prompts, outs)):
-        seq = prompt + out[:-1]  # the last sampled token was never fed back
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0].float()
-        for pos in range(len(seq)):
-            torch.testing.assert_close(rows[(rid, pos)], ref[pos], atol=2e-4, rtol=1e-4,
-                                       msg=lambda m: f"request {rid} pos {pos}: {m}")
-            checked += 1
-    return checked
+    """Engine vs ``transformers`` logits of every prompt and decode row of random prompts of
+    ``prompt_lens`` tokens (shared parity check); returns the rows checked."""
+    return llama_parity.check_parity(hf, model, page_size, vocab=VOCAB, label="llama4",
+                                     prompt_lens=prompt_lens)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -8,6 +8,8 @@ the logits of every token of every step. The same sequences then go through the
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 import torch
 
@@ -46,16 +48,21 @@ VARIANTS = {
 }
 
 
-def make_hf(variant: str, seed: int = 0):
-    cfg_name, model_name, extra = VARIANTS[variant]
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+def random_hf(model_class, cfg, seed: int = 0):
+    """``model_class(cfg)`` in eval mode with eager attention and N(0, 0.15**2) weights."""
     cfg._attn_implementation = "eager"
-    hf = getattr(transformers, model_name)(cfg).eval()
+    torch.manual_seed(seed)
+    hf = model_class(cfg).eval()
     with torch.no_grad():  # larger than the default init, so mistakes show in the logits
         for p in hf.parameters():
             p.normal_(0.0, 0.15)
     return hf
+
+
+def make_hf(variant: str, seed: int = 0):
+    cfg_name, model_name, extra = VARIANTS[variant]
+    cfg = getattr(transformers, cfg_name)(**{**SMALL, **extra})
+    return random_hf(getattr(transformers, model_name), cfg, seed)
 
 
 class Recorder:
@@ -85,11 +92,13 @@ def run_paged(model, prompts, page_size: int, max_new_tokens: int = 4, chunk: in
     return outs, rec.rows
 
 
-def check_parity(hf, model, page_size: int, vocab: int, label: str = "") -> int:
-    """Run 3 random prompts through the engine (``run_paged``) and compare every prompt and
-    decode logit row with ``hf`` on the same token sequence; returns the rows checked."""
+def check_parity(hf, model, page_size: int, vocab: int, label: str = "",
+                 prompt_lens: Sequence[int] = (11, 5, 9)) -> int:
+    """Run random prompts of ``prompt_lens`` tokens through the engine (``run_paged``) and
+    compare every prompt and decode logit row with ``hf`` on the same token sequence; returns
+    the rows checked."""
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (11, 5, 9)]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in prompt_lens]
     outs, rows = run_paged(model, prompts, page_size)
     checked = 0
     for rid, (prompt, out) in enumerate(zip(prompts, outs)):
