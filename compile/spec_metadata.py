@@ -55,25 +55,28 @@ def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
                              page_table=table, max_seqlen_q=1, max_seqlen_k=width, page_size=1)
 
 
+def prefix_metadata(fb, req_to_token: Tensor, page_size: int, num_q: int, *, extra_k: int = 0
+                    ) -> PagedAttnMetadata:
+    """``num_q`` queries per request over its ``seq_lens`` cached tokens plus ``extra_k`` more
+    (draft tokens whose slots ``req_to_token`` already holds)."""
+    b = fb.batch_size
+    q_lens = torch.full((b,), num_q, dtype=torch.int32, device=fb.seq_lens.device)
+    max_k = int(fb.seq_lens_cpu.max()) + extra_k if b else 0
+    seq_lens = fb.seq_lens + extra_k if extra_k else fb.seq_lens
+    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), seq_lens, num_q,
+                          max_k, page_size)
+
+
 def verify_chain(fb, req_to_token: Tensor, page_size: int, num_draft: int) -> PagedAttnMetadata:
     """Target verify, topk 1: D causal queries per request over prefix + D drafts."""
-    b = fb.batch_size
-    dev = fb.seq_lens.device
-    q_lens = torch.full((b,), num_draft, dtype=torch.int32, device=dev)
-    max_k = int(fb.seq_lens_cpu.max()) + num_draft if b else 0
-    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens),
-                          fb.seq_lens + num_draft, num_draft, max_k, page_size)
+    return prefix_metadata(fb, req_to_token, page_size, num_draft, extra_k=num_draft)
 
 
 def verify_tree(fb, req_to_token: Tensor, page_size: int, num_draft: int
                 ) -> tuple[PagedAttnMetadata, PagedAttnMetadata, Tensor]:
     """Target verify, topk > 1: (prefix pass, expand pass, draft mask ``[b, D, D]``)."""
     b = fb.batch_size
-    dev = fb.seq_lens.device
-    q_lens = torch.full((b,), num_draft, dtype=torch.int32, device=dev)
-    max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    prefix = paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), fb.seq_lens,
-                            num_draft, max_k, page_size)
+    prefix = prefix_metadata(fb, req_to_token, page_size, num_draft)
     mask = draft_mask(fb.spec_info.custom_mask, fb.seq_lens, num_draft)
     slots = fb.out_cache_loc.view(b, 1, num_draft).expand(b, num_draft, num_draft)
     expand = expand_metadata(slots.reshape(b * num_draft, num_draft),
@@ -102,12 +105,7 @@ def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
 def draft_decode_chain(fb, req_to_token: Tensor, page_size: int, step_id: int
                        ) -> PagedAttnMetadata:
     """Draft decode, topk 1: one query per request over prefix + ``step_id + 1`` drafts."""
-    b = fb.batch_size
-    dev = fb.seq_lens.device
-    ones = torch.ones(b, dtype=torch.int32, device=dev)
-    max_k = int(fb.seq_lens_cpu.max()) + step_id + 1 if b else 0
-    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(ones),
-                          fb.seq_lens + (step_id + 1), 1, max_k, page_size)
+    return prefix_metadata(fb, req_to_token, page_size, 1, extra_k=step_id + 1)
 
 
 def draft_decode_tree(fb, req_to_token: Tensor, page_size: int, topk: int, step_id: int,
@@ -117,14 +115,9 @@ def draft_decode_tree(fb, req_to_token: Tensor, page_size: int, topk: int, step_
 
     ``out_cache_loc`` holds the round's slots laid out ``(b, topk, num_steps)``.
     """
-    b = fb.batch_size
-    dev = fb.seq_lens.device
-    q_lens = torch.full((b,), topk, dtype=torch.int32, device=dev)
-    max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    prefix = paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), fb.seq_lens,
-                            topk, max_k, page_size)
-    slots = fb.out_cache_loc.view(b * topk, num_steps)[:, :step_id + 1]
-    visible = torch.ones(slots.shape, dtype=torch.bool, device=dev)
+    prefix = prefix_metadata(fb, req_to_token, page_size, topk)
+    slots = fb.out_cache_loc.view(fb.batch_size * topk, num_steps)[:, :step_id + 1]
+    visible = torch.ones(slots.shape, dtype=torch.bool, device=fb.seq_lens.device)
     return prefix, expand_metadata(slots, visible)
 
 
@@ -137,5 +130,5 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
     return out_cache_loc.view(rows, num_steps)[:, step_id]
 
 
-__all__ = ["draft_mask", "expand_metadata", "verify_chain", "verify_tree", "verify_tree_swa",
-           "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]
+__all__ = ["draft_mask", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
+           "verify_tree_swa", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]

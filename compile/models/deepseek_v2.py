@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from compile.layer import PagedAttention
 from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
-from compile.models.loading import _source, load_state
+from compile.models.loading import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
 from compile.regions import run_layers
 
@@ -251,11 +251,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Deeps
         KeyError, ValueError: a missing or mis-shaped source tensor.
     """
     config = DeepseekV2Config.from_hf(hf_model.config)
-    src = hf_model.state_dict()
-    first = next(iter(src.values()))
-    model = DeepseekV2ForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
-    load_state(model, lambda name: _source(src, name))
-    return model.eval()
+    return copy_from_hf(DeepseekV2ForCausalLM, config, hf_model, dtype, device)
 
 
 __all__ = ["DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "from_hf"]

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from compile.models.config import Llama4Config
 from compile.models.llama import LlamaAttention, LlamaMLP, RMSNorm, lm_logits, make_lm_head
-from compile.models.loading import _source, load_state
+from compile.models.loading import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
 
 
@@ -194,11 +194,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Llama
         KeyError, ValueError: a missing or mis-shaped source tensor.
     """
     config = Llama4Config.from_hf(hf_model.config)
-    src = hf_model.state_dict()
-    first = next(iter(src.values()))
-    model = Llama4ForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
-    load_state(model, lambda name: _source(src, name))
-    return model.eval()
+    return copy_from_hf(Llama4ForCausalLM, config, hf_model, dtype, device)
 
 
 __all__ = ["Llama4ForCausalLM", "Llama4Model", "Llama4DecoderLayer", "Llama4Attention",

@@ -54,12 +54,21 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
     if model_type == "llama4_text":
         from compile.models import llama4   # imports this module: resolve at call time
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
-    config = ModelConfig.from_hf(hf_model.config)
+    return copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
+                        device)
+
+
+def copy_from_hf(model_class, config, hf_model, dtype: Optional[torch.dtype] = None,
+                 device=None) -> torch.nn.Module:
+    """``model_class(config)`` in eval mode holding a copy of ``hf_model``'s weights (q/k/v and
+    gate/up fused); ``dtype`` and ``device`` default to those of ``hf_model``'s first tensor.
+
+    Raises:
+        KeyError, ValueError: see ``load_state``.
+    """
     src = hf_model.state_dict()
     first = next(iter(src.values()))
-    dtype = dtype or first.dtype
-    device = device or first.device
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config, dtype=dtype or first.dtype, device=device or first.device)
     load_state(model, lambda name: _source(src, name))
     return model.eval()
 
@@ -87,4 +96,4 @@ def _source(src: dict[str, Tensor], name: str) -> Tensor:
                    f"has e.g. {sorted(src)[:4]}.")
 
 
-__all__ = ["from_hf", "load_state"]
+__all__ = ["from_hf", "copy_from_hf", "load_state"]
