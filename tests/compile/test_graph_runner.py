@@ -216,6 +216,9 @@ class TestFullAndPiecewiseCPU(TestCase):
 @pytest.mark.gpu
 @pytest.mark.skipif(not dev.supports_graphs(dev.as_device()), reason="needs CUDA/XPU graphs")
 class TestFullAndPiecewiseGPU(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()  # earlier tests' graphs of the same forward count to its limit
+
     def test_capture_both_equals_eager_with_fixed_outputs(self):
         device = dev.as_device()
         num_layers = 2
