@@ -102,6 +102,8 @@ def _bad(t, args):
         "softmax_scale str": (dict(softmax_scale="x"), TypeError,
                               "softmax_scale is not a real number"),
         "max_seqlen_q negative": (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q is negative"),
+        "max_seqlen_q zero with tokens": (dict(max_seqlen_q=0), ValueError,
+                                          "max_seqlen_q is 0 while q has"),
         "window not pair": (dict(window_size=3), TypeError, "window_size is not a pair"),
         "window 3 values": (dict(window_size=(1, 2, 3)), TypeError, "window_size is not a pair"),
         "window < -1": (dict(window_size=(-2, 0)), ValueError,

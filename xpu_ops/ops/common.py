@@ -89,6 +89,10 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
         fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it)", softcap)
     if max_seqlen_q < 0:
         fail(fn, "max_seqlen_q", "is negative", "max_seqlen_q >= 0", max_seqlen_q)
+    # Plain ints only (eager calls): comparing symbolic sizes here would add guards when traced.
+    if type(max_seqlen_q) is int and max_seqlen_q == 0 and type(total_q) is int and total_q > 0:
+        fail(fn, "max_seqlen_q", f"is 0 while q has {total_q} tokens",
+             "max_seqlen_q >= 1 (an upper bound of the new tokens of any request)", 0)
 
 
 def check_out(fn: str, out, shape, dtype: torch.dtype, device: torch.device, rule: str) -> None:
