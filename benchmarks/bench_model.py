@@ -64,17 +64,19 @@ def build(args):
     return model
 
 
-def decode_batch(model, b: int, context: int, page_size: int = 16):
-    """Pools, backend and one DECODE batch of ``b`` requests with ``context`` cached tokens."""
-    cfg, device = model.config, next(model.parameters()).device
-    pages_per_req = -(-(context + 1) // page_size)
-    num_pages = b * pages_per_req + 1
+def paged_decode_batch(b: int, context: int, *, num_heads: int, num_kv_heads: int,
+                       head_dim: int, num_layers: int, dtype: torch.dtype, device,
+                       page_size: int = 16) -> ForwardBatch:
+    """Pools, backend and one DECODE ``ForwardBatch`` of ``b`` requests, each with ``context``
+    cached tokens plus the one being decoded (metadata not yet initialised)."""
+    device = torch.device(device)
+    num_pages = b * -(-(context + 1) // page_size) + 1
     req_pool = ReqToTokenPool(b, context + 1, device)
-    kv = MHATokenToKVPool(num_pages * page_size, page_size, next(model.parameters()).dtype,
-                          cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, device)
+    kv = MHATokenToKVPool(num_pages * page_size, page_size, dtype, num_kv_heads, head_dim,
+                          num_layers, device)
     alloc = PageAllocator(num_pages, page_size, device)
     runner = ModelRunnerInfo(model_config=SimpleNamespace(
-        context_len=context + 1, num_attention_heads=cfg.num_attention_heads), tp_size=1,
+        context_len=context + 1, num_attention_heads=num_heads), tp_size=1,
         device=device, page_size=page_size, req_to_token_pool=req_pool, token_to_kv_pool=kv,
         kv_cache_dtype=kv.dtype)
     backend = XPUAttentionBackend(runner)
@@ -86,7 +88,18 @@ def decode_batch(model, b: int, context: int, page_size: int = 16):
                       out_cache_loc=loc.to(device),
                       positions=torch.full((b,), context, dtype=torch.long, device=device))
     fb.attn_backend, fb.token_to_kv_pool, fb.req_to_token_pool = backend, kv, req_pool
-    ids = torch.randint(0, cfg.vocab_size, (b,), device=device)
+    return fb
+
+
+def decode_batch(model, b: int, context: int, page_size: int = 16):
+    """``(input_ids [b], forward_batch)``: a DECODE batch for ``model`` (``paged_decode_batch``
+    with the model's shapes)."""
+    cfg, param = model.config, next(model.parameters())
+    fb = paged_decode_batch(b, context, num_heads=cfg.num_attention_heads,
+                            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            num_layers=cfg.num_hidden_layers, dtype=param.dtype,
+                            device=param.device, page_size=page_size)
+    ids = torch.randint(0, cfg.vocab_size, (b,), device=param.device)
     return ids, fb
 
 

@@ -36,11 +36,8 @@ import torch
 
 import xpu_ops
 from xpu_ops import providers
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode
 from compile.layer import PagedAttention
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
-from compile.model_runner import ModelRunnerInfo
+from bench_model import paged_decode_batch  # benchmarks/ is on sys.path when run as a script
 
 OPS = ("flash_attn_with_kvcache", "store_kv_cache")
 
@@ -69,24 +66,11 @@ def stub_kernels() -> None:
 
 def decode_setup(args) -> SimpleNamespace:
     """Pool, backend, one layer and a DECODE batch of ``args.batch`` requests (small shapes)."""
-    device, dtype, b, ps, ctx = torch.device(args.device), args.dtype, args.batch, 16, args.context
-    hq, hkv, d, layers = 8, 2, 64, 1
-    num_pages = b * -(-(ctx + 1) // ps) + 1
-    req_pool = ReqToTokenPool(b, ctx + 1, device)
-    kv = MHATokenToKVPool(num_pages * ps, ps, dtype, hkv, d, layers, device)
-    alloc = PageAllocator(num_pages, ps, device)
-    runner = ModelRunnerInfo(model_config=SimpleNamespace(context_len=ctx + 1,
-                                                          num_attention_heads=hq),
-                             tp_size=1, device=device, page_size=ps, req_to_token_pool=req_pool,
-                             token_to_kv_pool=kv, kv_cache_dtype=dtype)
-    backend = XPUAttentionBackend(runner)
-    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, ctx + 1)[-1:] for r in range(b)])
-    seq_lens_cpu = torch.full((b,), ctx + 1, dtype=torch.int32)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=b,
-                      req_pool_indices=torch.arange(b, device=device),
-                      seq_lens=seq_lens_cpu.to(device), seq_lens_cpu=seq_lens_cpu,
-                      out_cache_loc=loc.to(device))
-    fb.attn_backend, fb.token_to_kv_pool, fb.req_to_token_pool = backend, kv, req_pool
+    device, dtype, b = torch.device(args.device), args.dtype, args.batch
+    hq, hkv, d = 8, 2, 64
+    fb = paged_decode_batch(b, args.context, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                            num_layers=1, dtype=dtype, device=device)
+    backend, kv = fb.attn_backend, fb.token_to_kv_pool
     backend.init_forward_metadata(fb)
     layer = PagedAttention(hq, d, d ** -0.5, hkv, layer_id=0).to(device)
     q = torch.randn(b, hq * d, dtype=dtype, device=device)
