@@ -1,17 +1,23 @@
 """KV-cache writes: ``store_kv_cache`` (K and V rows) and ``store_mla_kv_cache`` (latent + rope).
 
-One program per written token copies its ``[Hkv * D]`` row into slot ``loc[i]`` of the flat
+One program per written token copies its ``[Hkv, D]`` rows into slot ``loc[i]`` of the flat
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
 Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off.
+``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), re-launched through a
+``BoundLaunch`` cached per call shape (decode writes the same shape in every layer).
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from .. import providers
 from ._common import available, launch, next_pow2
+from .launcher import BoundLaunch
 
 
 @triton.jit
@@ -39,6 +45,54 @@ def _store_rows_kernel(
         x = x.to(tl.float32) / tl.load(SCALE)
     tl.store(DST + slot * stride_dst_t + offs_h[:, None] * stride_dst_h + col_offset
              + offs_d[None, :], x.to(DST.dtype.element_ty), mask=mask_store)
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_CACHE, V_CACHE, LOC, K_SCALE, V_SCALE,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_kc_t, stride_kc_h, stride_vc_t,
+    stride_vc_h, num_heads, head_dim, head_dim_v, num_slots_k, num_slots_v,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+):
+    # k_cache[loc[i], h, d] = k[i, h, d] (/ k_scale) and v_cache[loc[i], h, e] = v[i, h, e]
+    # (/ v_scale) in one program per token; slots outside a cache's [0, slots) are skipped.
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(LOC + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < num_heads
+    slot_h = slot + tl.zeros([BLOCK_H], dtype=tl.int64)  # see _store_rows_kernel
+    mask_k = (mask_h & (slot_h >= 0) & (slot_h < num_slots_k))[:, None] & (offs_d < head_dim)[None, :]
+    mask_v = (mask_h & (slot_h >= 0) & (slot_h < num_slots_v))[:, None] & (offs_e < head_dim_v)[None, :]
+    k = tl.load(K + tok * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :],
+                mask=mask_k, other=0.0)
+    v = tl.load(V + tok * stride_v_t + offs_h[:, None] * stride_v_h + offs_e[None, :],
+                mask=mask_v, other=0.0)
+    if HAS_K_SCALE:
+        k = k.to(tl.float32) / tl.load(K_SCALE)
+    if HAS_V_SCALE:
+        v = v.to(tl.float32) / tl.load(V_SCALE)
+    tl.store(K_CACHE + slot * stride_kc_t + offs_h[:, None] * stride_kc_h + offs_d[None, :],
+             k.to(K_CACHE.dtype.element_ty), mask=mask_k)
+    tl.store(V_CACHE + slot * stride_vc_t + offs_h[:, None] * stride_vc_h + offs_e[None, :],
+             v.to(V_CACHE.dtype.element_ty), mask=mask_v)
+
+
+@functools.lru_cache(maxsize=256)
+def _store_kv_launch(device: torch.device, num_tokens: int, k_shape, k_strides, v_shape,
+                     v_strides, kc_shape, kc_strides, vc_shape, vc_strides, has_k_scale: bool,
+                     has_v_scale: bool) -> BoundLaunch:
+    """The ``_store_kv_kernel`` launch of one call shape (flat caches ``[slots, Hkv, D]``)."""
+    _, num_heads, head_dim = k_shape
+    args = [None] * 7 + [k_strides[0], k_strides[1], v_strides[0], v_strides[1], kc_strides[0],
+                         kc_strides[1], vc_strides[0], vc_strides[1], num_heads, head_dim,
+                         v_shape[2], kc_shape[0], vc_shape[0]]
+    meta = dict(BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+                BLOCK_DV=next_pow2(v_shape[2]), HAS_K_SCALE=has_k_scale,
+                HAS_V_SCALE=has_v_scale, num_warps=4)
+    return BoundLaunch(_store_kv_kernel, (num_tokens,), device, args, meta, tuple(range(7)))
 
 
 def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
@@ -73,11 +127,17 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
-    Two launches of ``_store_rows_kernel`` (K, then V), one program per token copying its
-    ``[Hkv, D]`` row into slot ``loc[i]``; out-of-range slots are masked off.
+    One launch of ``_store_kv_kernel``: one program per token copies its K and V rows
+    ``[Hkv, D]``/``[Hkv, Dv]`` into slot ``loc[i]``; out-of-range slots are masked off.
     """
-    store_rows(k, _flat(k_cache), loc, k_scale)
-    store_rows(v, _flat(v_cache), loc, v_scale)
+    if k.shape[0] == 0:
+        return
+    kc, vc = _flat(k_cache), _flat(v_cache)
+    run = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
+                           kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
+                           v_scale is not None)
+    run(k, v, kc, vc, loc, loc if k_scale is None else k_scale,
+        loc if v_scale is None else v_scale)
 
 
 def _supports_mla(kv_cache, loc, k_nope, k_rope):

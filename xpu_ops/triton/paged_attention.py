@@ -24,13 +24,15 @@ KV cache from vLLM (arXiv 2309.06180).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
+from ._common import HAS_TRITON, available, cdiv, next_pow2, num_sms
+from .launcher import BoundLaunch
 
 if HAS_TRITON:
     import triton
@@ -305,6 +307,80 @@ def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_
     return max(1, min(max(fill, chunks), cdiv(max_kv_len, 4 * block_n), 64))
 
 
+@dataclasses.dataclass(frozen=True)
+class _LaunchPlan:
+    """What one ``paged_attention`` call shape launches: everything but the tensors."""
+    attention: BoundLaunch
+    merge: Optional[BoundLaunch]
+    num_splits: int
+    dv_pad: int
+
+
+# Slots (positions of per-call tensors) in the kernels' argument lists.
+_ATTENTION_SLOTS = tuple(range(16))      # Q .. SINKS
+_MERGE_SLOTS = tuple(range(5))           # O_PART, LSE_PART, O, LSE, SINKS
+
+
+@functools.lru_cache(maxsize=512)
+def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
+                 v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
+                 batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
+                 softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                 num_splits: Optional[int], config: Optional[_Config], part_strides,
+                 lse_stride: int) -> _LaunchPlan:
+    """Grid, tile config, split count and every scalar argument of one call shape (cached: a
+    decode step repeats the same shape in every layer, so this runs once per shape)."""
+    total_q, num_heads_q, head_dim = q_shape
+    head_dim_v = v_shape[-1]
+    num_heads_kv = k_shape[2] if paged else k_shape[1]
+    group = num_heads_q // num_heads_kv
+    has_qv, has_qd, has_kd, has_vd, has_sinks = flags
+    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
+    elem = torch.empty((), dtype=q_dtype).element_size()
+    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
+    grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+    if num_splits is None:
+        num_splits = plan_num_splits(device, grid_m * batch * num_heads_kv, max_kv_len,
+                                     cfg.block_n, decode=grid_m <= 2)
+    if paged:
+        kp, ks, kh = k_strides[:3]
+        vp, vs, vh = v_strides[:3]
+        pt_stride, page_size = pt_strides[0], k_shape[1]
+    else:
+        kp, ks, kh, vp, vs, vh = 0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1]
+        pt_stride, page_size = 0, 1
+    if num_splits > 1:
+        if part_strides is None:  # fresh contiguous scratch
+            part_strides = ((total_q * num_heads_q * dv_pad, num_heads_q * dv_pad, dv_pad),
+                            (total_q * num_heads_q, num_heads_q))
+        (ps, pt_, ph), (ls, lt) = part_strides[0][:3], part_strides[1][:2]
+    else:
+        ps = pt_ = ph = ls = lt = 0
+    upcast = device.type == "cpu" and q_dtype != torch.float32
+    precision = "ieee" if q_dtype == torch.float32 or upcast else None
+    qv_s = qv_strides if has_qv else q_strides
+    args = [None] * 16 + [
+        q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
+        out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
+        float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
+        num_heads_kv, head_dim, head_dim_v, cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits)]
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
+                PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
+                HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
+                USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
+                UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    attention = BoundLaunch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits),
+                            device, args, meta, _ATTENTION_SLOTS)
+    merge = None
+    if num_splits > 1:
+        merge = BoundLaunch(_merge_splits_kernel, (total_q, num_heads_q), device,
+                            [None] * 5 + [ps, pt_, ph, ls, lt, out_strides[0], out_strides[1],
+                                          lse_stride, num_splits, head_dim_v],
+                            dict(SPLITS_PAD=next_pow2(num_splits), DV_PAD=dv_pad,
+                                 HAS_SINKS=has_sinks, num_warps=4), _MERGE_SLOTS)
+    return _LaunchPlan(attention, merge, num_splits, dv_pad)
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
                     cu_seqlens_q: Tensor, *, page_table: Optional[Tensor],
                     cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_kv_len: int,
@@ -331,71 +407,43 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
     Returns:
         softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
+
+    Host cost: the grid, tile config, split count and scalar arguments are computed once per call
+    shape (``_launch_plan``, cached) and the kernels re-launch through ``BoundLaunch``.
     """
-    total_q, num_heads_q, head_dim = q.shape
-    head_dim_v = v.shape[-1]
-    paged = page_table is not None
-    num_heads_kv = k.shape[2] if paged else k.shape[1]
-    group = num_heads_q // num_heads_kv
+    total_q, num_heads_q = q.shape[0], q.shape[1]
     batch = cache_seqlens.shape[0]
     if lse is None:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return lse
-    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
-    cfg = config or _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size())
-    grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
-    if num_splits is None:
-        num_splits = plan_num_splits(q.device, grid_m * batch * num_heads_kv, max_kv_len,
-                                     cfg.block_n, decode=grid_m <= 2)
-    if paged:
-        kp, ks, kh = k.stride(0), k.stride(1), k.stride(2)
-        vp, vs, vh = v.stride(0), v.stride(1), v.stride(2)
-        pt, pt_stride, page_size = page_table, page_table.stride(0), k.shape[1]
-    else:
-        kp, ks, kh, vp, vs, vh = 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1)
-        pt, pt_stride, page_size = cache_seqlens, 0, 1
-    if num_splits > 1 and scratch is not None:
+    paged = page_table is not None
+    plan = _launch_plan(
+        q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
+        out.stride(), None if qv is None else qv.stride(),
+        page_table.stride() if paged else None, paged, batch, max_seqlen_q, max_kv_len,
+        (qv is not None, q_descale is not None, k_descale is not None, v_descale is not None,
+         sinks is not None), softmax_scale, softcap, window_left, window_right, num_splits, config,
+        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
+    splits = plan.num_splits
+    if splits > 1 and scratch is not None:
         o_part, lse_part = scratch
-    elif num_splits > 1:
-        o_part = torch.empty((num_splits, total_q, num_heads_q, dv_pad), dtype=torch.float32,
+    elif splits > 1:
+        o_part = torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
                              device=q.device)
-        lse_part = torch.empty((num_splits, total_q, num_heads_q), dtype=torch.float32,
+        lse_part = torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
                                device=q.device)
     else:
-        o_part, lse_part = lse, lse  # unused
+        o_part = lse_part = lse  # unused
     dummy = lse
-    qv_t = qv if qv is not None else q
-    upcast = q.device.type == "cpu" and q.dtype != torch.float32
-    precision = "ieee" if q.dtype == torch.float32 or upcast else None
-    launch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits), q.device,
-           q, k, v, qv_t, out, lse, o_part, lse_part, cache_seqlens, pt, cu_seqlens_q,
-           cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
-           q_descale if q_descale is not None else dummy,
-           k_descale if k_descale is not None else dummy,
-           v_descale if v_descale is not None else dummy,
-           sinks if sinks is not None else dummy,
-           q.stride(0), q.stride(1), kp, ks, kh, vp, vs, vh, qv_t.stride(0), qv_t.stride(1),
-           out.stride(0), out.stride(1), lse.stride(0), pt_stride,
-           o_part.stride(0) if num_splits > 1 else 0, o_part.stride(1) if num_splits > 1 else 0,
-           o_part.stride(2) if num_splits > 1 else 0,
-           lse_part.stride(0) if num_splits > 1 else 0, lse_part.stride(1) if num_splits > 1 else 0,
-           float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
-           num_heads_kv, head_dim, head_dim_v,
-           cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits),
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
-           PAGE_SIZE=page_size, PAGED=paged, HAS_QV=qv is not None,
-           HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
-           HAS_V_DESCALE=v_descale is not None,
-           HAS_SINKS=sinks is not None, USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits,
-           PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits > 1:
-        launch(_merge_splits_kernel, (total_q, num_heads_q), q.device,
-               o_part, lse_part, out, lse, sinks if sinks is not None else dummy,
-               o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-               lse_part.stride(1), out.stride(0), out.stride(1), lse.stride(0), num_splits,
-               head_dim_v, SPLITS_PAD=next_pow2(num_splits), DV_PAD=dv_pad,
-               HAS_SINKS=sinks is not None, num_warps=4)
+    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, cache_seqlens,
+                   page_table if paged else cache_seqlens, cu_seqlens_q,
+                   cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+                   dummy if q_descale is None else q_descale,
+                   dummy if k_descale is None else k_descale,
+                   dummy if v_descale is None else v_descale, dummy if sinks is None else sinks)
+    if plan.merge is not None:
+        plan.merge(o_part, lse_part, out, lse, dummy if sinks is None else sinks)
     return lse
 
 

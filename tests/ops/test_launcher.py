@@ -1,0 +1,77 @@
+"""``BoundLaunch`` (xpu_ops/triton/launcher.py): argument assembly on the CPU interpreter, and on
+a GPU the fast re-launch path against ``kernel[grid](...)`` for the same arguments, including a
+change of the slot tensors' alignment (which must select a separately specialised kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from xpu_ops.triton.launcher import BoundLaunch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else None
+
+
+@triton.jit
+def _axpy_kernel(X, Y, OUT, alpha, n, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    y = tl.load(Y + offs, mask=mask, other=0.0)
+    r = alpha * x + y
+    if SQUARE:
+        r = r * r
+    tl.store(OUT + offs, r, mask=mask)
+
+
+def _bound(device, n, square=False):
+    return BoundLaunch(_axpy_kernel, (triton.cdiv(n, 16),), torch.device(device),
+                       [None, None, None, 0.5, n], dict(BLOCK=16, SQUARE=square), slots=(0, 1, 2))
+
+
+def test_missing_constexpr_is_a_type_error():
+    with pytest.raises(TypeError, match=r"needs \['SQUARE'\] in meta"):
+        BoundLaunch(_axpy_kernel, (1,), torch.device("cpu"), [None] * 5, dict(BLOCK=16), (0,))
+
+
+def test_too_many_positional_arguments_is_a_type_error():
+    with pytest.raises(TypeError, match="8 positional arguments"):
+        BoundLaunch(_axpy_kernel, (1,), torch.device("cpu"), [None] * 8, {}, (0,))
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_cpu_interpreter_fills_slots_per_call(monkeypatch, square):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n = 37
+    run = _bound("cpu", n, square)
+    for seed in range(3):  # the same object re-launched with new tensors each time
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        out = torch.full((n,), float("nan"))
+        run(x, y, out)
+        want = (0.5 * x.double() + y.double())
+        want = want * want if square else want
+        torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")
+def test_gpu_fast_path_matches_normal_launch_across_alignments():
+    n = 1000
+    run = _bound(DEVICE, n)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    base_x = torch.randn(n + 3, device=DEVICE, generator=gen)
+    base_y = torch.randn(n + 3, device=DEVICE, generator=gen)
+    for offset in (0, 0, 1, 1, 0, 2):  # aligned, then misaligned views (another specialisation)
+        x, y = base_x[offset:offset + n], base_y[offset:offset + n]
+        out = torch.full((n + 3,), float("nan"), device=DEVICE)[offset:offset + n]
+        run(x, y, out)
+        want = torch.empty_like(out)
+        _axpy_kernel[(triton.cdiv(n, 16),)](x, y, want, 0.5, n, BLOCK=16, SQUARE=False)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(out.double(), 0.5 * x.double() + y.double(), atol=1e-5,
+                                   rtol=1e-5)
+    assert len(run._compiled) == 2  # one kernel per alignment class of the slot tensors

@@ -1,0 +1,132 @@
+"""``BoundLaunch``: re-launch an already specialised Triton kernel with little host work.
+
+``kernel[grid](*args, **meta)`` goes through ``JITFunction.run`` on every call: it binds and
+specialises every argument (integer divisibility, pointer alignment, dtypes), hashes the result
+into a cache key and looks the compiled kernel up, which costs tens of microseconds of host time
+for a kernel with ~50 arguments. A decode step calls the same few kernels once per layer with
+arguments that differ only in some tensors (the layer's cache, its q/k/v/out), so the
+specialisation can be done once: a ``BoundLaunch`` fixes the grid, the meta-parameters and every
+argument except the tensors at ``slots``, and keeps the ``CompiledKernel`` that the first launch
+returned per alignment class of the slot tensors (the only property of theirs that Triton
+specialises on besides the dtype, which is part of the key too). Later launches call the compiled
+kernel's own launcher (``CompiledKernel[grid](*args, stream=...)``), as Inductor's generated code
+launches its kernels.
+
+Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, with launch hooks
+installed (profilers), with Triton < 3.3 (whose launchers took a different argument list), and
+when ``XPU_OPS_TRITON_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .. import providers
+from ._common import HAS_TRITON, launch
+
+_knobs = None
+if HAS_TRITON:
+    import triton
+    from triton.runtime.driver import driver as _driver
+    try:
+        from triton import knobs as _knobs  # Triton >= 3.3
+    except ImportError:
+        pass
+
+
+def _triton_at_least(major: int, minor: int) -> bool:
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    except (NameError, ValueError):
+        return False
+    return version >= (major, minor)
+
+
+# Triton >= 3.3 launchers take every bound argument, constexprs included, in signature order.
+_LAUNCHER_TAKES_ALL_ARGS = _knobs is not None and _triton_at_least(3, 3)
+
+
+@providers.availability_depends_on
+def fast_launch_enabled() -> bool:
+    """False when ``XPU_OPS_TRITON_FAST_LAUNCH=0`` (every launch then takes the normal path)."""
+    return _LAUNCHER_TAKES_ALL_ARGS and providers.getenv("XPU_OPS_TRITON_FAST_LAUNCH") != "0"
+
+
+def _hooks_installed() -> bool:
+    runtime = _knobs.runtime
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **meta)`` with everything fixed but the tensors at ``slots``.
+
+    Args:
+        kernel: a ``@triton.jit`` function.
+        grid: ``(x, y, z)`` program counts (ints; missing trailing entries are 1).
+        device: where the kernel runs; ``cpu`` launches through the interpreter every time.
+        args: the positional arguments in the kernel's order; the entries at ``slots`` are
+            placeholders (their values at construction are ignored).
+        meta: keyword arguments: the kernel's constexpr parameters (every one that has no
+            default) and launch options (``num_warps``, ``num_stages``).
+        slots: positions in ``args`` of the tensors given per call.
+    Raises:
+        TypeError: a constexpr parameter of ``kernel`` is missing from ``meta`` or ``args``
+            does not cover the kernel's non-constexpr parameters.
+
+    Calling the object with one tensor per slot launches the kernel. The caller guarantees that
+    these tensors have the shapes and strides the fixed arguments were computed from (dtype and
+    16-byte alignment may change: both select a separately compiled kernel).
+    """
+
+    __slots__ = ("kernel", "grid", "device", "args", "meta", "slots", "_tail", "_compiled",
+                 "_device_index")
+
+    def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
+                 meta: dict[str, Any], slots: Sequence[int]):
+        grid = tuple(int(g) for g in grid)
+        self.kernel = kernel
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.device = device
+        self.args = list(args)
+        self.meta = dict(meta)
+        self.slots = tuple(slots)
+        params = getattr(kernel, "params", None)
+        self._tail: Optional[tuple] = None
+        if params is not None:
+            names = [p.name for p in params]
+            if len(args) > len(names):
+                raise TypeError(f"BoundLaunch: {len(args)} positional arguments for kernel "
+                                f"{kernel.fn.__name__} of {len(names)} parameters.")
+            missing = [n for n in names[len(args):] if n not in meta]
+            if missing:
+                raise TypeError(f"BoundLaunch: kernel {kernel.fn.__name__} needs {missing} in "
+                                f"meta; expected every parameter after the positional ones, "
+                                f"got {sorted(meta)}.")
+            # Constexpr values in signature order, appended after the positional arguments.
+            self._tail = tuple(meta[n] for n in names[len(args):])
+        self._compiled: dict[tuple, Any] = {}
+        self._device_index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
+            else 0)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        args = self.args
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        if self.device.type == "cpu" or self._tail is None or not fast_launch_enabled():
+            launch(self.kernel, self.grid, self.device, *args, **self.meta)
+            return
+        key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
+        compiled = self._compiled.get(key)
+        if compiled is None or _hooks_installed():
+            # First launch of this alignment class: Triton binds, specialises, compiles or
+            # finds the kernel, launches it and returns it.
+            self._compiled[key] = self.kernel[self.grid](*args, **self.meta)
+            return
+        stream = _driver.active.get_current_stream(self._device_index)
+        compiled[self.grid](*args, *self._tail, stream=stream)
+
+
+__all__ = ["BoundLaunch", "fast_launch_enabled"]
