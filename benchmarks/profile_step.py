@@ -26,7 +26,7 @@ def time_components(step, steps: int) -> str:
     import time
     from compile.attention_backend import XPUAttentionBackend
     from compile.piecewise import PieceRunner
-    from xpu_ops.triton import kv_cache, paged_attention
+    from xpu_ops.triton.launcher import BoundLaunch
 
     totals: dict[str, list] = {}
 
@@ -47,8 +47,7 @@ def time_components(step, steps: int) -> str:
     saved = [(PieceRunner, "__call__", timed(PieceRunner, "__call__", "piece (replay)")),
              (XPUAttentionBackend, "forward",
               timed(XPUAttentionBackend, "forward", "backend.forward (split op body)")),
-             (paged_attention, "launch", timed(paged_attention, "launch", "triton launch")),
-             (kv_cache, "launch", timed(kv_cache, "launch", "triton launch"))]
+             (BoundLaunch, "__call__", timed(BoundLaunch, "__call__", "triton launch"))]
     t0 = time.perf_counter()
     for _ in range(steps):
         step()

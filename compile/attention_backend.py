@@ -29,16 +29,27 @@ import torch
 from torch import Tensor
 
 import xpu_ops
+from xpu_ops.plan import planned_call
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                  paged_metadata, swa_metadata)
 from .backend_graph import GraphMetadataMixin
 from .forward_batch import ForwardBatch
 from .local_attention import local_chunks_per_request, make_local_attention_virtual_batches
-from .memory_pool import KVWriteLoc, MLATokenToKVPool
+from .memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 from . import mla_attention, spec_metadata
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Plan slots (per-layer tensors) of the eager hot path, by which optional tensors are None.
+# store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale): key (k_scale None, v_scale None)
+_STORE_SLOTS = {(ks, vs): (0, 1, 3, 4) + (() if ks else (5,)) + (() if vs else (6,))
+                for ks in (True, False) for vs in (True, False)}
+# flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
+# q_descale, k_descale, v_descale, sinks): key (qv None, sinks None, descales None)
+_ATTEND_SLOTS = {(qv, sk, ds): (0, 1, 2, 6) + (() if qv else (7,)) + (() if ds else (9, 10))
+                 + (() if sk else (11,))
+                 for qv in (True, False) for sk in (True, False) for ds in (True, False)}
 
 
 class XPUAttentionBackend(GraphMetadataMixin):
@@ -277,13 +288,23 @@ class XPUAttentionBackend(GraphMetadataMixin):
         return self.forward_metadata
 
     def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
-        """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool)."""
+        """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
+
+        Eager writes into a plain MHA pool go through one ``store_kv_cache`` plan per batch
+        (``meta.plans``): validated by the first layer, re-run by the others.
+        """
         pool = self.token_to_kv_pool
         if layer.is_cross_attention:
             pool.set_kv_buffer(layer, meta.write.encoder_loc, k, v, layer.k_scale, layer.v_scale)
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)
+        elif type(pool) is MHATokenToKVPool and not torch.compiler.is_compiling():
+            k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+            ks, vs, loc = layer.k_scale, layer.v_scale, meta.write.loc
+            planned_call(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None),
+                         "store_kv_cache", (k_buf, v_buf, loc, k, v, ks, vs), {},
+                         _STORE_SLOTS[ks is None, vs is None])
         else:
             pool.set_kv_buffer(layer, meta.write.loc, k, v, layer.k_scale, layer.v_scale)
 
@@ -351,7 +372,21 @@ class XPUAttentionBackend(GraphMetadataMixin):
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        if expand is None:  # the per-layer hot path: keywords spelled out, no dicts built
+        if expand is None and not torch.compiler.is_compiling():
+            # Eager hot path (piecewise attention, eager decode): one validated plan per call
+            # kind and batch, re-run by every layer with its own q, cache and out.
+            left, right = window[0], (0 if causal else window[1])
+            key = ("flash_attn_with_kvcache", id(call), causal, layer.scaling, layer.logit_cap,
+                   left, qv is None, sinks is None, k_descale is None)
+            planned_call(self._metadata().plans, key, "flash_attn_with_kvcache",
+                         (q3, k_cache, v_cache, call.cache_seqlens, call.page_table,
+                          call.cu_seqlens_q, out, qv, None, k_descale, v_descale, sinks),
+                         dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=layer.scaling,
+                              causal=causal, window_size_left=left, window_size_right=right,
+                              softcap=layer.logit_cap),
+                         _ATTEND_SLOTS[qv is None, sinks is None, k_descale is None])
+            return
+        if expand is None:  # traced: the public op, keywords spelled out
             xpu_ops.flash_attn_with_kvcache(
                 q3, k_cache, v_cache, qv=qv, causal=causal, sinks=sinks, out=out,
                 cache_seqlens=call.cache_seqlens, page_table=call.page_table,

@@ -71,6 +71,8 @@ class AttentionMetadata:
         causal: whether ``main`` is causal (False for the cascade prefix pass).
         cascade: True when ``expand`` must be merged into ``main``'s result.
         mla_workspace: uint8 scratch of ``flash_mla_decode`` (MLA decode only).
+        plans: eager op plans of this batch (``xpu_ops.plan.planned_call``): validated once,
+            re-run by every layer with its own tensors.
     """
 
     main: PagedAttnMetadata
@@ -83,6 +85,7 @@ class AttentionMetadata:
     local: Optional[LocalAttentionMetadata] = None
     encoder: Optional[PagedAttnMetadata] = None
     mla_workspace: Optional[Tensor] = None
+    plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor field as ``("part.field", tensor)`` (graph buffers bind these)."""

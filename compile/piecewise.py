@@ -57,7 +57,7 @@ from torch.fx.passes.split_module import split_module
 
 from . import device as dev
 from .forward_context import set_forward_context
-from .split_op import enable_split_op
+from .split_op import enable_split_op, unified_attention_with_output
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -69,6 +69,19 @@ def is_split_node(node: fx.Node) -> bool:
     target = node.target
     packet = getattr(target, "overloadpacket", target)
     return packet is getattr(torch.ops.xpu_ops, "unified_attention_with_output", None)
+
+
+def call_split_op_kernel(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s split-op nodes call the op's Python kernel directly at run time.
+
+    The attention submodules only ever run eagerly on real tensors (pieces were compiled on
+    fakes before this), so the dispatcher round trip (C++ dispatch back into Python, version
+    bump of ``output``) is pure host cost on every layer of every step.
+    """
+    for node in gm.graph.nodes:
+        if is_split_node(node):
+            node.target = unified_attention_with_output.fn
+    gm.recompile()
 
 
 @dataclasses.dataclass
@@ -358,6 +371,9 @@ class PiecewiseBackend:
         plan = capture_plan(split_gm, pieces, self.static_inputs)
         self.stats["uncaptured"] += sum(reason is not None for reason in plan.values())
         _PieceCompiler(split_gm, plan, self).run(*example_inputs)
+        for item in items:
+            if item.is_split:
+                call_split_op_kernel(item.graph)
         return split_gm
 
     def compile_piece(self, gm: fx.GraphModule, fake_args: Sequence[Any]) -> Callable:

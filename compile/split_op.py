@@ -108,23 +108,36 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
     layer = ctx.layers[layer_id]
     n = ctx.num_tokens
     batch = ctx.forward_batch
+    padded = n != q.shape[0]
+    if padded:
+        q, q_rope, k_rope, out = q[:n], _rows(q_rope, n), _rows(k_rope, n), output[:n]
+    else:
+        out = output
     if k is not None:
-        k = k[:n]
+        if padded:
+            k = k[:n]
         if k_rope is None:  # MHA: [n, Hkv, D] as the backend stores it (MLA keeps its latent)
             k = k.reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
-            v = v[:n].reshape(n, layer.tp_v_head_num, layer.v_head_dim)
-    extras = {name: x for name, x in (("sinks", sinks), ("q_rope", _rows(q_rope, n)),
-                                      ("k_rope", _rows(k_rope, n))) if x is not None}
-    result = batch.attn_backend.forward(q[:n], k, v, layer, batch, save_kv_cache, **extras)
+            v = (v[:n] if padded else v).reshape(n, layer.tp_v_head_num, layer.v_head_dim)
+    extras = {}
+    if sinks is not None or q_rope is not None or k_rope is not None:
+        extras = {name: x for name, x in (("sinks", sinks), ("q_rope", q_rope),
+                                          ("k_rope", k_rope)) if x is not None}
+    # The backend writes straight into the op's output (ForwardBatch._attn_output).
+    previous, batch._attn_output = batch._attn_output, out
+    try:
+        result = batch.attn_backend.forward(q, k, v, layer, batch, save_kv_cache, **extras)
+    finally:
+        batch._attn_output = previous
     if not isinstance(result, Tensor):
         raise NotImplementedError(f"{_FN}: layer {layer_id}'s backend returned "
                                   f"{type(result).__name__} (out, lse), which the split op cannot "
                                   "return; MLA's MHA prefill path is not supported in piecewise "
                                   "mode. Use --mode compile for it.")
-    out = output[:n]
     if result.data_ptr() != out.data_ptr():
         out.copy_(result.reshape(out.shape))
-    output[n:].zero_()
+    if padded:
+        output[n:].zero_()
 
 
 @unified_attention_with_output.register_fake

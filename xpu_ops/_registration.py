@@ -34,12 +34,14 @@ class OpDef:
     Attributes:
         qualname: ``"namespace::name"``.
         fn: the Python kernel (validated arguments in, results out).
+        fake: the registered fake (output metadata and shape checks), None until registered.
         op: ``torch.ops.<namespace>.<name>`` (the ``OpOverloadPacket``).
     Calling the ``OpDef`` calls ``op``.
     """
 
     def __init__(self, qualname: str, fn: Callable, lib: torch.library.Library):
         self.qualname, self.fn, self._lib = qualname, fn, lib
+        self.fake: Optional[Callable] = None
         namespace, name = qualname.split("::")
         self.op = getattr(getattr(torch.ops, namespace), name)
 
@@ -47,6 +49,7 @@ class OpDef:
         """Decorator: ``fake`` computes output metadata (and runs the shape checks) for fake
         tensors, meta tensors and tracing."""
         torch.library.register_fake(self.qualname, fake, lib=self._lib)
+        self.fake = fake
         return fake
 
     def __call__(self, *args, **kwargs):

@@ -5,10 +5,10 @@ change of the slot tensors' alignment (which must select a separately specialise
 from __future__ import annotations
 
 import pytest
-import torch
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+from .triton_mode import INTERPRETED, tl, triton  # first: Triton in interpreter mode
+
+import torch  # noqa: E402
 
 from xpu_ops.triton.launcher import BoundLaunch  # noqa: E402
 
@@ -42,6 +42,7 @@ def test_too_many_positional_arguments_is_a_type_error():
         BoundLaunch(_axpy_kernel, (1,), torch.device("cpu"), [None] * 8, {}, (0,))
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="Triton was imported in compile mode first")
 @pytest.mark.parametrize("square", [False, True])
 def test_cpu_interpreter_fills_slots_per_call(monkeypatch, square):
     monkeypatch.setenv("TRITON_INTERPRET", "1")

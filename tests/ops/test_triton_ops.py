@@ -1,14 +1,9 @@
 """The ``triton`` provider equals the ``reference`` provider, on CPU through Triton's interpreter.
 
-How Triton reads ``TRITON_INTERPRET``: once per ``@triton.jit`` decoration, i.e. at import time,
-and that includes Triton's own standard library (``tl.zeros_like``, the reduction combiners). So
-the variable must be set before ``triton`` is first imported: this module sets it, imports
-Triton, and restores the environment at once, so that ``xpu_ops`` keeps choosing the
-``reference`` provider on CPU for other test modules; the fixture below sets it again only while
-these tests run (the provider is available on CPU only with it). If something imported Triton
-earlier in compile mode, this module reruns itself in a fresh interpreter-mode subprocess.
-``xpu_ops.triton`` runs an interpreted copy of its kernels for CPU tensors.
-Shapes are tiny: the interpreter executes every tile op through NumPy.
+Triton must be imported in interpreter mode for that (``tests/ops/triton_mode.py`` explains why
+and does it); if something imported Triton earlier in compile mode, this module reruns itself in
+a fresh interpreter-mode subprocess. ``xpu_ops.triton`` runs an interpreted copy of its kernels
+for CPU tensors. Shapes are tiny: the interpreter executes every tile op through NumPy.
 """
 
 from __future__ import annotations
@@ -20,24 +15,10 @@ import sys
 
 import pytest
 
-_FRESH = "triton" not in sys.modules
-if _FRESH:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton")
-    import triton.language as tl  # noqa: E402
-finally:
-    if _FRESH:
-        if _saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+from .triton_mode import INTERPRETED, tl, triton  # noqa: F401  (first: sets the mode)
 
 import torch  # noqa: E402
 
-# True when Triton's language library was decorated for the interpreter.
-INTERPRETED = type(tl.zeros_like).__name__ == "InterpretedFunction"
 in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported in compile mode "
                                    "before this module; test_rerun_in_subprocess covers it")
 

@@ -1,0 +1,104 @@
+"""``xpu_ops.plan``: a plan validates once and re-runs the op with new slot tensors.
+
+Every sample of the two per-layer ops is planned on one set of tensors and run with other slot
+tensors (same shapes, other values; NaN-poisoned slots and outputs stay NaN); the result must
+equal the op called directly on a copy of the second set. Bad plans raise the op's own errors; mismatched slot tensors raise
+(``run``) or re-plan (``planned_call``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .triton_mode import INTERPRETED  # first: Triton in interpreter mode
+
+import torch  # noqa: E402
+
+import xpu_ops  # noqa: E402
+from xpu_ops.plan import OpPlan, planned_call  # noqa: E402
+from xpu_ops.testing import sample_inputs  # noqa: E402
+
+from .utils import clone as clone_args  # noqa: E402
+
+# The tensors that change from layer to layer (positions in the op's arguments).
+SLOTS = {"flash_attn_with_kvcache": (0, 1, 2, 6), "store_kv_cache": (0, 1, 3, 4)}
+PROVIDERS = ["reference", "triton"]
+
+
+def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A tensor like ``t`` with other values; NaN stays NaN (poisoned cache slots, outputs)."""
+    noise = torch.randn(t.shape, generator=gen)
+    return (t.float() + noise).to(t.dtype).as_strided(t.shape, t.stride())
+
+
+def _pairs(op):
+    gen = torch.Generator().manual_seed(1)
+    pairs = []
+    for args, kwargs in sample_inputs(op, "cpu"):
+        other = list(args)
+        for j in SLOTS[op]:
+            other[j] = _other_values(args[j], gen)
+        pairs.append(((args, kwargs), (tuple(other), kwargs)))
+    return pairs
+
+
+def _outputs(op, args):
+    return [args[6]] if op == "flash_attn_with_kvcache" else [args[0], args[1]]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("op", sorted(SLOTS))
+def test_plan_reruns_with_new_tensors_like_the_op(op, provider, monkeypatch):
+    if provider == "triton":
+        if not INTERPRETED:
+            pytest.skip("Triton was imported in compile mode first (see tests/ops/triton_mode.py)")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pairs = _pairs(op)
+    if provider == "triton":
+        pairs = pairs[:4]  # the interpreter is slow; the first samples cover paged GQA cases
+    for i, ((args0, kwargs), (args1, _)) in enumerate(pairs):
+        with xpu_ops.use_provider(provider):
+            plan = OpPlan(op, args0, kwargs, SLOTS[op])
+        want_args = clone_args(args1)
+        with xpu_ops.use_provider(provider):
+            want = getattr(torch.ops.xpu_ops, op)(*want_args, **kwargs)
+        got = plan.run(*[args1[j] for j in SLOTS[op]])
+        for g, w in zip(_outputs(op, args1), _outputs(op, want_args)):
+            torch.testing.assert_close(g, w, equal_nan=True, atol=0, rtol=0,
+                                       msg=lambda m: f"sample {i}: {m}")
+            if g.numel() and op == "flash_attn_with_kvcache":
+                assert not g.isnan().any(), f"sample {i}: an output row was never written"
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want, equal_nan=True, atol=0, rtol=0)
+
+
+def test_plan_runs_the_ops_checks():
+    (args, kwargs), = [s for s in [next(sample_inputs("flash_attn_with_kvcache", "cpu"))]]
+    bad = list(args)
+    bad[3] = bad[3].long()  # cache_seqlens must be int32
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        OpPlan("flash_attn_with_kvcache", bad, kwargs, SLOTS["flash_attn_with_kvcache"])
+
+
+def test_run_rejects_a_tensor_unlike_the_planned_one():
+    args, kwargs = next(sample_inputs("flash_attn_with_kvcache", "cpu"))
+    plan = OpPlan("flash_attn_with_kvcache", args, kwargs, SLOTS["flash_attn_with_kvcache"])
+    q, k_cache, v_cache, out = (args[j] for j in SLOTS["flash_attn_with_kvcache"])
+    with pytest.raises(ValueError, match=r"argument 0 has shape .* expected the planned"):
+        plan.run(q[:-1], k_cache, v_cache, out)
+    with pytest.raises(ValueError, match="argument 6"):
+        plan.run(q, k_cache, v_cache, out.double())
+
+
+def test_planned_call_replans_when_a_slot_changes_shape():
+    plans: dict = {}
+    samples = list(sample_inputs("store_kv_cache", "cpu"))
+    (a0, kw0), (a1, kw1) = samples[0], samples[1]  # different cache shapes
+    for args, kwargs in ((a0, kw0), (a0, kw0), (a1, kw1)):
+        want = clone_args(args)
+        torch.ops.xpu_ops.store_kv_cache(*want, **kwargs)
+        planned_call(plans, "store", "store_kv_cache", args, kwargs, SLOTS["store_kv_cache"])
+        torch.testing.assert_close(args[0], want[0], atol=0, rtol=0)
+        torch.testing.assert_close(args[1], want[1], atol=0, rtol=0)
+    assert list(plans) == ["store"]
+    assert plans["store"].matches([a1[j] for j in SLOTS["store_kv_cache"]])

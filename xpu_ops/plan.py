@@ -1,0 +1,108 @@
+"""``OpPlan``: validate an op call once, then re-run it with new tensors in some arguments.
+
+The plan/run split of FlashInfer's wrappers, applied to any ``xpu_ops`` op: a decode step calls
+the same op once per layer with the same metadata (page table, sequence lengths, scalars) and
+different per-layer tensors (q, the layer's cache, out). ``OpPlan(op, args, kwargs, slots)``
+runs the op's shape checks (its fake implementation) and provider selection once; ``run`` then
+only checks that each slot tensor has the planned shape, strides, dtype and device and calls the
+selected provider's implementation directly: no public-wrapper defaults, no dispatcher
+round trip, no repeated checks. ``planned_call`` keeps plans in a caller-owned dict (e.g. one per
+forward step) and re-plans when a slot tensor no longer matches.
+
+For eager execution only (piecewise graphs run attention eagerly between captured pieces): a
+plan calls Python directly, so it is invisible to ``torch.compile`` and to autograd (mutated
+arguments get no version-counter bump), and the debug-mode value checks
+(``XPU_OPS_DEBUG_CHECKS=1``) of the public wrappers do not run. Callers use the ops themselves
+when ``torch.compiler.is_compiling()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from . import providers
+from ._registration import DEFINED
+
+
+def _signature(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+class OpPlan:
+    """One validated call of ``torch.ops.xpu_ops.<op>``, re-runnable with new slot tensors.
+
+    Args:
+        op: op name without namespace, e.g. ``"flash_attn_with_kvcache"``.
+        args, kwargs: a complete call of the op (as ``torch.ops.xpu_ops.<op>`` takes it).
+        slots: positions in ``args`` of the tensors that change between runs.
+    Raises:
+        KeyError: ``op`` is not an ``xpu_ops`` op.
+        TypeError, ValueError, NotImplementedError: the op's own checks reject ``args``.
+        RuntimeError: no provider can run the call.
+    """
+
+    __slots__ = ("op", "_args", "_kwargs", "slots", "_template", "_fn")
+
+    def __init__(self, op: str, args: Sequence[Any], kwargs: dict[str, Any],
+                 slots: Sequence[int]):
+        opdef = DEFINED[f"xpu_ops::{op}"]
+        if opdef.fake is not None:
+            opdef.fake(*args, **kwargs)  # the op's shape/dtype/device checks
+        device = next(a.device for a in args if isinstance(a, Tensor))
+        self.op = op
+        self._fn = providers.select(op, device, *args, **kwargs).fn
+        self._args = list(args)
+        self._kwargs = dict(kwargs)
+        self.slots = tuple(slots)
+        self._template = tuple(_signature(args[i]) for i in self.slots)
+
+    def matches(self, tensors: Sequence[Tensor]) -> bool:
+        """True when every tensor has its slot's planned shape, strides, dtype and device."""
+        for t, (shape, stride, dtype, device) in zip(tensors, self._template):
+            if t.dtype != dtype or t.shape != shape or t.stride() != stride or t.device != device:
+                return False
+        return True
+
+    def run(self, *tensors: Tensor):
+        """Run the op with ``tensors`` in the slots; returns what the op returns.
+
+        Raises:
+            ValueError: a tensor differs from its slot's planned shape, strides, dtype or device.
+        """
+        if not self.matches(tensors):
+            for i, t, want in zip(self.slots, tensors, self._template):
+                if _signature(t) != want:
+                    raise ValueError(f"OpPlan({self.op}).run: argument {i} has shape "
+                                     f"{tuple(t.shape)}, strides {t.stride()}, {t.dtype} on "
+                                     f"{t.device}; expected the planned {tuple(want[0])}, "
+                                     f"{want[1]}, {want[2]} on {want[3]}. Make a new plan.")
+        return self.run_matched(tensors)
+
+    def run_matched(self, tensors: Sequence[Tensor]):
+        """``run`` for tensors already known to match (``matches`` returned True)."""
+        args = self._args
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        return self._fn(*args, **self._kwargs)
+
+
+def planned_call(plans: dict, key: Any, op: str, args: Sequence[Any], kwargs: dict[str, Any],
+                 slots: Sequence[int]):
+    """Call ``op`` through the plan stored under ``key`` in ``plans``, planning it first when
+    there is none or its slot tensors no longer match.
+
+    ``key`` must identify everything outside the slots: the non-slot tensors (by ``id``; the
+    plan keeps them alive, so an id cannot be reused while the plan exists) and every scalar.
+    Raises what ``OpPlan`` raises.
+    """
+    tensors = [args[i] for i in slots]
+    plan = plans.get(key)
+    if plan is None or not plan.matches(tensors):
+        plan = plans[key] = OpPlan(op, args, kwargs, slots)
+    return plan.run_matched(tensors)
+
+
+__all__ = ["OpPlan", "planned_call"]
