@@ -13,7 +13,7 @@ For eager execution only (piecewise graphs run attention eagerly between capture
 plan calls Python directly, so it is invisible to ``torch.compile`` and to autograd (mutated
 arguments get no version-counter bump), and the debug-mode value checks
 (``XPU_OPS_DEBUG_CHECKS=1``) of the public wrappers do not run. Callers use the ops themselves
-when ``torch.compiler.is_compiling()``.
+unless ``runs_eagerly(t)`` says a plan would do the same thing.
 """
 
 from __future__ import annotations
@@ -23,8 +23,18 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
 from . import providers
 from ._registration import DEFINED
+
+
+def runs_eagerly(t: Tensor) -> bool:
+    """True when an op call on ``t`` would run its kernel right away: not under Dynamo, no
+    Python dispatch mode (fake tensors, ``make_fx``, functionalization) and ``t`` a plain tensor
+    (not a tensor subclass such as ``FakeTensor``). Only then may a plan replace the op call."""
+    return (type(t) is Tensor and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
 
 
 def _signature(t: Tensor) -> tuple:
@@ -105,4 +115,4 @@ def planned_call(plans: dict, key: Any, op: str, args: Sequence[Any], kwargs: di
     return plan.run_matched(tensors)
 
 
-__all__ = ["OpPlan", "planned_call"]
+__all__ = ["OpPlan", "planned_call", "runs_eagerly"]

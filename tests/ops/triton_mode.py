@@ -6,7 +6,8 @@ interpreted later still calls those as compiled ``JITFunction``s and fails with 
 @triton.jit'd outside of the scope of a kernel". So this module sets the variable, imports Triton
 and restores the environment at once (``xpu_ops`` keeps choosing the ``reference`` provider on
 CPU for other modules; tests that run Triton set the variable again while they run).
-``INTERPRETED`` is False when something imported Triton in compile mode before this module.
+``INTERPRETED`` is False when something imported Triton in compile mode before this module, and
+on a machine with a CUDA/XPU device, where Triton must compile (the GPU tests need it).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 import sys
 
 import pytest
+import torch
 
-_FRESH = "triton" not in sys.modules
+_GPU = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+_FRESH = "triton" not in sys.modules and not _GPU
 if _FRESH:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
