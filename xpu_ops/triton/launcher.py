@@ -54,9 +54,15 @@ def fast_launch_enabled() -> bool:
     return _LAUNCHER_TAKES_ALL_ARGS and providers.getenv("XPU_OPS_TRITON_FAST_LAUNCH") != "0"
 
 
+def _active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain (never None) that is empty unless a profiler added hooks.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_installed() -> bool:
+    """True when a launch hook is registered (profilers); launches then pass it metadata."""
     runtime = _knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
 
 
 class BoundLaunch:
@@ -120,13 +126,18 @@ class BoundLaunch:
             return
         key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
         compiled = self._compiled.get(key)
-        if compiled is None or _hooks_installed():
+        if compiled is None:
             # First launch of this alignment class: Triton binds, specialises, compiles or
             # finds the kernel, launches it and returns it.
             self._compiled[key] = self.kernel[self.grid](*args, **self.meta)
             return
         stream = _driver.active.get_current_stream(self._device_index)
-        compiled[self.grid](*args, *self._tail, stream=stream)
+        if _hooks_installed():  # the launcher then builds launch metadata for the hooks
+            compiled[self.grid](*args, *self._tail, stream=stream)
+            return
+        g = self.grid
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *self._tail)
 
 
 __all__ = ["BoundLaunch", "fast_launch_enabled"]
