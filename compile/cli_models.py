@@ -66,8 +66,10 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
     if not has[name]:
-        raise RuntimeError(f"--device {name}: no {name} device is available in this PyTorch "
-                           f"build; use --device cpu or --device auto.")
+        available = ", ".join(d for d in ("cpu", "cuda", "xpu") if has[d])
+        raise RuntimeError(f"argument --device: expected auto or an available device "
+                           f"({available}), got {name!r} (no {name} device in this PyTorch "
+                           f"build)")
     return torch.device(name)
 
 

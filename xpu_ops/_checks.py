@@ -34,6 +34,9 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
                  device: Optional[torch.device] = None, fix: str = "") -> torch.Tensor:
     """Check that ``t`` is a tensor with the given rank, dtype and device; return it.
 
+    ``fix`` is the how-to-fix sentence of a dtype mismatch (rank and device errors carry their
+    own), so a dtype hint never follows a wrong rank.
+
     Raises:
         TypeError: ``t`` is not a ``torch.Tensor``.
         ValueError: rank, dtype or device differ, naming ``arg`` and both values.
@@ -46,7 +49,7 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
             ndims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
             rule = " or ".join(f"{n}-D" for n in ndims)
             fail(fn, arg, "has the wrong number of dimensions", rule,
-                 f"{t.dim()}-D with shape {tuple(t.shape)}", fix)
+                 f"{t.dim()}-D with shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         fix = fix or (f"Build it with dtype={dtypes[0]}." if len(dtypes) == 1 else "")
         fail(fn, arg, f"has dtype {t.dtype}", _dtype_list(dtypes), t.dtype, fix)
@@ -94,6 +97,51 @@ def check_size(fn: str, arg: str, t: torch.Tensor, dim: int, expected, rule: str
              f"shape {tuple(t.shape)}")
 
 
+def check_same_size(fn: str, what: str, *entries: tuple[str, torch.Tensor, int]) -> None:
+    """Check that several arguments agree on one size (``what``, e.g. ``N`` or ``Hkv``).
+
+    ``entries`` are ``(arg, tensor, dim)``. On a mismatch the argument that disagrees with the
+    size most entries share is named (ties: the size of the earliest entry), with the arguments
+    that agree, so the message blames the tensor that is actually off.
+    """
+    sizes = [t.shape[dim] for _, t, dim in entries]
+    if all(size == sizes[0] for size in sizes[1:]):
+        return
+    ref = max(sizes, key=lambda size: (sizes.count(size), -sizes.index(size)))
+    agree = ", ".join(f"{arg}.shape[{dim}]" for (arg, _, dim), size in zip(entries, sizes)
+                      if size == ref)
+    arg, t, dim = next(e for e, size in zip(entries, sizes) if size != ref)
+    fail(fn, arg, f"has the wrong size in dimension {dim} ({what})",
+         f"{what} = {ref} as in {agree}", f"shape {tuple(t.shape)}")
+
+
+def check_store_dtypes(fn: str, *pairs: tuple[str, torch.Tensor, str, torch.Tensor]) -> None:
+    """Dtypes of new rows and the caches they are written into: ``pairs`` of
+    ``(row_arg, rows, cache_arg, cache)``. Rows share one float dtype; a cache has that dtype
+    or an fp8 one (rows are quantised on the way in).
+
+    When the rows agree, a cache that differs is named; when they do not, the row that differs
+    from its (non-fp8) cache, else the row that differs from the first.
+    """
+    first_arg, first = pairs[0][0], pairs[0][1]
+    if all(rows.dtype == first.dtype for _, rows, _, _ in pairs):
+        owners = " and ".join(f"{row_arg}'s" for row_arg, _, _, _ in pairs)
+        for _, _, cache_arg, cache in pairs:
+            if cache.dtype not in FP8_DTYPES and cache.dtype != first.dtype:
+                fail(fn, cache_arg, f"has dtype {cache.dtype}",
+                     f"{owners} dtype {first.dtype} or an fp8 dtype", cache.dtype,
+                     "Allocate the cache in the dtype of the rows it stores, or in fp8.")
+        return
+    for row_arg, rows, cache_arg, cache in pairs:
+        if cache.dtype not in FP8_DTYPES and rows.dtype != cache.dtype:
+            fail(fn, row_arg, f"has dtype {rows.dtype}",
+                 f"{cache_arg}'s dtype {cache.dtype} (the cache is not fp8)", rows.dtype,
+                 f"Cast it with {row_arg}.to({cache_arg}.dtype).")
+    row_arg, rows = next((a, r) for a, r, _, _ in pairs if r.dtype != first.dtype)
+    fail(fn, row_arg, f"has dtype {rows.dtype}", f"{first_arg}'s dtype {first.dtype}",
+         rows.dtype, f"Pass {first_arg} and {row_arg} in the same dtype.")
+
+
 def check_shape(fn: str, arg: str, t: torch.Tensor, expected: Sequence, rule: str) -> None:
     """Check the whole shape of ``t``; ``rule`` names the expected layout, e.g. ``[b, Hkv]``."""
     if tuple(t.shape) != tuple(expected):
@@ -131,11 +179,36 @@ def check_window(fn: str, window_size: object) -> tuple[int, int]:
     return left, right
 
 
-def check_not_implemented(fn: str, **kwargs) -> None:
-    """Reject keywords that sgl-kernel accepts but xpu-ops does not implement (non-default)."""
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
+
+
+def check_not_implemented(fn: str, defaults: Optional[dict[str, object]] = None,
+                          **kwargs) -> None:
+    """Reject keywords that sgl-kernel accepts but xpu-ops does not implement (non-default).
+
+    A keyword passes when it is ``None`` or its default: ``defaults[name]`` when given (same
+    type and value; a default of ``None`` admits only ``None``), else ``False``/``0``.
+
+    Raises:
+        NotImplementedError: naming the first keyword with another value, its default and the
+            value received.
+    """
+    defaults = defaults or {}
     for name, value in kwargs.items():
-        if value is not None and value is not False and not (isinstance(value, int) and value == 0):
+        if name in defaults:
+            default = defaults[name]
+            ok = value is None or (type(value) is type(default) and value == default)
+            rule = ("None (its default)" if default is None
+                    else f"None or {default!r} (its default)")
+        else:
+            ok = value is None or value is False or (type(value) is int and value == 0)
+            rule = "None (its default)"
+        if not ok:
             raise NotImplementedError(
                 f"{fn}: keyword {name} is accepted for compatibility with sgl-kernel but is not "
-                f"implemented by xpu-ops; expected None/default, got {type(value).__name__}. "
-                f"See the function's docstring for the supported way to get the same effect.")
+                f"implemented by xpu-ops; expected {rule}, got "
+                f"{_describe(value)}. See the function's docstring for the supported way to "
+                f"get the same effect.")

@@ -137,8 +137,13 @@ def check_max_seqlen(fn: str, arg: str, max_seqlen: int, cu, cu_arg: str) -> Non
              f"Pass {arg}=int(({cu_arg}[1:] - {cu_arg}[:-1]).max()) or leave it None.")
 
 
-def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: int) -> None:
-    """``0 <= cache_seqlens <= capacity`` and every page-table entry that is read is a page id."""
+def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: int,
+                contiguous: bool = False) -> None:
+    """``0 <= cache_seqlens <= capacity`` and every page-table entry that is read is a page id.
+
+    ``contiguous``: the caller built ``page_table`` for a contiguous cache ``[b, seqlen_k, Hkv,
+    D]`` (none was given), so the capacity is stated as ``seqlen_k``.
+    """
     if not (_index_ok(cache_seqlens, 1) and _index_ok(page_table, 2, cache_seqlens.device)
             and page_table.shape[0] == cache_seqlens.shape[0]):
         return
@@ -146,6 +151,12 @@ def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: i
     capacity = max_pages * page_size
     where = _first((cache_seqlens < 0) | (cache_seqlens > capacity))
     if where is not None:
+        if contiguous:
+            fail(fn, "cache_seqlens", "is out of range", f"0 <= cache_seqlens <= k_cache.shape[1] "
+                 f"(seqlen_k of a contiguous cache without page_table) = {capacity} tokens",
+                 _at("cache_seqlens", cache_seqlens, where),
+                 "Keep each request's length within the cache, or pass a paged cache with "
+                 "its page_table.")
         fail(fn, "cache_seqlens", "is out of range", f"0 <= cache_seqlens <= page_table.shape[1] "
              f"* page_size = {max_pages} * {page_size} = {capacity} tokens",
              _at("cache_seqlens", cache_seqlens, where),
@@ -188,14 +199,15 @@ def check_store_mla_kv_cache(loc, kv_cache) -> None:
 
 
 def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seqlens_q,
-                                  max_seqlen_q) -> None:
+                                  max_seqlen_q, contiguous: bool = False) -> None:
     """Debug-switch value checks of ``flash_attn_with_kvcache``: ``cache_seqlens``/``page_table`` in
-    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound.
+    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound
+    (``contiguous``: no page_table was given, see ``check_paged``).
     """
     fn = "flash_attn_with_kvcache"
     if not _active(q, k_cache, cache_seqlens, page_table, cu_seqlens_q) or k_cache.dim() != 4:
         return
-    check_paged(fn, cache_seqlens, page_table, k_cache.shape[1], k_cache.shape[0])
+    check_paged(fn, cache_seqlens, page_table, k_cache.shape[1], k_cache.shape[0], contiguous)
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
 

@@ -97,3 +97,85 @@ def test_sizes_below_one_are_rejected_before_loading(option, capsys):
         main(["generate", option, "0"])
     assert exit_info.value.code == 2
     assert f"argument {option}: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+# User errors in the arguments: one line on stderr naming the flag, the rule and the value,
+# exit status 2, and nothing loaded (load_model is replaced by a function that fails the test).
+BAD_ARGS = [
+    (["generate", "--model", "/no/such/model.gguf"],
+     r"generate: error: argument --model: expected 'tiny', 'default', a \.gguf file or a Hugging "
+     r"Face model folder, got '/no/such/model\.gguf' \(no such file or folder\)"),
+    (["generate", "--model", "{tmp}"],
+     r"argument --model: expected .*, got '.*' \(a folder without config\.json\)"),
+    (["generate", "--mode", "fast"],
+     r"argument --mode: invalid choice: 'fast' \(choose from 'eager', 'compile'"),
+    (["generate", "--temperature", "-1"],
+     r"argument --temperature: expected a finite number >= 0 \(0 = greedy\), got '-1'"),
+    (["generate", "--temperature", "nan"], r"argument --temperature: expected .*, got 'nan'"),
+    (["generate", "--max-new-tokens", "0"],
+     r"argument --max-new-tokens: expected an integer >= 1, got 0"),
+    (["generate", "--max-new-tokens", "-5"],
+     r"argument --max-new-tokens: expected an integer >= 1, got -5"),
+    (["generate", "--max-new-tokens", "ten"],
+     r"argument --max-new-tokens: expected an integer >= 1, got 'ten'"),
+    (["generate", "--dtype", "fp8"],
+     r"argument --dtype: invalid choice: 'fp8' \(choose from 'float32', 'bfloat16', 'float16'\)"),
+    (["generate", "--threads", "-1"], r"argument --threads: expected an integer >= 0, got -1"),
+    (["generate", "--prompts-file", "/no/such/prompts.txt"],
+     r"argument --prompts-file: expected an existing file, got '/no/such/prompts\.txt'"),
+    (["generate", "--model", "tiny", "--verify", "--temperature", "0.7"],
+     r"^python -m compile generate: error: argument --verify: compares greedy ids; expected "
+     r"--temperature 0, got --temperature 0\.7"),
+    (["check", "/no/such/folder"],
+     r"^python -m compile check: error: argument model: expected 'tiny', 'default', .*, got "
+     r"'/no/such/folder' \(no such file or folder\)"),
+    (["check", "tiny", "--page-size", "0"],
+     r"argument --page-size: expected an integer >= 1, got 0"),
+    (["check", "tiny", "--dtype", "int8"], r"argument --dtype: invalid choice: 'int8'"),
+]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    import compile.cli_models as cli_models
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("an argument error must be reported before the model loads")
+
+    monkeypatch.setattr(cli_models, "load_model", load_model)
+
+
+@pytest.mark.parametrize("argv, pattern", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_argument_errors_are_one_line_and_status_2(argv, pattern, tmp_path, capsys, no_loading):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert len(err) == 1 and "Traceback" not in captured.err, captured.err
+    assert re.search(pattern, err[0]), err[0]
+    assert err[0].endswith("--help)"), err[0]
+
+
+def test_unavailable_device_is_an_argument_error(monkeypatch, capsys, no_loading):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "tiny", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert re.fullmatch(r"python -m compile generate: error: argument --device: expected auto or "
+                        r"an available device \(cpu.*\), got 'cuda' \(no cuda device in this "
+                        r"PyTorch build\) \(see python -m compile generate --help\)\n",
+                        capsys.readouterr().err)
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    """A failure while the command runs is not an argument error: it propagates as is."""
+    import compile.cli_models as cli_models
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal failure while loading")
+
+    monkeypatch.setattr(cli_models, "load_model", broken)
+    with pytest.raises(RuntimeError, match="internal failure while loading"):
+        main(["generate", "--model", "tiny", "--device", "cpu"])

@@ -19,6 +19,7 @@ from compile.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, ful
 from compile.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
 from tests.compile.test_piecewise import _eager, _mixed
+from tests.markers import requires_gpu_graphs
 
 # batch sizes in request counts: grow, shrink across buckets, shrink inside one, grow again
 SCHEDULE = ([0, 1, 2], [0, 1, 2, 3, 4], [1], [0, 1, 2], [4, 3], [0, 1, 2, 3, 4], [2, 0, 4])
@@ -101,8 +102,7 @@ def _accept_one(h: Harness, rows, d: int) -> None:
         h.lens[r] += 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not dev.supports_graphs(dev.as_device()), reason="needs CUDA/XPU graphs")
+@requires_gpu_graphs
 class TestDecodeGraphRunnerGPU(TestCase):
     def test_capture_replay_equals_eager_and_buffers_stay(self):
         device = dev.as_device()
@@ -213,8 +213,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         self.assertEqual(pw.backend.stats["captures"], 0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not dev.supports_graphs(dev.as_device()), reason="needs CUDA/XPU graphs")
+@requires_gpu_graphs
 class TestFullAndPiecewiseGPU(TestCase):
     def setUp(self):
         torch._dynamo.reset()  # earlier tests' graphs of the same forward count to its limit

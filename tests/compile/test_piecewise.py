@@ -21,6 +21,7 @@ from compile.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, co
                                split_graph)
 from compile.split_op import enable_split_op
 from tests.compile.compile_helpers import Harness, fx_op_sequence, tiny_model
+from tests.markers import requires_gpu_graphs
 
 
 def _eager(model, layers, ids, pos, fb):
@@ -302,8 +303,7 @@ class TestEmulatedCapture(TestCase):
         self.assertEqual(stats["captures"], 2 * (num_layers + 1))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not dev.supports_graphs(dev.as_device()), reason="needs CUDA/XPU graphs")
+@requires_gpu_graphs
 class TestPiecewiseCapture(TestCase):
     def test_capture_replay_equals_eager_with_stable_buffers(self):
         device = dev.as_device()

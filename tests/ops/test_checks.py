@@ -40,6 +40,44 @@ def test_check_tensor_branches():
     assert _checks.check_optional(FN, "x", None, ndim=5) is None
     with pytest.raises(ValueError, match="x has the wrong number of dimensions"):
         _checks.check_optional(FN, "x", t, ndim=5)
+    # ``fix`` is dtype advice: a rank error does not carry it.
+    with pytest.raises(ValueError, match=r"x has the wrong number of dimensions; expected 3-D, "
+                                         r"got 2-D with shape \(2, 3\)\.$"):
+        _checks.check_tensor(FN, "x", t, ndim=3, dtypes=(torch.float32,), fix="Cast it.")
+
+
+def test_check_same_size_names_the_odd_one_out():
+    a, b, c = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2)
+    _checks.check_same_size(FN, "N", ("a", a, 0), ("c", c, 0))
+    with pytest.raises(ValueError, match=r"^some_op: b has the wrong size in dimension 0 \(N\); "
+                                         r"expected N = 2 as in a.shape\[0\], c.shape\[0\], got "
+                                         r"shape \(3, 4\)\.$"):
+        _checks.check_same_size(FN, "N", ("a", a, 0), ("b", b, 0), ("c", c, 0))
+    with pytest.raises(ValueError, match=r"^some_op: a has the wrong size .* expected N = 3 as in "
+                                         r"b.shape\[0\], c.shape\[0\]"):  # majority: b and c
+        _checks.check_same_size(FN, "N", ("a", a, 0), ("b", b, 0), ("c", torch.zeros(3), 0))
+    with pytest.raises(ValueError, match=r"^some_op: b has .* expected N = 2 as in a.shape\[0\], "
+                                         r"got"):  # a tie: the first entry is the reference
+        _checks.check_same_size(FN, "N", ("a", a, 0), ("b", b, 0))
+
+
+def test_check_store_dtypes_names_the_odd_one_out():
+    f32, f16, f8 = torch.zeros(1), torch.zeros(1, dtype=torch.half), \
+        torch.zeros(1, dtype=torch.float8_e4m3fn)
+    _checks.check_store_dtypes(FN, ("k", f32, "kc", f32), ("v", f32, "vc", f8))
+    _checks.check_store_dtypes(FN, ("k", f16, "kc", f8), ("v", f16, "vc", f8))
+    with pytest.raises(ValueError, match=r"^some_op: vc has dtype torch.float16; expected k's and "
+                                         r"v's dtype torch.float32 or an fp8 dtype, got "
+                                         r"torch.float16\. Allocate the cache"):
+        _checks.check_store_dtypes(FN, ("k", f32, "kc", f32), ("v", f32, "vc", f16))
+    with pytest.raises(ValueError, match=r"^some_op: k has dtype torch.float16; expected kc's "
+                                         r"dtype torch.float32 \(the cache is not fp8\), got "
+                                         r"torch.float16\. Cast it with k.to\(kc.dtype\)\.$"):
+        _checks.check_store_dtypes(FN, ("k", f16, "kc", f32), ("v", f32, "vc", f32))
+    with pytest.raises(ValueError, match=r"^some_op: v has dtype torch.float32; expected k's dtype "
+                                         r"torch.float16, got torch.float32\. Pass k and v in "
+                                         r"the same dtype\.$"):
+        _checks.check_store_dtypes(FN, ("k", f16, "kc", f8), ("v", f32, "vc", f8))
 
 
 def test_check_size_shape_contiguous():
@@ -78,6 +116,29 @@ def test_check_not_implemented():
     for value in (torch.zeros(1), 1, True, "x"):
         with pytest.raises(NotImplementedError, match="keyword a is accepted for compatibility"):
             _checks.check_not_implemented(FN, a=value)
+    defaults = {"flag": True, "margin": 0, "pack": None}
+    _checks.check_not_implemented(FN, defaults, flag=True, margin=0, pack=None)
+    _checks.check_not_implemented(FN, defaults, flag=None, margin=None)
+    for name, value, rule, got in (("flag", False, "None or True", "False"),
+                                   ("flag", 1, "None or True", "1"),
+                                   ("margin", 2, "None or 0", "2"),
+                                   ("pack", False, "None", "False"),
+                                   ("pack", torch.zeros(2), "None", r"a tensor of shape \(2,\)")):
+        with pytest.raises(NotImplementedError, match=rf"^some_op: keyword {name} is accepted .*; "
+                                                      rf"expected {rule} \(its default\), got "
+                                                      rf"{got}\. See"):
+            _checks.check_not_implemented(FN, defaults, **{name: value})
+
+
+def test_check_num_splits():
+    for ok in (0, 1, 7, torch.tensor(2).numpy()):
+        common.check_num_splits(FN, ok)
+    with pytest.raises(ValueError, match=r"^some_op: num_splits is negative; expected 0 "
+                                         r"\(automatic\) or a split count >= 1, got -2\.$"):
+        common.check_num_splits(FN, -2)
+    with pytest.raises(TypeError, match=r"^some_op: num_splits is not an integer; expected an int "
+                                        r"\(0: automatic\), got str\.$"):
+        common.check_num_splits(FN, "4")
 
 
 def test_common_helpers():

@@ -131,6 +131,15 @@ def _bad_kv(t):
         "k_scale not fp8": dict(k_scale=torch.ones(1)),
         "k_scale dtype": dict(k_cache=t["k_cache"].to(fp8), k_scale=torch.ones(1).double()),
         "v_scale numel": dict(v_cache=t["v_cache"].to(fp8), v_scale=torch.ones(2)),
+        # The argument that is off is named, not the first one compared (fresh-user probe).
+        "k dtype vs caches": dict(k=t["k"].half()),
+        "v_cache dtype": dict(v_cache=t["v_cache"].half()),
+        "rows dtype, fp8 caches": dict(k_cache=t["k_cache"].to(fp8), v_cache=t["v_cache"].to(fp8),
+                                       v=t["v"].half()),
+        "k tokens": dict(k=t["k"][:1]),
+        "k heads": dict(k=t["k"][:, :1]),
+        "v_cache heads": dict(v_cache=t["v_cache"][:, :1]),
+        "k head dim": dict(k=t["k"][..., :4]),
     }
 
 
@@ -141,14 +150,28 @@ MATCH_KV = {"k 2-D": "k has the wrong number of dimensions", "k int": "k has dty
             "k_cache 2-D": "k_cache has the wrong number of dimensions; expected 3-D or 4-D",
             "k_cache dtype": "k_cache has dtype torch.float16",
             "k_cache heads": "k_cache has the wrong size in dimension -2",
-            "k_cache head dim": r"k_cache has the wrong size in dimension -1; expected "
-                                r"k.shape\[2\]",
-            "v_cache head dim": r"v_cache has the wrong size in dimension -1; expected "
-                                r"v.shape\[2\]",
+            "k_cache head dim": r"k_cache has the wrong size in dimension -1 \(D\); expected "
+                                r"D = 8 as in k.shape\[2\], got shape \(16, 2, 4\)",
+            "v_cache head dim": r"v_cache has the wrong size in dimension -1 \(Dv\); expected "
+                                r"Dv = 4 as in v.shape\[2\]",
             "v_cache slots": "v_cache has a different number of token slots than k_cache",
             "k_scale not fp8": "k_scale is given for a cache that is not fp8",
             "k_scale dtype": "k_scale has dtype torch.float64",
-            "v_scale numel": "v_scale has more than one element"}
+            "v_scale numel": "v_scale has more than one element",
+            "k dtype vs caches": r"k has dtype torch.float16; expected k_cache's dtype "
+                                 r"torch.float32 \(the cache is not fp8\), got torch.float16",
+            "v_cache dtype": r"v_cache has dtype torch.float16; expected k's and v's dtype "
+                             r"torch.float32 or an fp8 dtype, got torch.float16",
+            "rows dtype, fp8 caches": r"v has dtype torch.float16; expected k's dtype "
+                                      r"torch.float32",
+            "k tokens": r"k has the wrong size in dimension 0 \(N\); expected N = 2 as in "
+                        r"v.shape\[0\], loc.shape\[0\], got shape \(1, 2, 8\)",
+            "k heads": r"k has the wrong size in dimension 1 \(Hkv\); expected Hkv = 2 as in "
+                       r"v.shape\[1\], k_cache.shape\[-2\], v_cache.shape\[-2\]",
+            "v_cache heads": r"v_cache has the wrong size in dimension -2 \(Hkv\); expected "
+                             r"Hkv = 2",
+            "k head dim": r"k_cache has the wrong size in dimension -1 \(D\); expected D = 4 "
+                          r"as in k.shape\[2\], got shape \(16, 2, 8\)"}
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
@@ -179,7 +202,22 @@ BAD_MLA = {
     "loc length": (lambda t: dict(loc=t["loc"][:1]), "loc has the wrong size"),
     "kv_cache dtype": (lambda t: dict(kv_cache=t["kv_cache"].half()), "kv_cache has dtype"),
     "kv_cache width": (lambda t: dict(kv_cache=t["kv_cache"][..., :10]),
-                       r"kv_cache has the wrong size in dimension -1; expected R \+ r = 12"),
+                       r"kv_cache has the wrong size in dimension -1; expected k_nope.shape\[2\] "
+                       r"\+ k_rope.shape\[2\] \(R \+ r\) = 8 \+ 4 = 12, got shape \(16, 1, 10\)"),
+    # The argument that is off is named, not the first one compared (fresh-user probe).
+    "k_nope dtype vs cache": (lambda t: dict(k_nope=t["k_nope"].half()),
+                              r"k_nope has dtype torch.float16; expected kv_cache's dtype "
+                              r"torch.float32"),
+    "kv_cache dtype vs parts": (lambda t: dict(kv_cache=t["kv_cache"].half()),
+                                r"kv_cache has dtype torch.float16; expected k_nope's and "
+                                r"k_rope's dtype torch.float32 or an fp8 dtype"),
+    "k_nope tokens": (lambda t: dict(k_nope=t["k_nope"][:1]),
+                      r"k_nope has the wrong size in dimension 0 \(N\); expected N = 2 as in "
+                      r"k_rope.shape\[0\], loc.shape\[0\]"),
+    "kv_cache 4-D heads": (lambda t: dict(kv_cache=t["kv_cache"].view(4, 4, 1, 12)
+                                          .expand(4, 4, 2, 12)),
+                           r"kv_cache has the wrong size in dimension 2; expected one latent "
+                           r"head = 1, got shape \(4, 4, 2, 12\)"),
 }
 
 

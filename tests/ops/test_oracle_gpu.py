@@ -15,11 +15,10 @@ from xpu_ops.testing import REGISTERED_OPS, op_name, sample_inputs
 
 from . import oracle
 from .utils import FP8, LSE_TOL, OPCHECK_UTILS, OUT_TOL, has_fp8
+from ..markers import GPU_DEVICE, requires_gpu
 
-DEVICE = "cuda" if torch.cuda.is_available() else ("xpu" if hasattr(torch, "xpu") and
-                                                   torch.xpu.is_available() else None)
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA or XPU device")]
+DEVICE = GPU_DEVICE
+pytestmark = requires_gpu
 # fp32 inputs may go through TF32 tensor cores on the GPU (10-bit mantissa): bf16-like bounds.
 GPU_OUT_TOL = {**OUT_TOL, torch.float32: dict(atol=2e-3, rtol=2e-3)}
 GPU_LSE_TOL = {**LSE_TOL, torch.float32: dict(atol=2e-3, rtol=2e-3)}

@@ -110,21 +110,51 @@ def test_wrapper_contiguous_cache_without_page_table():
         torch.testing.assert_close(out[r].double(), o, **OUT_TOL[torch.float32])
 
 
-def test_wrapper_ignores_performance_hints():
+def test_wrapper_accepts_num_splits_as_a_hint():
+    """sglang's FA3 backend passes num_splits (1 with deterministic inference) on every call,
+    so any int >= 0 is accepted and the result does not depend on it; the defaults of the
+    unimplemented keywords pass too."""
     t, _, _ = _wrapper_inputs()
     ref = xpu_ops.flash_attn_with_kvcache(**t, causal=True)
-    hinted = xpu_ops.flash_attn_with_kvcache(**t, causal=True, num_splits=4, pack_gqa=True,
-                                             sm_margin=2, rotary_interleaved=False)
-    torch.testing.assert_close(hinted, ref, rtol=0, atol=0)
+    for num_splits in (0, 1, 4):
+        hinted = xpu_ops.flash_attn_with_kvcache(**t, causal=True, num_splits=num_splits,
+                                                 pack_gqa=None, sm_margin=0,
+                                                 rotary_interleaved=True, attention_chunk=0)
+        torch.testing.assert_close(hinted, ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("keyword", ["k", "v", "rotary_cos", "rotary_sin", "cache_batch_idx",
-                                     "cache_leftpad", "cu_seqlens_k_new", "rotary_seqlens",
-                                     "scheduler_metadata", "attention_chunk"])
-def test_wrapper_unimplemented_keywords(keyword):
+@pytest.mark.parametrize("value, exc, match", [
+    (-1, ValueError, r"num_splits is negative; expected 0 \(automatic\) or a split count >= 1, "
+                     r"got -1\.$"),
+    (1.5, TypeError, r"num_splits is not an integer; expected an int \(0: automatic\), got "
+                     r"float\.$")])
+def test_wrapper_rejects_bad_num_splits(value, exc, match):
     t, _, _ = _wrapper_inputs()
-    value = 8 if keyword == "attention_chunk" else torch.zeros(1)
-    with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted"):
+    with pytest.raises(exc, match=f"^flash_attn_with_kvcache: {match}"):
+        xpu_ops.flash_attn_with_kvcache(**t, num_splits=value)
+
+
+@pytest.mark.parametrize("keyword, value, rule, got", [
+    ("k", torch.zeros(1), "None", r"a tensor of shape \(1,\)"),
+    ("v", torch.zeros(1), "None", r"a tensor of shape \(1,\)"),
+    ("rotary_cos", torch.zeros(1), "None", "a tensor"),
+    ("rotary_sin", torch.zeros(1), "None", "a tensor"),
+    ("cache_batch_idx", torch.zeros(1), "None", "a tensor"),
+    ("cache_leftpad", torch.zeros(1), "None", "a tensor"),
+    ("cu_seqlens_k_new", torch.zeros(1), "None", "a tensor"),
+    ("rotary_seqlens", torch.zeros(1), "None", "a tensor"),
+    ("scheduler_metadata", torch.zeros(1), "None", "a tensor"),
+    ("attention_chunk", 8, "None or 0", "8"),
+    # API.md: unimplemented keywords raise unless None/default (sglang never passes these).
+    ("pack_gqa", True, "None", "True"),
+    ("pack_gqa", False, "None", "False"),
+    ("sm_margin", 2, "None or 0", "2"),
+    ("rotary_interleaved", False, "None or True", "False"),
+])
+def test_wrapper_unimplemented_keywords(keyword, value, rule, got):
+    t, _, _ = _wrapper_inputs()
+    with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted for "
+                       f"compatibility .* expected {rule} \\(its default\\), got {got}"):
         xpu_ops.flash_attn_with_kvcache(**t, **{keyword: value})
 
 

@@ -37,7 +37,29 @@ def _bad(t, args):
                                     "cu_seqlens_q is given with a 4-D q"),
         "k_cache not tensor": (dict(k_cache=None), TypeError, "k_cache is not a tensor"),
         "k_cache 3-D": (dict(k_cache=kc[0]), ValueError,
-                        "k_cache has the wrong number of dimensions; expected 4-D"),
+                        r"k_cache has the wrong number of dimensions; expected 4-D: \[num_pages, "
+                        r"page_size, Hkv, D\] with page_table, or \[b, seqlen_k, Hkv, D\] "
+                        r"without page_table, got 3-D with shape \(4, 2, 80\)\. View a flat"),
+        # The layout error of v_cache carries no dtype advice (it used to: fresh-user probe).
+        "v_cache 3-D": (dict(v_cache=vc[0]), ValueError,
+                        r"v_cache has the wrong number of dimensions; expected 4-D: .* got 3-D "
+                        r"with shape \(4, 2, 80\)\. View a flat \[slots, Hkv, D\] pool as "
+                        r"v_cache.view\(-1, page_size, Hkv, D\)\.$"),
+        # A paged cache without page_table is read as a contiguous [b, seqlen_k, Hkv, D] cache:
+        # the error names k_cache and both layouts, not the page_table the caller never passed.
+        "paged cache, page_table None": (
+            dict(page_table=None), ValueError,
+            r"k_cache has 8 rows in dimension 0 for a batch of 3 requests and page_table is "
+            r"None; expected a contiguous cache \[b, seqlen_k, Hkv, D\] \(the layout without "
+            r"page_table\) with b = cache_seqlens.shape\[0\] = 3, got shape \(8, 4, 2, 80\)\. "
+            r"For a paged cache \[num_pages, page_size, Hkv, D\], pass page_table"),
+        "paged cache, page_table and cache_seqlens None": (
+            dict(page_table=None, cache_seqlens=None), ValueError,
+            r"k_cache has 8 rows .* with b = cu_seqlens_q.shape\[0\] - 1 = 3, got shape"),
+        "paged cache, page_table None, 4-D q": (
+            dict(q=q[:2][None].contiguous(), cu_seqlens_q=None, page_table=None,
+                 cache_seqlens=None), ValueError,
+            r"k_cache has 8 rows .* with b = q.shape\[0\] = 1, got shape"),
         "k_cache int": (dict(k_cache=kc.int(), v_cache=vc.int()), ValueError,
                         "k_cache has dtype torch.int32"),
         "v_cache dtype": (dict(v_cache=vc.half()), ValueError,
@@ -63,7 +85,8 @@ def _bad(t, args):
         "cache_seqlens device": (dict(cache_seqlens=t["cache_seqlens"].to("meta")), ValueError,
                                  "cache_seqlens is on the wrong device; expected cpu"),
         "page_table 1-D": (dict(page_table=t["page_table"][0]), ValueError,
-                           "page_table has the wrong number of dimensions; expected 2-D"),
+                           r"page_table has the wrong number of dimensions; expected 2-D, got "
+                           r"1-D with shape \(4,\)\.$"),  # no dtype advice for a rank error
         "page_table batch": (dict(page_table=t["page_table"][1:]), ValueError,
                              r"page_table has the wrong size in dimension 0; expected "
                              r"cache_seqlens.shape\[0\] \(b\) = 3"),

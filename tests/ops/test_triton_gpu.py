@@ -17,10 +17,10 @@ import torch
 import xpu_ops
 import xpu_ops.testing as xt
 
-DEVICE = "cuda" if torch.cuda.is_available() else ("xpu" if hasattr(torch, "xpu") and
-                                                   torch.xpu.is_available() else None)
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA or XPU device")]
+from ..markers import GPU_DEVICE, requires_gpu
+
+DEVICE = GPU_DEVICE
+pytestmark = requires_gpu
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
        "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
 

@@ -308,3 +308,15 @@ def test_skipped_while_compiling(debug):
     assert kc[1].sum() == 2 and kc.sum() == 2
     with pytest.raises(ValueError, match="loc has a token slot out of range"):
         step(kc, vc, torch.tensor([1, 9]), torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+
+
+def test_contiguous_cache_length_names_seqlen_k_not_page_table(debug):
+    """Without page_table the wrapper builds a one-page table; a too-long cache_seqlens is
+    reported against k_cache.shape[1] (seqlen_k), not a page_table the caller never passed."""
+    kc = vc = torch.zeros(2, 16, 1, 8)
+    with pytest.raises(ValueError, match=r"cache_seqlens is out of range; expected 0 <= "
+                                         r"cache_seqlens <= k_cache.shape\[1\] \(seqlen_k of a "
+                                         r"contiguous cache without page_table\) = 16 tokens, "
+                                         r"got cache_seqlens\[1\] = 20\."):
+        xpu_ops.flash_attn_with_kvcache(torch.zeros(2, 1, 1, 8), kc, vc,
+                                        cache_seqlens=torch.tensor([16, 20], **I32))

@@ -61,6 +61,24 @@ def test_wrapper_defaults_and_dv_differs():
         xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_q=cu_q[1:])
 
 
+def test_wrapper_num_splits_hint_and_unimplemented_keywords():
+    """num_splits is a hint (any int >= 0, result unchanged); pack_gqa and sm_margin are not
+    implemented and raise unless None/default (API.md)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for n, h in ((5, 4), (9, 2), (9, 2)))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 9]))
+    ref = xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True)
+    for num_splits in (0, 1, 3):
+        out = xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True,
+                                             num_splits=num_splits, pack_gqa=None, sm_margin=0)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="flash_attn_varlen_func: num_splits is negative"):
+        xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, num_splits=-1)
+    for keyword, value in (("pack_gqa", True), ("pack_gqa", False), ("sm_margin", 1)):
+        with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted"):
+            xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **{keyword: value})
+
+
 def _bad(t):
     q, k, v = t["q"], t["k"], t["v"]
     i64 = torch.int64

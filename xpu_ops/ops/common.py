@@ -6,6 +6,7 @@ Each function reads only shapes, dtypes and devices, so it runs in the fakes as 
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -111,6 +112,23 @@ def check_cu_seqlens(fn: str, arg: str, t, batch: int, device: torch.device) -> 
     check_size(fn, arg, t, 0, batch + 1, "b + 1")
 
 
+def check_num_splits(fn: str, num_splits) -> None:
+    """``num_splits`` is a performance hint (0: automatic, n >= 1: n KV splits): any
+    non-negative integer is accepted and ignored, since results do not depend on it.
+
+    Raises:
+        TypeError: not an integer. ValueError: negative.
+    """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        try:
+            num_splits = operator.index(num_splits)
+        except TypeError:
+            fail(fn, "num_splits", "is not an integer", "an int (0: automatic)",
+                 type(num_splits).__name__, exc=TypeError)
+    if num_splits < 0:
+        fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
+
+
 def float_scalar(fn: str, arg: str, value) -> float:
     """Accept a Python/NumPy real number (not a tensor) for a float argument."""
     if type(value) is float:
@@ -125,4 +143,4 @@ def float_scalar(fn: str, arg: str, value) -> float:
 
 __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
            "check_query", "check_kv_dtype", "check_attention_extras", "check_out",
-           "check_cu_seqlens", "float_scalar", "check_optional"]
+           "check_cu_seqlens", "check_num_splits", "float_scalar", "check_optional"]

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from .. import _value_checks, providers
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, check_tensor_args, fail,
-                       tensors_or_none)
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_same_size, check_size,
+                       check_store_dtypes, check_tensor, check_tensor_args, fail, tensors_or_none)
 
 STORE_KV = "store_kv_cache"
 STORE_MLA = "store_mla_kv_cache"
@@ -41,26 +41,30 @@ def _check_scale(fn: str, arg: str, scale, cache: Tensor) -> None:
 
 
 def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None:
-    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    """Validate shapes/dtypes/devices (runs in the fake too).
+
+    Sizes shared by several arguments (N, Hkv, D, Dv) are compared all at once, so the message
+    names the argument that disagrees with the others (``check_same_size``); dtypes likewise
+    (``check_store_dtypes``).
+    """
     fn = STORE_KV
     check_tensor(fn, "k", k, ndim=3, dtypes=FLOAT_DTYPES)
     device = k.device
-    num_tokens, num_heads_kv, head_dim = k.shape
-    check_tensor(fn, "v", v, ndim=3, dtypes=(k.dtype,), device=device)
-    check_size(fn, "v", v, 0, num_tokens, "k.shape[0] (N)")
-    check_size(fn, "v", v, 1, num_heads_kv, "k.shape[1] (Hkv)")
+    check_tensor(fn, "v", v, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_tensor(fn, "loc", loc, ndim=1, dtypes=_LOC_DTYPES, device=device)
-    check_size(fn, "loc", loc, 0, num_tokens, "k.shape[0] (N)")
-    cache_dtypes = (k.dtype,) + FP8_DTYPES
-    for arg, cache, src, rule in (("k_cache", k_cache, k, "k.shape[2]"),
-                                  ("v_cache", v_cache, v, "v.shape[2]")):
-        check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=cache_dtypes, device=device,
-                     fix="Store into a cache of k's dtype or an fp8 dtype.")
-        check_size(fn, arg, cache, -2, num_heads_kv, "k.shape[1] (Hkv)")
-        check_size(fn, arg, cache, -1, src.shape[2], rule)
+    for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES,
+                     device=device)
+    check_store_dtypes(fn, ("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache))
+    check_same_size(fn, "N", ("k", k, 0), ("v", v, 0), ("loc", loc, 0))
+    # Rows first: on a tie (k against k_cache alone) the cache is named, as for dtypes.
+    check_same_size(fn, "Hkv", ("k", k, 1), ("v", v, 1), ("k_cache", k_cache, -2),
+                    ("v_cache", v_cache, -2))
+    check_same_size(fn, "D", ("k", k, 2), ("k_cache", k_cache, -1))
+    check_same_size(fn, "Dv", ("v", v, 2), ("v_cache", v_cache, -1))
     if num_slots(k_cache) != num_slots(v_cache):
         fail(fn, "v_cache", "has a different number of token slots than k_cache",
-             f"{num_slots(k_cache)} slots", num_slots(v_cache))
+             f"k_cache's {num_slots(k_cache)} slots", num_slots(v_cache))
     if k_scale is not None or v_scale is not None:
         _check_scale(fn, "k_scale", k_scale, k_cache)
         _check_scale(fn, "v_scale", v_scale, v_cache)
@@ -123,20 +127,25 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
 
 
 def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
-    """Validate shapes/dtypes/devices (runs in the fake too)."""
+    """Validate shapes/dtypes/devices (runs in the fake too); like ``store_kv_cache``, the
+    argument that disagrees with the others is named."""
     fn = STORE_MLA
     check_tensor(fn, "k_nope", k_nope, ndim=3, dtypes=FLOAT_DTYPES)
     device = k_nope.device
-    num_tokens, _, latent_dim = k_nope.shape
-    check_size(fn, "k_nope", k_nope, 1, 1, "one latent head")
-    check_tensor(fn, "k_rope", k_rope, ndim=3, dtypes=(k_nope.dtype,), device=device)
-    check_size(fn, "k_rope", k_rope, 0, num_tokens, "k_nope.shape[0] (N)")
-    check_size(fn, "k_rope", k_rope, 1, 1, "one latent head")
+    check_tensor(fn, "k_rope", k_rope, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_tensor(fn, "loc", loc, ndim=1, dtypes=_LOC_DTYPES, device=device)
-    check_size(fn, "loc", loc, 0, num_tokens, "k_nope.shape[0] (N)")
-    check_tensor(fn, "kv_cache", kv_cache, ndim=(3, 4), dtypes=(k_nope.dtype,) + FP8_DTYPES,
+    check_tensor(fn, "kv_cache", kv_cache, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES,
                  device=device)
-    check_size(fn, "kv_cache", kv_cache, -1, latent_dim + k_rope.shape[2], "R + r")
+    check_store_dtypes(fn, ("k_nope", k_nope, "kv_cache", kv_cache),
+                       ("k_rope", k_rope, "kv_cache", kv_cache))
+    check_same_size(fn, "N", ("k_nope", k_nope, 0), ("k_rope", k_rope, 0), ("loc", loc, 0))
+    check_size(fn, "k_nope", k_nope, 1, 1, "one latent head")
+    check_size(fn, "k_rope", k_rope, 1, 1, "one latent head")
+    if kv_cache.dim() == 4:
+        check_size(fn, "kv_cache", kv_cache, 2, 1, "one latent head")
+    latent_dim, rope_dim = k_nope.shape[2], k_rope.shape[2]
+    check_size(fn, "kv_cache", kv_cache, -1, latent_dim + rope_dim,
+               f"k_nope.shape[2] + k_rope.shape[2] (R + r) = {latent_dim} + {rope_dim}")
 
 
 @define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))

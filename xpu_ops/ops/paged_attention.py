@@ -18,10 +18,24 @@ from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_out, check_query, default_softmax_scale, float_scalar,
-                     normalize_window, output_dtype)
+                     check_num_splits, check_out, check_query, default_softmax_scale,
+                     float_scalar, normalize_window, output_dtype)
 
 NAME = "flash_attn_with_kvcache"
+# Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
+_KVCACHE_DEFAULTS = {"attention_chunk": 0, "rotary_interleaved": True, "sm_margin": 0,
+                     "pack_gqa": None}
+_LAYOUTS = ("4-D: [num_pages, page_size, Hkv, D] with page_table, or [b, seqlen_k, Hkv, D] "
+            "without page_table")
+
+
+def _check_cache_rank(fn: str, arg: str, cache) -> None:
+    """K/V caches are 4-D; the message names both layouts (a flat [slots, Hkv, D] pool needs a
+    view with its page size)."""
+    if cache.dim() != 4:
+        fail(fn, arg, "has the wrong number of dimensions", _LAYOUTS,
+             f"{cache.dim()}-D with shape {tuple(cache.shape)}",
+             f"View a flat [slots, Hkv, D] pool as {arg}.view(-1, page_size, Hkv, D).")
 
 
 def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
@@ -31,9 +45,12 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
     fn = NAME
     check_query(fn, q)
     device = q.device
-    kv_dtypes = FLOAT_DTYPES + FP8_DTYPES
-    check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=kv_dtypes, device=device)
-    check_tensor(fn, "v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device,
+    check_tensor(fn, "k_cache", k_cache)
+    _check_cache_rank(fn, "k_cache", k_cache)
+    check_tensor(fn, "k_cache", k_cache, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+    check_tensor(fn, "v_cache", v_cache)
+    _check_cache_rank(fn, "v_cache", v_cache)
+    check_tensor(fn, "v_cache", v_cache, dtypes=(k_cache.dtype,), device=device,
                  fix="Store K and V in the same dtype.")
     check_kv_dtype(fn, "k_cache", k_cache, q)
     num_pages, page_size, num_heads_kv, head_dim = k_cache.shape
@@ -110,6 +127,36 @@ def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
     return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
 
 
+def _contiguous_tables(fn, k_cache, cache_seqlens, cu_seqlens_q, batch_shape):
+    """``(page_table, cache_seqlens)`` of a contiguous cache ``[b, seqlen_k, Hkv, D]`` (no
+    ``page_table`` given): one page of ``seqlen_k`` tokens per request.
+
+    Raises:
+        ValueError: ``k_cache.shape[0]`` is not the batch size of the call (a paged cache
+            passed without its page_table, usually), naming k_cache and both layouts.
+    """
+    batch, seqlen_k = k_cache.shape[:2]
+    if isinstance(cache_seqlens, Tensor) and cache_seqlens.dim() == 1:
+        want, rule = cache_seqlens.shape[0], "cache_seqlens.shape[0]"
+    elif batch_shape is not None:
+        want, rule = batch_shape[0], "q.shape[0]"
+    elif isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1:
+        want, rule = cu_seqlens_q.shape[0] - 1, "cu_seqlens_q.shape[0] - 1"
+    else:
+        want = batch  # a malformed cache_seqlens/cu_seqlens_q: the op's checks name it
+    if batch != want:
+        fail(fn, "k_cache", f"has {batch} rows in dimension 0 for a batch of {want} requests "
+             "and page_table is None", f"a contiguous cache [b, seqlen_k, Hkv, D] (the layout "
+             f"without page_table) with b = {rule} = {want}", f"shape {tuple(k_cache.shape)}",
+             "For a paged cache [num_pages, page_size, Hkv, D], pass page_table "
+             "[b, max_pages_per_seq] int32 and cache_seqlens.")
+    device = k_cache.device
+    page_table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    return page_table, cache_seqlens
+
+
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
     cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
@@ -130,13 +177,14 @@ def flash_attn_with_kvcache(
 
     Args:
         q: [total_q, Hq, D] packed (with ``cu_seqlens_q``) or [b, s, Hq, D]; fp16|bf16|fp32|fp8.
-        k_cache: [num_pages, page_size, Hkv, D] (or [b, seqlen_k, Hkv, D] without ``page_table``);
-            q's dtype or fp8 (then ``k_descale``).
-        v_cache: [num_pages, page_size, Hkv, Dv], same dtype as ``k_cache``.
+        k_cache: [num_pages, page_size, Hkv, D] with ``page_table``; without it, a contiguous
+            cache [b, seqlen_k, Hkv, D] (row r holds request r's keys, so ``k_cache.shape[0]``
+            must equal the batch size). q's dtype or fp8 (then ``k_descale``).
+        v_cache: same layout with Dv, same dtype as ``k_cache``.
         cache_seqlens: [b] int32, total keys per request in tokens (prefix + new), not a prefix
             sum. Optional only without ``page_table`` (then every request has seqlen_k keys).
         page_table: [b, max_pages_per_seq] int32 physical page ids; entries past a request's
-            last page are never read.
+            last page are never read. None: ``k_cache``/``v_cache`` are contiguous (above).
         cu_seqlens_q: [b + 1] int32 prefix sums of new tokens per request (packed q only).
         max_seqlen_q: upper bound of new tokens in one request (int); default total_q.
         qv: [total_q, Hq, Dv], extra query part dotted with V (absorbed MLA extend).
@@ -146,17 +194,25 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return ``softmax_lse`` float32 [Hq, total_q] ([b, Hq, s] for
             a 4-D q), natural log.
         out: optional output tensor of the result's shape; written in place and returned.
-        k, v, rotary_*, cache_batch_idx, cache_leftpad, cu_seqlens_k_new, rotary_seqlens,
-        scheduler_metadata, attention_chunk: accepted for compatibility when None/0; append new
-            K/V with ``store_kv_cache`` and apply rotary embedding before the call instead.
-        num_splits, pack_gqa, sm_margin, rotary_interleaved: performance hints, ignored.
+        num_splits: performance hint, accepted and ignored: any int >= 0 (0: automatic; n: n
+            KV splits; sglang's FA3 backend passes 1 for deterministic inference). The result
+            does not depend on it; providers choose their own split counts.
+        k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_k_new,
+        rotary_seqlens, scheduler_metadata, attention_chunk, rotary_interleaved, pack_gqa,
+        sm_margin: not implemented; accepted only as None or their defaults (0 for
+            attention_chunk and sm_margin, True for rotary_interleaved). Append new K/V with
+            ``store_kv_cache`` and apply rotary embedding before the call instead.
     Returns:
         ``out`` [total_q, Hq, Dv] (or [b, s, Hq, Dv]) in q's dtype (bf16 for an fp8 q), or
         ``(out, softmax_lse)``.
     Raises:
-        TypeError: an argument is not a tensor (or number) where one is required.
-        ValueError: a shape, dtype or device mismatch, naming the argument and both values.
-        NotImplementedError: a compatibility keyword with a non-default value.
+        TypeError: an argument is not a tensor (or number) where one is required; num_splits
+            is not an int.
+        ValueError: a shape, dtype or device mismatch, naming the argument and both values
+            (without page_table, a ``k_cache.shape[0]`` other than b names k_cache and both
+            layouts); a negative num_splits.
+        NotImplementedError: an unimplemented keyword (listed above) with a non-default
+            value.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
             ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read (unchecked otherwise).
     Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
@@ -179,13 +235,20 @@ def flash_attn_with_kvcache(
     # without building keyword dicts; otherwise the full checks name the culprit.
     if not (k is None and v is None and rotary_cos is None and rotary_sin is None
             and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
-            and rotary_seqlens is None and scheduler_metadata is None
-            and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)):
-        check_not_implemented(fn, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                              cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                              cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
+            and rotary_seqlens is None and scheduler_metadata is None and pack_gqa is None
+            and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)
+            and (sm_margin is None or type(sm_margin) is int and sm_margin == 0)
+            and (rotary_interleaved is None or rotary_interleaved is True)):
+        check_not_implemented(fn, _KVCACHE_DEFAULTS, k=k, v=v, rotary_cos=rotary_cos,
+                              rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                              cache_leftpad=cache_leftpad, cu_seqlens_k_new=cu_seqlens_k_new,
+                              rotary_seqlens=rotary_seqlens,
                               scheduler_metadata=scheduler_metadata,
-                              attention_chunk=attention_chunk)
+                              attention_chunk=attention_chunk,
+                              rotary_interleaved=rotary_interleaved, pack_gqa=pack_gqa,
+                              sm_margin=sm_margin)
+    if not (type(num_splits) is int and num_splits >= 0):
+        check_num_splits(fn, num_splits)
     if not tensors_or_none((q, k_cache, v_cache), (cache_seqlens, page_table, cu_seqlens_q, qv,
                                                    q_descale, k_descale, v_descale, sinks, out)):
         check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
@@ -195,13 +258,11 @@ def flash_attn_with_kvcache(
                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                           sinks=sinks, out=out)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = _as_packed(fn, q, cu_seqlens_q, max_seqlen_q)
-    check_tensor(fn, "k_cache", k_cache, ndim=4)
-    if page_table is None:
-        # A contiguous cache [b, seqlen_k, Hkv, D] is a paged cache with one page per request.
-        batch, seqlen_k = k_cache.shape[:2]
-        page_table = torch.arange(batch, dtype=torch.int32, device=q.device).unsqueeze(1)
-        if cache_seqlens is None:
-            cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
+    _check_cache_rank(fn, "k_cache", k_cache)
+    contiguous = page_table is None
+    if contiguous:
+        page_table, cache_seqlens = _contiguous_tables(fn, k_cache, cache_seqlens, cu_seqlens_q,
+                                                       batch_shape)
     elif cache_seqlens is None:
         fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table", None)
     head_dim_v = v_cache.shape[-1]
@@ -221,7 +282,8 @@ def flash_attn_with_kvcache(
         out3 = (out.view(q3.shape[0], q3.shape[1], head_dim_v) if mergeable
                 else q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=out.dtype))
     _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
-                                                cu_seqlens_q, max_seqlen_q)
+                                                cu_seqlens_q, max_seqlen_q,
+                                                contiguous=contiguous)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,

@@ -16,8 +16,8 @@ from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_out, check_query, default_softmax_scale, float_scalar,
-                     normalize_window, output_dtype)
+                     check_num_splits, check_out, check_query, default_softmax_scale,
+                     float_scalar, normalize_window, output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
@@ -112,13 +112,14 @@ def flash_attn_varlen_func(
         softmax_scale: default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
         causal, window_size, softcap, sinks, qv, return_softmax_lse, out: as in
             ``flash_attn_with_kvcache``.
-        seqused_q: accepted when None (NotImplementedError otherwise).
-        num_splits, pack_gqa, sm_margin: performance hints, ignored.
+        num_splits: performance hint, accepted and ignored: any int >= 0 (default 1).
+        seqused_q, pack_gqa, sm_margin: not implemented; accepted only as None (sm_margin: 0).
     Returns:
         ``out [total_q, Hq, Dv]`` or ``(out, softmax_lse [Hq, total_q] float32)``.
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
-        NotImplementedError: ``seqused_q`` given.
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument; a
+            num_splits that is not an int >= 0.
+        NotImplementedError: ``seqused_q`` or ``pack_gqa`` given, or ``sm_margin`` not 0.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
             ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` or ``seqused_k``.
     Source: FlashAttention-2 (arXiv 2307.08691) varlen forward; sgl-kernel's semantics.
@@ -132,7 +133,12 @@ def flash_attn_varlen_func(
     True
     """
     fn = NAME
-    check_not_implemented(fn, seqused_q=seqused_q)
+    if not (seqused_q is None and pack_gqa is None
+            and (sm_margin is None or type(sm_margin) is int and sm_margin == 0)):
+        check_not_implemented(fn, {"sm_margin": 0, "pack_gqa": None}, seqused_q=seqused_q,
+                              pack_gqa=pack_gqa, sm_margin=sm_margin)
+    if not (type(num_splits) is int and num_splits >= 0):
+        check_num_splits(fn, num_splits)
     check_tensor_args(fn, ("seqused_k", "qv", "q_descale", "k_descale", "v_descale", "sinks",
                            "out"),
                       q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
