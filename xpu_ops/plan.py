@@ -5,8 +5,10 @@ the same op once per layer with the same metadata (page table, sequence lengths,
 different per-layer tensors (q, the layer's cache, out). ``OpPlan(op, args, kwargs, slots)``
 runs the op's shape checks (its fake implementation) and provider selection once; ``run`` then
 only checks that each slot tensor has the planned shape, strides, dtype and device and calls the
-selected provider's implementation directly: no public-wrapper defaults, no dispatcher
-round trip, no repeated checks. ``planned_call`` keeps plans in a caller-owned dict (e.g. one per
+selected provider's implementation directly (or the provider's own plan of the call, when it
+registered one): no public-wrapper defaults, no dispatcher round trip, no repeated checks.
+Outputs a provider allocates per call (the LSE of the attention ops) may be buffers of the plan,
+overwritten by its next run. ``planned_call`` keeps plans in a caller-owned dict (e.g. one per
 forward step) and re-plans when a slot tensor no longer matches.
 
 For eager execution only (piecewise graphs run attention eagerly between captured pieces): a
@@ -54,7 +56,7 @@ class OpPlan:
         RuntimeError: no provider can run the call.
     """
 
-    __slots__ = ("op", "_args", "_kwargs", "slots", "_template", "_fn")
+    __slots__ = ("op", "_args", "_kwargs", "slots", "_template", "_fn", "_planned")
 
     def __init__(self, op: str, args: Sequence[Any], kwargs: dict[str, Any],
                  slots: Sequence[int]):
@@ -62,12 +64,15 @@ class OpPlan:
         if opdef.fake is not None:
             opdef.fake(*args, **kwargs)  # the op's shape/dtype/device checks
         device = next(a.device for a in args if isinstance(a, Tensor))
+        impl = providers.select(op, device, *args, **kwargs)
         self.op = op
-        self._fn = providers.select(op, device, *args, **kwargs).fn
+        self._fn = impl.fn
         self._args = list(args)
         self._kwargs = dict(kwargs)
         self.slots = tuple(slots)
         self._template = tuple(_signature(args[i]) for i in self.slots)
+        # The provider's own plan (e.g. Triton: launch grid, scratch and arguments fixed once).
+        self._planned = impl.plan(tuple(args), self._kwargs, self.slots) if impl.plan else None
 
     def matches(self, tensors: Sequence[Tensor]) -> bool:
         """True when every tensor has its slot's planned shape, strides, dtype and device."""
@@ -93,6 +98,8 @@ class OpPlan:
 
     def run_matched(self, tensors: Sequence[Tensor]):
         """``run`` for tensors already known to match (``matches`` returned True)."""
+        if self._planned is not None:
+            return self._planned(*tensors)
         args = self._args
         for i, t in zip(self.slots, tensors):
             args[i] = t

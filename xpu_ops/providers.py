@@ -40,13 +40,17 @@ SupportsFn = Callable[..., Optional[str]]
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One registered implementation: ``fn`` is ``provider``'s code for ``op``; ``available``
-    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call.
+    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call;
+    the optional ``plan(args, kwargs, slots)`` returns a function of the slot tensors that runs
+    ``fn(*args, **kwargs)`` with those tensors in the slots (``xpu_ops.plan.OpPlan`` uses it to
+    do the per-call work of the provider once).
     """
     op: str
     provider: str
     fn: Callable
     available: AvailableFn
     supports: Optional[SupportsFn] = None
+    plan: Optional[Callable] = None
 
 
 _registry: dict[str, dict[str, Implementation]] = {}
@@ -64,7 +68,8 @@ def _always(device_type: str) -> Optional[str]:
 
 
 def register(op: str, provider: str, *, available: AvailableFn = _always,
-             supports: Optional[SupportsFn] = None) -> Callable[[Callable], Callable]:
+             supports: Optional[SupportsFn] = None,
+             plan: Optional[Callable] = None) -> Callable[[Callable], Callable]:
     """Decorator registering ``fn`` as ``provider``'s implementation of ``op``.
 
     Args:
@@ -73,6 +78,8 @@ def register(op: str, provider: str, *, available: AvailableFn = _always,
         available: ``available(device_type) -> None | reason`` (reason why it cannot run there).
         supports: ``supports(*args, **kwargs) -> None | reason`` for one call's arguments;
             must read only shapes, dtypes and Python scalars (it runs per call).
+        plan: ``plan(args, kwargs, slots) -> run(*slot_tensors)``, optional (see
+            ``Implementation``).
     Raises:
         ValueError: unknown provider name.
     """
@@ -82,7 +89,7 @@ def register(op: str, provider: str, *, available: AvailableFn = _always,
 
     def decorate(fn: Callable) -> Callable:
         _registry.setdefault(op, {})[provider] = Implementation(op, provider, fn, available,
-                                                                supports)
+                                                                supports, plan)
         invalidate_cache()
         return fn
 

@@ -31,12 +31,19 @@ def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (t.float() + noise).to(t.dtype).as_strided(t.shape, t.stride())
 
 
+def _slots(op, args):
+    """SLOTS plus every optional per-layer tensor the sample has (qv, descales, sinks), as the
+    backend plans them."""
+    optional = (7, 8, 9, 10, 11) if op == "flash_attn_with_kvcache" else (5, 6)
+    return SLOTS[op] + tuple(i for i in optional if args[i] is not None)
+
+
 def _pairs(op):
     gen = torch.Generator().manual_seed(1)
     pairs = []
     for args, kwargs in sample_inputs(op, "cpu"):
         other = list(args)
-        for j in SLOTS[op]:
+        for j in _slots(op, args):
             other[j] = _other_values(args[j], gen)
         pairs.append(((args, kwargs), (tuple(other), kwargs)))
     return pairs
@@ -53,16 +60,14 @@ def test_plan_reruns_with_new_tensors_like_the_op(op, provider, monkeypatch):
         if not INTERPRETED:
             pytest.skip("Triton was imported in compile mode first (see tests/ops/triton_mode.py)")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pairs = _pairs(op)
-    if provider == "triton":
-        pairs = pairs[:4]  # the interpreter is slow; the first samples cover paged GQA cases
-    for i, ((args0, kwargs), (args1, _)) in enumerate(pairs):
+    for i, ((args0, kwargs), (args1, _)) in enumerate(_pairs(op)):
+        slots = _slots(op, args0)
         with xpu_ops.use_provider(provider):
-            plan = OpPlan(op, args0, kwargs, SLOTS[op])
+            plan = OpPlan(op, args0, kwargs, slots)
         want_args = clone_args(args1)
         with xpu_ops.use_provider(provider):
             want = getattr(torch.ops.xpu_ops, op)(*want_args, **kwargs)
-        got = plan.run(*[args1[j] for j in SLOTS[op]])
+        got = plan.run(*[args1[j] for j in slots])
         for g, w in zip(_outputs(op, args1), _outputs(op, want_args)):
             torch.testing.assert_close(g, w, equal_nan=True, atol=0, rtol=0,
                                        msg=lambda m: f"sample {i}: {m}")

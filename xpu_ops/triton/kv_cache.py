@@ -123,7 +123,40 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
     return None
 
 
-@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
+# store_kv_cache's argument index -> _store_kv_kernel's argument index.
+_OP_TO_KERNEL = {0: 2, 1: 3, 2: 4, 3: 0, 4: 1, 5: 5, 6: 6}
+
+
+def plan_store_kv_cache(args, kwargs, slots):
+    """Provider plan (``providers.Implementation.plan``) of ``store_kv_cache``: the launch with
+    the non-slot arguments (``loc``, typically) fixed. Returns ``run(*slot_tensors)``; 4-D
+    caches in the slots are viewed flat per run."""
+    k_cache, v_cache, loc, k, v, k_scale, v_scale = args
+    if k.shape[0] == 0:
+        return lambda *tensors: None
+    kc, vc = _flat(k_cache), _flat(v_cache)
+    launch = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
+                              kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
+                              v_scale is not None)
+    values = (k, v, kc, vc, loc, loc if k_scale is None else k_scale,
+              loc if v_scale is None else v_scale)
+    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
+    bound = launch.bind({i: t for i, t in enumerate(values) if i not in kernel_slots},
+                        kernel_slots)
+    flatten = tuple(j for j, i in enumerate(slots) if i in (0, 1) and args[i].dim() == 4)
+    if not flatten:
+        return bound
+
+    def run(*tensors):
+        tensors = list(tensors)
+        for j in flatten:
+            tensors[j] = tensors[j].flatten(0, 1)
+        bound(*tensors)
+    return run
+
+
+@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store,
+                    plan=plan_store_kv_cache)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 

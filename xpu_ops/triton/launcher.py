@@ -117,6 +117,14 @@ class BoundLaunch:
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
             else 0)
 
+    def bind(self, fixed: dict[int, Any], slots: Sequence[int]) -> "BoundLaunch":
+        """A new launch with the arguments at ``fixed`` (position -> value) set and ``slots`` as
+        its per-call tensors (e.g. a layer-independent page table fixed for a whole step)."""
+        args = list(self.args)
+        for i, value in fixed.items():
+            args[i] = value
+        return BoundLaunch(self.kernel, self.grid, self.device, args, self.meta, slots)
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self.args
         for i, t in zip(self.slots, tensors):

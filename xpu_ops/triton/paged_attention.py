@@ -412,32 +412,17 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     shape (``_launch_plan``, cached) and the kernels re-launch through ``BoundLaunch``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
-    batch = cache_seqlens.shape[0]
     if lse is None:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
-    if total_q == 0 or batch == 0:
+    if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
-    paged = page_table is not None
-    plan = _launch_plan(
-        q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
-        out.stride(), None if qv is None else qv.stride(),
-        page_table.stride() if paged else None, paged, batch, max_seqlen_q, max_kv_len,
-        (qv is not None, q_descale is not None, k_descale is not None, v_descale is not None,
-         sinks is not None), softmax_scale, softcap, window_left, window_right, num_splits, config,
-        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
-    splits = plan.num_splits
-    if splits > 1 and scratch is not None:
-        o_part, lse_part = scratch
-    elif splits > 1:
-        o_part = torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
-                             device=q.device)
-        lse_part = torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
-                               device=q.device)
-    else:
-        o_part = lse_part = lse  # unused
+    plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
+                     q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
+                     window_right, softcap, num_splits, config, scratch, lse)
+    o_part, lse_part = _scratch(plan, q, scratch, lse)
     dummy = lse
     plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, cache_seqlens,
-                   page_table if paged else cache_seqlens, cu_seqlens_q,
+                   cache_seqlens if page_table is None else page_table, cu_seqlens_q,
                    cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
                    dummy if q_descale is None else q_descale,
                    dummy if k_descale is None else k_descale,
@@ -445,6 +430,82 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     if plan.merge is not None:
         plan.merge(o_part, lse_part, out, lse, dummy if sinks is None else sinks)
     return lse
+
+
+def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv, q_descale,
+              k_descale, v_descale, sinks, softmax_scale, window_left, window_right, softcap,
+              num_splits, config, scratch, lse) -> _LaunchPlan:
+    """``_launch_plan`` of these tensors' shapes, strides and flags."""
+    paged = page_table is not None
+    return _launch_plan(
+        q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
+        out.stride(), None if qv is None else qv.stride(),
+        page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
+        max_kv_len, (qv is not None, q_descale is not None, k_descale is not None,
+                     v_descale is not None, sinks is not None), softmax_scale, softcap,
+        window_left, window_right, num_splits, config,
+        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
+
+
+def _scratch(plan: _LaunchPlan, q: Tensor, scratch, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """``(o_part, lse_part)`` for the plan's splits: ``scratch``, new buffers, or unused."""
+    splits = plan.num_splits
+    if splits > 1 and scratch is not None:
+        return scratch
+    if splits > 1:
+        total_q, num_heads_q = q.shape[0], q.shape[1]
+        return (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
+                            device=q.device),
+                torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
+                            device=q.device))
+    return lse, lse  # unused
+
+
+# flash_attn_with_kvcache's argument index -> _paged_attention_kernel's argument index.
+_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 8, 4: 9, 5: 10, 6: 4, 7: 3, 8: 12, 9: 13, 10: 14, 11: 15}
+
+
+def plan_flash_attn_with_kvcache(args, kwargs, slots):
+    """Provider plan (``providers.Implementation.plan``) of ``flash_attn_with_kvcache``.
+
+    Fixes everything but the slot tensors once: launch plan, LSE and split scratch buffers (kept
+    by the plan: the returned LSE is overwritten by the next run), the metadata tensors in the
+    kernels' arguments. Returns ``run(*slot_tensors) -> lse``.
+    """
+    (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+     k_descale, v_descale, sinks) = args
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0 or cache_seqlens.shape[0] == 0:
+        return lambda *tensors: lse
+    plan = _plan_for(q, k_cache, v_cache, out, cache_seqlens, page_table, kwargs["max_seqlen_q"],
+                     page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
+                     sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
+                     kwargs["window_size_right"], kwargs["softcap"], None, None, None, lse)
+    o_part, lse_part = _scratch(plan, q, None, lse)
+    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part,
+              cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
+    values += [lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks)]
+    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
+    attention = plan.attention.bind(
+        {i: t for i, t in enumerate(values) if i not in kernel_slots}, kernel_slots)
+    if plan.merge is None:
+        def run(*tensors):
+            attention(*tensors)
+            return lse
+        return run
+    # Merge arguments O_PART, LSE_PART, O, LSE, SINKS: out (op 6) and sinks (op 11) may be slots.
+    merge_from = {2: 6, 4: 11}
+    merge_slots = tuple(m for m, op_index in merge_from.items() if op_index in slots)
+    picks = tuple(slots.index(merge_from[m]) for m in merge_slots)
+    merge = plan.merge.bind({m: t for m, t in enumerate(
+        (o_part, lse_part, out, lse, lse if sinks is None else sinks)) if m not in merge_slots},
+        merge_slots)
+
+    def run_split(*tensors):
+        attention(*tensors)
+        merge(*[tensors[j] for j in picks])
+        return lse
+    return run_split
 
 
 def supports_attention(q, k, v, out, qv) -> Optional[str]:
@@ -460,7 +521,8 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 
 @providers.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
+                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv),
+                    plan=plan_flash_attn_with_kvcache)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
