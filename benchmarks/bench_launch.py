@@ -69,9 +69,12 @@ def main(argv=None) -> None:
     print(f"# bench_launch: {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}")
     print("| call | JITFunction.run us | BoundLaunch us |\n|---|---:|---:|")
     for name, fn in (("paged_attention (2 launches)", attention), ("store_kv_cache", store)):
+        # The flag is read when a launch is created: drop the cached launches around each switch.
         os.environ["XPU_OPS_TRITON_FAST_LAUNCH"] = "0"
+        _forget_launches()
         slow = _time(fn, args.iters, args.repeats, device)
         os.environ.pop("XPU_OPS_TRITON_FAST_LAUNCH")
+        _forget_launches()
         fast = _time(fn, args.iters, args.repeats, device)
         print(f"| {name} | {slow:.1f} | {fast:.1f} |")
     from xpu_ops.triton import launcher
@@ -79,6 +82,11 @@ def main(argv=None) -> None:
     print(f"compiled kernels held by BoundLaunch objects: {held}; fast launch enabled: "
           f"{launcher.fast_launch_enabled()}; launch hooks installed: "
           f"{launcher._hooks_installed()}")
+
+
+def _forget_launches() -> None:
+    pa._launch_plan.cache_clear()
+    kv_cache._store_kv_launch.cache_clear()
 
 
 def _bound_launches():

@@ -12,9 +12,10 @@ specialises on besides the dtype, which is part of the key too). Later launches 
 kernel's own launcher (``CompiledKernel[grid](*args, stream=...)``), as Inductor's generated code
 launches its kernels.
 
-Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, with launch hooks
-installed (profilers), with Triton < 3.3 (whose launchers took a different argument list), and
-when ``XPU_OPS_TRITON_FAST_LAUNCH=0``.
+Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, with Triton < 3.3
+(whose launchers took a different argument list), and for launches created while
+``XPU_OPS_TRITON_FAST_LAUNCH=0`` is set (read once per ``BoundLaunch``: the per-call
+``os.environ`` lookup alone cost a few microseconds).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def _triton_at_least(major: int, minor: int) -> bool:
 _LAUNCHER_TAKES_ALL_ARGS = _knobs is not None and _triton_at_least(3, 3)
 
 
-@providers.availability_depends_on
 def fast_launch_enabled() -> bool:
-    """False when ``XPU_OPS_TRITON_FAST_LAUNCH=0`` (every launch then takes the normal path)."""
+    """False when ``XPU_OPS_TRITON_FAST_LAUNCH=0`` (launches created while it is set take the
+    normal path every time) or Triton is older than 3.3."""
     return _LAUNCHER_TAKES_ALL_ARGS and providers.getenv("XPU_OPS_TRITON_FAST_LAUNCH") != "0"
 
 
@@ -87,7 +88,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "device", "args", "meta", "slots", "_tail", "_compiled",
-                 "_device_index")
+                 "_device_index", "_fast")
 
     def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
                  meta: dict[str, Any], slots: Sequence[int]):
@@ -113,6 +114,7 @@ class BoundLaunch:
             # Constexpr values in signature order, appended after the positional arguments.
             self._tail = tuple(meta[n] for n in names[len(args):])
         self._compiled: dict[tuple, Any] = {}
+        self._fast = (device.type != "cpu" and self._tail is not None and fast_launch_enabled())
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
             else 0)
@@ -129,7 +131,7 @@ class BoundLaunch:
         args = self.args
         for i, t in zip(self.slots, tensors):
             args[i] = t
-        if self.device.type == "cpu" or self._tail is None or not fast_launch_enabled():
+        if not self._fast:
             launch(self.kernel, self.grid, self.device, *args, **self.meta)
             return
         key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
