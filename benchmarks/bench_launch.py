@@ -9,10 +9,9 @@ a decode-shaped call of the two per-layer kernels of the ``triton`` provider:
     paged_attention     split-KV attention + merge (two launches), batch 1, Hq 32, Hkv 8, D 64
     store_kv_cache      one launch writing K and V of one token
 
-with ``XPU_OPS_TRITON_FAST_LAUNCH=0`` (every launch through ``kernel[grid](...)``), with
-``XPU_OPS_TRITON_STATIC_LAUNCH=0`` (``BoundLaunch`` re-launches through Triton's launcher) and
-with the default (torch's static launcher where it takes the kernel), and says which launchers
-the fast path held after the first call.
+with ``XPU_OPS_TRITON_FAST_LAUNCH=0`` (every launch through ``kernel[grid](...)``) and with the
+default (``BoundLaunch`` re-launches the compiled kernel), and says whether the fast path held a
+compiled kernel (``CompiledKernel``) after the first call.
 """
 
 from __future__ import annotations
@@ -68,25 +67,19 @@ def main(argv=None) -> None:
         kv_cache.store_kv_cache(kc, vc, loc, k_new, k_new, None, None)
 
     print(f"# bench_launch: {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}")
-    print("| call | JITFunction.run us | BoundLaunch, Triton launcher us | BoundLaunch, torch "
-          "static launcher us |\n|---|---:|---:|---:|")
+    print("| call | JITFunction.run us | BoundLaunch us |\n|---|---:|---:|")
     for name, fn in (("paged_attention (2 launches)", attention), ("store_kv_cache", store)):
         # The flag is read when a launch is created: drop the cached launches around each switch.
         os.environ["XPU_OPS_TRITON_FAST_LAUNCH"] = "0"
         _forget_launches()
         slow = _time(fn, args.iters, args.repeats, device)
         os.environ.pop("XPU_OPS_TRITON_FAST_LAUNCH")
-        os.environ["XPU_OPS_TRITON_STATIC_LAUNCH"] = "0"
         _forget_launches()
         fast = _time(fn, args.iters, args.repeats, device)
-        os.environ.pop("XPU_OPS_TRITON_STATIC_LAUNCH")
-        _forget_launches()
-        static = _time(fn, args.iters, args.repeats, device)
-        print(f"| {name} | {slow:.1f} | {fast:.1f} | {static:.1f} |")
+        print(f"| {name} | {slow:.1f} | {fast:.1f} |")
     from xpu_ops.triton import launcher
-    held = [type(s).__name__ for launch_ in _bound_launches()
-            for _, s in launch_._compiled.values()]
-    print(f"static launchers held by BoundLaunch objects: {held}; fast launch enabled: "
+    held = [type(c).__name__ for launch_ in _bound_launches() for c in launch_._compiled.values()]
+    print(f"compiled kernels held by BoundLaunch objects: {held}; fast launch enabled: "
           f"{launcher.fast_launch_enabled()}; launch hooks installed: "
           f"{launcher._hooks_installed()}")
 

@@ -26,7 +26,6 @@ import torch
 
 from .. import providers
 from ._common import HAS_TRITON, launch
-from .static_launch import make_static_launch
 
 _knobs = None
 if HAS_TRITON:
@@ -48,12 +47,6 @@ def _triton_at_least(major: int, minor: int) -> bool:
 
 # Triton >= 3.3 launchers take every bound argument, constexprs included, in signature order.
 _LAUNCHER_TAKES_ALL_ARGS = _knobs is not None and _triton_at_least(3, 3)
-
-
-def static_launch_enabled() -> bool:
-    """False when ``XPU_OPS_TRITON_STATIC_LAUNCH=0``: launches created then keep Triton's own
-    launcher instead of torch's static one (``static_launch.py``)."""
-    return providers.getenv("XPU_OPS_TRITON_STATIC_LAUNCH") != "0"
 
 
 def fast_launch_enabled() -> bool:
@@ -95,7 +88,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "device", "args", "meta", "slots", "_tail", "_compiled",
-                 "_device_index", "_fast", "_static")
+                 "_device_index", "_fast")
 
     def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
                  meta: dict[str, Any], slots: Sequence[int]):
@@ -122,7 +115,6 @@ class BoundLaunch:
             self._tail = tuple(meta[n] for n in names[len(args):])
         self._compiled: dict[tuple, Any] = {}
         self._fast = (device.type != "cpu" and self._tail is not None and fast_launch_enabled())
-        self._static = self._fast and static_launch_enabled()
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
             else 0)
@@ -143,24 +135,15 @@ class BoundLaunch:
             launch(self.kernel, self.grid, self.device, *args, **self.meta)
             return
         key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
-        entry = self._compiled.get(key)
-        if entry is None:
+        compiled = self._compiled.get(key)
+        if compiled is None:
             # First launch of this alignment class: Triton binds, specialises, compiles or
             # finds the kernel, launches it and returns it.
-            compiled = self.kernel[self.grid](*args, **self.meta)
-            static = None
-            if self._static and not _hooks_installed():
-                static = make_static_launch(compiled, self.device, [*args, *self._tail],
-                                            self.slots, self.grid)
-            self._compiled[key] = (compiled, static)
+            self._compiled[key] = self.kernel[self.grid](*args, **self.meta)
             return
-        compiled, static = entry
         stream = _driver.active.get_current_stream(self._device_index)
         if _hooks_installed():  # the launcher then builds launch metadata for the hooks
             compiled[self.grid](*args, *self._tail, stream=stream)
-            return
-        if static is not None:
-            static(stream, tensors)
             return
         g = self.grid
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
