@@ -76,3 +76,21 @@ def test_gpu_fast_path_matches_normal_launch_across_alignments():
         torch.testing.assert_close(out.double(), 0.5 * x.double() + y.double(), atol=1e-5,
                                    rtol=1e-5)
     assert len(run._compiled) == 2  # one kernel per alignment class of the slot tensors
+
+
+def test_bind_fixes_tensors_and_rejects_scalars(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not INTERPRETED:
+        pytest.skip("Triton was imported in compile mode first")
+    n = 20
+    run = _bound("cpu", n)
+    y = torch.randn(n)
+    bound = run.bind({1: y}, slots=(0, 2))  # y fixed, x and out per call
+    assert bound._families is run._families  # aligned fixed tensor: kernels shared
+    x, out = torch.randn(n), torch.full((n,), float("nan"))
+    bound(x, out)
+    torch.testing.assert_close(out, 0.5 * x + y)
+    misaligned = torch.randn(n + 1)[1:]
+    assert run.bind({1: misaligned}, slots=(0, 2))._families is not run._families
+    with pytest.raises(TypeError, match="fixed argument 3 is float"):
+        run.bind({3: 0.25}, slots=(0, 1, 2))

@@ -88,10 +88,11 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "device", "args", "meta", "slots", "_tail", "_compiled",
-                 "_device_index", "_fast")
+                 "_families", "_device_index", "_fast")
 
     def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
-                 meta: dict[str, Any], slots: Sequence[int]):
+                 meta: dict[str, Any], slots: Sequence[int],
+                 _families: Optional[dict[tuple, dict]] = None):
         grid = tuple(int(g) for g in grid)
         self.kernel = kernel
         self.grid = grid + (1,) * (3 - len(grid))
@@ -113,7 +114,10 @@ class BoundLaunch:
                                 f"got {sorted(meta)}.")
             # Constexpr values in signature order, appended after the positional arguments.
             self._tail = tuple(meta[n] for n in names[len(args):])
-        self._compiled: dict[tuple, Any] = {}
+        # slots -> alignment class of the slot tensors -> CompiledKernel, shared with the
+        # launches bound from this one (their fixed tensors must be 16-byte aligned).
+        self._families: dict[tuple, dict] = {} if _families is None else _families
+        self._compiled: dict[tuple, Any] = self._families.setdefault(self.slots, {})
         self._fast = (device.type != "cpu" and self._tail is not None and fast_launch_enabled())
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
@@ -121,11 +125,25 @@ class BoundLaunch:
 
     def bind(self, fixed: dict[int, Any], slots: Sequence[int]) -> "BoundLaunch":
         """A new launch with the arguments at ``fixed`` (position -> value) set and ``slots`` as
-        its per-call tensors (e.g. a layer-independent page table fixed for a whole step)."""
+        its per-call tensors (e.g. a layer-independent page table fixed for a whole step).
+
+        It shares this launch's compiled kernels (keyed by its slots and the alignment of its
+        slot tensors) when every fixed tensor is 16-byte aligned, as fresh allocations are;
+        otherwise it keeps its own.
+
+        Raises:
+            TypeError: a value in ``fixed`` is not a tensor (scalars are fixed at construction).
+        """
         args = list(self.args)
+        aligned = True
         for i, value in fixed.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"BoundLaunch.bind: fixed argument {i} is "
+                                f"{type(value).__name__}; expected a tensor.")
+            aligned = aligned and value.data_ptr() & 15 == 0
             args[i] = value
-        return BoundLaunch(self.kernel, self.grid, self.device, args, self.meta, slots)
+        return BoundLaunch(self.kernel, self.grid, self.device, args, self.meta, slots,
+                           self._families if aligned else None)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self.args
