@@ -303,6 +303,62 @@ class TestEmulatedCapture(TestCase):
         self.assertEqual(stats["captures"], 2 * (num_layers + 1))
 
 
+
+class TestDirectDispatch(TestCase):
+    """Bucketed steps whose graph inputs stay the same objects skip Dynamo after warm-up
+    (``compile/direct_dispatch.py``) and still equal eager as the batch changes."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def _counting(self, pw):
+        calls = []
+        compiled = pw.__dict__["compiled"]
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return compiled(*args, **kwargs)
+        pw.__dict__["compiled"] = counted
+        return calls
+
+    def test_decode_skips_dynamo_after_warm_up_and_matches_eager(self):
+        model = tiny_model(num_layers=2)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
+        calls = self._counting(pw)
+        rows = [[0, 1, 2], [0, 1, 2, 3], [3, 1], [0, 2, 3], [1, 2, 3, 0], [2]]
+        _run_steps(self, pw, model, h, [("decode", r, None) for r in rows])
+        self.assertEqual(len(calls), 3)  # warm-up, capture, first replay; then direct
+        key = pw.backend.dispatch.fingerprint(4, h.decode([0])[2], {})
+        self.assertIsNotNone(pw.backend.dispatch.lookup(key))
+        # Another kind of step goes through Dynamo; decode keeps its direct entry.
+        _run_steps(self, pw, model, h, [("extend", [0, 1], [2, 1]), ("decode", [0, 1], None),
+                                        ("decode", [1, 2, 3], None)])
+        self.assertEqual(len(calls), 4)
+
+    def test_steps_with_per_step_inputs_never_skip_dynamo(self):
+        model = tiny_model(num_layers=2)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
+        calls = self._counting(pw)
+        # extend steps read extend_seq_lens (a new tensor each step): never direct
+        steps = [("extend", [0, 1], lens) for lens in ([3, 4], [2, 5], [1, 1], [4, 3], [2, 2])]
+        _run_steps(self, pw, model, h, steps)
+        self.assertEqual(len(calls), len(steps))
+        self.assertEqual(pw.backend.dispatch._direct, {})
+
+    def test_direct_dispatch_off_and_in_debug_mode(self):
+        model = tiny_model(num_layers=1)
+        h = Harness(model)
+        for kwargs in (dict(direct_dispatch=False), dict(debug=True)):
+            torch._dynamo.reset()
+            pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True,
+                                **kwargs)
+            calls = self._counting(pw)
+            _run_steps(self, pw, model, h, [("decode", [0, 1], None)] * 5)
+            self.assertEqual(len(calls), 5)
+
+
 @requires_gpu_graphs
 class TestPiecewiseCapture(TestCase):
     def test_capture_replay_equals_eager_with_stable_buffers(self):
