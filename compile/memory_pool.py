@@ -185,8 +185,7 @@ class MHATokenToKVPool:
 
     def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """``(K [num_slots, Hkv, D], V [num_slots, Hkv, Dv])`` of layer ``layer_id``."""
-        i = layer_id - self.start_layer  # indexed here: each layer traces this (torch.compile)
-        return self.k_buffer[i], self.v_buffer[i]
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def get_paged_kv(self, layer_id: int, page_size: Optional[int] = None
                      ) -> tuple[Tensor, Tensor]:

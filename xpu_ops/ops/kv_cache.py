@@ -113,13 +113,6 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     >>> torch.equal(kc[5], k[0]) and torch.equal(vc[1], v[1]) and kc[0].abs().sum().item() == 0
     True
     """
-    if (torch.compiler.is_compiling() and isinstance(k_cache, Tensor)
-            and isinstance(v_cache, Tensor) and isinstance(loc, Tensor) and isinstance(k, Tensor)
-            and isinstance(v, Tensor) and k.dim() == 3 and k_scale is None and v_scale is None):
-        # Traced per attention layer: the op call the steps below would make, without tracing
-        # them (the op's fake repeats every shape check; value checks are off while tracing).
-        torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, None, None)
-        return
     if not tensors_or_none((k_cache, v_cache, loc, k, v)):
         check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
     check_tensor(STORE_KV, "k", k, ndim=3)

@@ -110,25 +110,6 @@ def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
     return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
 
 
-def _is_plain_packed_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
-                          q_descale, k_descale, v_descale, sinks, max_seqlen_q,
-                          softmax_scale) -> bool:
-    """True when the wrapper's steps before the op can neither fail nor change an argument:
-    tensors (or None) where expected, packed 3-D ``q`` with ``cu_seqlens_q``, 4-D ``k_cache``,
-    ``cache_seqlens``, ``page_table``, ``out``, ``max_seqlen_q`` and ``softmax_scale`` all given
-    (the call ``XPUAttentionBackend`` makes per layer). Unrolled on purpose: Dynamo traces it."""
-    return (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)
-            and isinstance(cache_seqlens, Tensor) and isinstance(page_table, Tensor)
-            and isinstance(cu_seqlens_q, Tensor) and isinstance(out, Tensor)
-            and (qv is None or isinstance(qv, Tensor))
-            and (q_descale is None or isinstance(q_descale, Tensor))
-            and (k_descale is None or isinstance(k_descale, Tensor))
-            and (v_descale is None or isinstance(v_descale, Tensor))
-            and (sinks is None or isinstance(sinks, Tensor))
-            and q.dim() == 3 and k_cache.dim() == 4
-            and max_seqlen_q is not None and softmax_scale is not None)
-
-
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
     cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
@@ -205,19 +186,6 @@ def flash_attn_with_kvcache(
                               cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens,
                               scheduler_metadata=scheduler_metadata,
                               attention_chunk=attention_chunk)
-    if torch.compiler.is_compiling() and _is_plain_packed_call(
-            q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-            k_descale, v_descale, sinks, max_seqlen_q, softmax_scale):
-        # Traced per attention layer: the op call the steps below would make, without tracing
-        # them (the op's fake repeats every shape check; value checks are off while tracing).
-        left, right = normalize_window(fn, window_size, causal)
-        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-            k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,
-            softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
-            window_size_left=left, window_size_right=right,
-            softcap=float_scalar(fn, "softcap", softcap))
-        return (out, lse) if return_softmax_lse else out
     if not tensors_or_none((q, k_cache, v_cache), (cache_seqlens, page_table, cu_seqlens_q, qv,
                                                    q_descale, k_descale, v_descale, sinks, out)):
         check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
