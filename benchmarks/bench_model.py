@@ -174,10 +174,16 @@ def main(argv=None):
                     help="measure each (mode, batch) this many times, report the fastest")
     ap.add_argument("--compile-layers", type=int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="skip the decode table, measure only the compile times (printed, no "
+                         "result files; repeat in fresh processes: a second cold compile in "
+                         "one process reuses Inductor's in-memory code caches)")
     ap.add_argument("--out", default=str(RESULTS / "bench_model"))
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
-    model = build(args)
+    if args.compile_only:
+        args.batches = []
+    model = build(args) if args.batches else None
     rows = []
     for b in args.batches:
         ids, fb = decode_batch(model, b, args.context)
@@ -202,8 +208,19 @@ def main(argv=None):
             key = "layer regions" if regions else "default"
             compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
             print(f"compile {args.compile_layers} layers ({key}): cold "
-                  f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s", flush=True)
+                  f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
+                  f"{os.getloadavg()[0]:.2f})", flush=True)
+    if args.compile_only:  # no decode table: print, leave the result files alone
+        print(compile_summary(args, compile_s))
+        return
     write_results(args, rows, compile_s)
+
+
+def compile_summary(args, compile_s) -> str:
+    """One Markdown line per compile configuration: cold and warm seconds."""
+    return "".join(f"\nCompile ({args.compile_layers} layers, {args.device}, {key}): cold "
+                   f"{cold:.1f} s, warm {warm:.1f} s\n"
+                   for key, (cold, warm) in (compile_s or {}).items())
 
 
 def write_results(args, rows, compile_s) -> None:
@@ -229,9 +246,7 @@ def write_results(args, rows, compile_s) -> None:
     table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
               + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
                                                         for c in cols) for r in rows) + "\n")
-    for key, (cold, warm) in (compile_s or {}).items():
-        table += (f"\nCompile ({args.compile_layers} layers, {args.device}, {key}): cold "
-                  f"{cold:.1f} s, warm {warm:.1f} s\n")
+    table += compile_summary(args, compile_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(head + table)

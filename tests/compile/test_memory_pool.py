@@ -50,6 +50,20 @@ def test_mha_pool_write_through_op_and_paged_view():
     assert torch.count_nonzero(pool.get_key_buffer(0)) == 0
 
 
+def test_mha_pool_layer_ids_are_global_with_start_layer():
+    # A pipeline stage holding layers 2 and 3: buffers are indexed by layer_id - start_layer.
+    pool = MHATokenToKVPool(8, 4, torch.float32, 1, 2, layer_num=2, device="cpu",
+                            start_layer=2)
+    k3, v3 = pool.get_kv_buffer(3)
+    assert k3 is pool.k_buffer[1] and v3 is pool.v_buffer[1]
+    assert k3 is pool.get_key_buffer(3) and v3 is pool.get_value_buffer(3)
+    pool.set_kv_buffer(3, torch.tensor([5]), torch.ones(1, 1, 2), torch.full((1, 1, 2), 2.0))
+    assert pool.k_buffer[1][5].tolist() == [[1.0, 1.0]] and pool.v_buffer[1][5, 0, 0] == 2.0
+    assert pool.k_buffer[0].abs().sum() == 0
+    k_pages, _ = pool.get_paged_kv(2)
+    assert k_pages.shape == (2, 4, 1, 2) and k_pages.data_ptr() == pool.k_buffer[0].data_ptr()
+
+
 def test_fp8_pool_scales_on_write():
     pool = MHATokenToKVPool(32, 16, torch.float8_e4m3fn, 1, 16, 1, "cpu")
     k = torch.randn(2, 1, 16)
