@@ -207,7 +207,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
         with torch.no_grad():
             pw(*h.extend([0, 1], [3, 4]))  # warm-up at bucket 8
-            with mock.patch("compile.piecewise._capture_in_progress", return_value=True), \
+            with mock.patch("compile.piece_runner._capture_in_progress", return_value=True), \
                     self.assertRaisesRegex(RuntimeError, "graphs cannot nest"):
                 pw(*h.extend([0, 1], [2, 2]))  # would capture inside "another capture"
         self.assertEqual(pw.backend.stats["captures"], 0)
