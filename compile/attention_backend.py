@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops
-from xpu_ops.plan import planned_call, runs_eagerly
+from xpu_ops.plan import planned_call, plan_applies
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                  paged_metadata, swa_metadata)
@@ -299,7 +299,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)
-        elif type(pool) is MHATokenToKVPool and runs_eagerly(k):
+        elif type(pool) is MHATokenToKVPool and plan_applies(k):
             k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
             ks, vs, loc = layer.k_scale, layer.v_scale, meta.write.loc
             planned_call(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None),
@@ -372,7 +372,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        if expand is None and runs_eagerly(q3):
+        if expand is None and plan_applies(q3):
             # Eager hot path (piecewise attention, eager decode): one validated plan per call
             # kind and batch, re-run by every layer with its own q, cache and out.
             left, right = window[0], (0 if causal else window[1])

@@ -10,34 +10,41 @@ to the compiled code directly once compiled); here the rule is conservative:
 - ``GraphCall`` wraps the split graph that ``PiecewiseBackend`` hands to Dynamo and remembers
   each call's arguments and result.
 - ``DirectDispatch`` keys steps by a fingerprint (bucket size, forward mode, whether the batch
-  has ``spec_info`` / ``encoder_lens``, the ``forward_batch`` type). After Dynamo has run a key
-  ``warm_calls`` times (warm-up, capture, replay), and the last two calls passed the very same
-  argument objects to the same graph (so no input changes per step: parameters, the padded
-  static ``input_ids``/``positions`` views, the bucket size), and the graph's result was the
-  model's output (a one-element tuple holding it), later steps of that key call the graph
+  has ``spec_info`` / ``encoder_lens``, the ``forward_batch`` type, grad and inference mode).
+  After Dynamo has run a key ``warm_calls`` times (warm-up, capture, replay), a key qualifies
+  when its graph has no per-step input at all (every input is a parameter, buffer, padded static
+  ``input_ids``/``positions`` view or the bucket size: ``per_step_placeholders`` finds none, so
+  extend, mixed and draft-extend steps, which read ``extend_seq_lens``, never qualify), the last
+  two calls passed the very same argument objects to the same graph, and the graph's result was
+  the model's output (a one-element tuple holding it). Later steps of that key call the graph
   directly with those arguments.
 
 What it assumes, as vLLM does: the model's traced ``forward`` has no Python side effects and
-reads nothing from ``forward_batch`` beyond what the fingerprint covers; its parameters are not
-replaced by new tensor objects (in-place weight updates are fine). ``PiecewiseModel(...,
-direct_dispatch=False)`` keeps every step in Dynamo.
+reads nothing from ``forward_batch`` that is not a graph input or covered by the fingerprint.
+Parameters must be updated in place, never replaced by new tensor objects, but that holds for
+any captured piece already (a device graph keeps reading the old addresses).
+``PiecewiseModel(..., direct_dispatch=False)`` keeps every step in Dynamo.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Optional
 
+import torch
 from torch import fx
 
 
 class GraphCall:
     """The callable ``PiecewiseBackend`` returns to Dynamo: runs ``split_gm`` and records the
-    arguments and result of the latest call in ``recorder.last``."""
+    arguments and result of the latest call in ``recorder.last``. ``per_step``: the graph has
+    inputs whose Dynamo source may change from step to step (``per_step_placeholders``, e.g.
+    ``forward_batch.extend_seq_lens``); such a graph is never dispatched directly."""
 
-    __slots__ = ("split_gm", "recorder")
+    __slots__ = ("split_gm", "recorder", "per_step")
 
-    def __init__(self, split_gm: fx.GraphModule, recorder: "DirectDispatch"):
-        self.split_gm, self.recorder = split_gm, recorder
+    def __init__(self, split_gm: fx.GraphModule, recorder: "DirectDispatch",
+                 per_step: bool = False):
+        self.split_gm, self.recorder, self.per_step = split_gm, recorder, per_step
 
     def __call__(self, *args):
         result = self.split_gm(*args)
@@ -66,7 +73,8 @@ class DirectDispatch:
         if kwargs or mode is None:
             return None
         return (size, mode, getattr(forward_batch, "spec_info", None) is None,
-                getattr(forward_batch, "encoder_lens", None) is None, type(forward_batch))
+                getattr(forward_batch, "encoder_lens", None) is None, type(forward_batch),
+                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
     def lookup(self, key: Hashable) -> Optional[tuple[Callable, tuple]]:
         """``(graph, arguments)`` to call for ``key``, or None."""
@@ -86,11 +94,11 @@ class DirectDispatch:
                 and all(a is b or (type(a) is int and a == b)
                         for a, b in zip(previous[1], args)))
         single = isinstance(result, (tuple, list)) and len(result) == 1 and result[0] is output
-        if count + 1 >= self.warm_calls and same and single:
+        if count + 1 >= self.warm_calls and same and single and not graph.per_step:
             self._direct[key] = (graph.split_gm, args)
 
     def clear(self) -> None:
-        """Forget every direct entry (e.g. after replacing parameters)."""
+        """Forget every direct entry: the next steps of every key go through Dynamo again."""
         self._seen.clear()
         self._direct.clear()
         self.last = None

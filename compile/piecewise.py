@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_map
 
 from . import device as dev
 from .forward_context import set_forward_context
@@ -108,7 +109,8 @@ class PiecewiseBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         self.stats["graphs"] += 1
-        split_gm, items = split_graph(gm, per_step_placeholders(gm, self.static_inputs))
+        per_step = per_step_placeholders(gm, self.static_inputs)
+        split_gm, items = split_graph(gm, per_step)
         self.split_gms.append(split_gm)
         pieces = {item.name for item in items if not item.is_split}
         cuts = sum(item.is_cut for item in items)
@@ -121,7 +123,7 @@ class PiecewiseBackend:
         for item in items:
             if item.is_split:
                 call_split_op_kernel(item.graph)
-        return GraphCall(split_gm, self.dispatch)
+        return GraphCall(split_gm, self.dispatch, per_step=bool(per_step))
 
     def compile_piece(self, gm: fx.GraphModule, fake_args: Sequence[Any]) -> Callable:
         """Inductor-compile ``gm`` for ``fake_args`` (symbolic token dim), reusing an identical
@@ -197,7 +199,12 @@ class PiecewiseModel(nn.Module):
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
     Returns (forward):
-        the model's output; for bucketed steps rows ``[:T]`` of the padded result, cloned.
+        the model's output; for bucketed steps rows ``[:T]`` of every padded output tensor
+        (a tensor, or tensors inside tuples, lists or dicts), cloned.
+
+    The model's attention layers are switched to the split op for good (``enable_split_op``):
+    give ``PiecewiseModel`` its own model instance, not one that is also run eagerly or by
+    another runner.
     """
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
@@ -299,7 +306,9 @@ class PiecewiseModel(nn.Module):
             backend.graph_size = None
         if size is None:
             return out
-        return (out[:n] if out.shape[0] == size else out).clone()
+        # Rows [:T] of every padded output (a tensor, or tensors in a tuple/list/dict), cloned.
+        return tree_map(lambda t: (t[:n] if t.dim() and t.shape[0] == size else t).clone()
+                        if isinstance(t, Tensor) else t, out)
 
 
 def _first_two_args(model: nn.Module) -> tuple[str, ...]:

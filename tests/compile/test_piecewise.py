@@ -329,7 +329,8 @@ class TestDirectDispatch(TestCase):
         rows = [[0, 1, 2], [0, 1, 2, 3], [3, 1], [0, 2, 3], [1, 2, 3, 0], [2]]
         _run_steps(self, pw, model, h, [("decode", r, None) for r in rows])
         self.assertEqual(len(calls), 3)  # warm-up, capture, first replay; then direct
-        key = pw.backend.dispatch.fingerprint(4, h.decode([0])[2], {})
+        with torch.no_grad():  # the grad mode the steps ran in is part of the key
+            key = pw.backend.dispatch.fingerprint(4, h.decode([0])[2], {})
         self.assertIsNotNone(pw.backend.dispatch.lookup(key))
         # Another kind of step goes through Dynamo; decode keeps its direct entry.
         _run_steps(self, pw, model, h, [("extend", [0, 1], [2, 1]), ("decode", [0, 1], None),
@@ -345,7 +346,52 @@ class TestDirectDispatch(TestCase):
         steps = [("extend", [0, 1], lens) for lens in ([3, 4], [2, 5], [1, 1], [4, 3], [2, 2])]
         _run_steps(self, pw, model, h, steps)
         self.assertEqual(len(calls), len(steps))
+        # The same extend batch three times (same argument objects), then a new one: the graph
+        # reads extend_seq_lens, so it never goes direct (found by a fresh-user probe).
+        ids, pos, fb = h.extend([0, 1], [3, 2])
+        with torch.no_grad():
+            for _ in range(3):
+                pw(ids, pos, fb)
+        _run_steps(self, pw, model, h, [("extend", [2, 3], [1, 4]), ("extend", [0, 1], [2, 2])])
+        self.assertEqual(len(calls), len(steps) + 5)
         self.assertEqual(pw.backend.dispatch._direct, {})
+
+    def test_grad_mode_change_goes_back_through_dynamo(self):
+        model = tiny_model(num_layers=1)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
+        calls = self._counting(pw)
+        with torch.inference_mode():
+            for _ in range(4):
+                pw(*h.decode([0, 1]))
+        self.assertEqual(len(calls), 3)
+        ids, pos, fb = h.decode([0, 1, 2])
+        with torch.no_grad():  # another fingerprint: Dynamo decides (here: a new graph)
+            out = pw(ids, pos, fb)
+        torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb))
+        self.assertEqual(len(calls), 4)
+
+    def test_tuple_outputs_are_cut_to_the_step(self):
+        class TwoOutputs(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids, positions, forward_batch):
+                logits = self.inner(input_ids, positions, forward_batch)
+                return logits, {"doubled": 2 * logits}
+
+        model = tiny_model(num_layers=1)
+        h = Harness(model)
+        pw = PiecewiseModel(TwoOutputs(model), graph_sizes=(4,), inductor=False,
+                            emulate_graphs=True)
+        for rows in ([0, 1], [0, 1, 2], [2]):
+            ids, pos, fb = h.decode(rows)
+            with torch.no_grad():
+                out, extra = pw(ids, pos, fb)
+            ref = _eager(model, pw.layers, ids, pos, fb)
+            torch.testing.assert_close(out, ref)
+            torch.testing.assert_close(extra["doubled"], 2 * ref)
 
     def test_direct_dispatch_off_and_in_debug_mode(self):
         model = tiny_model(num_layers=1)

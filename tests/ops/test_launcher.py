@@ -94,3 +94,15 @@ def test_bind_fixes_tensors_and_rejects_scalars(monkeypatch):
     assert run.bind({1: misaligned}, slots=(0, 2))._families is not run._families
     with pytest.raises(TypeError, match="fixed argument 3 is float"):
         run.bind({3: 0.25}, slots=(0, 1, 2))
+
+
+def test_construction_and_call_checks():
+    with pytest.raises(ValueError, match=r"grid must be 1 to 3 ints >= 0, got \(4\.7,\)"):
+        BoundLaunch(_axpy_kernel, (4.7,), torch.device("cpu"), [None] * 5,
+                    dict(BLOCK=16, SQUARE=False), (0,))
+    with pytest.raises(ValueError, match=r"slots \[7\] are not positions"):
+        BoundLaunch(_axpy_kernel, (1,), torch.device("cpu"), [None] * 5,
+                    dict(BLOCK=16, SQUARE=False), (0, 7))
+    run = _bound("cpu", 8)
+    with pytest.raises(TypeError, match=r"takes 3 tensors \(slots \[0, 1, 2\]\), got 1"):
+        run(torch.zeros(8))

@@ -15,7 +15,7 @@ from .triton_mode import INTERPRETED  # first: Triton in interpreter mode
 import torch  # noqa: E402
 
 import xpu_ops  # noqa: E402
-from xpu_ops.plan import OpPlan, planned_call  # noqa: E402
+from xpu_ops.plan import OpPlan, plan_applies, planned_call  # noqa: E402
 from xpu_ops.testing import sample_inputs  # noqa: E402
 
 from .utils import clone as clone_args  # noqa: E402
@@ -89,10 +89,40 @@ def test_run_rejects_a_tensor_unlike_the_planned_one():
     args, kwargs = next(sample_inputs("flash_attn_with_kvcache", "cpu"))
     plan = OpPlan("flash_attn_with_kvcache", args, kwargs, SLOTS["flash_attn_with_kvcache"])
     q, k_cache, v_cache, out = (args[j] for j in SLOTS["flash_attn_with_kvcache"])
-    with pytest.raises(ValueError, match=r"argument 0 has shape .* expected the planned"):
+    with pytest.raises(ValueError, match=r"run: q has shape .* expected the planned"):
         plan.run(q[:-1], k_cache, v_cache, out)
-    with pytest.raises(ValueError, match="argument 6"):
+    with pytest.raises(ValueError, match=r"run: out has shape .*torch.float64"):
         plan.run(q, k_cache, v_cache, out.double())
+    with pytest.raises(TypeError, match=r"one tensor per slot \['q', 'k_cache', 'v_cache', "
+                                        r"'out'\], got \['Tensor'\]"):
+        plan.run(q)
+
+
+def test_plan_checks_slots_and_scalar_types():
+    args, kwargs = next(sample_inputs("flash_attn_with_kvcache", "cpu"))
+    slots = SLOTS["flash_attn_with_kvcache"]
+    with pytest.raises(TypeError, match="causal must be bool, got str 'yes'"):
+        OpPlan("flash_attn_with_kvcache", args, dict(kwargs, causal="yes"), slots)
+    with pytest.raises(TypeError, match="max_seqlen_q must be int, got float 1.5"):
+        OpPlan("flash_attn_with_kvcache", args, dict(kwargs, max_seqlen_q=1.5), slots)
+    with pytest.raises(ValueError, match="slot 7 must be the position of a tensor.*NoneType"):
+        OpPlan("flash_attn_with_kvcache", args, kwargs, (0, 7))
+    with pytest.raises(ValueError, match="slot 40 .* out of range"):
+        OpPlan("flash_attn_with_kvcache", args, kwargs, (0, 40))
+
+
+def test_plans_do_not_apply_where_the_op_would_not_run_its_kernel_now():
+    t = torch.zeros(2)
+    assert plan_applies(t)
+    with xpu_ops.debug_checks():  # value checks run only in the public ops
+        assert not plan_applies(t)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        assert not plan_applies(mode.from_tensor(t))
+    assert not plan_applies(torch.nn.Parameter(t))  # a subclass: not a plain tensor
+    seen = []
+    torch.compile(lambda x: seen.append(plan_applies(x)) or x + 1, backend="eager")(t)
+    assert seen == [False]
 
 
 def test_planned_call_replans_when_a_slot_changes_shape():

@@ -20,6 +20,9 @@ Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, wi
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from typing import Any, Optional, Sequence
 
 import torch
@@ -66,6 +69,11 @@ def _hooks_installed() -> bool:
     return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
 
 
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
 class BoundLaunch:
     """``kernel[grid](*args, **meta)`` with everything fixed but the tensors at ``slots``.
 
@@ -75,12 +83,14 @@ class BoundLaunch:
         device: where the kernel runs; ``cpu`` launches through the interpreter every time.
         args: the positional arguments in the kernel's order; the entries at ``slots`` are
             placeholders (their values at construction are ignored).
-        meta: keyword arguments: the kernel's constexpr parameters (every one that has no
-            default) and launch options (``num_warps``, ``num_stages``).
+        meta: keyword arguments: every kernel parameter after the positional ones (the
+            constexprs, defaulted or not) and launch options (``num_warps``, ``num_stages``).
         slots: positions in ``args`` of the tensors given per call.
     Raises:
-        TypeError: a constexpr parameter of ``kernel`` is missing from ``meta`` or ``args``
-            does not cover the kernel's non-constexpr parameters.
+        TypeError: a parameter after the positional ones is missing from ``meta``, or more
+            positional arguments than parameters.
+        ValueError: ``grid`` is not 1 to 3 ints >= 0, or a slot is not a positional index.
+        (Calls raise TypeError unless given exactly one tensor per slot.)
 
     Calling the object with one tensor per slot launches the kernel. The caller guarantees that
     these tensors have the shapes and strides the fixed arguments were computed from (dtype and
@@ -93,6 +103,9 @@ class BoundLaunch:
     def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
                  meta: dict[str, Any], slots: Sequence[int],
                  _families: Optional[dict[tuple, dict]] = None):
+        if not 1 <= len(grid) <= 3 or not all(
+                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in grid):
+            raise ValueError(f"BoundLaunch: grid must be 1 to 3 ints >= 0, got {tuple(grid)!r}.")
         grid = tuple(int(g) for g in grid)
         self.kernel = kernel
         self.grid = grid + (1,) * (3 - len(grid))
@@ -100,20 +113,24 @@ class BoundLaunch:
         self.args = list(args)
         self.meta = dict(meta)
         self.slots = tuple(slots)
-        params = getattr(kernel, "params", None)
-        self._tail: Optional[tuple] = None
-        if params is not None:
-            names = [p.name for p in params]
-            if len(args) > len(names):
-                raise TypeError(f"BoundLaunch: {len(args)} positional arguments for kernel "
-                                f"{kernel.fn.__name__} of {len(names)} parameters.")
-            missing = [n for n in names[len(args):] if n not in meta]
-            if missing:
-                raise TypeError(f"BoundLaunch: kernel {kernel.fn.__name__} needs {missing} in "
-                                f"meta; expected every parameter after the positional ones, "
-                                f"got {sorted(meta)}.")
-            # Constexpr values in signature order, appended after the positional arguments.
-            self._tail = tuple(meta[n] for n in names[len(args):])
+        # Parameter names from the Python function (the interpreter's kernels have no .params).
+        fn = getattr(kernel, "fn", kernel)
+        names = _parameter_names(fn)
+        if len(args) > len(names):
+            raise TypeError(f"BoundLaunch: {len(args)} positional arguments for kernel "
+                            f"{fn.__name__} of {len(names)} parameters.")
+        missing = [n for n in names[len(args):] if n not in meta]
+        if missing:
+            raise TypeError(f"BoundLaunch: kernel {fn.__name__} needs {missing} in "
+                            f"meta; expected every parameter after the positional ones, "
+                            f"got {sorted(meta)}.")
+        bad = [i for i in self.slots if not 0 <= i < len(args)]
+        if bad:
+            raise ValueError(f"BoundLaunch: slots {bad} are not positions of the {len(args)} "
+                             f"positional arguments of {fn.__name__}.")
+        # Constexpr values in signature order, appended after the positional arguments.
+        self._tail: Optional[tuple] = (tuple(meta[n] for n in names[len(args):])
+                                       if hasattr(kernel, "params") else None)
         # slots -> alignment class of the slot tensors -> CompiledKernel, shared with the
         # launches bound from this one (their fixed tensors must be 16-byte aligned).
         self._families: dict[tuple, dict] = {} if _families is None else _families
@@ -146,6 +163,9 @@ class BoundLaunch:
                            self._families if aligned else None)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        if len(tensors) != len(self.slots):
+            raise TypeError(f"BoundLaunch: {self.kernel.fn.__name__} takes {len(self.slots)} "
+                            f"tensors (slots {list(self.slots)}), got {len(tensors)}.")
         args = self.args
         for i, t in zip(self.slots, tensors):
             args[i] = t
