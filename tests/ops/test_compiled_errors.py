@@ -36,11 +36,15 @@ def _attention_kwargs():
 def test_attention_compiled_errors_carry_the_eager_message(name):
     t, args, _ = _wrapper_inputs()
     change = _bad(t, args)[name][0]
-    kwargs = {**_attention_kwargs(), **change}
+    _assert_same_error(xpu_ops.flash_attn_with_kvcache, {**_attention_kwargs(), **change})
+
+
+def _assert_same_error(fn, kwargs):
+    """``fn(**kwargs)`` fails eagerly with a user error whose text the compiled call carries."""
     with pytest.raises(USER_ERRORS) as eager:
-        xpu_ops.flash_attn_with_kvcache(**kwargs)
+        fn(**kwargs)
     with pytest.raises(Exception) as compiled:
-        _compiled_call(xpu_ops.flash_attn_with_kvcache, kwargs)
+        _compiled_call(fn, kwargs)
     assert str(eager.value) in str(compiled.value)
 
 
@@ -59,9 +63,4 @@ def _store_kwargs():
     ids=["k float64", "k 2-D", "v tokens", "loc int16", "k_cache heads", "v_cache slots",
          "loc list", "scale without fp8"])
 def test_store_compiled_errors_carry_the_eager_message(change):
-    kwargs = {**_store_kwargs(), **change}
-    with pytest.raises(USER_ERRORS) as eager:
-        xpu_ops.store_kv_cache(**kwargs)
-    with pytest.raises(Exception) as compiled:
-        _compiled_call(xpu_ops.store_kv_cache, kwargs)
-    assert str(eager.value) in str(compiled.value)
+    _assert_same_error(xpu_ops.store_kv_cache, {**_store_kwargs(), **change})
