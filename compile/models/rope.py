@@ -67,7 +67,17 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class _AngleTables(nn.Module):
+    """``cos_cached``/``sin_cached``: cos and sin of ``angles [max_position, n]`` (float32,
+    non-persistent buffers: recomputed from the config, never loaded)."""
+
+    def __init__(self, angles: Tensor):
+        super().__init__()
+        self.register_buffer("cos_cached", angles.cos(), persistent=False)
+        self.register_buffer("sin_cached", angles.sin(), persistent=False)
+
+
+class RotaryEmbedding(_AngleTables):
     """Applies RoPE to packed q/k by absolute position.
 
     Args:
@@ -79,11 +89,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
-        super().__init__()
         freqs = rope_angles(head_dim, max_position, theta, scaling)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, D]
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        super().__init__(torch.cat((freqs, freqs), dim=-1))  # [max_position, D]
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
@@ -92,7 +99,7 @@ class RotaryEmbedding(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class InterleavedRotaryEmbedding(nn.Module):
+class InterleavedRotaryEmbedding(_AngleTables):
     """RoPE rotating feature pairs ``(2i, 2i + 1)`` by ``position * inv_freq[i]``, computed in
     float32 (``transformers``' ``torch.polar`` / ``view_as_complex`` form, written with real ops).
 
@@ -106,10 +113,7 @@ class InterleavedRotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
-        super().__init__()
-        freqs = rope_angles(head_dim, max_position, theta, scaling)
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)  # [max_position, D/2]
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        super().__init__(rope_angles(head_dim, max_position, theta, scaling))  # [max_pos, D/2]
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         pairs = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
