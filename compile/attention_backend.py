@@ -274,8 +274,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         q3 = q.reshape(-1, hq, layer.head_dim)
         out = self.output_buffer(fb, q3, hq, dv)
         call, causal, cascade = self.select_call(meta, layer)
-        k_cache, v_cache = self.token_to_kv_pool.get_paged_kv(layer.kv_cache_layer_id,
-                                                              call.page_size)
+        k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
                     expand=meta.expand if cascade else None)
         return out.view(-1, hq * dv)
@@ -287,11 +286,24 @@ class XPUAttentionBackend(GraphMetadataMixin):
                                "got None.")
         return self.forward_metadata
 
+    def paged_kv(self, layer, page_size: int) -> tuple[Tensor, Tensor]:
+        """K/V cache of ``layer`` viewed ``[num_pages, page_size, Hkv, D]``.
+
+        Traced with buffers bound on the layer (``MHATokenToKVPool.bind_layers``): views of
+        those, so no ``layer_id`` is read and Dynamo can reuse the layer's trace; otherwise the
+        pool's look-up by ``layer.kv_cache_layer_id``.
+        """
+        k, v = layer.bound_k_buffer, layer.bound_v_buffer
+        if k is not None and torch.compiler.is_compiling():
+            return k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:])
+        return self.token_to_kv_pool.get_paged_kv(layer.kv_cache_layer_id, page_size)
+
     def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
         """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
 
         Eager writes into a plain MHA pool go through one ``store_kv_cache`` plan per batch
-        (``meta.plans``): validated by the first layer, re-run by the others.
+        (``meta.plans``): validated by the first layer, re-run by the others. Traced writes
+        into a plain MHA pool use the buffers bound on the layer when there are some.
         """
         pool = self.token_to_kv_pool
         if layer.is_cross_attention:
@@ -299,6 +311,10 @@ class XPUAttentionBackend(GraphMetadataMixin):
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)
+        elif (type(pool) is MHATokenToKVPool and layer.bound_k_buffer is not None
+              and torch.compiler.is_compiling()):  # traced: no layer_id look-up (reusable)
+            xpu_ops.store_kv_cache(layer.bound_k_buffer, layer.bound_v_buffer, meta.write.loc,
+                                   k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         elif type(pool) is MHATokenToKVPool and plan_applies(k):
             k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
             ks, vs, loc = layer.k_scale, layer.v_scale, meta.write.loc

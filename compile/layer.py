@@ -39,6 +39,10 @@ class PagedAttention(nn.Module):
             as above (sglang's names).
         k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
             value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
+        bound_k_buffer, bound_v_buffer: None, or this layer's pool buffers ``[num_slots, Hkv,
+            D]`` bound by ``MHATokenToKVPool.bind_layers``; traced code reads them instead of
+            indexing the pool by ``layer_id`` (so Dynamo can reuse one layer's trace for the
+            next, see docs/regions_reuse.md). Plain attributes: ``model.to()`` never moves them.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
@@ -69,6 +73,8 @@ class PagedAttention(nn.Module):
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
         self.v_scale_float: Optional[float] = None
+        self.bound_k_buffer: Optional[Tensor] = None
+        self.bound_v_buffer: Optional[Tensor] = None
 
     @property
     def kv_cache_layer_id(self) -> int:

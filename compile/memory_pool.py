@@ -21,6 +21,8 @@ from torch import Tensor
 
 import xpu_ops
 
+from .layer import PagedAttention
+
 
 class ReqToTokenPool:
     """Token-granular table ``req_to_token [size, max_context_len]`` int32 of token slots.
@@ -206,6 +208,40 @@ class MHATokenToKVPool:
             hit = (k, v, k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:]))
             self._paged_views[key] = hit
         return hit[2], hit[3]
+
+    def bind_layers(self, model) -> int:
+        """Bind each ``PagedAttention`` of ``model`` to its K/V buffers in this pool.
+
+        Sets ``attn.bound_k_buffer`` / ``attn.bound_v_buffer`` to the buffers of
+        ``attn.kv_cache_layer_id`` (plain attributes aliasing the pool's storage), so traced
+        attention reads them instead of indexing the pool by ``layer_id`` and Dynamo can reuse
+        one layer region's trace for the next (docs/regions_reuse.md). Call it again after the
+        pool's buffers are replaced.
+
+        Args:
+            model: an ``nn.Module`` whose submodules include ``PagedAttention`` layers.
+        Returns:
+            How many layers were bound.
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: a layer's ``kv_cache_layer_id`` is outside this pool's layers.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"MHATokenToKVPool.bind_layers: model must be an nn.Module; "
+                            f"expected a model with PagedAttention layers, got "
+                            f"{type(model).__name__}.")
+        count = 0
+        for attn in model.modules():
+            if not isinstance(attn, PagedAttention):
+                continue
+            lid = attn.kv_cache_layer_id
+            if not self.start_layer <= lid < self.start_layer + self.layer_num:
+                raise ValueError(f"MHATokenToKVPool.bind_layers: layer {attn.layer_id} reads "
+                                 f"KV layer {lid}; expected a layer id in [{self.start_layer}, "
+                                 f"{self.start_layer + self.layer_num}), got {lid}.")
+            attn.bound_k_buffer, attn.bound_v_buffer = self.get_kv_buffer(lid)
+            count += 1
+        return count
 
     def set_kv_buffer(self, layer, loc: Tensor, cache_k: Tensor, cache_v: Tensor,
                       k_scale=None, v_scale=None) -> None:

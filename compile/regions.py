@@ -36,6 +36,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from .forward_context import get_forward_context, has_forward_context
+
 
 def _functionalize_with_epilogue(self, *args, **kwargs):
     """``FunctionalCallableWithEpilogue.__call__`` on Python functionalization: run the subgraph
@@ -137,8 +139,23 @@ def _call_layer(layer: nn.Module, positions: Tensor, h: Tensor, forward_batch) -
     return layer(positions, h, forward_batch)
 
 
-_region_call = (torch.compiler.nested_compile_region(_call_layer)
-                if hasattr(torch.compiler, "nested_compile_region") else _call_layer)
+def _call_layer_from_context(layer: nn.Module, positions: Tensor, h: Tensor) -> Tensor:
+    # The batch is read from the forward context, not passed in: a region argument that is a
+    # plain object (ForwardBatch) turns Dynamo's region reuse off (docs/regions_reuse.md).
+    return layer(positions, h, get_forward_context().forward_batch)
+
+
+def _region(fn):
+    return (torch.compiler.nested_compile_region(fn)
+            if hasattr(torch.compiler, "nested_compile_region") else fn)
+
+
+_region_call = _region(_call_layer)
+_reusable_region_call = _region(_call_layer_from_context)
+
+
+def _kv_bound(layers: nn.ModuleList) -> bool:
+    return all(layer.self_attn.attn.bound_k_buffer is not None for layer in layers)
 
 
 def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
@@ -151,11 +168,24 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
     Returns:
         [T, hidden]. Plain calls (the same math) when ``LAYER_REGIONS`` is False or a layer
         attends through the piecewise split op (a Python bool: Dynamo guards on it).
+
+    Regions Dynamo can reuse (trace one layer per kind, docs/regions_reuse.md) when, in
+    addition, the model runs inside ``compile.forward_context.set_forward_context`` with this
+    step's ``forward_batch`` (the regions read it from there; the caller must pass the same
+    batch) and every layer's KV buffers are bound (``MHATokenToKVPool.bind_layers(model)``).
     """
     split = any(layer.self_attn.attn.use_split_op for layer in layers)
-    call = _region_call if LAYER_REGIONS and not split else _call_layer
+    if not LAYER_REGIONS or split:
+        for layer in layers:
+            h = _call_layer(layer, positions, h, forward_batch)
+        return h
+    if has_forward_context() and _kv_bound(layers):
+        # Reusable: Dynamo traces one layer per kind and stamps out the others.
+        for layer in layers:
+            h = _reusable_region_call(layer, positions, h)
+        return h
     for layer in layers:
-        h = call(layer, positions, h, forward_batch)
+        h = _region_call(layer, positions, h, forward_batch)
     return h
 
 
