@@ -5,6 +5,8 @@ inline for the piecewise split; the functionalization backport handles mutable c
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager
@@ -164,3 +166,83 @@ def test_regions_are_opt_in_and_torch_is_restored():
         assert regions.LAYER_REGIONS
     assert not regions.LAYER_REGIONS
     assert FunctionalCallableWithEpilogue.__call__ is original
+
+
+# ------------------------------------------------ reusable regions (docs/regions_reuse.md)
+
+@pytest.fixture
+def stamp_outs(monkeypatch):
+    """Counts Dynamo's region reuses (a stamped-out copy of an already traced layer)."""
+    from torch._dynamo.variables import invoke_subgraph
+    count = [0]
+    original = invoke_subgraph.stamp_out_subgraph
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", counting)
+    return count
+
+
+def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bool):
+    """One decode step, compiled vs eager from the same KV cache: logits and every layer's
+    K/V buffers afterwards equal."""
+    pool = harness.kv_pool
+    if bind:
+        assert pool.bind_layers(model) == model.config.num_hidden_layers
+    harness.extend([0, 1, 2], [5, 3, 7])
+    ids, pos, fb = harness.decode([0, 1, 2])
+    bufs = pool.k_buffer + pool.v_buffer
+    with torch.no_grad():
+        for b in bufs:
+            b.normal_()
+        start = [b.clone() for b in bufs]
+        ref = model(ids, pos, fb)
+        after_eager = [b.clone() for b in bufs]
+        for b, s in zip(bufs, start):
+            b.copy_(s)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        ctx = (set_forward_context({}, fb, num_tokens=ids.shape[0]) if context
+               else contextlib.nullcontext())
+        with ctx:
+            out = compiled(ids, pos, fb)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for i, (b, e) in enumerate(zip(bufs, after_eager)):  # each layer wrote its own buffers
+        torch.testing.assert_close(b, e, rtol=1e-4, atol=1e-5, msg=f"KV buffer {i}")
+
+
+def test_bound_kv_and_forward_context_let_dynamo_reuse_the_layer_trace(regions_on, stamp_outs):
+    model = tiny_model(4)
+    rec = Recorder()
+    _compiled_step_equals_eager(model, Harness(model), rec, bind=True, context=True)
+    assert stamp_outs[0] == 3                      # layer 0 traced, layers 1-3 stamped out
+    assert len(rec.subgraphs()) == 4 and len(set(rec.subgraphs())) == 1
+
+
+def test_reuse_keeps_one_trace_per_layer_kind(regions_on, stamp_outs):
+    model = tiny_model(4, **MIXED)
+    rec = Recorder(compile_fx)
+    _compiled_step_equals_eager(model, Harness(model), rec, bind=True, context=True)
+    assert stamp_outs[0] == 2                      # sliding and full traced once each
+    subgraphs = rec.subgraphs()
+    assert subgraphs[0] == subgraphs[2] != subgraphs[1] == subgraphs[3]
+
+
+@pytest.mark.parametrize("bind, context", [(False, True), (True, False)])
+def test_without_bound_kv_or_context_every_layer_is_traced(regions_on, stamp_outs, bind,
+                                                           context):
+    model = tiny_model(3)
+    _compiled_step_equals_eager(model, Harness(model), aot_eager, bind=bind, context=context)
+    assert stamp_outs[0] == 0
+
+
+def test_bind_layers_rejects_bad_input():
+    model = tiny_model(2)
+    pool = Harness(model).kv_pool
+    with pytest.raises(TypeError, match="nn.Module"):
+        pool.bind_layers(object())
+    model.model.layers[1].self_attn.attn.kv_sharing_target_layer_id = 5
+    with pytest.raises(ValueError, match="expected a layer id in"):
+        pool.bind_layers(model)
