@@ -23,6 +23,7 @@ Host time: per step, until ``forward`` returns (before the device sync).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,9 +37,11 @@ import torch
 from compile import device as dev
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.forward_context import set_forward_context
 from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
+from compile.layer import PagedAttention
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.piecewise import PiecewiseModel
 from compile.regions import layer_regions, supported as regions_supported
@@ -138,18 +141,29 @@ def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, floa
     return statistics.median(times), statistics.median(host)
 
 
-def compile_times(model, ids, fb, regions: bool = False) -> tuple[float, float]:
+def compile_times(model, ids, fb, regions: bool = False,
+                  reuse: bool = False) -> tuple[float, float]:
     """(cold, warm) seconds of the first compiled call, fresh cache then filled cache; with
-    ``regions`` inside ``compile.regions.layer_regions()`` (one compiled body per layer kind)."""
+    ``regions`` inside ``compile.regions.layer_regions()`` (one compiled body per layer kind);
+    with ``reuse`` also the KV buffers bound on the layers and the call inside a forward
+    context, so Dynamo traces one layer per kind (docs/regions_reuse.md)."""
     out = []
+    pool = fb.attn_backend.token_to_kv_pool
+    for attn in model.modules():  # unbind: a previous call may have bound them
+        if isinstance(attn, PagedAttention):
+            attn.bound_k_buffer = attn.bound_v_buffer = None
+    if reuse:
+        pool.bind_layers(model)
     with tempfile.TemporaryDirectory() as cache, layer_regions(regions):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         for _ in range(2):
             torch._dynamo.reset()
             compiled = torch.compile(model, fullgraph=True)
             fb.attn_backend.init_forward_metadata(fb)
+            ctx = (set_forward_context({}, fb, num_tokens=ids.shape[0]) if reuse
+                   else contextlib.nullcontext())
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), ctx:
                 compiled(ids, fb.positions, fb)
             dev.synchronize(fb.device)
             out.append(time.perf_counter() - t0)
@@ -204,9 +218,13 @@ def main(argv=None):
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
         big = build(cargs)
         compile_s = {}
-        for regions in (False, True) if regions_supported() else (False,):
-            key = "layer regions" if regions else "default"
-            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
+        variants = {"default": (False, False)}
+        if regions_supported():
+            variants.update({"layer regions": (True, False),
+                             "reusable layer regions": (True, True)})
+        for key, (regions, reuse) in variants.items():
+            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions,
+                                           reuse=reuse)
             print(f"compile {args.compile_layers} layers ({key}): cold "
                   f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
                   f"{os.getloadavg()[0]:.2f})", flush=True)
