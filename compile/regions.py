@@ -10,8 +10,13 @@ subgraph inputs, looked up through ``layer_id`` while Dynamo traces that layer.
 
 What it does not do:
 
-1. Dynamo still traces every layer. Its guard-based trace reuse (torch >= 2.13) cannot apply:
-   ``forward_batch`` is a plain object and each layer indexes the pool by its own ``layer_id``.
+1. By default Dynamo still traces every layer. Its guard-based trace reuse (torch >= 2.13)
+   cannot apply: ``forward_batch`` is a plain object and each layer indexes the pool by its own
+   ``layer_id``. Opt-in reuse (docs/regions_reuse.md): bind the KV buffers on the layers
+   (``MHATokenToKVPool.bind_layers(model)``) and call the model inside
+   ``compile.forward_context.set_forward_context`` with the step's batch; the regions then
+   read the batch from the context and Dynamo traces one layer per kind (plain MHA pools only
+   so far: hybrid SWA and MLA pools still look layers up by ``layer_id``).
 2. Piecewise mode: ``compile.piecewise`` splits the top-level graph at the split op, which must
    not hide inside a subgraph, so layers that attend through the split op run as plain calls.
 3. A region that mutates its inputs (``store_kv_cache`` writes the pool) is functionalized through
