@@ -185,14 +185,16 @@ def stamp_outs(monkeypatch):
     return count
 
 
-def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bool):
-    """One decode step, compiled vs eager from the same KV cache: logits and every layer's
-    K/V buffers afterwards equal."""
+def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bool,
+                                kind: str = "decode"):
+    """One ``kind`` (decode or extend) step, compiled vs eager from the same KV cache: logits
+    and every layer's K/V buffers afterwards equal."""
     pool = harness.kv_pool
     if bind:
         assert pool.bind_layers(model) == model.config.num_hidden_layers
     harness.extend([0, 1, 2], [5, 3, 7])
-    ids, pos, fb = harness.decode([0, 1, 2])
+    ids, pos, fb = (harness.decode([0, 1, 2]) if kind == "decode"
+                    else harness.extend([0, 1, 2], [2, 4, 1]))
     bufs = pool.k_buffer + pool.v_buffer
     with torch.no_grad():
         for b in bufs:
@@ -213,10 +215,12 @@ def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bo
         torch.testing.assert_close(b, e, rtol=1e-4, atol=1e-5, msg=f"KV buffer {i}")
 
 
-def test_bound_kv_and_forward_context_let_dynamo_reuse_the_layer_trace(regions_on, stamp_outs):
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_bound_kv_and_forward_context_let_dynamo_reuse_the_layer_trace(regions_on, stamp_outs,
+                                                                       kind):
     model = tiny_model(4)
     rec = Recorder()
-    _compiled_step_equals_eager(model, Harness(model), rec, bind=True, context=True)
+    _compiled_step_equals_eager(model, Harness(model), rec, bind=True, context=True, kind=kind)
     assert stamp_outs[0] == 3                      # layer 0 traced, layers 1-3 stamped out
     assert len(rec.subgraphs()) == 4 and len(set(rec.subgraphs())) == 1
 
