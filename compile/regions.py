@@ -186,6 +186,11 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
         return h
     if has_forward_context() and _kv_bound(layers):
         # Reusable: Dynamo traces one layer per kind and stamps out the others.
+        if get_forward_context().forward_batch is not forward_batch:
+            raise ValueError("run_layers: the forward context holds another ForwardBatch than "
+                             "the one passed to the model; expected the model called inside "
+                             "set_forward_context(..., forward_batch=<that batch>, ...) (the "
+                             "reusable layer regions read the batch from the context).")
         for layer in layers:
             h = _reusable_region_call(layer, positions, h)
         return h

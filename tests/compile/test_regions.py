@@ -250,3 +250,37 @@ def test_bind_layers_rejects_bad_input():
     model.model.layers[1].self_attn.attn.kv_sharing_target_layer_id = 5
     with pytest.raises(ValueError, match="expected a layer id in"):
         pool.bind_layers(model)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_context_with_another_batch_is_rejected(regions_on, compiled):
+    model = tiny_model(2)
+    h = Harness(model)
+    h.kv_pool.bind_layers(model)
+    ids, pos, fb = h.decode([0, 1])
+    _, _, other = h.decode([2])
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    with set_forward_context({}, other, num_tokens=1), torch.no_grad():
+        with pytest.raises(Exception, match="another ForwardBatch") as err:
+            run(ids, pos, fb)
+    if not compiled:
+        assert err.type is ValueError
+
+
+def test_reusable_regions_do_not_recompile_for_each_new_batch(regions_on):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    model = tiny_model(2)
+    h = Harness(model)
+    h.kv_pool.bind_layers(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=counter, fullgraph=True)
+    h.extend([0, 1, 2], [3, 3, 3])
+    frames = []
+    for _ in range(5):  # a new ForwardBatch (and context) every step, as a server makes them
+        ids, pos, fb = h.decode([0, 1, 2])
+        with set_forward_context({}, fb, num_tokens=3), torch.no_grad():
+            run(ids, pos, fb)
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[1]  # after the dynamic-shape recompile, none per batch
