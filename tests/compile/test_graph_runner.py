@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from unittest import mock
 
-import pytest
 import torch
 from expecttest import TestCase
 
@@ -18,7 +17,7 @@ from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
 from compile.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, full_and_piecewise
 from compile.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
-from tests.compile.test_piecewise import _eager, _mixed
+from tests.compile.test_piecewise import _eager, _make_step
 from tests.markers import requires_gpu_graphs
 
 # batch sizes in request counts: grow, shrink across buckets, shrink inside one, grow again
@@ -135,9 +134,7 @@ def _steps_equal_eager(test, forward, model, layers, h, steps, tol=1e-5):
     """Run ``steps`` (``(kind, rows, lens)``) through ``forward``; each output must equal the
     eager model's (layers back on the backend, fresh metadata)."""
     for kind, rows, lens in steps:
-        make = {"extend": lambda: h.extend(rows, lens), "mixed": lambda: _mixed(h, rows, lens),
-                "decode": lambda: h.decode(rows)}[kind]
-        ids, pos, fb = make()
+        ids, pos, fb = _make_step(h, kind, rows, lens)
         with torch.no_grad():
             out = forward(ids, pos, fb)
         h.backend.init_forward_metadata(fb)  # decode steps left graph-bound metadata behind

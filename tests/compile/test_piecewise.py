@@ -10,7 +10,6 @@ piece fed a moved input reads stale values here just as a device graph would.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from expecttest import TestCase
 
@@ -44,14 +43,21 @@ def _mixed(h, rows, lens):
     return ids, pos, fb
 
 
+def _make_step(h, kind, rows, lens):
+    """``(ids, pos, fb)`` of one ``extend``/``mixed``/``decode`` step of harness ``h``."""
+    if kind == "extend":
+        return h.extend(rows, lens)
+    if kind == "mixed":
+        return _mixed(h, rows, lens)
+    return h.decode(rows)
+
+
 def _run_steps(test, pw, model, h, steps, tol=1e-5):
     """Run ``steps`` (``(kind, rows, lens)``) through ``pw``; each step's output must equal eager
     and every captured piece output must keep its address. Returns ``{(piece, bucket): ptrs}``."""
     addresses = {}
     for kind, rows, lens in steps:
-        make = {"extend": lambda: h.extend(rows, lens), "mixed": lambda: _mixed(h, rows, lens),
-                "decode": lambda: h.decode(rows)}[kind]
-        ids, pos, fb = make()
+        ids, pos, fb = _make_step(h, kind, rows, lens)
         with torch.no_grad():
             out = pw(ids, pos, fb)
         ref = _eager(model, pw.layers, ids, pos, fb)
