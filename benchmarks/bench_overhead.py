@@ -52,13 +52,15 @@ def _stub_store(*args, **kwargs) -> None:
 
 
 def stub_kernels() -> None:
-    """Swap the ``fn`` of every implementation of ``OPS`` for a no-op (this process only)."""
+    """Swap the ``fn`` of every implementation of ``OPS`` for a no-op and drop its provider plan
+    (this process only)."""
     providers.select(OPS[0], torch.device("cpu"))  # make sure every provider is imported
     stubs = {"flash_attn_with_kvcache": _stub_attention, "store_kv_cache": _stub_store}
     for op, stub in stubs.items():
         impls = providers._registry[op]
         for name, impl in impls.items():
-            impls[name] = dataclasses.replace(impl, fn=stub)
+            # plan=None: a provider's own plan would launch the real kernels from OpPlan
+            impls[name] = dataclasses.replace(impl, fn=stub, plan=None)
     invalidate = getattr(providers, "invalidate_cache", None)
     if invalidate is not None:
         invalidate()
