@@ -1,7 +1,8 @@
 """Decode throughput of a 1B-class Llama (random weights) in five modes, plus compile times.
 
-Modes: ``eager`` (the model as written), ``compiled`` (``torch.compile(model, fullgraph=True)``,
-Inductor, no graphs), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
+Modes: ``eager`` (the model as written), ``compiled`` (``compile.compiled_model.compile_model(
+model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs; reusable layer regions where
+this torch has them), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
 device graph per token bucket, attention eager), ``graphs`` (``compile.graph_runner.
 DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
 ``full_and_piecewise`` (``compile.graph_runner.full_and_piecewise``: the decode graphs recorded
@@ -10,10 +11,11 @@ through the piecewise model; the decode steps timed here replay those whole-step
 Throughput: decode tokens/s = b / median step time (steps after warm-up, device synchronised;
 the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
 decodes one token per request at a cache length of ``--context`` tokens.
-Compile time: first call of ``torch.compile`` with an empty Inductor cache (cold) and again in
-the same process after ``torch._dynamo.reset()`` with the cache filled (warm), as the model
-is (default) and inside ``compile.regions.layer_regions()`` (one compiled body per layer kind;
-opt-in because it patches a torch class, see compile/regions.py).
+Compile time: first compiled call with an empty Inductor cache (cold) and again in the same
+process after ``torch._dynamo.reset()`` with the cache filled (warm), for a plain
+``torch.compile(model, fullgraph=True)`` (every layer traced and compiled) and for
+``compile_model`` (Dynamo traces one layer per kind and stamps out the others,
+docs/regions_reuse.md; only where this torch can reuse region traces).
 Host time: per step, until ``forward`` returns (before the device sync).
 
     python benchmarks/bench_model.py --device cuda              # the H200 table and plot
@@ -23,7 +25,6 @@ Host time: per step, until ``forward`` returns (before the device sync).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -37,14 +38,13 @@ import torch
 from compile import device as dev
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.forward_context import set_forward_context
+from compile.compiled_model import compile_model, reusable_regions_supported
 from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from compile.layer import PagedAttention
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.piecewise import PiecewiseModel
-from compile.regions import layer_regions, supported as regions_supported
 from compile.split_op import enable_split_op
 
 RESULTS = Path(__file__).parent / "results"
@@ -111,11 +111,11 @@ def make_forward(model, mode: str):
     if mode == "eager":
         return model
     if mode == "compiled":
-        return torch.compile(model, fullgraph=True)
+        return compile_model(model, fullgraph=True)
     if mode == "piecewise":
         return PiecewiseModel(model)
     if mode == "graphs":
-        return DecodeGraphRunner(model, forward=torch.compile(model, fullgraph=True))
+        return DecodeGraphRunner(model, forward=compile_model(model, fullgraph=True))
     if mode == "full_and_piecewise":
         return full_and_piecewise(model)
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected eager, compiled, "
@@ -141,29 +141,22 @@ def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, floa
     return statistics.median(times), statistics.median(host)
 
 
-def compile_times(model, ids, fb, regions: bool = False,
-                  reuse: bool = False) -> tuple[float, float]:
-    """(cold, warm) seconds of the first compiled call, fresh cache then filled cache; with
-    ``regions`` inside ``compile.regions.layer_regions()`` (one compiled body per layer kind);
-    with ``reuse`` also the KV buffers bound on the layers and the call inside a forward
-    context, so Dynamo traces one layer per kind (docs/regions_reuse.md)."""
+def compile_times(model, ids, fb, regions: bool) -> tuple[float, float]:
+    """(cold, warm) seconds of the first compiled call, fresh cache then filled cache, through
+    ``compile_model(model, regions=regions, fullgraph=True)`` (``regions=False``: a plain
+    ``torch.compile``)."""
     out = []
-    pool = fb.attn_backend.token_to_kv_pool
     for attn in model.modules():  # unbind: a previous call may have bound them
         if isinstance(attn, PagedAttention):
             attn.bound_k_buffer = attn.bound_v_buffer = None
-    if reuse:
-        pool.bind_layers(model)
-    with tempfile.TemporaryDirectory() as cache, layer_regions(regions):
+    with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         for _ in range(2):
             torch._dynamo.reset()
-            compiled = torch.compile(model, fullgraph=True)
+            compiled = compile_model(model, regions=regions, fullgraph=True)
             fb.attn_backend.init_forward_metadata(fb)
-            ctx = (set_forward_context({}, fb, num_tokens=ids.shape[0]) if reuse
-                   else contextlib.nullcontext())
             t0 = time.perf_counter()
-            with torch.inference_mode(), ctx:
+            with torch.inference_mode():
                 compiled(ids, fb.positions, fb)
             dev.synchronize(fb.device)
             out.append(time.perf_counter() - t0)
@@ -188,6 +181,10 @@ def main(argv=None):
                     help="measure each (mode, batch) this many times, report the fastest")
     ap.add_argument("--compile-layers", type=int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
+    ap.add_argument("--compile-variants", nargs="+", choices=("torch.compile", "compile_model"),
+                    default=["torch.compile", "compile_model"],
+                    help="what the compile times measure (compile_model: only where this torch "
+                         "can reuse region traces); one per fresh process for clean cold figures")
     ap.add_argument("--compile-only", action="store_true",
                     help="skip the decode table, measure only the compile times (printed, no "
                          "result files; repeat in fresh processes: a second cold compile in "
@@ -218,13 +215,13 @@ def main(argv=None):
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
         big = build(cargs)
         compile_s = {}
-        variants = {"default": (False, False)}
-        if regions_supported():
-            variants.update({"layer regions": (True, False),
-                             "reusable layer regions": (True, True)})
-        for key, (regions, reuse) in variants.items():
-            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions,
-                                           reuse=reuse)
+        variants = {"torch.compile": False, "compile_model": True}
+        if not reusable_regions_supported():
+            variants.pop("compile_model")
+        for key, regions in variants.items():
+            if key not in args.compile_variants:
+                continue
+            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
             print(f"compile {args.compile_layers} layers ({key}): cold "
                   f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
                   f"{os.getloadavg()[0]:.2f})", flush=True)

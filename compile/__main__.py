@@ -28,6 +28,7 @@ from compile.cli_args import (CliParser, existing_file, model_name, non_negative
                               positive_int, temperature)
 from compile.cli_check import add_parser as add_check_parser
 from compile.cli_models import pick_device
+from compile.compiled_model import compile_model
 from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.piecewise import PiecewiseModel, compile_piecewise
 
@@ -58,10 +59,10 @@ def _backend(inductor: bool) -> str:
 # mode -> (model, inductor) -> forward. Compiled modes turn dynamic after their first recompile.
 FORWARDS: dict[str, Callable] = {
     "eager": lambda model, inductor: model,
-    "compile": lambda model, inductor: torch.compile(model, backend=_backend(inductor)),
+    "compile": lambda model, inductor: compile_model(model, backend=_backend(inductor)),
     "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
     "graphs": lambda model, inductor: DecodeGraphRunner(
-        model, forward=torch.compile(model, backend=_backend(inductor))),
+        model, forward=compile_model(model, backend=_backend(inductor))),
     "full_and_piecewise": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
 }
 
@@ -233,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
                    help="auto: cuda, else xpu, else cpu")
     g.add_argument("--mode", choices=MODES, default="eager",
-                   help="eager: the model as written; compile: torch.compile (Inductor); "
+                   help="eager: the model as written; compile: torch.compile (Inductor), one "
+                        "trace per layer kind (compile.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
                         "graphs: whole decode steps captured as device graphs; "
                         "full_and_piecewise: decode steps as whole graphs, other steps "

@@ -85,7 +85,7 @@ class Engine:
     Args:
         model: a zoo model (``model.config`` is a ``ModelConfig``); called as
             ``forward(input_ids [T], positions [T], forward_batch) -> logits [b, vocab]``.
-        forward: the callable actually run (default ``model``; e.g. ``torch.compile(model)``).
+        forward: the callable actually run (default ``model``; e.g. ``compile_model(model)``).
         page_size: tokens per KV page. max_running: ``req_to_token`` rows (concurrent requests).
         max_context_len: tokens per request at most (prompt + output).
         max_total_tokens: KV slots in the pool (page 0 is reserved as padding on top of these).

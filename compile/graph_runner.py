@@ -53,7 +53,7 @@ class GraphRunner:
         mode: ForwardMode.DECODE or ForwardMode.TARGET_VERIFY.
         q_per_req: query tokens per request.
         batch_sizes: captured buckets (a batch of ``b`` requests uses the smallest ``>= b``).
-        forward: what is captured (default ``model``; e.g. ``torch.compile(model)``).
+        forward: what is captured (default ``model``; e.g. ``compile_model(model)``).
         capture: capture device graphs (default: when the model's device supports them).
         graph_pool: a ``device.graph_pool_handle`` to share with other graphs (e.g. a
             ``PiecewiseBackend``'s pool); None: a pool of its own, made at the first capture.
@@ -184,7 +184,7 @@ class GraphRunner:
 class DecodeGraphRunner(GraphRunner):
     """Full graphs of DECODE steps (one token per request), per batch-size bucket.
 
-    >>> # engine = Engine(model, forward=DecodeGraphRunner(model, forward=torch.compile(model)))
+    >>> # engine = Engine(model, forward=DecodeGraphRunner(model, forward=compile_model(model)))
     """
 
     def __init__(self, model, **kwargs):

@@ -89,6 +89,49 @@ def _epilogue_class():
     return FunctionalCallableWithEpilogue if needs_backport else None
 
 
+def _alias_replaced_symbols(tx, match) -> None:
+    """Bind, in the tracer that stamps out a region, each symbolic size the region's first trace
+    lifted under an expression the tracer only knows under its original symbol.
+
+    Dynamo wraps a batch-sized metadata tensor with a fresh size symbol ``u`` and binds ``u``;
+    the ops' shape checks then prove ``u == s + 1`` (``cu_seqlens_q`` is ``[b + 1]`` when
+    ``cache_seqlens`` is ``[b]``) and the shape environment replaces ``u`` by ``s + 1``. The
+    first trace records the lifted size as ``s + 1``, and torch 2.13's ``stamp_out_subgraph``
+    looks that expression up among the bound symbols (``KeyError: s1 + 1``, on the first
+    dynamic-shape recompile). The bound proxy of ``u`` computes exactly that value, so it is
+    bound under the replaced expression too.
+    """
+    from torch._dynamo.output_graph import LazyProxy
+    from torch._dynamo.variables.invoke_subgraph import LiftedBoundSymbol
+
+    bound = tx.output.current_tracer.bound_symbols
+    missing = {m.expr for m in match.subgraph_input_mapping
+               if isinstance(m, LiftedBoundSymbol) and m.expr not in bound}
+    if not missing:
+        return
+    for proxy in list(bound.values()):
+        value = (proxy.args[0] if isinstance(proxy, LazyProxy)
+                 else proxy.node.meta.get("example_value"))
+        if isinstance(value, torch.SymInt) and value.node.expr in missing:
+            bound[value.node.expr] = proxy
+
+
+def _stamp_out_patch():
+    """``(module, patched stamp_out_subgraph)`` for torch's region trace reuse, or None."""
+    try:
+        from torch._dynamo.variables import invoke_subgraph
+        from torch._dynamo.variables.invoke_subgraph import LiftedBoundSymbol  # noqa: F401
+        original = invoke_subgraph.stamp_out_subgraph
+    except (ImportError, AttributeError):
+        return None
+
+    def stamp_out_subgraph(tx, fingerprint, match):
+        _alias_replaced_symbols(tx, match)
+        return original(tx, fingerprint, match)
+
+    return invoke_subgraph, stamp_out_subgraph
+
+
 def supported() -> bool:
     """Whether this torch can run layer regions (``nested_compile_region`` and the
     functionalization class exist; the backport is installed by ``layer_regions`` if needed)."""
@@ -113,8 +156,10 @@ def layer_regions(enabled: bool = True) -> Iterator[None]:
     Compile (call the ``torch.compile``d model for the first time) inside the block. On torch
     versions whose input-mutating regions go through C++ functionalization (pytorch issues 186807
     and 189523), the block also swaps ``FunctionalCallableWithEpilogue.__call__`` for the Python
-    functionalization of pull request 189543, process-wide, and puts the original back on exit:
-    that is why this is an explicit opt-in, not the default.
+    functionalization of pull request 189543, and where Dynamo reuses region traces it wraps
+    ``stamp_out_subgraph`` so a size the shape checks replaced by an expression is found
+    (``_alias_replaced_symbols``); both process-wide, both put back on exit. Patching torch is
+    why this is an explicit opt-in (``compile.compiled_model`` opts in per call).
 
     Raises:
         RuntimeError: ``enabled`` and this torch has no ``nested_compile_region`` or no
@@ -126,18 +171,24 @@ def layer_regions(enabled: bool = True) -> Iterator[None]:
                            "torch.compiler.nested_compile_region; expected torch >= 2.8 with "
                            "torch._higher_order_ops.auto_functionalize."
                            "FunctionalCallableWithEpilogue.")
+    patches = []  # (owner, attribute, replacement), put back in reverse order on exit
     cls = _epilogue_class() if enabled else None
-    original = cls.__call__ if cls is not None else None
-    previous = LAYER_REGIONS
     if cls is not None:
-        cls.__call__ = _functionalize_with_epilogue
+        patches.append((cls, "__call__", _functionalize_with_epilogue))
+    stamp_out = _stamp_out_patch() if enabled else None
+    if stamp_out is not None:
+        patches.append((stamp_out[0], "stamp_out_subgraph", stamp_out[1]))
+    originals = [getattr(owner, name) for owner, name, _ in patches]
+    previous = LAYER_REGIONS
+    for owner, name, new in patches:
+        setattr(owner, name, new)
     LAYER_REGIONS = enabled
     try:
         yield
     finally:
         LAYER_REGIONS = previous
-        if cls is not None:
-            cls.__call__ = original
+        for (owner, name, _), original in reversed(list(zip(patches, originals))):
+            setattr(owner, name, original)
 
 
 def _call_layer(layer: nn.Module, positions: Tensor, h: Tensor, forward_batch) -> Tensor:

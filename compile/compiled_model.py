@@ -1,0 +1,123 @@
+"""``compile_model``: ``torch.compile`` of a zoo model, traced once per layer kind.
+
+``torch.compile(model)`` works on every zoo model (tests/compile/test_compile_model.py), but
+Dynamo traces all N decoder layers and Inductor compiles N copies of the same code: a 30-layer
+model takes ~60 s cold and ~10 s warm on a 2-core CPU. ``compile_model(model)`` returns a
+``CompiledModel``: the same ``torch.compile``, called so that Dynamo traces one layer per kind
+and stamps out the others (docs/regions_reuse.md):
+
+1. each step runs inside ``compile.regions.layer_regions()`` (one nested compile region per
+   decoder layer) and ``compile.forward_context.set_forward_context`` holding the step's
+   ``ForwardBatch`` (the regions read it from there, so it is not a region argument);
+2. before the first step, and again whenever the pool's buffers are no longer the ones bound,
+   every ``PagedAttention`` gets its KV buffers bound (``pool.bind_layers(model)``), so traced
+   attention does not index the pool by ``layer_id``.
+
+Where this torch cannot reuse region traces (``reusable_regions_supported`` False: torch
+< 2.13, e.g. the 2.11 of the GPU machine), or the batch has no pool that can bind layers,
+``CompiledModel`` is exactly ``torch.compile(model, ...)``: the regions only pay off with reuse
+(without it warm compiles get slower, regions.py measures both).
+
+Measured (30-layer decode step, 2-core CPU, ``benchmarks/bench_model.py --compile-only``): see
+benchmarks/RESULTS.md, "Issue 5, session 4".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .forward_context import set_forward_context
+from .regions import layer_regions, supported as regions_supported
+
+
+def reusable_regions_supported() -> bool:
+    """Whether this torch can trace a nested compile region once and stamp out the layers after
+    it (Dynamo's ``invoke_subgraph`` trace reuse, torch >= 2.13), besides running regions at
+    all (``compile.regions.supported``)."""
+    if not regions_supported():
+        return False
+    return importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None
+
+
+def _pool_of(forward_batch) -> Any:
+    pool = getattr(forward_batch, "token_to_kv_pool", None)
+    if pool is None:
+        pool = getattr(getattr(forward_batch, "attn_backend", None), "token_to_kv_pool", None)
+    return pool
+
+
+class CompiledModel:
+    """``torch.compile(model, **compile_kwargs)`` with reusable layer regions.
+
+    Args:
+        model: a zoo model called as ``model(input_ids [T], positions [T], forward_batch,
+            **kwargs)`` whose decoder layers run through ``compile.regions.run_layers``.
+        regions: trace one layer per kind (see the module docstring). None (default): when
+            ``reusable_regions_supported()``. True on a torch without reuse raises.
+        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``fullgraph``, ``dynamic``,
+            ``mode``, ``options``).
+    Attributes:
+        model: the model. compiled: the ``torch.compile``d model. regions: whether steps run
+            with reusable regions. binds: how many times the layers were (re)bound to a pool.
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        RuntimeError: ``regions=True`` and this torch cannot reuse region traces.
+
+    A step whose ``forward_batch`` has no pool with ``bind_layers`` runs without regions.
+    The first call with regions patches a torch class for the duration of each call on
+    torch <= 2.13 (``compile.regions.layer_regions`` says which and why).
+
+    >>> # engine = Engine(model, forward=compile_model(model))
+    """
+
+    def __init__(self, model: nn.Module, *, regions: Optional[bool] = None, **compile_kwargs):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"compile_model: model must be an nn.Module, got "
+                            f"{type(model).__name__}.")
+        if regions and not reusable_regions_supported():
+            raise RuntimeError(f"compile_model: regions=True needs Dynamo's region trace reuse "
+                               f"(torch >= 2.13); this is torch {torch.__version__}. Pass "
+                               f"regions=None to fall back to a plain torch.compile.")
+        self.model = model
+        self.regions = reusable_regions_supported() if regions is None else bool(regions)
+        self.compiled = torch.compile(model, **compile_kwargs)
+        self.binds = 0
+        self._bound_pool: Any = None
+
+    def _bind(self, forward_batch) -> bool:
+        """Bind the layers to the batch's pool if they are not bound to its current buffers;
+        False when the pool cannot bind layers."""
+        pool = _pool_of(forward_batch)
+        if pool is None or not hasattr(pool, "bind_layers"):
+            return False
+        is_bound = getattr(pool, "is_bound", None)
+        if pool is not self._bound_pool or (is_bound is not None and not is_bound(self.model)):
+            pool.bind_layers(self.model)
+            self._bound_pool = pool
+            self.binds += 1
+        return True
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, forward_batch, **kwargs):
+        """The compiled model's output for this step (``model``'s contract)."""
+        if not (self.regions and self._bind(forward_batch)):
+            return self.compiled(input_ids, positions, forward_batch, **kwargs)
+        with layer_regions(), set_forward_context({}, forward_batch, input_ids.shape[0]):
+            return self.compiled(input_ids, positions, forward_batch, **kwargs)
+
+
+def compile_model(model: nn.Module, *, regions: Optional[bool] = None,
+                  **compile_kwargs) -> CompiledModel:
+    """``CompiledModel(model, regions=regions, **compile_kwargs)``: the compiled forward of
+    ``python -m compile --mode compile`` and of the full decode graphs.
+
+    >>> # forward = compile_model(model, fullgraph=True); logits = forward(ids, pos, batch)
+    """
+    return CompiledModel(model, regions=regions, **compile_kwargs)
+
+
+__all__ = ["CompiledModel", "compile_model", "reusable_regions_supported"]

@@ -1,0 +1,158 @@
+"""``compile.compiled_model``: ``compile_model(model)`` equals eager over extend and decode steps,
+traces one layer per kind (Dynamo stamps out the others), binds the pool once and again when its
+buffers change, and is a plain ``torch.compile`` where region reuse is unavailable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from compile import compiled_model
+from compile.compiled_model import CompiledModel, compile_model, reusable_regions_supported
+from tests.compile.compile_helpers import Harness, tiny_model
+
+needs_reuse = pytest.mark.skipif(not reusable_regions_supported(),
+                                 reason="torch without Dynamo region trace reuse (< 2.13)")
+
+MIXED = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
+
+
+@pytest.fixture
+def stamp_outs(monkeypatch):
+    """Counts Dynamo's region reuses (a stamped-out copy of an already traced layer)."""
+    from torch._dynamo.variables import invoke_subgraph
+    count = [0]
+    original = invoke_subgraph.stamp_out_subgraph
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", counting)
+    return count
+
+
+def _steps(h: Harness):
+    """Extend (prefill past the sliding window), decode twice, then a second extend chunk."""
+    yield h.extend([0, 1, 2], [6, 1, 9])
+    yield h.decode([0, 1, 2])
+    yield h.decode([0, 1, 2])
+    yield h.extend([0, 1, 2], [2, 3, 1])
+
+
+def _run_pair(model, forward, steps_of=_steps):
+    """Each step through ``forward`` and through eager from the same KV cache: logits equal and
+    the pool's buffers afterwards equal."""
+    h = Harness(model)
+    pool = h.kv_pool
+    bufs = pool.k_buffer + pool.v_buffer
+    with torch.no_grad():
+        for b in bufs:
+            b.normal_()
+        for ids, pos, fb in steps_of(h):
+            start = [b.clone() for b in bufs]
+            ref = model(ids, pos, fb)
+            after_eager = [b.clone() for b in bufs]
+            for b, s in zip(bufs, start):
+                b.copy_(s)
+            out = forward(ids, pos, fb)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+            for i, (b, e) in enumerate(zip(bufs, after_eager)):
+                torch.testing.assert_close(b, e, rtol=1e-4, atol=1e-5, msg=f"KV buffer {i}")
+    return h
+
+
+@needs_reuse
+def test_compiled_model_equals_eager_and_traces_one_layer_per_kind(stamp_outs):
+    torch._dynamo.reset()
+    model = tiny_model(4, **MIXED)
+    counter = CompileCounterWithBackend("aot_eager")
+    forward = compile_model(model, backend=counter, fullgraph=True)
+    assert forward.regions
+    _run_pair(model, forward)
+    # each compiled frame traced a sliding and a full layer, and stamped out the other two
+    assert counter.frame_count >= 1 and stamp_outs[0] == 2 * counter.frame_count
+    assert forward.binds == 1
+
+
+@needs_reuse
+def test_compiled_model_rebinds_when_the_pool_replaces_its_buffers():
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    forward = compile_model(model, backend="aot_eager", fullgraph=True)
+
+    def steps(h):
+        yield h.extend([0, 1], [4, 5])
+        pool = h.kv_pool
+        pool.k_buffer[1] = torch.randn_like(pool.k_buffer[1])  # e.g. a pool that re-allocates
+        yield h.decode([0, 1])
+
+    _run_pair(model, forward, steps)  # the decode step read and wrote the new buffer
+    assert forward.binds == 2
+
+
+def test_regions_off_is_a_plain_torch_compile(stamp_outs):
+    torch._dynamo.reset()
+    model = tiny_model(3)
+    forward = compile_model(model, regions=False, backend="aot_eager", fullgraph=True)
+    _run_pair(model, forward)
+    assert stamp_outs[0] == 0 and forward.binds == 0
+    assert all(m.self_attn.attn.bound_k_buffer is None for m in model.model.layers)
+
+
+def test_batch_without_a_bindable_pool_runs_without_regions(stamp_outs):
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    forward = compile_model(model, backend="aot_eager", fullgraph=True)
+
+    def steps(h):
+        for ids, pos, fb in _steps(h):
+            fb.token_to_kv_pool = object()  # a pool without bind_layers
+            yield ids, pos, fb
+
+    _run_pair(model, forward, steps)
+    assert stamp_outs[0] == 0 and forward.binds == 0
+
+
+def test_regions_true_without_reuse_raises_and_bad_model_is_rejected(monkeypatch):
+    monkeypatch.setattr(compiled_model, "reusable_regions_supported", lambda: False)
+    with pytest.raises(RuntimeError, match="regions=True needs Dynamo's region trace reuse"):
+        CompiledModel(tiny_model(1), regions=True)
+    assert not CompiledModel(tiny_model(1)).regions  # default: follows support
+    with pytest.raises(TypeError, match="must be an nn.Module, got function"):
+        compile_model(lambda x: x)
+
+
+@needs_reuse
+def test_no_recompile_per_new_batch():
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    counter = CompileCounterWithBackend("aot_eager")
+    forward = compile_model(model, backend=counter, fullgraph=True)
+    h = Harness(model)
+    h.extend([0, 1, 2], [3, 3, 3])
+    frames = []
+    with torch.no_grad():
+        for _ in range(5):  # a new ForwardBatch every step
+            ids, pos, fb = h.decode([0, 1, 2])
+            forward(ids, pos, fb)
+            frames.append(counter.frame_count)
+    assert frames[-1] == frames[1]
+
+
+@needs_reuse
+def test_batch_size_changes_after_the_dynamic_recompile():
+    """Decode batches of 4, 3 and 2 requests: after the batch dimension turns dynamic,
+    ``cu_seqlens_q`` is ``[s + 1]`` and the stamped-out layers must still find that size
+    (``compile.regions._alias_replaced_symbols``)."""
+    torch._dynamo.reset()
+    model = tiny_model(3)
+
+    def steps(h):
+        yield h.extend([0, 1, 2, 3], [5, 2, 7, 3])
+        for rows in ([0, 1, 2, 3], [0, 1, 2], [1, 3], [0, 2, 3]):
+            yield h.decode(rows)
+
+    _run_pair(model, compile_model(model, backend="aot_eager", fullgraph=True), steps)
