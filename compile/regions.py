@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .forward_context import get_forward_context, has_forward_context
+from .layer import kv_is_bound
 
 
 def _functionalize_with_epilogue(self, *args, **kwargs):
@@ -160,7 +161,7 @@ _reusable_region_call = _region(_call_layer_from_context)
 
 
 def _kv_bound(layers: nn.ModuleList) -> bool:
-    return all(layer.self_attn.attn.bound_k_buffer is not None for layer in layers)
+    return all(kv_is_bound(layer.self_attn.attn) for layer in layers)
 
 
 def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
