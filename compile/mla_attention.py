@@ -10,6 +10,10 @@ The MLA pool stores per token one row ``[R + r]``: the compressed KV (latent, R)
 - MHA prefill (``forward_batch.attn_attend_prefix_cache is not None``): the model decompresses
   K/V itself; ``flash_attn_varlen_func`` over one prefix chunk (non-causal) or over the new tokens
   (causal), returning the LSE the model merges with ``merge_state_v2``.
+
+Traced layers whose latent cache is bound on them (``MLATokenToKVPool.bind_layers``) write and
+read ``layer.bound_k_buffer`` instead of looking the pool up by ``layer_id``, so Dynamo can reuse
+one layer region's trace (docs/regions_reuse.md). MHA prefill reads no cache.
 """
 
 from __future__ import annotations

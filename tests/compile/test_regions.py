@@ -336,6 +336,10 @@ def test_swa_and_mla_bind_layers_bind_the_pool_buffers():
         assert attn.bound_kv_is_swa is sliding
         assert attn.bound_k_buffer is inner.k_buffer[i // 2]
         assert attn.bound_v_buffer is inner.v_buffer[i // 2]
+    shared = model.model.layers[3].self_attn.attn   # cross-layer KV sharing: layer 1's cache
+    shared.kv_sharing_target_layer_id = 1
+    pool.bind_layers(model)
+    assert shared.bound_k_buffer is pool.full_kv_pool.k_buffer[0] and not shared.bound_kv_is_swa
     mla = _deepseek(2)
     pool = MLAHarness(mla).kv_pool
     assert pool.bind_layers(mla) == 2
