@@ -39,10 +39,15 @@ class PagedAttention(nn.Module):
             as above (sglang's names).
         k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
             value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
-        bound_k_buffer, bound_v_buffer: None, or this layer's pool buffers ``[num_slots, Hkv,
-            D]`` bound by ``MHATokenToKVPool.bind_layers``; traced code reads them instead of
-            indexing the pool by ``layer_id`` (so Dynamo can reuse one layer's trace for the
-            next, see docs/regions_reuse.md). Plain attributes: ``model.to()`` never moves them.
+        bound_k_buffer, bound_v_buffer, bound_kv_is_swa: this layer's KV buffers, bound by a
+            pool's ``bind_layers`` (``compile.memory_pool``), so traced code reads them instead
+            of indexing the pool by ``layer_id`` and Dynamo can reuse one layer's trace for the
+            next (docs/regions_reuse.md). MHA and hybrid SWA pools: K ``[num_slots, Hkv, D]``
+            and V ``[num_slots, Hkv, Dv]`` of the pool that holds the layer, and
+            ``bound_kv_is_swa`` True when that is the sliding-window pool. MLA pools: the latent
+            cache ``[num_slots, 1, R + r]`` as ``bound_k_buffer``, ``bound_v_buffer`` None (the
+            value is its first R columns). Unbound: None, None, False. Plain attributes:
+            ``model.to()`` never moves them.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
@@ -75,6 +80,7 @@ class PagedAttention(nn.Module):
         self.v_scale_float: Optional[float] = None
         self.bound_k_buffer: Optional[Tensor] = None
         self.bound_v_buffer: Optional[Tensor] = None
+        self.bound_kv_is_swa = False
 
     @property
     def kv_cache_layer_id(self) -> int:
@@ -131,4 +137,16 @@ class PagedAttention(nn.Module):
                 f"logit_cap={self.logit_cap}")
 
 
-__all__ = ["PagedAttention", "SPLIT_OP_KWARGS"]
+def kv_is_bound(attn) -> bool:
+    """Whether ``attn``'s KV buffers are bound on it by a pool's ``bind_layers`` (any pool kind;
+    False for attention modules without the ``bound_*`` attributes, e.g. sglang's)."""
+    return getattr(attn, "bound_k_buffer", None) is not None
+
+
+def reads_bound_kv(attn) -> bool:
+    """Whether the backend should take ``attn``'s KV buffers from the layer, not the pool: only
+    while Dynamo traces (eager keeps the pool look-ups and plans) and only for a bound layer."""
+    return torch.compiler.is_compiling() and kv_is_bound(attn)
+
+
+__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "kv_is_bound", "reads_bound_kv"]

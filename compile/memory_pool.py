@@ -14,7 +14,7 @@ caller's K/V tensors are never modified.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -143,7 +143,84 @@ class KVWriteLoc:
         return self.swa_loc if is_swa and self.swa_loc is not None else self.loc
 
 
-class MHATokenToKVPool:
+_BOUND_ATTRS = ("bound_k_buffer", "bound_v_buffer", "bound_kv_is_swa")
+
+
+class LayerBindingMixin:
+    """``bind_layers`` / ``is_bound`` for every KV pool: one walk over the model's
+    ``PagedAttention`` modules; each pool only says which buffers a KV layer id maps to
+    (``_layer_ids`` and ``_binding``)."""
+
+    def _layer_ids(self) -> Collection[int]:
+        """Global layer ids stored in this pool (default: ``layer_num`` from ``start_layer``)."""
+        return range(self.start_layer, self.start_layer + self.layer_num)
+
+    def _binding(self, layer_id: int) -> tuple[Tensor, Optional[Tensor], bool]:
+        """``(bound_k_buffer, bound_v_buffer, bound_kv_is_swa)`` of KV layer ``layer_id``."""
+        raise NotImplementedError
+
+    def _bindings(self, model, method: str) -> list[tuple[PagedAttention, tuple]]:
+        """``(attn, binding)`` of every ``PagedAttention`` of ``model``, all validated first."""
+        name = f"{type(self).__name__}.{method}"
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{name}: model must be an nn.Module; expected a model with "
+                            f"PagedAttention layers, got {type(model).__name__}.")
+        ids = self._layer_ids()
+        pairs = []
+        for attn in model.modules():
+            if not isinstance(attn, PagedAttention):
+                continue
+            lid = attn.kv_cache_layer_id
+            if lid not in ids:
+                held = (f"[{ids.start}, {ids.stop})" if isinstance(ids, range)
+                        else str(sorted(ids)))
+                raise ValueError(f"{name}: layer {attn.layer_id} reads KV layer {lid}; "
+                                 f"expected a layer id in {held}, got {lid}.")
+            pairs.append((attn, self._binding(lid)))
+        return pairs
+
+    def bind_layers(self, model) -> int:
+        """Bind each ``PagedAttention`` of ``model`` to its KV buffers in this pool.
+
+        Sets ``attn.bound_k_buffer`` / ``bound_v_buffer`` / ``bound_kv_is_swa`` (see
+        ``PagedAttention``) for the KV layer ``attn.kv_cache_layer_id`` (plain attributes
+        aliasing the pool's storage), so traced attention reads them instead of indexing the
+        pool by ``layer_id`` and Dynamo can reuse one layer region's trace for the next
+        (docs/regions_reuse.md). Call it again after the pool's buffers are replaced
+        (``is_bound`` tells).
+
+        Args:
+            model: an ``nn.Module`` whose submodules include ``PagedAttention`` layers.
+        Returns:
+            How many layers were bound (none is bound when one is rejected).
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: a layer's ``kv_cache_layer_id`` is not a layer of this pool.
+        """
+        pairs = self._bindings(model, "bind_layers")
+        for attn, binding in pairs:
+            for attr, value in zip(_BOUND_ATTRS, binding):
+                setattr(attn, attr, value)
+        return len(pairs)
+
+    def is_bound(self, model) -> bool:
+        """Whether ``model``'s layers are bound to this pool's current buffers.
+
+        True when ``model`` has ``PagedAttention`` layers and each one's bound buffers are the
+        very tensors (``is``) this pool holds for its KV layer (and ``bound_kv_is_swa`` says
+        the right pool): False after the pool replaced a buffer, before ``bind_layers`` or
+        after binding to another pool.
+
+        Raises:
+            TypeError, ValueError: as ``bind_layers``.
+        """
+        pairs = self._bindings(model, "is_bound")
+        return bool(pairs) and all(
+            attn.bound_k_buffer is k and attn.bound_v_buffer is v
+            and attn.bound_kv_is_swa == is_swa for attn, (k, v, is_swa) in pairs)
+
+
+class MHATokenToKVPool(LayerBindingMixin):
     """Per-layer K and V buffers ``[num_slots, Hkv, D]`` (and ``Dv``) for multi-head attention.
 
     Args:
@@ -209,39 +286,8 @@ class MHATokenToKVPool:
             self._paged_views[key] = hit
         return hit[2], hit[3]
 
-    def bind_layers(self, model) -> int:
-        """Bind each ``PagedAttention`` of ``model`` to its K/V buffers in this pool.
-
-        Sets ``attn.bound_k_buffer`` / ``attn.bound_v_buffer`` to the buffers of
-        ``attn.kv_cache_layer_id`` (plain attributes aliasing the pool's storage), so traced
-        attention reads them instead of indexing the pool by ``layer_id`` and Dynamo can reuse
-        one layer region's trace for the next (docs/regions_reuse.md). Call it again after the
-        pool's buffers are replaced.
-
-        Args:
-            model: an ``nn.Module`` whose submodules include ``PagedAttention`` layers.
-        Returns:
-            How many layers were bound.
-        Raises:
-            TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: a layer's ``kv_cache_layer_id`` is outside this pool's layers.
-        """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"MHATokenToKVPool.bind_layers: model must be an nn.Module; "
-                            f"expected a model with PagedAttention layers, got "
-                            f"{type(model).__name__}.")
-        count = 0
-        for attn in model.modules():
-            if not isinstance(attn, PagedAttention):
-                continue
-            lid = attn.kv_cache_layer_id
-            if not self.start_layer <= lid < self.start_layer + self.layer_num:
-                raise ValueError(f"MHATokenToKVPool.bind_layers: layer {attn.layer_id} reads "
-                                 f"KV layer {lid}; expected a layer id in [{self.start_layer}, "
-                                 f"{self.start_layer + self.layer_num}), got {lid}.")
-            attn.bound_k_buffer, attn.bound_v_buffer = self.get_kv_buffer(lid)
-            count += 1
-        return count
+    def _binding(self, layer_id: int) -> tuple[Tensor, Tensor, bool]:
+        return (*self.get_kv_buffer(layer_id), False)
 
     def set_kv_buffer(self, layer, loc: Tensor, cache_k: Tensor, cache_v: Tensor,
                       k_scale=None, v_scale=None) -> None:
@@ -256,7 +302,7 @@ class MHATokenToKVPool:
                                k_scale=k_scale, v_scale=v_scale)
 
 
-class SWAKVPool:
+class SWAKVPool(LayerBindingMixin):
     """Hybrid pool: full-attention layers in one MHA pool, sliding-window layers in a smaller one.
 
     The engine allocates every token a slot in the full pool (the ``req_to_token`` value) and,
@@ -297,6 +343,12 @@ class SWAKVPool:
     def _pool(self, layer_id: int) -> tuple[MHATokenToKVPool, int]:
         idx, is_swa = self.layers_mapping[layer_id]
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), idx
+
+    def _layer_ids(self) -> dict[int, tuple[int, bool]]:
+        return self.layers_mapping
+
+    def _binding(self, layer_id: int) -> tuple[Tensor, Tensor, bool]:
+        return (*self.get_kv_buffer(layer_id), self.is_swa_layer(layer_id))
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, Hkv, D] of ``layer_id``, from the SWA or the full pool."""
@@ -340,7 +392,7 @@ class SWAKVPool:
         pool.set_kv_buffer(idx, loc, cache_k, cache_v, k_scale, v_scale)
 
 
-class MLATokenToKVPool:
+class MLATokenToKVPool(LayerBindingMixin):
     """Per-layer latent cache ``[num_slots, 1, R + r]``: compressed KV (R) then rope key (r).
 
     Args:
@@ -366,6 +418,9 @@ class MLATokenToKVPool:
         """[num_slots, 1, R + r] latent cache of ``layer_id``."""
         return self.kv_buffer[layer_id - self.start_layer]
 
+    def _binding(self, layer_id: int) -> tuple[Tensor, None, bool]:
+        return self.get_key_buffer(layer_id), None, False  # the value is a view of the latent
+
     def get_value_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, 1, R] latent part (a view)."""
         return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
@@ -388,5 +443,5 @@ class MLATokenToKVPool:
         self.set_mla_kv_buffer(layer, loc, cache_k[..., :r], cache_k[..., r:])
 
 
-__all__ = ["ReqToTokenPool", "PageAllocator", "KVWriteLoc", "MHATokenToKVPool", "SWAKVPool",
-           "MLATokenToKVPool"]
+__all__ = ["ReqToTokenPool", "PageAllocator", "KVWriteLoc", "LayerBindingMixin",
+           "MHATokenToKVPool", "SWAKVPool", "MLATokenToKVPool"]

@@ -13,10 +13,9 @@ What it does not do:
 1. By default Dynamo still traces every layer. Its guard-based trace reuse (torch >= 2.13)
    cannot apply: ``forward_batch`` is a plain object and each layer indexes the pool by its own
    ``layer_id``. Opt-in reuse (docs/regions_reuse.md): bind the KV buffers on the layers
-   (``MHATokenToKVPool.bind_layers(model)``) and call the model inside
+   (``pool.bind_layers(model)``; MHA, hybrid SWA and MLA pools) and call the model inside
    ``compile.forward_context.set_forward_context`` with the step's batch; the regions then
-   read the batch from the context and Dynamo traces one layer per kind (plain MHA pools only
-   so far: hybrid SWA and MLA pools still look layers up by ``layer_id``).
+   read the batch from the context and Dynamo traces one layer per kind.
 2. Piecewise mode: ``compile.piecewise`` splits the top-level graph at the split op, which must
    not hide inside a subgraph, so layers that attend through the split op run as plain calls.
 3. A region that mutates its inputs (``store_kv_cache`` writes the pool) is functionalized through
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .forward_context import get_forward_context, has_forward_context
+from .layer import kv_is_bound
 
 
 def _functionalize_with_epilogue(self, *args, **kwargs):
@@ -211,7 +211,7 @@ _reusable_region_call = _region(_call_layer_from_context)
 
 
 def _kv_bound(layers: nn.ModuleList) -> bool:
-    return all(layer.self_attn.attn.bound_k_buffer is not None for layer in layers)
+    return all(kv_is_bound(layer.self_attn.attn) for layer in layers)
 
 
 def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
@@ -228,7 +228,9 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
     Regions Dynamo can reuse (trace one layer per kind, docs/regions_reuse.md) when, in
     addition, the model runs inside ``compile.forward_context.set_forward_context`` with this
     step's ``forward_batch`` (the regions read it from there; the caller must pass the same
-    batch) and every layer's KV buffers are bound (``MHATokenToKVPool.bind_layers(model)``).
+    batch) and every layer's KV buffers are bound (``pool.bind_layers(model)`` of an
+    ``MHATokenToKVPool``, ``SWAKVPool`` or ``MLATokenToKVPool``; ``pool.is_bound(model)``
+    tells whether the binding still matches the pool).
     """
     split = any(layer.self_attn.attn.use_split_op for layer in layers)
     if not LAYER_REGIONS or split:

@@ -1,5 +1,6 @@
 """Shared setup of the compile tests: a tiny Llama on the real backend, and its batches
-(``MLAHarness``: the same over the MLA latent cache of a DeepSeek-V2 model).
+(``MLAHarness``: the same over the MLA latent cache of a DeepSeek-V2 model; ``SWAHarness``: over
+a hybrid sliding-window pool).
 
 ``PagedAttention`` layers attend through the split op when ``use_split_op`` is set
 (``compile.split_op.enable_split_op``), which is how the piecewise tests use them.
@@ -11,10 +12,12 @@ from types import SimpleNamespace
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import MHATokenToKVPool, MLATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+                                 ReqToTokenPool, SWAKVPool)
 from compile.model_runner import ModelRunnerInfo
 from compile.models import ModelConfig
 from compile.models.llama import LlamaForCausalLM
@@ -58,7 +61,8 @@ class Harness:
             model_config=SimpleNamespace(context_len=context,
                                          num_attention_heads=cfg.num_attention_heads),
             tp_size=1, device=self.device, page_size=page_size, req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype)
+            token_to_kv_pool=self.kv_pool, kv_cache_dtype=self.kv_pool.dtype,
+            is_hybrid_swa=isinstance(self.kv_pool, SWAKVPool))
         self.backend = XPUAttentionBackend(runner)
         self.lens = [0] * max_reqs
         self.gen = torch.Generator().manual_seed(seed + 1)
@@ -70,10 +74,13 @@ class Harness:
                                 cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
                                 self.device)
 
+    def _alloc(self, row: int, prefix_len: int, num_new: int) -> Tensor:
+        """Full-pool slots [num_new] int64 of request ``row``'s next tokens."""
+        return self.allocator.alloc_extend(self.req_pool, row, prefix_len, num_new)
+
     def _batch(self, mode, rows, new_lens, ids, init=True) -> ForwardBatch:
         prefix = [self.lens[r] for r in rows]
-        locs = [self.allocator.alloc_extend(self.req_pool, r, p, n)
-                for r, p, n in zip(rows, prefix, new_lens)]
+        locs = [self._alloc(r, p, n) for r, p, n in zip(rows, prefix, new_lens)]
         for r, n in zip(rows, new_lens):
             self.lens[r] += n
         seq_lens = torch.tensor([self.lens[r] for r in rows], dtype=torch.int32)
@@ -113,6 +120,33 @@ class MLAHarness(Harness):
         return MLATokenToKVPool(size, page_size, next(model.parameters()).dtype,
                                 cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                 self.device)
+
+
+class SWAHarness(Harness):
+    """``Harness`` over a hybrid ``SWAKVPool`` (the model's ``sliding_attention`` layers in a
+    half-size SWA pool, the others in the full pool), as an engine builds it: every new full
+    page is mapped onto a free SWA page, both allocators hand pages out in random order, so SWA
+    slots differ from full slots (nothing is evicted)."""
+
+    def _kv_pool(self, model, size: int, page_size: int):
+        cfg = model.config
+        swa = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+        full = [i for i in range(cfg.num_hidden_layers) if i not in swa]
+        swa_pages = size // page_size // 2
+        self.swa_allocator = PageAllocator(swa_pages, page_size, self.device,
+                                           generator=torch.Generator().manual_seed(7))
+        return SWAKVPool(size, swa_pages * page_size, swa, full, page_size,
+                         next(model.parameters()).dtype, cfg.num_key_value_heads, cfg.head_dim,
+                         self.device)
+
+    def _alloc(self, row: int, prefix_len: int, num_new: int) -> Tensor:
+        slots = super()._alloc(row, prefix_len, num_new)
+        ps, mapping = self.kv_pool.page_size, self.kv_pool.full_to_swa_index_mapping
+        pages = torch.unique(slots // ps)
+        new = pages[mapping[pages * ps] == 0]  # full pages without an SWA page yet
+        if new.numel():
+            self.kv_pool.map_pages(new.tolist(), self.swa_allocator.alloc_pages(new.numel()))
+        return slots
 
 
 def fx_op_sequence(gm: torch.fx.GraphModule) -> str:

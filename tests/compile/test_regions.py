@@ -14,9 +14,10 @@ from torch._inductor.compile_fx import compile_fx
 
 from compile import regions
 from compile.forward_context import set_forward_context
+from compile.memory_pool import MLATokenToKVPool, SWAKVPool
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.split_op import enable_split_op
-from tests.compile.compile_helpers import Harness, MLAHarness, tiny_model
+from tests.compile.compile_helpers import Harness, MLAHarness, SWAHarness, tiny_model
 
 pytestmark = pytest.mark.skipif(not regions.supported(),
                                 reason="torch without usable nested_compile_region")
@@ -185,6 +186,16 @@ def stamp_outs(monkeypatch):
     return count
 
 
+def _pool_buffers(pool) -> list[torch.Tensor]:
+    """Every KV buffer of ``pool``: K and V per layer (hybrid SWA: of both inner pools), or the
+    latent cache per layer (MLA)."""
+    if isinstance(pool, SWAKVPool):
+        return _pool_buffers(pool.full_kv_pool) + _pool_buffers(pool.swa_kv_pool)
+    if isinstance(pool, MLATokenToKVPool):
+        return list(pool.kv_buffer)
+    return pool.k_buffer + pool.v_buffer
+
+
 def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bool,
                                 kind: str = "decode"):
     """One ``kind`` (decode or extend) step, compiled vs eager from the same KV cache: logits
@@ -195,7 +206,7 @@ def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bo
     harness.extend([0, 1, 2], [5, 3, 7])
     ids, pos, fb = (harness.decode([0, 1, 2]) if kind == "decode"
                     else harness.extend([0, 1, 2], [2, 4, 1]))
-    bufs = pool.k_buffer + pool.v_buffer
+    bufs = _pool_buffers(pool)
     with torch.no_grad():
         for b in bufs:
             b.normal_()
@@ -284,3 +295,111 @@ def test_reusable_regions_do_not_recompile_for_each_new_batch(regions_on):
             run(ids, pos, fb)
         frames.append(counter.frame_count)
     assert frames[-1] == frames[1]  # after the dynamic-shape recompile, none per batch
+
+
+# ------------------------------------------- reusable regions over hybrid SWA and MLA pools
+
+def _deepseek(num_layers: int = 3):
+    torch.manual_seed(0)
+    return DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=num_layers,
+                                                  q_lora_rank=24)).eval()
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_reuse_over_a_hybrid_swa_pool(regions_on, stamp_outs, kind):
+    model = tiny_model(4, **MIXED)
+    rec = Recorder()
+    _compiled_step_equals_eager(model, SWAHarness(model), rec, bind=True, context=True,
+                                kind=kind)
+    assert stamp_outs[0] == 2                      # 4 layers - 2 kinds (sliding, full)
+    subgraphs = rec.subgraphs()
+    assert subgraphs[0] == subgraphs[2] != subgraphs[1] == subgraphs[3]
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_reuse_over_an_mla_pool(regions_on, stamp_outs, kind):
+    model = _deepseek(3)
+    rec = Recorder()
+    _compiled_step_equals_eager(model, MLAHarness(model), rec, bind=True, context=True,
+                                kind=kind)
+    assert stamp_outs[0] == 2                      # layer 0 traced, layers 1-2 stamped out
+    assert len(rec.subgraphs()) == 3 and len(set(rec.subgraphs())) == 1
+
+
+def test_swa_and_mla_bind_layers_bind_the_pool_buffers():
+    model = tiny_model(4, **MIXED)
+    pool = SWAHarness(model).kv_pool
+    assert pool.bind_layers(model) == 4
+    for i, layer in enumerate(model.model.layers):
+        attn, sliding = layer.self_attn.attn, i % 2 == 0
+        inner = pool.swa_kv_pool if sliding else pool.full_kv_pool
+        assert attn.bound_kv_is_swa is sliding
+        assert attn.bound_k_buffer is inner.k_buffer[i // 2]
+        assert attn.bound_v_buffer is inner.v_buffer[i // 2]
+    shared = model.model.layers[3].self_attn.attn   # cross-layer KV sharing: layer 1's cache
+    shared.kv_sharing_target_layer_id = 1
+    pool.bind_layers(model)
+    assert shared.bound_k_buffer is pool.full_kv_pool.k_buffer[0] and not shared.bound_kv_is_swa
+    mla = _deepseek(2)
+    pool = MLAHarness(mla).kv_pool
+    assert pool.bind_layers(mla) == 2
+    for i, layer in enumerate(mla.model.layers):
+        attn = layer.self_attn.attn
+        assert attn.bound_k_buffer is pool.kv_buffer[i] and attn.bound_v_buffer is None
+        assert not attn.bound_kv_is_swa
+
+
+@pytest.mark.parametrize("make", [lambda: (tiny_model(4, **MIXED), SWAHarness),
+                                  lambda: (_deepseek(2), MLAHarness)],
+                         ids=["swa", "mla"])
+def test_swa_and_mla_bind_layers_reject_bad_input(make):
+    model, harness = make()
+    pool = harness(model).kv_pool
+    with pytest.raises(TypeError, match="nn.Module"):
+        pool.bind_layers(object())
+    attn = model.model.layers[1].self_attn.attn
+    attn.kv_sharing_target_layer_id = 5
+    with pytest.raises(ValueError, match=r"bind_layers: layer 1 reads KV layer 5; expected a "
+                                         r"layer id in .*, got 5"):
+        pool.bind_layers(model)
+    assert model.model.layers[0].self_attn.attn.bound_k_buffer is None  # all or nothing
+
+
+def _replace_mha(pool):
+    pool.v_buffer[1] = pool.v_buffer[1].clone()
+
+
+def _replace_swa(pool):
+    pool.swa_kv_pool.k_buffer[0] = pool.swa_kv_pool.k_buffer[0].clone()
+
+
+def _replace_mla(pool):
+    pool.kv_buffer[1] = pool.kv_buffer[1].clone()
+
+
+@pytest.mark.parametrize("make, replace", [
+    (lambda: (tiny_model(2), Harness), _replace_mha),
+    (lambda: (tiny_model(4, **MIXED), SWAHarness), _replace_swa),
+    (lambda: (_deepseek(2), MLAHarness), _replace_mla)], ids=["mha", "swa", "mla"])
+def test_is_bound_detects_stale_bindings(make, replace):
+    model, harness = make()
+    pool = harness(model).kv_pool
+    assert not pool.is_bound(model)                # nothing bound yet
+    pool.bind_layers(model)
+    assert pool.is_bound(model)
+    assert not harness(model).kv_pool.is_bound(model)  # bound to another pool's buffers
+    replace(pool)                                  # the pool re-allocated one buffer
+    assert not pool.is_bound(model)
+    pool.bind_layers(model)
+    assert pool.is_bound(model)
+    assert not pool.is_bound(torch.nn.Linear(2, 2))  # no PagedAttention at all
+    with pytest.raises(TypeError, match="is_bound: model must be an nn.Module"):
+        pool.is_bound(object())
+
+
+def test_swa_is_bound_checks_which_pool():
+    model = tiny_model(4, **MIXED)
+    pool = SWAHarness(model).kv_pool
+    pool.bind_layers(model)
+    model.model.layers[0].self_attn.attn.bound_kv_is_swa = False   # right buffers, wrong pool
+    assert not pool.is_bound(model)
