@@ -10,12 +10,13 @@ subgraph inputs, looked up through ``layer_id`` while Dynamo traces that layer.
 
 What it does not do:
 
-1. By default Dynamo still traces every layer. Its guard-based trace reuse (torch >= 2.13)
-   cannot apply: ``forward_batch`` is a plain object and each layer indexes the pool by its own
-   ``layer_id``. Opt-in reuse (docs/regions_reuse.md): bind the KV buffers on the layers
-   (``pool.bind_layers(model)``; MHA, hybrid SWA and MLA pools) and call the model inside
-   ``compile.forward_context.set_forward_context`` with the step's batch; the regions then
-   read the batch from the context and Dynamo traces one layer per kind.
+1. Alone, regions leave Dynamo tracing every layer: its guard-based trace reuse (torch >= 2.13)
+   cannot apply while ``forward_batch`` is a region argument (a plain object) and each layer
+   indexes the pool by its own ``layer_id``. Reuse (docs/regions_reuse.md): bind the KV buffers
+   on the layers (``pool.bind_layers(model)``; MHA, hybrid SWA and MLA pools) and call the
+   model inside ``compile.forward_context.set_forward_context`` with the step's batch; the
+   regions then read the batch from the context and Dynamo traces one layer per kind.
+   ``compile.compiled_model.compile_model`` does all of this per call.
 2. Piecewise mode: ``compile.piecewise`` splits the top-level graph at the split op, which must
    not hide inside a subgraph, so layers that attend through the split op run as plain calls.
 3. A region that mutates its inputs (``store_kv_cache`` writes the pool) is functionalized through
@@ -27,8 +28,9 @@ What it does not do:
    input) for the duration of its block. Patching torch is why regions are opt-in: without
    ``with layer_regions():`` layers are plain calls.
 
-Measured (30-layer decode step, 2-core CPU, benchmarks/bench_model.py): cold compile 65-68 s
-without regions, 33 s with; warm (caches filled) 10.3-10.8 s without, 13-14 s with.
+Measured (30-layer decode step, 2-core CPU, benchmarks/bench_model.py, session 2): cold compile
+65-68 s without regions, 33 s with; warm (caches filled) 10.3-10.8 s without, 13-14 s with;
+with reuse (``compile_model``): benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
