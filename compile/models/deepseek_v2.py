@@ -30,10 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from compile.layer import PagedAttention
-from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
+from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
+from compile.models.llama import LlamaMLP
 from compile.models.loading import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
-from compile.regions import run_layers
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
 
@@ -174,50 +174,34 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(t, self.h * self.dv))  # [T, hidden]
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm residual block: MLA then a dense gated MLP."""
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
+    """``PreNormDecoderLayer`` of MLA (``DeepseekV2Attention``) and a dense gated MLP."""
 
     def __init__(self, config: DeepseekV2Config, layer_id: int, rotary, dtype=None, device=None):
-        super().__init__()
-        self.self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
-                                       device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype, device=device)
-
-    def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
-        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
+        super().__init__(config, self_attn, LlamaMLP(config, dtype, device), dtype, device)
 
 
-class DeepseekV2Model(nn.Module):
-    """Embedding, decoder layers and final norm: ``input_ids [T] -> hidden [T, hidden]``."""
+class DeepseekV2Model(DecoderModel):
+    """``DecoderModel`` of ``DeepseekV2DecoderLayer``s sharing one interleaved RoPE table of
+    ``qk_rope_head_dim`` features."""
 
     def __init__(self, config: DeepseekV2Config, dtype=None, device=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
         rotary = InterleavedRotaryEmbedding(config.qk_rope_head_dim,
                                             config.max_position_embeddings,
                                             config.rope_theta).to(device)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, rotary, dtype, device)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
-        h = self.embed_tokens(input_ids)
-        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
-        return self.norm(h)
+        super().__init__(config, lambda i: DeepseekV2DecoderLayer(config, i, rotary, dtype, device),
+                         dtype, device)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """Decoder plus LM head; same calling convention as ``compile.models.LlamaForCausalLM``.
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    """``DecoderForCausalLM`` of a ``DeepseekV2Model``; same calling convention as
+    ``compile.models.LlamaForCausalLM``.
 
     Runs on an ``MLATokenToKVPool`` (``kv_lora_rank`` R, ``qk_rope_head_dim`` r, one buffer per
     layer); ``compile.engine.Engine`` builds one when the config has ``kv_lora_rank``.
+    Args:
+        config: DeepseekV2Config. dtype/device: of the parameters (the RoPE table stays float32).
     Forward:
         input_ids: [T] int64. positions: [T] int64. forward_batch: ForwardBatch with metadata.
         return_all_logits: False keeps only each request's last token in extend modes.
@@ -225,20 +209,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         logits [T or b, vocab_size] float32.
     """
 
-    def __init__(self, config: DeepseekV2Config, dtype: torch.dtype = torch.float32,
-                 device=None):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config, dtype, device)
-        self.lm_head = make_lm_head(config, dtype, device)
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
-                return_all_logits: bool = False) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``
-        (see the class docstring).
-        """
-        h = self.model(input_ids, positions, forward_batch)
-        return lm_logits(self, h, forward_batch, return_all_logits)
+    model_class = DeepseekV2Model
 
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> DeepseekV2ForCausalLM:
