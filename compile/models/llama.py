@@ -78,13 +78,22 @@ class LlamaAttention(nn.Module):
         """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
         step's K/V into the cache through ``PagedAttention``.
         """
-        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
+        q, k, v = self.project_qkv(hidden_states)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
+        return self.attend(q, k, v, forward_batch)
+
+    def project_qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``[T, hidden]`` -> ``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv * D]``."""
+        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        return q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, forward_batch) -> Tensor:
+        """Paged attention (with the sinks, if any) of ``q [T, Hq, D]`` over the cache plus
+        this step's ``k``/``v``, then ``o_proj`` -> ``[T, hidden]``."""
         extra = {} if self.sinks is None else {"sinks": self.sinks}
         out = self.attn(q.reshape(-1, self.hq * self.d), k, v, forward_batch, **extra)
         return self.o_proj(out)  # [T, hidden]

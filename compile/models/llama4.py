@@ -56,9 +56,7 @@ class Llama4Attention(LlamaAttention):
         """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
         step's K/V into the cache through ``PagedAttention``.
         """
-        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
+        q, k, v = self.project_qkv(hidden_states)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
         if self.qk_l2_norm:
@@ -66,8 +64,7 @@ class Llama4Attention(LlamaAttention):
         if self.temperature_tuning:  # [T] per-token query scale, >= 1
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale))
             q = (q * (scale * self.attn_scale + 1.0)[:, None, None]).to(q.dtype)
-        out = self.attn(q.reshape(-1, self.hq * self.d), k, v, forward_batch)
-        return self.o_proj(out)  # [T, hidden]
+        return self.attend(q, k, v, forward_batch)
 
 
 class Llama4Experts(nn.Module):
