@@ -24,12 +24,13 @@ Source: DeepSeek-V2 (arXiv 2405.04434), sglang ``python/sglang/srt/models/deepse
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from compile.layer import PagedAttention
+from compile.models.config import DecoderConfig, hf_decoder_kwargs
 from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
 from compile.models.llama import LlamaMLP
 from compile.models.loading import copy_from_hf
@@ -39,38 +40,21 @@ LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with 
 
 
 @dataclasses.dataclass
-class DeepseekV2Config:
-    """Shapes of a dense DeepSeek-V2 decoder (units: tokens, features, heads).
+class DeepseekV2Config(DecoderConfig):
+    """Shapes of a dense DeepSeek-V2 decoder: ``DecoderConfig``'s fields (num_attention_heads:
+    H; attention_bias: of the q_a/kv_a/o projections) plus the MLA ranks (units: features).
 
     Attributes:
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers: usual sizes.
-        num_attention_heads: H. q_lora_rank: rank of the query compression (None: a plain
-            ``q_proj``). kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even).
-        v_head_dim: Dv. rms_norm_eps: of the hidden-state norms. rope_theta: RoPE base.
-        max_position_embeddings: positions the rotary table covers.
-        tie_word_embeddings, attention_bias (q_a/kv_a/o projections), mlp_bias, hidden_act.
-        bos_token_id, eos_token_id: from the source config.
+        q_lora_rank: rank of the query compression (None: a plain ``q_proj``).
+        kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even). v_head_dim: Dv.
     """
 
     vocab_size: int = 128
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 16
     v_head_dim: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    bos_token_id: Optional[int] = None
-    eos_token_id: Any = None
 
     def __post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
@@ -104,19 +88,12 @@ class DeepseekV2Config:
                                       f"{rope['rope_type']!r} is not supported; expected default.")
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
         return cls(
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size, num_hidden_layers=n,
-            num_attention_heads=hf_config.num_attention_heads,
+            **hf_decoder_kwargs(hf_config),
             q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
             qk_nope_head_dim=hf_config.qk_nope_head_dim,
             qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-            max_position_embeddings=get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)),
-            mlp_bias=bool(get("mlp_bias", False)), hidden_act=get("hidden_act", "silu"),
-            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+            attention_bias=bool(get("attention_bias", False)))
 
 
 class DeepseekV2Attention(nn.Module):
