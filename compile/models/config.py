@@ -1,11 +1,13 @@
-"""``ModelConfig``: one dataclass describing every Llama-family decoder the zoo builds.
+"""Model configs: ``DecoderConfig``, the fields every zoo decoder shares, and ``ModelConfig``, one
+dataclass describing every Llama-family decoder the zoo builds.
 
 Field names follow Hugging Face ``transformers`` configs, so ``ModelConfig.from_hf(hf_config)``
 is mostly a copy. Per-layer attention options are lists indexed by layer id (``layer_types``,
 ``use_rope``); everything else is global. Supported ``model_type`` values: llama, mistral,
 qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings), gpt_oss (attention sinks,
 mixture of experts; default or llama3 RoPE only) and llama4_text (``Llama4Config``: the fields
-only ``compile.models.llama4`` reads).
+only ``compile.models.llama4`` reads). DeepSeek-V2's ``DeepseekV2Config`` (MLA) is a
+``DecoderConfig`` too (``compile.models.deepseek_v2``).
 """
 
 from __future__ import annotations
@@ -17,20 +19,46 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclasses.dataclass
-class ModelConfig:
-    """Shapes and options of a Llama-family decoder (units: tokens, features, heads).
+class DecoderConfig:
+    """Fields every decoder of the zoo has (units: tokens, features, heads).
 
     Attributes:
         vocab_size, hidden_size, intermediate_size, num_hidden_layers: usual sizes.
-        num_attention_heads: Hq. num_key_value_heads: Hkv (Hq % Hkv == 0). head_dim: D.
-        rms_norm_eps: epsilon of every RMSNorm. norm_weight_offset: 1.0 when the norm multiplies
-            by ``1 + weight`` (Gemma), else 0.0.
-        rope_theta: RoPE base. rope_scaling: None or a dict with ``rope_type`` in
-            {"default", "linear", "llama3"} and that type's keys (``factor``, ...).
-        max_position_embeddings: positions the rotary cache covers.
+        num_attention_heads: Hq.
+        rms_norm_eps: epsilon of the hidden-state RMSNorms.
+        rope_theta: RoPE base. max_position_embeddings: positions the rotary table covers.
         tie_word_embeddings: lm_head shares the embedding matrix.
-        attention_bias: q/k/v projections carry biases (Qwen2). mlp_bias: MLP biases.
-        hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+        attention_bias: attention projections carry biases (Llama family: q/k/v, as Qwen2;
+            DeepSeek-V2: q_a/kv_a/o).
+        mlp_bias: MLP biases. hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+        bos_token_id, eos_token_id: from the source config (eos may be a list).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Any = None
+
+
+@dataclasses.dataclass
+class ModelConfig(DecoderConfig):
+    """Shapes and options of a Llama-family decoder: ``DecoderConfig``'s fields plus these.
+
+    Attributes:
+        num_key_value_heads: Hkv (Hq % Hkv == 0). head_dim: D.
+        norm_weight_offset: 1.0 when the norm multiplies by ``1 + weight`` (Gemma), else 0.0.
+        rope_scaling: None or a dict with ``rope_type`` in {"default", "linear", "llama3"} and
+            that type's keys (``factor``, ...).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         layer_types: per layer, one of LAYER_TYPES (None: all full attention).
         sliding_window: W of "sliding_attention" layers, the Hugging Face meaning: a query sees
@@ -46,25 +74,12 @@ class ModelConfig:
         query_pre_attn_scalar: softmax scale is its ``** -0.5`` (None: ``D ** -0.5``).
         embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``).
         sandwich_norm: extra RMSNorms after attention and after the MLP (Gemma2).
-        bos_token_id, eos_token_id: from the source config (eos may be a list).
     """
 
-    vocab_size: int = 32000
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-6
     norm_weight_offset: float = 0.0
-    rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
     qk_norm: bool = False
     layer_types: Optional[list[str]] = None
     sliding_window: Optional[int] = None
@@ -81,8 +96,6 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     embed_scale: float = 1.0
     sandwich_norm: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_id: Any = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -228,25 +241,32 @@ class Llama4Config(ModelConfig):
         return cls(**kw)
 
 
+def hf_decoder_kwargs(hf_config) -> dict[str, Any]:
+    """``DecoderConfig`` keyword arguments read alike from every supported ``transformers``
+    config: all but ``rope_theta`` and ``attention_bias``, whose sources and defaults differ."""
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    return dict(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads, rms_norm_eps=hf_config.rms_norm_eps,
+        max_position_embeddings=get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        mlp_bias=bool(get("mlp_bias", False)),
+        hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
+        bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+
+
 def _hf_common(hf_config, model_type: str) -> dict[str, Any]:
     """``ModelConfig`` keyword arguments every supported ``transformers`` config shares."""
     get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
     theta, scaling = _hf_rope(hf_config)
     return dict(
-        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
-        num_hidden_layers=hf_config.num_hidden_layers,
-        num_attention_heads=hf_config.num_attention_heads,
+        hf_decoder_kwargs(hf_config),
         num_key_value_heads=get("num_key_value_heads") or hf_config.num_attention_heads,
-        head_dim=get("head_dim"), rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        head_dim=get("head_dim"), rope_theta=theta, rope_scaling=scaling,
         attention_bias=bool(get("attention_bias", model_type == "qwen2")),
-        mlp_bias=bool(get("mlp_bias", False)),
-        hidden_act=get("hidden_act") or get("hidden_activation") or "silu",
-        qk_norm=model_type == "qwen3",
-        bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+        qk_norm=model_type == "qwen3")
 
 
 def _hf_rope(hf_config) -> tuple[float, Optional[dict[str, Any]]]:
@@ -279,4 +299,4 @@ def _hf_layer_types(hf_config, model_type: str) -> dict[str, Any]:
                 sliding_window=window if "sliding_attention" in types else None)
 
 
-__all__ = ["ModelConfig", "Llama4Config", "LAYER_TYPES"]
+__all__ = ["DecoderConfig", "ModelConfig", "Llama4Config", "LAYER_TYPES", "hf_decoder_kwargs"]

@@ -24,53 +24,37 @@ Source: DeepSeek-V2 (arXiv 2405.04434), sglang ``python/sglang/srt/models/deepse
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from compile.layer import PagedAttention
-from compile.models.llama import LlamaMLP, RMSNorm, lm_logits, make_lm_head
+from compile.models.config import DecoderConfig, hf_decoder_kwargs
+from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
+from compile.models.llama import LlamaMLP
 from compile.models.loading import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
-from compile.regions import run_layers
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
 
 
 @dataclasses.dataclass
-class DeepseekV2Config:
-    """Shapes of a dense DeepSeek-V2 decoder (units: tokens, features, heads).
+class DeepseekV2Config(DecoderConfig):
+    """Shapes of a dense DeepSeek-V2 decoder: ``DecoderConfig``'s fields (num_attention_heads:
+    H; attention_bias: of the q_a/kv_a/o projections) plus the MLA ranks (units: features).
 
     Attributes:
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers: usual sizes.
-        num_attention_heads: H. q_lora_rank: rank of the query compression (None: a plain
-            ``q_proj``). kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even).
-        v_head_dim: Dv. rms_norm_eps: of the hidden-state norms. rope_theta: RoPE base.
-        max_position_embeddings: positions the rotary table covers.
-        tie_word_embeddings, attention_bias (q_a/kv_a/o projections), mlp_bias, hidden_act.
-        bos_token_id, eos_token_id: from the source config.
+        q_lora_rank: rank of the query compression (None: a plain ``q_proj``).
+        kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even). v_head_dim: Dv.
     """
 
     vocab_size: int = 128
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 16
     v_head_dim: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    bos_token_id: Optional[int] = None
-    eos_token_id: Any = None
 
     def __post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
@@ -104,19 +88,12 @@ class DeepseekV2Config:
                                       f"{rope['rope_type']!r} is not supported; expected default.")
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
         return cls(
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size, num_hidden_layers=n,
-            num_attention_heads=hf_config.num_attention_heads,
+            **hf_decoder_kwargs(hf_config),
             q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
             qk_nope_head_dim=hf_config.qk_nope_head_dim,
             qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-            max_position_embeddings=get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)),
-            mlp_bias=bool(get("mlp_bias", False)), hidden_act=get("hidden_act", "silu"),
-            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
+            attention_bias=bool(get("attention_bias", False)))
 
 
 class DeepseekV2Attention(nn.Module):
@@ -174,50 +151,34 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(t, self.h * self.dv))  # [T, hidden]
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm residual block: MLA then a dense gated MLP."""
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
+    """``PreNormDecoderLayer`` of MLA (``DeepseekV2Attention``) and a dense gated MLP."""
 
     def __init__(self, config: DeepseekV2Config, layer_id: int, rotary, dtype=None, device=None):
-        super().__init__()
-        self.self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
-                                       device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype, device=device)
-
-    def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
-        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
+        super().__init__(config, self_attn, LlamaMLP(config, dtype, device), dtype, device)
 
 
-class DeepseekV2Model(nn.Module):
-    """Embedding, decoder layers and final norm: ``input_ids [T] -> hidden [T, hidden]``."""
+class DeepseekV2Model(DecoderModel):
+    """``DecoderModel`` of ``DeepseekV2DecoderLayer``s sharing one interleaved RoPE table of
+    ``qk_rope_head_dim`` features."""
 
     def __init__(self, config: DeepseekV2Config, dtype=None, device=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
         rotary = InterleavedRotaryEmbedding(config.qk_rope_head_dim,
                                             config.max_position_embeddings,
                                             config.rope_theta).to(device)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, rotary, dtype, device)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
-        h = self.embed_tokens(input_ids)
-        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
-        return self.norm(h)
+        super().__init__(config, lambda i: DeepseekV2DecoderLayer(config, i, rotary, dtype, device),
+                         dtype, device)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """Decoder plus LM head; same calling convention as ``compile.models.LlamaForCausalLM``.
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    """``DecoderForCausalLM`` of a ``DeepseekV2Model``; same calling convention as
+    ``compile.models.LlamaForCausalLM``.
 
     Runs on an ``MLATokenToKVPool`` (``kv_lora_rank`` R, ``qk_rope_head_dim`` r, one buffer per
     layer); ``compile.engine.Engine`` builds one when the config has ``kv_lora_rank``.
+    Args:
+        config: DeepseekV2Config. dtype/device: of the parameters (the RoPE table stays float32).
     Forward:
         input_ids: [T] int64. positions: [T] int64. forward_batch: ForwardBatch with metadata.
         return_all_logits: False keeps only each request's last token in extend modes.
@@ -225,20 +186,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         logits [T or b, vocab_size] float32.
     """
 
-    def __init__(self, config: DeepseekV2Config, dtype: torch.dtype = torch.float32,
-                 device=None):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config, dtype, device)
-        self.lm_head = make_lm_head(config, dtype, device)
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
-                return_all_logits: bool = False) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``
-        (see the class docstring).
-        """
-        h = self.model(input_ids, positions, forward_batch)
-        return lm_logits(self, h, forward_batch, return_all_logits)
+    model_class = DeepseekV2Model
 
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> DeepseekV2ForCausalLM:

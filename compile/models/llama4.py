@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compile.models.config import Llama4Config
-from compile.models.llama import LlamaAttention, LlamaMLP, RMSNorm, lm_logits, make_lm_head
+from compile.models.decoder import PreNormDecoderLayer
+from compile.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from compile.models.loading import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
 
@@ -55,9 +56,7 @@ class Llama4Attention(LlamaAttention):
         """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
         step's K/V into the cache through ``PagedAttention``.
         """
-        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
+        q, k, v = self.project_qkv(hidden_states)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
         if self.qk_l2_norm:
@@ -65,8 +64,7 @@ class Llama4Attention(LlamaAttention):
         if self.temperature_tuning:  # [T] per-token query scale, >= 1
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale))
             q = (q * (scale * self.attn_scale + 1.0)[:, None, None]).to(q.dtype)
-        out = self.attn(q.reshape(-1, self.hq * self.d), k, v, forward_batch)
-        return self.o_proj(out)  # [T, hidden]
+        return self.attend(q, k, v, forward_batch)
 
 
 class Llama4Experts(nn.Module):
@@ -113,54 +111,44 @@ class Llama4MoE(nn.Module):
         return self.shared_expert(x) + self.experts(routed)
 
 
-class Llama4DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the dense MLP or the MoE (``feed_forward``)."""
+class Llama4DecoderLayer(PreNormDecoderLayer):
+    """``PreNormDecoderLayer`` of ``Llama4Attention`` and, as ``feed_forward``, the dense MLP
+    (``intermediate_size_mlp``) or, on ``moe_layers``, ``Llama4MoE``."""
+
+    mlp_name = "feed_forward"  # the checkpoint's name
 
     def __init__(self, config: Llama4Config, layer_id: int, rotary, dtype=None, device=None):
-        super().__init__()
-        self.self_attn = Llama4Attention(config, layer_id, rotary, dtype, device)
+        self_attn = Llama4Attention(config, layer_id, rotary, dtype, device)
         if layer_id in config.moe_layers:
-            self.feed_forward = Llama4MoE(config, dtype, device)
+            feed_forward = Llama4MoE(config, dtype, device)
         else:
             dense = dataclasses.replace(config, intermediate_size=config.intermediate_size_mlp)
-            self.feed_forward = LlamaMLP(dense, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
-                                       device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype, device=device)
-
-    def forward(self, positions: Tensor, h: Tensor, forward_batch) -> Tensor:
-        """``h [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), forward_batch)
-        return h + self.feed_forward(self.post_attention_layernorm(h))
+            feed_forward = LlamaMLP(dense, dtype, device)
+        super().__init__(config, self_attn, feed_forward, dtype, device,
+                         norm_offset=config.norm_weight_offset)
 
 
-class Llama4Model(nn.Module):
-    """Embedding, decoder layers and final norm: ``input_ids [T] -> hidden [T, hidden]``."""
+class Llama4Model(LlamaModel):
+    """``LlamaModel`` of ``Llama4DecoderLayer``s sharing one interleaved RoPE table (NoPE
+    layers get none)."""
 
-    def __init__(self, config: Llama4Config, dtype=None, device=None):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
-        rotary = InterleavedRotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                            config.rope_theta, config.rope_scaling).to(device)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(config, i, rotary if config.layer_uses_rope(i) else None,
-                               dtype, device)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+    decoder_layer_class = Llama4DecoderLayer
+    rotary_class = InterleavedRotaryEmbedding
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``."""
+        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``.
+
+        The layers run as plain calls, never as ``compile.regions`` nested compile regions
+        (not adopted for Llama 4: under ``layer_regions()`` torch inlines its MoE layers).
+        """
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(positions, h, forward_batch)
         return self.norm(h)
 
 
-class Llama4ForCausalLM(nn.Module):
-    """Decoder plus LM head; same calling convention as ``compile.models.LlamaForCausalLM``.
+class Llama4ForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` of a ``Llama4Model``; same calling convention.
 
     Args:
         config: Llama4Config. dtype/device: of the parameters (the RoPE table stays float32).
@@ -172,17 +160,7 @@ class Llama4ForCausalLM(nn.Module):
         logits [T or b, vocab_size] float32.
     """
 
-    def __init__(self, config: Llama4Config, dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.config = config
-        self.model = Llama4Model(config, dtype, device)
-        self.lm_head = make_lm_head(config, dtype, device)
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
-                return_all_logits: bool = False) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> float32 logits ``[T or b, vocab_size]``."""
-        h = self.model(input_ids, positions, forward_batch)
-        return lm_logits(self, h, forward_batch, return_all_logits)
+    model_class = Llama4Model
 
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Llama4ForCausalLM:

@@ -91,14 +91,6 @@ def test_check_counts_an_injected_graph_break():
     assert result.graph_breaks >= 1 and not result.ok, result
 
 
-@pytest.mark.parametrize("option", ["--page-size", "--max-new-tokens", "--chunked-prefill-size"])
-def test_sizes_below_one_are_rejected_before_loading(option, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", option, "0"])
-    assert exit_info.value.code == 2
-    assert f"argument {option}: expected an integer >= 1, got 0" in capsys.readouterr().err
-
-
 # User errors in the arguments: one line on stderr naming the flag, the rule and the value,
 # exit status 2, and nothing loaded (load_model is replaced by a function that fails the test).
 BAD_ARGS = [
@@ -112,6 +104,9 @@ BAD_ARGS = [
     (["generate", "--temperature", "-1"],
      r"argument --temperature: expected a finite number >= 0 \(0 = greedy\), got '-1'"),
     (["generate", "--temperature", "nan"], r"argument --temperature: expected .*, got 'nan'"),
+    (["generate", "--page-size", "0"], r"argument --page-size: expected an integer >= 1, got 0"),
+    (["generate", "--chunked-prefill-size", "0"],
+     r"argument --chunked-prefill-size: expected an integer >= 1, got 0"),
     (["generate", "--max-new-tokens", "0"],
      r"argument --max-new-tokens: expected an integer >= 1, got 0"),
     (["generate", "--max-new-tokens", "-5"],

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import xpu_ops
-from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, sample_inputs
+from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs
 
 from . import oracle
-from .utils import FP8, bitwise_equal, clone, error_message, runnable_providers
+from .utils import (FP8, bitwise_equal, clone, error_message, reseeded_sample, runnable_providers,
+                    sample_indices)
 
 STORE = torch.ops.xpu_ops.store_kv_cache
 STORE_MLA = torch.ops.xpu_ops.store_mla_kv_cache
@@ -35,9 +36,9 @@ def _assert_cache(actual, expected, provider="reference"):
 
 
 @pytest.mark.parametrize("provider", runnable_providers("store_kv_cache"))
-@pytest.mark.parametrize("index", range(len(list(sample_inputs(STORE, "cpu")))))
+@pytest.mark.parametrize("index", sample_indices(STORE))
 def test_store_kv_cache_matches_oracle(provider, index):
-    args, _ = list(sample_inputs(STORE, "cpu", seed=6000 + index))[index]
+    args = reseeded_sample(STORE, index, seed=6000 + index)
     k_cache, v_cache, loc, k, v, k_scale, v_scale = args
     expected_k = oracle.store_kv(k_cache, loc, k, None if k_scale is None else float(k_scale))
     expected_v = oracle.store_kv(v_cache, loc, v, None if v_scale is None else float(v_scale))
@@ -50,9 +51,9 @@ def test_store_kv_cache_matches_oracle(provider, index):
 
 
 @pytest.mark.parametrize("provider", runnable_providers("store_mla_kv_cache"))
-@pytest.mark.parametrize("index", range(len(list(sample_inputs(STORE_MLA, "cpu")))))
+@pytest.mark.parametrize("index", sample_indices(STORE_MLA))
 def test_store_mla_kv_cache_matches_oracle(provider, index):
-    args, _ = list(sample_inputs(STORE_MLA, "cpu", seed=7000 + index))[index]
+    args = reseeded_sample(STORE_MLA, index, seed=7000 + index)
     kv_cache, loc, k_nope, k_rope = args
     expected = oracle.store_kv(kv_cache, loc, torch.cat([k_nope, k_rope], -1).flatten(1))
     with xpu_ops.use_provider(provider):

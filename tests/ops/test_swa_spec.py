@@ -9,12 +9,10 @@ import pytest
 import torch
 
 import xpu_ops
-from xpu_ops.testing import sample_inputs
 
-from .utils import error_message, runnable_providers
+from .utils import error_message, reseeded_sample, runnable_providers, sample_indices
 
 OP = torch.ops.xpu_ops.prepare_swa_spec_page_table
-N_SAMPLES = len(list(sample_inputs(OP, "cpu")))
 
 
 def _oracle(page_table, prefix_lens, draft_slots, custom_mask):
@@ -32,9 +30,9 @@ def _oracle(page_table, prefix_lens, draft_slots, custom_mask):
 
 
 @pytest.mark.parametrize("provider", runnable_providers("prepare_swa_spec_page_table"))
-@pytest.mark.parametrize("index", range(N_SAMPLES))
+@pytest.mark.parametrize("index", sample_indices(OP))
 def test_matches_oracle(provider, index):
-    args, _ = list(sample_inputs(OP, "cpu", seed=8000 + index))[index]
+    args = reseeded_sample(OP, index, seed=8000 + index)
     with xpu_ops.use_provider(provider):
         table, lens = xpu_ops.prepare_swa_spec_page_table(*args)
     rows, expected_lens = _oracle(*args)

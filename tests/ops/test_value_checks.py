@@ -179,44 +179,6 @@ PAGED_CASES = [
 ]
 
 
-def _with(inputs, name, value):
-    inputs = dict(inputs)
-    inputs[name] = value if isinstance(value, int) else torch.tensor(value, **I32)
-    return inputs
-
-
-@pytest.mark.parametrize("name,value,pattern", PAGED_CASES, ids=[f"{c[0]}-{i}" for i, c in
-                                                                 enumerate(PAGED_CASES)])
-def test_flash_attn_with_kvcache(name, value, pattern, monkeypatch):
-    inputs = _with(_paged_inputs(), name, value)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
-    with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: " + pattern):
-        xpu_ops.flash_attn_with_kvcache(**inputs)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
-    args = [inputs[k] for k in ("q", "k_cache", "cache_seqlens", "page_table", "cu_seqlens_q",
-                                "max_seqlen_q")]
-    assert _value_checks.check_flash_attn_with_kvcache(*args) is None
-
-
-def test_flash_attn_with_kvcache_valid_and_unread_entries(debug):
-    """Valid values pass; a garbage page id past a request's last page is never read (API.md)."""
-    inputs = _with(_paged_inputs(), "page_table", [[2, 0], [1, 3]])
-    inputs["cache_seqlens"] = torch.tensor([2, 4], **I32)
-    inputs["page_table"] = torch.tensor([[2, -7], [1, 3]], **I32)
-    out = xpu_ops.flash_attn_with_kvcache(**inputs)
-    assert out.shape == (3, 2, 8) and torch.isfinite(out).all()
-    xpu_ops.flash_attn_with_kvcache(inputs["q"].view(1, 3, 2, 8), inputs["k_cache"],
-                                    inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"][:1],
-                                    page_table=inputs["page_table"][:1])
-
-
-def test_max_seqlen_q_too_small_is_an_index_error_without_the_switch(no_debug):
-    """What the switch turns into a named ValueError: the reference indexes past q."""
-    inputs = _with(_paged_inputs(), "max_seqlen_q", 1)
-    with xpu_ops.use_provider("reference"), pytest.raises(IndexError):
-        xpu_ops.flash_attn_with_kvcache(**inputs)
-
-
 def _varlen_inputs():
     return dict(q=torch.randn(4, 2, 8), k=torch.randn(6, 1, 8), v=torch.randn(6, 1, 8),
                 cu_seqlens_q=torch.tensor([0, 1, 4], **I32),
@@ -236,16 +198,54 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,value,pattern", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
-def test_flash_attn_varlen_func(name, value, pattern, monkeypatch):
-    inputs = _with(_varlen_inputs(), name, value)
+def _with(inputs, name, value):
+    inputs = dict(inputs)
+    inputs[name] = value if isinstance(value, int) else torch.tensor(value, **I32)
+    return inputs
+
+
+# op -> (its inputs, the arguments of _value_checks.check_<op> in order)
+ATTENTION_OPS = {
+    "flash_attn_with_kvcache": (_paged_inputs, ("q", "k_cache", "cache_seqlens", "page_table",
+                                                "cu_seqlens_q", "max_seqlen_q")),
+    "flash_attn_varlen_func": (_varlen_inputs, ("q", "k", "cu_seqlens_q", "cu_seqlens_k",
+                                                "seqused_k", "max_seqlen_q", "max_seqlen_k")),
+}
+ATTENTION_CASES = ([("flash_attn_with_kvcache", *case) for case in PAGED_CASES]
+                   + [("flash_attn_varlen_func", *case) for case in VARLEN_CASES])
+
+
+@pytest.mark.parametrize("op,name,value,pattern", ATTENTION_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(ATTENTION_CASES)])
+def test_attention_value_check(op, name, value, pattern, monkeypatch):
+    """Switch on: the op raises ``<op>: <pattern>``; switch off: ``check_<op>`` is silent."""
+    make_inputs, check_args = ATTENTION_OPS[op]
+    inputs = _with(make_inputs(), name, value)
     monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
-    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: " + pattern):
-        xpu_ops.flash_attn_varlen_func(**inputs)
+    with pytest.raises(ValueError, match=rf"^{op}: " + pattern):
+        getattr(xpu_ops, op)(**inputs)
     monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
-    assert _value_checks.check_flash_attn_varlen_func(
-        inputs["q"], inputs["k"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
-        inputs.get("seqused_k"), inputs["max_seqlen_q"], inputs["max_seqlen_k"]) is None
+    check = getattr(_value_checks, f"check_{op}")
+    assert check(*[inputs.get(arg) for arg in check_args]) is None
+
+
+def test_flash_attn_with_kvcache_valid_and_unread_entries(debug):
+    """Valid values pass; a garbage page id past a request's last page is never read (API.md)."""
+    inputs = _with(_paged_inputs(), "page_table", [[2, 0], [1, 3]])
+    inputs["cache_seqlens"] = torch.tensor([2, 4], **I32)
+    inputs["page_table"] = torch.tensor([[2, -7], [1, 3]], **I32)
+    out = xpu_ops.flash_attn_with_kvcache(**inputs)
+    assert out.shape == (3, 2, 8) and torch.isfinite(out).all()
+    xpu_ops.flash_attn_with_kvcache(inputs["q"].view(1, 3, 2, 8), inputs["k_cache"],
+                                    inputs["v_cache"], cache_seqlens=inputs["cache_seqlens"][:1],
+                                    page_table=inputs["page_table"][:1])
+
+
+def test_max_seqlen_q_too_small_is_an_index_error_without_the_switch(no_debug):
+    """What the switch turns into a named ValueError: the reference indexes past q."""
+    inputs = _with(_paged_inputs(), "max_seqlen_q", 1)
+    with xpu_ops.use_provider("reference"), pytest.raises(IndexError):
+        xpu_ops.flash_attn_with_kvcache(**inputs)
 
 
 def test_flash_attn_varlen_func_valid(debug):

@@ -32,6 +32,18 @@ def _samples(name: str) -> list:
     return list(sample_inputs(name, "cpu"))
 
 
+def sample_indices(op) -> range:
+    """Indices of ``op``'s CPU samples (``xpu_ops.testing.sample_inputs``), for parametrize."""
+    return range(len(_samples(op_name(op))))
+
+
+def reseeded_sample(op, index: int, seed: int) -> tuple:
+    """Positional args of sample ``index`` of ``op`` drawn with ``seed``: the same shapes and
+    flags as the default draw, fresh values (each test index seeds its own)."""
+    args, _ = list(sample_inputs(op, "cpu", seed=seed))[index]
+    return args
+
+
 def sample_ids(op) -> list[str]:
     """Test ids ``<op>-<index>`` of every sample of ``op``."""
     return [f"{op_name(op)}-{i}" for i in range(len(_samples(op_name(op))))]
