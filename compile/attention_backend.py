@@ -32,7 +32,7 @@ import xpu_ops
 from xpu_ops.plan import planned_call, plan_applies
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
-                                 paged_metadata, swa_metadata)
+                                 paged_metadata, swa_metadata, uniform_cu_seqlens)
 from .backend_graph import GraphMetadataMixin
 from .forward_batch import ForwardBatch
 from .local_attention import local_chunks_per_request, make_local_attention_virtual_batches
@@ -142,15 +142,13 @@ class XPUAttentionBackend(GraphMetadataMixin):
         """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND (``extend_seq_lens``)."""
         b = fb.batch_size
         if fb.forward_mode.is_decode():
-            q_lens = torch.ones(b, dtype=torch.int32, device=self.device)
-            max_q = 1
+            cu_q, max_q = uniform_cu_seqlens(b, 1, self.device), 1
         else:
-            q_lens = fb.extend_seq_lens.to(torch.int32)
+            cu_q = cu_seqlens(fb.extend_seq_lens.to(torch.int32))
             max_q = max(fb.extend_seq_lens_cpu) if b else 0
         max_k = int(fb.seq_lens_cpu.max()) if b else 0
-        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_seqlens(q_lens),
-                              fb.seq_lens, max_q, max_k, self.page_size,
-                              col_offset=self._decoder_offset(fb))
+        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_q, fb.seq_lens, max_q,
+                              max_k, self.page_size, col_offset=self._decoder_offset(fb))
         return AttentionMetadata(main=main, write=KVWriteLoc(loc=fb.out_cache_loc))
 
     def _decoder_offset(self, fb: ForwardBatch) -> Optional[Tensor]:
