@@ -80,10 +80,15 @@ def _wider_table(page_table: torch.Tensor) -> torch.Tensor:
 
 
 def test_any_change_of_the_signature_validates_again(monkeypatch):
-    args, kwargs = next(sample_inputs(ATTN, "cpu"))
+    samples = sample_inputs(ATTN, "cpu")
+    args, kwargs = next(samples)
+    other_shapes = next(samples)
     with_table = list(args)
     with_table[4] = _wider_table(args[4])
+    bf16 = tuple(a.to(torch.bfloat16) if i in SLOTS[ATTN] else a for i, a in enumerate(args))
     variants = {
+        "shapes": other_shapes,
+        "dtypes": (bf16, kwargs),
         "softmax_scale": (args, dict(kwargs, softmax_scale=kwargs["softmax_scale"] / 2)),
         "softcap": (args, dict(kwargs, softcap=1.5)),
         "causal": (args, dict(kwargs, causal=not kwargs["causal"], window_size_right=-1)),
