@@ -10,14 +10,21 @@ script measures, in microseconds per call, the rows
     op: flash_attn         torch.ops.xpu_ops.flash_attn_with_kvcache
     flash_attn wrapper     xpu_ops.flash_attn_with_kvcache (+ defaults, packing, checks)
     backend.forward        XPUAttentionBackend.forward of one DECODE layer (store + attend)
+    init_forward_metadata  the host plan of one DECODE step (page table, cu_seqlens, ...)
+    OpPlan x2              the two plans a step makes (store_kv_cache + flash_attn_with_kvcache)
+    step                   what a piecewise step runs on the host besides its pieces:
+                           init_forward_metadata, then ``--layers`` layers (the first makes
+                           the step's plans, the others re-run them)
 
 Kernels are stubbed by default (``--kernels stub``): the ``fn`` of every registered
 implementation of the two ops is swapped for a no-op (the attention stub still allocates its
 ``[Hq, total_q]`` float32 LSE, as a kernel does), so the rows are pure host time: checks,
 provider selection, dispatcher, allocation. ``--kernels real`` keeps the kernels (on a GPU
 launches are asynchronous, so the rows stay host time while the GPU keeps up; on CPU they
-include the kernel itself). Each row is the minimum over ``--repeats`` of the mean of
-``--iters`` calls, after a warm-up; the minimum because the machine may be shared.
+include the kernel itself; the OpPlan row then includes the provider's own plan, e.g. Triton's
+with ``XPU_OPS_PROVIDER=triton TRITON_INTERPRET=1`` on CPU). Each row is the minimum (or with
+``--stat median`` the median) over ``--repeats`` of the mean of ``--iters`` calls, after a
+warm-up; the minimum because the machine may be shared. ``--only`` picks rows by substring.
 
     PYTHONPATH=. python benchmarks/bench_overhead.py                 # CPU, stub kernels
     PYTHONPATH=. python benchmarks/bench_overhead.py --device cuda   # H200
@@ -32,10 +39,13 @@ import time
 from types import SimpleNamespace
 from typing import Callable
 
+import statistics
+
 import torch
 
 import xpu_ops
 from xpu_ops import providers
+from xpu_ops.plan import OpPlan
 from compile.layer import PagedAttention
 from bench_model import paged_decode_batch  # benchmarks/ is on sys.path when run as a script
 
@@ -86,14 +96,20 @@ def decode_setup(args) -> SimpleNamespace:
                            loc=fb.out_cache_loc)
 
 
-def cases(s: SimpleNamespace) -> dict[str, Callable[[], object]]:
-    """Name -> zero-argument call, one per row of the table."""
+def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object]]:
+    """Name -> zero-argument call, one per row of the table (``layers``: of the step row)."""
     m, kbuf, vbuf = s.meta, *s.kv.get_kv_buffer(0)
     attn_args = (s.q3, s.k_cache, s.v_cache, m.cache_seqlens, m.page_table, m.cu_seqlens_q,
                  s.out, None, None, None, None, None)
     attn_kwargs = dict(max_seqlen_q=m.max_seqlen_q, softmax_scale=s.layer.scaling, causal=True,
                        window_size_left=-1, window_size_right=0, softcap=0.0)
     op_attn, op_store = torch.ops.xpu_ops.flash_attn_with_kvcache, torch.ops.xpu_ops.store_kv_cache
+    store_args = (kbuf, vbuf, s.loc, s.k, s.v, None, None)
+
+    def step():
+        s.backend.init_forward_metadata(s.fb)
+        for _ in range(layers):
+            s.backend.forward(s.q, s.k, s.v, s.layer, s.fb)
     return {
         "providers.select": lambda: providers.select(OPS[0], s.q3.device, *attn_args,
                                                      **attn_kwargs),
@@ -105,22 +121,29 @@ def cases(s: SimpleNamespace) -> dict[str, Callable[[], object]]:
             cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q,
             softmax_scale=s.layer.scaling, causal=True, out=s.out),
         "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
+        "init_forward_metadata": lambda: s.backend.init_forward_metadata(s.fb),
+        "OpPlan x2 (store + attention)": lambda: (
+            OpPlan("store_kv_cache", store_args, {}, (0, 1, 3, 4)),
+            OpPlan("flash_attn_with_kvcache", attn_args, attn_kwargs, (0, 1, 2, 6))),
+        f"step: init_forward_metadata + {layers} layers": step,
     }
 
 
-def time_us(fn: Callable[[], object], device: torch.device, iters: int, repeats: int) -> float:
-    """Minimum over ``repeats`` of the mean host microseconds of ``iters`` calls."""
+def time_us(fn: Callable[[], object], device: torch.device, iters: int, repeats: int,
+            stat: Callable[[list[float]], float] = min) -> float:
+    """``stat`` (default: the minimum) over ``repeats`` of the mean host microseconds of
+    ``iters`` calls."""
     for _ in range(max(iters // 10, 5)):
         fn()
-    best = float("inf")
+    means = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter_ns()
         for _ in range(iters):
             fn()
-        best = min(best, (time.perf_counter_ns() - t0) / iters / 1e3)
-    return best
+        means.append((time.perf_counter_ns() - t0) / iters / 1e3)
+    return stat(means)
 
 
 def main() -> None:
@@ -133,6 +156,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--grad", action="store_true", help="run outside torch.inference_mode")
+    p.add_argument("--layers", type=int, default=16, help="layers of the step row")
+    p.add_argument("--stat", choices=("min", "median"), default="min")
+    p.add_argument("--only", nargs="*", default=None, help="rows whose name contains one of these")
     args = p.parse_args()
     device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
@@ -140,13 +166,16 @@ def main() -> None:
         stub_kernels()
     ctx = torch.no_grad() if args.grad else torch.inference_mode()
     with ctx:
-        calls = cases(decode_setup(args))
+        calls = cases(decode_setup(args), args.layers)
         impl = calls["providers.select"]()
-        rows = [(name, time_us(fn, device, args.iters, args.repeats))
-                for name, fn in calls.items()]
+        stat = min if args.stat == "min" else statistics.median
+        rows = [(name, time_us(fn, device, args.iters, args.repeats, stat))
+                for name, fn in calls.items()
+                if args.only is None or any(part in name for part in args.only)]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
-          f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, {args.dtype}")
+          f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, "
+          f"context {args.context}, {args.dtype}, {args.stat} of {args.repeats}")
     print("| call | host us/call |\n|---|---:|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

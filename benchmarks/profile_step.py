@@ -19,13 +19,20 @@ import torch
 
 from compile import device as dev
 from bench_model import build, decode_batch, make_forward
+from bench_overhead import stub_kernels
 
 
 def time_components(step, steps: int) -> str:
-    """Run ``steps`` steps with wall-clock timers around the host layers of a step."""
+    """Run ``steps`` steps with wall-clock timers around the host layers of a step.
+
+    Rows nest: ``OpPlan(...)`` (plan creation) runs inside ``backend.forward``; the step total
+    is the median over steps, the rows are means per step.
+    """
+    import statistics
     import time
     from compile.attention_backend import XPUAttentionBackend
     from compile.piecewise import PieceRunner
+    from xpu_ops.plan import OpPlan
     from xpu_ops.triton.launcher import BoundLaunch
 
     totals: dict[str, list] = {}
@@ -44,17 +51,21 @@ def time_components(step, steps: int) -> str:
         setattr(owner, name, wrapper)
         return original
 
-    saved = [(PieceRunner, "__call__", timed(PieceRunner, "__call__", "piece (replay)")),
+    saved = [(XPUAttentionBackend, "init_forward_metadata",
+              timed(XPUAttentionBackend, "init_forward_metadata", "init_forward_metadata")),
+             (OpPlan, "__init__", timed(OpPlan, "__init__", "OpPlan(...) (plan creation)")),
+             (PieceRunner, "__call__", timed(PieceRunner, "__call__", "piece (replay)")),
              (XPUAttentionBackend, "forward",
               timed(XPUAttentionBackend, "forward", "backend.forward (split op body)")),
              (BoundLaunch, "__call__", timed(BoundLaunch, "__call__", "triton launch"))]
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step()
-    total = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     for owner, name, original in saved:
         setattr(owner, name, original)
-    lines = [f"step {total / steps * 1e6:.0f} us (host + final sync)",
+    lines = [f"step {statistics.median(times) * 1e6:.0f} us median (host + final sync)",
              "| component | calls/step | us/call | us/step |", "|---|---:|---:|---:|"]
     for label, (seconds, calls) in totals.items():
         lines.append(f"| {label} | {calls / steps:.0f} | {seconds / calls * 1e6:.1f} | "
@@ -74,12 +85,17 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", default="piecewise")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--kernels", choices=("real", "stub"), default="real",
+                    help="stub: no-op attention and KV-store kernels (bench_overhead."
+                         "stub_kernels), so the attention rows are host time only")
     ap.add_argument("--timers", action="store_true",
                     help="instead of cProfile: wall-clock us per call of the piece runners, the "
-                         "split op's backend.forward and the Triton launches (no profiler "
-                         "overhead)")
+                         "split op's backend.forward, init_forward_metadata, plan creation and "
+                         "the Triton launches (no profiler overhead)")
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
+    if args.kernels == "stub":
+        stub_kernels()
     model = build(args)
     ids, fb = decode_batch(model, args.batch, args.context)
     forward = make_forward(model, args.mode)

@@ -32,7 +32,7 @@ import xpu_ops
 from xpu_ops.plan import planned_call, plan_applies
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
-                                 paged_metadata, swa_metadata)
+                                 paged_metadata, swa_metadata, uniform_cu_seqlens)
 from .backend_graph import GraphMetadataMixin
 from .forward_batch import ForwardBatch
 from .layer import reads_bound_kv
@@ -119,6 +119,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         if fb.encoder_lens is not None and not (mode.is_decode() or mode.is_extend()):
             raise NotImplementedError(f"XPUAttentionBackend: encoder-decoder batches in mode "
                                       f"{mode.name} are not supported.")
+        plain = False  # main's lengths are the batch's own (host copies in fb)
         if mode.is_idle():
             meta = self._idle_metadata()
         elif mode.is_target_verify():
@@ -126,8 +127,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
         elif mode.is_decode() and fb.spec_info is not None:
             meta = self._draft_decode_metadata(fb)
         else:
-            meta = self._decode_or_extend_metadata(fb)
-        self._add_layer_variants(fb, meta, graph)
+            meta, plain = self._decode_or_extend_metadata(fb), True
+        self._add_layer_variants(fb, meta, graph, plain)
         return meta
 
     def _idle_metadata(self) -> AttentionMetadata:
@@ -143,15 +144,13 @@ class XPUAttentionBackend(GraphMetadataMixin):
         """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND (``extend_seq_lens``)."""
         b = fb.batch_size
         if fb.forward_mode.is_decode():
-            q_lens = torch.ones(b, dtype=torch.int32, device=self.device)
-            max_q = 1
+            cu_q, max_q = uniform_cu_seqlens(b, 1, self.device), 1
         else:
-            q_lens = fb.extend_seq_lens.to(torch.int32)
+            cu_q = cu_seqlens(fb.extend_seq_lens.to(torch.int32))
             max_q = max(fb.extend_seq_lens_cpu) if b else 0
         max_k = int(fb.seq_lens_cpu.max()) if b else 0
-        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_seqlens(q_lens),
-                              fb.seq_lens, max_q, max_k, self.page_size,
-                              col_offset=self._decoder_offset(fb))
+        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_q, fb.seq_lens, max_q,
+                              max_k, self.page_size, col_offset=self._decoder_offset(fb))
         return AttentionMetadata(main=main, write=KVWriteLoc(loc=fb.out_cache_loc))
 
     def _decoder_offset(self, fb: ForwardBatch) -> Optional[Tensor]:
@@ -193,16 +192,17 @@ class XPUAttentionBackend(GraphMetadataMixin):
         return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
                                  expand=expand)
 
-    def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata,
-                            graph: bool) -> None:
-        """SWA tables, local virtual batches, encoder metadata and the MLA workspace."""
+    def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata, graph: bool,
+                            plain: bool = False) -> None:
+        """SWA tables, local virtual batches, encoder metadata and the MLA workspace
+        (``plain``: ``meta`` is ``_decode_or_extend_metadata``'s, its lengths are on the host)."""
         pool, main = self.token_to_kv_pool, meta.main
         offset = None if fb.encoder_lens is None else fb.encoder_lens
         if hasattr(pool, "translate_loc_from_full_to_swa"):
             meta.swa = swa_metadata(pool, self.req_to_token, fb.req_pool_indices, main, offset)
             meta.write.swa_loc = pool.translate_loc_from_full_to_swa(meta.write.loc)
         if self.attention_chunk_size and not meta.cascade and main.batch_size:
-            meta.local = self._local_metadata(main, graph)
+            meta.local = self._local_metadata(main, graph, fb if plain else None)
         if fb.encoder_lens is not None:
             meta.encoder = self._encoder_metadata(fb, main)
             meta.write.encoder_loc = fb.encoder_out_cache_loc
@@ -212,14 +212,23 @@ class XPUAttentionBackend(GraphMetadataMixin):
                 self.max_context_len if graph else main.max_seqlen_k, main.batch_size, heads)
             meta.mla_workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
 
-    def _local_metadata(self, main: PagedAttnMetadata, graph: bool) -> PagedAttnMetadata:
+    def _local_metadata(self, main: PagedAttnMetadata, graph: bool,
+                        fb: Optional[ForwardBatch] = None) -> PagedAttnMetadata:
+        """Chunked-local virtual batch of ``main``; its lengths come from ``fb``'s host copies
+        when given (DECODE/EXTEND: ``main`` is built from them), else from the device (a sync)."""
         chunk = int(self.attention_chunk_size)
         pad_to = None
         if graph:
             pad_to = main.batch_size * local_chunks_per_request(main.max_seqlen_q, chunk)
-        local = make_local_attention_virtual_batches(
-            chunk, main.cu_seqlens_q.cpu(), main.cache_seqlens.cpu(), main.page_table,
-            self.page_size, pad_to=pad_to)
+        if fb is None:
+            cu_q, k_lens = main.cu_seqlens_q.cpu(), main.cache_seqlens.cpu()
+        elif fb.forward_mode.is_decode():
+            cu_q, k_lens = uniform_cu_seqlens(fb.batch_size, 1, "cpu"), fb.seq_lens_cpu
+        else:
+            q_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32)
+            cu_q, k_lens = cu_seqlens(q_lens), fb.seq_lens_cpu
+        local = make_local_attention_virtual_batches(chunk, cu_q, k_lens, main.page_table,
+                                                     self.page_size, pad_to=pad_to)
         max_q = main.max_seqlen_q if graph else local.max_seqlen_q
         return PagedAttnMetadata(cu_seqlens_q=local.cu_seqlens_q,
                                  cache_seqlens=local.cache_seqlens, page_table=local.page_table,

@@ -108,35 +108,60 @@ def cu_seqlens(lens: Tensor) -> Tensor:
     return out
 
 
-def token_table(req_to_token: Tensor, req_pool_indices: Tensor, max_len: int,
-                col_offset: Optional[Tensor] = None) -> Tensor:
-    """Token slots ``[b, max_len]`` int32 of each request, optionally from column ``col_offset[r]``.
+def uniform_cu_seqlens(b: int, n: int, device: torch.device) -> Tensor:
+    """``cu_seqlens`` of ``b`` lengths that all equal ``n``: ``[0, n, 2n, ..., b * n]`` int32,
+    one op (``cu_seqlens(torch.full((b,), n))`` takes three)."""
+    if n == 0:
+        return torch.zeros(b + 1, dtype=torch.int32, device=device)
+    return torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=device)
 
-    Columns past the table's width are read as 0 (the padding slot).
+
+def token_table(req_to_token: Tensor, req_pool_indices: Tensor, max_len: int,
+                col_offset: Optional[Tensor] = None, step: int = 1) -> Tensor:
+    """Token slots ``[b, ceil(max_len / step)]`` of each request (``req_to_token``'s dtype): the
+    columns ``0, step, 2 * step, ... < max_len``, optionally from column ``col_offset[r]``.
+
+    Columns past the table's width are read as 0 (the padding slot). The result is a new tensor.
     """
+    width = req_to_token.shape[1]
+    if col_offset is None and max_len <= width:
+        # Whole rows: one row gather of a strided view, no [b, max_len] index tensor.
+        return req_to_token[:, :max_len:step].index_select(0, req_pool_indices)
     rows = req_pool_indices.long()
-    cols = torch.arange(max_len, device=req_to_token.device)[None, :]
+    cols = torch.arange(0, max_len, step, device=req_to_token.device)[None, :]
     if col_offset is not None:
         cols = cols + col_offset.long()[:, None].to(req_to_token.device)
-    width = req_to_token.shape[1]
     table = req_to_token[rows[:, None], cols.clamp(max=width - 1)]
     return torch.where(cols < width, table, 0)
 
 
+def _int32(t: Tensor) -> Tensor:
+    """``t.to(torch.int32)`` without its call overhead when ``t`` already is int32."""
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _slots_to_pages(slots: Tensor, page_size: int) -> Tensor:
+    """Page ids int32 of token slots (a new tensor)."""
+    if (page_size & (page_size - 1)) == 0:  # a power of two: a shift, cheaper than a division
+        return _int32(slots >> (page_size.bit_length() - 1))
+    return _int32(slots // page_size)
+
+
 def page_table_from_tokens(tokens: Tensor, page_size: int) -> Tensor:
     """Token-granular ``[b, L]`` slots -> page ids ``[b, ceil(L / page_size)]`` int32."""
-    return (tokens[:, ::page_size] // page_size).to(torch.int32)
+    return _slots_to_pages(tokens[:, ::page_size], page_size)
 
 
 def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q: Tensor,
                    cache_seqlens: Tensor, max_seqlen_q: int, max_seqlen_k: int, page_size: int,
                    col_offset: Optional[Tensor] = None) -> PagedAttnMetadata:
     """A call's metadata with ``page_table = req_to_token[rows, :max_k][:, ::page_size] //
-    page_size`` (DESIGN.md)."""
-    tokens = token_table(req_to_token, req_pool_indices, max_seqlen_k, col_offset)
+    page_size`` (DESIGN.md; only the first slot of each page is gathered)."""
+    first_slots = token_table(req_to_token, req_pool_indices, max_seqlen_k, col_offset,
+                              step=page_size)
     return PagedAttnMetadata(cu_seqlens_q=cu_seqlens_q,
-                             cache_seqlens=cache_seqlens.to(torch.int32),
-                             page_table=page_table_from_tokens(tokens, page_size),
+                             cache_seqlens=_int32(cache_seqlens),
+                             page_table=_slots_to_pages(first_slots, page_size),
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              page_size=page_size)
 
@@ -144,11 +169,13 @@ def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q:
 def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
                  main: PagedAttnMetadata, col_offset: Optional[Tensor] = None
                  ) -> PagedAttnMetadata:
-    """``main`` over the SWA pool: token slots translated full -> SWA, then paged."""
-    tokens = token_table(req_to_token, req_pool_indices, main.max_seqlen_k, col_offset)
-    swa_tokens = pool.translate_loc_from_full_to_swa(tokens)
-    return main.with_table(page_table_from_tokens(swa_tokens, main.page_size))
+    """``main`` over the SWA pool: token slots translated full -> SWA, then paged (the
+    translation is per slot, so only the first slot of each page is gathered and translated)."""
+    first_slots = token_table(req_to_token, req_pool_indices, main.max_seqlen_k, col_offset,
+                              step=main.page_size)
+    swa_slots = pool.translate_loc_from_full_to_swa(first_slots)
+    return main.with_table(_slots_to_pages(swa_slots, main.page_size))
 
 
-__all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "token_table",
-           "page_table_from_tokens", "paged_metadata", "swa_metadata"]
+__all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "uniform_cu_seqlens",
+           "token_table", "page_table_from_tokens", "paged_metadata", "swa_metadata"]

@@ -16,7 +16,8 @@ from torch import Tensor
 
 import xpu_ops
 
-from .attention_metadata import PagedAttnMetadata, cu_seqlens, paged_metadata, token_table
+from .attention_metadata import (PagedAttnMetadata, paged_metadata, token_table,
+                                 uniform_cu_seqlens)
 
 
 def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
@@ -50,9 +51,9 @@ def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
     table = slots.long().gather(1, order).to(torch.int32)
     lens = visible.sum(1).to(torch.int32)
     n, width = slots.shape
-    ones = torch.ones(n, dtype=torch.int32, device=slots.device)
-    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens(ones), cache_seqlens=lens,
-                             page_table=table, max_seqlen_q=1, max_seqlen_k=width, page_size=1)
+    return PagedAttnMetadata(cu_seqlens_q=uniform_cu_seqlens(n, 1, slots.device),
+                             cache_seqlens=lens, page_table=table, max_seqlen_q=1,
+                             max_seqlen_k=width, page_size=1)
 
 
 def prefix_metadata(fb, req_to_token: Tensor, page_size: int, num_q: int, *, extra_k: int = 0
@@ -60,11 +61,11 @@ def prefix_metadata(fb, req_to_token: Tensor, page_size: int, num_q: int, *, ext
     """``num_q`` queries per request over its ``seq_lens`` cached tokens plus ``extra_k`` more
     (draft tokens whose slots ``req_to_token`` already holds)."""
     b = fb.batch_size
-    q_lens = torch.full((b,), num_q, dtype=torch.int32, device=fb.seq_lens.device)
+    cu_q = uniform_cu_seqlens(b, num_q, fb.seq_lens.device)
     max_k = int(fb.seq_lens_cpu.max()) + extra_k if b else 0
     seq_lens = fb.seq_lens + extra_k if extra_k else fb.seq_lens
-    return paged_metadata(req_to_token, fb.req_pool_indices, cu_seqlens(q_lens), seq_lens, num_q,
-                          max_k, page_size)
+    return paged_metadata(req_to_token, fb.req_pool_indices, cu_q, seq_lens, num_q, max_k,
+                          page_size)
 
 
 def verify_chain(fb, req_to_token: Tensor, page_size: int, num_draft: int) -> PagedAttnMetadata:
@@ -97,8 +98,8 @@ def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
         drafts = pool.translate_loc_from_full_to_swa(drafts)
     table, lens = xpu_ops.prepare_swa_spec_page_table(
         prefix.to(torch.int32), fb.seq_lens.to(torch.int32), drafts.to(torch.int32), mask)
-    ones = torch.ones(b * num_draft, dtype=torch.int32, device=table.device)
-    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens(ones), cache_seqlens=lens, page_table=table,
+    cu_q = uniform_cu_seqlens(b * num_draft, 1, table.device)
+    return PagedAttnMetadata(cu_seqlens_q=cu_q, cache_seqlens=lens, page_table=table,
                              max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
 
 

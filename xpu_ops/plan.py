@@ -11,6 +11,16 @@ Outputs a provider allocates per call (the LSE of the attention ops) may be buff
 overwritten by its next run. ``planned_call`` keeps plans in a caller-owned dict (e.g. one per
 forward step) and re-plans when a slot tensor no longer matches.
 
+Validation is cached across plans: a decode step makes new plans for its new metadata tensors,
+but with the shapes of the previous step's. What validation found (the schema's argument
+checks, the fake's shape checks, the selected provider) is kept per call signature: ``op``, the
+slots, every tensor argument's shape, strides, dtype and device, every scalar's type and exact
+value, and ``providers.selection_state()``. A plan whose signature was validated before skips
+straight to binding its own tensors (and the provider's own plan of them). Only successful
+validations are kept, so a rejected call raises again every time. The checks read nothing else
+(``xpu_ops/_checks.py``: never tensor values), so a cached answer is the answer the checks would
+give. Calls with arguments of other kinds (tensor subclasses, lists) are validated every time.
+
 For eager execution only (piecewise graphs run attention eagerly between captured pieces): a
 plan calls Python directly, so it is invisible to ``torch.compile`` and to autograd (mutated
 arguments get no version-counter bump), and the debug-mode value checks
@@ -20,7 +30,8 @@ unless ``plan_applies(t)`` says a plan would do the same thing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -49,27 +60,118 @@ def _signature(t: Tensor) -> tuple:
 _SCALAR_TYPES = {"int": (int,), "float": (float, int), "bool": (bool,)}
 
 
+@functools.lru_cache(maxsize=None)
+def _schema_info(opdef) -> tuple[tuple[str, ...], tuple[tuple[str, tuple, str], ...]]:
+    """``(argument names, (name, allowed Python types, schema type) of each int/float/bool
+    argument)`` of ``opdef``'s schema, read once (reading a schema builds new objects)."""
+    arguments = opdef.op.default._schema.arguments
+    names = tuple(a.name for a in arguments)
+    scalars = tuple((a.name, _SCALAR_TYPES[str(a.type)], str(a.type)) for a in arguments
+                    if str(a.type) in _SCALAR_TYPES)
+    return names, scalars
+
+
 def _check_call(op: str, opdef, args: Sequence[Any], kwargs: dict[str, Any],
-                slots: Sequence[int]) -> list[str]:
+                slots: Sequence[int]) -> tuple[str, ...]:
     """The op's argument names, after checking the slots and the scalar arguments' types
     against the schema (what the dispatcher would check on an op call). Raises as ``OpPlan``."""
-    schema = opdef.op.default._schema
-    names = [a.name for a in schema.arguments]
+    names, scalars = _schema_info(opdef)
     for i in slots:
         if not 0 <= i < len(args) or not isinstance(args[i], Tensor):
             got = "out of range" if not 0 <= i < len(args) else type(args[i]).__name__
             raise ValueError(f"OpPlan({op}): slot {i} must be the position of a tensor in args "
-                             f"(0..{len(args) - 1}, {names[:len(args)]}); got {got}.")
+                             f"(0..{len(args) - 1}, {list(names[:len(args)])}); got {got}.")
     values = dict(zip(names, args), **kwargs)
-    for arg in schema.arguments:
-        allowed = _SCALAR_TYPES.get(str(arg.type))
-        value = values.get(arg.name)
-        if allowed and arg.name in values and (not isinstance(value, allowed)
-                                               or (bool not in allowed
-                                                   and isinstance(value, bool))):
-            raise TypeError(f"OpPlan({op}): {arg.name} must be {arg.type}, got "
+    for name, allowed, type_name in scalars:
+        value = values.get(name)
+        if name in values and (not isinstance(value, allowed)
+                               or (bool not in allowed and isinstance(value, bool))):
+            raise TypeError(f"OpPlan({op}): {name} must be {type_name}, got "
                             f"{type(value).__name__} {value!r}.")
     return names
+
+
+class _Validated(NamedTuple):
+    """What validating one call signature found (see the module docstring)."""
+    slot_names: tuple[str, ...]
+    impl: providers.Implementation
+    declined: tuple[tuple[str, str], ...]  # (provider, reason) fallbacks, re-counted per plan
+
+
+_VALIDATED: dict[tuple, _Validated] = {}
+_VALIDATED_MAX = 1024  # signatures kept; the oldest goes first
+_validation_counts = {"hits": 0, "misses": 0}
+
+
+def _arg_key(value: Any) -> Optional[tuple]:
+    """All that checks and provider selection may read of one argument, hashable: a plain
+    tensor's shape, strides, dtype and device; a scalar's type and value (a float's exact bits);
+    None for any other kind of argument (its call is not cached)."""
+    kind = type(value)
+    if kind is Tensor:
+        return _signature(value)
+    if kind is float:
+        return kind, value.hex()
+    if value is None or kind is bool or kind is int or kind is str:
+        return kind, value
+    return None
+
+
+def _call_key(op: str, args: Sequence[Any], kwargs: dict[str, Any],
+              slots: tuple[int, ...]) -> Optional[tuple]:
+    """The signature ``_VALIDATED`` is keyed by, or None when the call cannot be cached."""
+    arg_keys = tuple(map(_arg_key, args))
+    kw_keys = tuple(zip(kwargs, map(_arg_key, kwargs.values())))
+    if None in arg_keys or any(key is None for _, key in kw_keys):
+        return None
+    try:
+        state = providers.selection_state()
+    except ValueError:  # a bad XPU_OPS_PROVIDER: validate afresh, which raises in order
+        return None
+    return op, slots, arg_keys, kw_keys, state
+
+
+def _validate(op: str, args: Sequence[Any], kwargs: dict[str, Any],
+              slots: tuple[int, ...]) -> _Validated:
+    """Run the checks of a call and select its provider. Raises as ``OpPlan``."""
+    opdef = DEFINED[f"xpu_ops::{op}"]
+    names = _check_call(op, opdef, args, kwargs, slots)
+    if opdef.fake is not None:
+        opdef.fake(*args, **kwargs)  # the op's shape/dtype/device checks
+    device = next(a.device for a in args if isinstance(a, Tensor))
+    impl, declined = providers.select_declined(op, device, *args, **kwargs)
+    return _Validated(tuple(names[i] for i in slots), impl, declined)
+
+
+def _validated(key: Optional[tuple], op: str, args: Sequence[Any], kwargs: dict[str, Any],
+               slots: tuple[int, ...]) -> _Validated:
+    """``_validate``'s answer for this call, cached under its ``_call_key`` ``key`` (see the
+    module docstring)."""
+    found = None if key is None else _VALIDATED.get(key)
+    if found is not None:
+        _validation_counts["hits"] += 1
+        for provider, reason in found.declined:  # count the fallback for this call too
+            providers.record_fallback(op, provider, reason)
+        return found
+    _validation_counts["misses"] += 1
+    found = _validate(op, args, kwargs, slots)
+    if key is not None:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            del _VALIDATED[next(iter(_VALIDATED))]
+        _VALIDATED[key] = found
+    return found
+
+
+def validation_cache_info() -> dict[str, int]:
+    """``{"hits", "misses", "size"}``: plans that reused a cached validation, plans that ran the
+    checks, and the signatures kept now."""
+    return dict(_validation_counts, size=len(_VALIDATED))
+
+
+def clear_validation_cache() -> None:
+    """Forget every cached validation (and reset the counts of ``validation_cache_info``)."""
+    _VALIDATED.clear()
+    _validation_counts.update(hits=0, misses=0)
 
 
 class OpPlan:
@@ -86,6 +188,9 @@ class OpPlan:
         TypeError, ValueError, NotImplementedError: the op's own checks reject ``args``.
         RuntimeError: no provider can run the call.
 
+    The checks and the provider selection run once per call signature (module docstring); a
+    plan of an already validated signature only binds its tensors.
+
     A plan made under ``torch.inference_mode()`` may return inference tensors (the LSE buffer of
     the Triton provider's plan) also when run outside it.
     """
@@ -94,19 +199,18 @@ class OpPlan:
 
     def __init__(self, op: str, args: Sequence[Any], kwargs: dict[str, Any],
                  slots: Sequence[int]):
-        opdef = DEFINED[f"xpu_ops::{op}"]
-        names = _check_call(op, opdef, args, kwargs, slots)
-        if opdef.fake is not None:
-            opdef.fake(*args, **kwargs)  # the op's shape/dtype/device checks
-        device = next(a.device for a in args if isinstance(a, Tensor))
-        impl = providers.select(op, device, *args, **kwargs)
+        slots = tuple(slots)
+        key = _call_key(op, args, kwargs, slots)
+        checked = _validated(key, op, args, kwargs, slots)
+        impl = checked.impl
         self.op = op
         self._fn = impl.fn
         self._args = list(args)
         self._kwargs = dict(kwargs)
-        self.slots = tuple(slots)
-        self._names = tuple(names[i] for i in self.slots)
-        self._template = tuple(_signature(args[i]) for i in self.slots)
+        self.slots = slots
+        self._names = checked.slot_names
+        self._template = (tuple(_signature(args[i]) for i in slots) if key is None
+                          else tuple(key[2][i] for i in slots))  # the slots' tensor keys
         # The provider's own plan (e.g. Triton: launch grid, scratch and arguments fixed once).
         self._planned = impl.plan(tuple(args), self._kwargs, self.slots) if impl.plan else None
 
@@ -163,4 +267,5 @@ def planned_call(plans: dict, key: Any, op: str, args: Sequence[Any], kwargs: di
     return plan.run_matched(tensors)
 
 
-__all__ = ["OpPlan", "planned_call", "plan_applies"]
+__all__ = ["OpPlan", "planned_call", "plan_applies", "validation_cache_info",
+           "clear_validation_cache"]

@@ -15,7 +15,8 @@ eagerly). ``XPU_OPS_PROVIDER`` and ``use_provider`` are read on every call. What
 ``available(device_type)`` says is cached per ``(op, device_type)`` and the current values of the
 functions declared with ``availability_depends_on`` (Triton's ``TRITON_INTERPRET`` flag, the
 ``sgl_kernel`` binding); registering an implementation clears the cache. ``supports`` runs on
-every call.
+every call. ``selection_state()`` is everything besides the call's own arguments that a
+selection depends on, for callers that cache what they derived from one (``xpu_ops.plan``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ _fallbacks: dict[tuple[str, str, str], int] = {}
 # (op, device_type, *availability state) -> ((provider, Implementation | None, reason), ...)
 _rows_cache: dict[tuple, tuple[tuple[str, Optional[Implementation], Optional[str]], ...]] = {}
 _state_fns: list[Callable[[], object]] = []
+_generation = 0  # bumped by invalidate_cache: part of selection_state()
 _loaded = False
 
 
@@ -112,8 +114,24 @@ def availability_depends_on(state: Callable[[], object]) -> Callable[[], object]
 
 def invalidate_cache() -> None:
     """Forget the cached availability answers (after changing what ``available`` depends on in a
-    way no ``availability_depends_on`` function reports)."""
+    way no ``availability_depends_on`` function reports); also changes ``selection_state()``."""
+    global _generation
     _rows_cache.clear()
+    _generation += 1
+
+
+def selection_state() -> tuple:
+    """Hashable snapshot of what ``select`` depends on besides the call's arguments: the forced
+    provider, the registry's generation (every ``register``/``invalidate_cache`` changes it)
+    and the ``availability_depends_on`` values. Equal snapshots and equal call signatures
+    (shapes, strides, dtypes, devices, scalars: all that ``supports`` may read) select the same
+    implementation.
+
+    Raises:
+        ValueError: as ``forced_provider``.
+    """
+    _load_providers()
+    return (forced_provider(), _generation, *[state() for state in _state_fns])
 
 
 def getenv(name: str) -> Optional[str]:
@@ -193,11 +211,14 @@ def candidates(op: str, device_type: str) -> list[tuple[str, Optional[str]]]:
     return rows
 
 
-def _record_fallback(op: str, provider: str, reason: str) -> None:
+def record_fallback(op: str, provider: str, reason: str) -> None:
+    """Count one call of ``op`` that ``provider`` declined for ``reason`` (warns the first
+    time). ``select`` calls it; a caller reusing an earlier selection for a new call repeats
+    that selection's ``declined`` entries, so ``fallbacks()`` keeps counting calls."""
     key = (op, provider, reason)
     if key not in _fallbacks:
         warnings.warn(f"xpu_ops.{op}: provider {provider} declined this call ({reason}); "
-                      f"using the next provider.", stacklevel=4)
+                      f"using the next provider.", stacklevel=5)
     _fallbacks[key] = _fallbacks.get(key, 0) + 1
 
 
@@ -213,6 +234,13 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
         RuntimeError: the forced provider cannot run on this device, or no provider can.
         NotImplementedError: the forced provider declines this call's arguments.
     """
+    return select_declined(op, device, *args, **kwargs)[0]
+
+
+def select_declined(op: str, device: torch.device, *args, **kwargs
+                    ) -> tuple[Implementation, tuple[tuple[str, str], ...]]:
+    """``select``, plus the ``(provider, reason)`` of every provider that declined the call on
+    the way (already counted by ``record_fallback``). Raises as ``select``."""
     rows = _rows(op, device.type)
     forced = forced_provider()
     if forced is not None:
@@ -224,14 +252,16 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
         if declined is not None:
             raise NotImplementedError(f"xpu_ops.{op}: provider {forced!r} was requested but does "
                                       f"not support this call: {declined}.")
-        return impl
+        return impl, ()
+    declines: list[tuple[str, str]] = []
     for name, impl, reason in rows:
         if reason is not None:
             continue
         declined = impl.supports(*args, **kwargs) if impl.supports is not None else None
         if declined is None:
-            return impl
-        _record_fallback(op, name, declined)
+            return impl, tuple(declines)
+        record_fallback(op, name, declined)
+        declines.append((name, declined))
     raise RuntimeError(f"xpu_ops.{op}: no provider can run on {device.type}; tried "
                        f"{list(_registry.get(op, {}))}. See `python -m xpu_ops info`.")
 

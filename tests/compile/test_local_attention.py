@@ -67,3 +67,26 @@ def test_backend_chunked_local_layer(page_size, mode):
     outs, qs = h.step(mode, reqs, new, [local, full])
     assert_close(outs[0], h.expected(reqs, new, local, qs[0]))
     assert_close(outs[1], h.expected(reqs, new, full, qs[1]))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_backend_builds_virtual_batches_from_host_lengths(mode, monkeypatch):
+    h = Harness(16, seed=71, chunk=32)
+    prefixes = [0, 31, 40, 100]
+    new = [45, 1, 30, 7] if mode == ForwardMode.EXTEND else [1] * 4
+    reqs = [h.add_request(p) for p in prefixes]
+    loc = torch.cat([h.alloc_slots(r, p, n) for r, p, n in zip(reqs, prefixes, new)])
+    fb = h.batch(mode, reqs, new, loc, [p + n for p, n in zip(prefixes, new)])
+    copied = []  # tensors read back to the host (a device sync on a GPU)
+    to_host = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copied.append(t) or to_host(t))
+    meta = h.backend.build_metadata(fb)
+    monkeypatch.undo()
+    main = meta.main
+    assert not any(t is main.cu_seqlens_q or t is main.cache_seqlens for t in copied)
+    want = make_local_attention_virtual_batches(32, main.cu_seqlens_q, main.cache_seqlens,
+                                                main.page_table, 16)
+    for name in ("cu_seqlens_q", "cache_seqlens", "page_table"):
+        torch.testing.assert_close(getattr(meta.local, name), getattr(want, name), atol=0,
+                                   rtol=0, msg=name)
+    assert (meta.local.max_seqlen_q, meta.local.max_seqlen_k) == (want.max_seqlen_q, 32)

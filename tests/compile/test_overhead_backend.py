@@ -1,16 +1,22 @@
 """Per-layer reuse in the backend and the pool stays invisible: fp8 descales always follow the
-layer's scales, cached paged views always view the layer's current buffers."""
+layer's scales, cached paged views always view the layer's current buffers, and decode steps
+that reuse the validation of an earlier step's plans (``xpu_ops.plan``) read their own
+metadata and still reject bad arguments."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from compile.attention_backend import XPUAttentionBackend
+from compile.forward_batch import ForwardMode
 from compile.layer import PagedAttention
 from compile.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
+from tests.compile.oracle import Harness, assert_close
+from xpu_ops.plan import clear_validation_cache, validation_cache_info
 
 FP8 = torch.float8_e4m3fn
 
@@ -71,3 +77,49 @@ def test_paged_views_follow_the_layer_buffers():
     assert kp.data_ptr() == pool.k_buffer[1].data_ptr() and torch.all(kp == 1)
     kp.zero_()  # a view, not a copy
     assert torch.all(pool.k_buffer[1] == 0)
+
+
+def _counts() -> tuple[int, int]:
+    info = validation_cache_info()
+    return info["hits"], info["misses"]
+
+
+def _decode(h: Harness, reqs, layers) -> None:
+    """One DECODE step of ``reqs`` through ``layers``, each checked against the oracle."""
+    ones = [1] * len(reqs)
+    outs, qs = h.step(ForwardMode.DECODE, reqs, ones, layers)
+    for layer, out, q in zip(layers, outs, qs):
+        assert_close(out, h.expected(reqs, ones, layer, q), h.dtype)
+
+
+def test_decode_steps_of_equal_shapes_reuse_validation_and_read_their_own_metadata():
+    h = Harness(16, num_layers=2, seed=11)
+    layers = [h.layer(0), h.layer(1)]
+    first = [h.add_request(n, layers=(0, 1)) for n in (20, 5, 33)]
+    second = [h.add_request(n, layers=(0, 1)) for n in (33, 12, 2)]
+    clear_validation_cache()
+    _decode(h, first, layers)          # seq_lens 21, 6, 34: page_table [3, 3]
+    assert _counts() == (0, 2)         # a store and an attention plan, re-run by layer 1
+    _decode(h, second, layers)         # 34, 13, 3: same shapes, other lengths and pages
+    assert _counts() == (2, 2)
+    _decode(h, first, layers)          # 22, 7, 35
+    assert _counts() == (4, 2)
+    _decode(h, first[:2], layers)      # b = 2: other shapes, validated again
+    assert _counts() == (4, 4)
+    capped = [h.layer(0, logit_cap=5.0), h.layer(1, logit_cap=5.0)]
+    _decode(h, second, capped)         # another softcap: the attention plan only
+    assert _counts() == (5, 5)
+
+
+def test_a_bad_argument_raises_on_every_step_after_validation_was_cached():
+    h = Harness(16, seed=12)
+    layer = h.layer(0)
+    reqs = [h.add_request(n) for n in (9, 17)]
+    _decode(h, reqs, [layer])
+    for _ in range(2):  # the valid signature is cached; a float64 k never is
+        loc = torch.cat([h.alloc_slots(r, r.length(), 1) for r in reqs])
+        fb = h.batch(ForwardMode.DECODE, reqs, [1, 1], loc, [r.length() + 1 for r in reqs])
+        h.backend.init_forward_metadata(fb)
+        q, k, v = h.rand(2, h.hq * h.d), h.rand(2, h.hkv, h.d), h.rand(2, h.hkv, h.dv)
+        with pytest.raises(ValueError, match="store_kv_cache: k has dtype torch.float64"):
+            h.backend.forward(q.float(), k, v.float(), layer, fb)

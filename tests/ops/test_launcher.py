@@ -94,6 +94,14 @@ def test_bind_fixes_tensors_and_rejects_scalars(monkeypatch):
     assert run.bind({1: misaligned}, slots=(0, 2))._families is not run._families
     with pytest.raises(TypeError, match="fixed argument 3 is float"):
         run.bind({3: 0.25}, slots=(0, 1, 2))
+    with pytest.raises(ValueError, match=r"slots \[5\] are not positions of the 5"):
+        run.bind({1: y}, slots=(0, 5))
+    # A bound launch of a bound launch: the meta-parameters and grid carry over.
+    again = bound.bind({0: x}, slots=(2,))
+    assert (again.grid, again.meta, again.slots) == (run.grid, run.meta, (2,))
+    out2 = torch.full((n,), float("nan"))
+    again(out2)
+    torch.testing.assert_close(out2, 0.5 * x + y)
 
 
 def test_construction_and_call_checks():

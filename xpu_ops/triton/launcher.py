@@ -74,6 +74,13 @@ def _parameter_names(fn) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
+def _check_slots(fn, slots: tuple[int, ...], num_args: int) -> None:
+    bad = [i for i in slots if not 0 <= i < num_args]
+    if bad:
+        raise ValueError(f"BoundLaunch: slots {bad} are not positions of the {num_args} "
+                         f"positional arguments of {fn.__name__}.")
+
+
 class BoundLaunch:
     """``kernel[grid](*args, **meta)`` with everything fixed but the tensors at ``slots``.
 
@@ -124,18 +131,21 @@ class BoundLaunch:
             raise TypeError(f"BoundLaunch: kernel {fn.__name__} needs {missing} in "
                             f"meta; expected every parameter after the positional ones, "
                             f"got {sorted(meta)}.")
-        bad = [i for i in self.slots if not 0 <= i < len(args)]
-        if bad:
-            raise ValueError(f"BoundLaunch: slots {bad} are not positions of the {len(args)} "
-                             f"positional arguments of {fn.__name__}.")
+        _check_slots(fn, self.slots, len(args))
         # Constexpr values in signature order, appended after the positional arguments.
         self._tail: Optional[tuple] = (tuple(meta[n] for n in names[len(args):])
                                        if hasattr(kernel, "params") else None)
-        # slots -> alignment class of the slot tensors -> CompiledKernel, shared with the
-        # launches bound from this one (their fixed tensors must be 16-byte aligned).
-        self._families: dict[tuple, dict] = {} if _families is None else _families
-        self._compiled: dict[tuple, Any] = self._families.setdefault(self.slots, {})
-        self._fast = (device.type != "cpu" and self._tail is not None and fast_launch_enabled())
+        self._init_launch_state({} if _families is None else _families)
+
+    def _init_launch_state(self, families: dict[tuple, dict]) -> None:
+        """Share ``families`` (slots -> alignment class of the slot tensors -> CompiledKernel,
+        shared with the launches bound from this one, whose fixed tensors must be 16-byte
+        aligned); read ``XPU_OPS_TRITON_FAST_LAUNCH`` and the device index for this launch."""
+        self._families = families
+        self._compiled: dict[tuple, Any] = families.setdefault(self.slots, {})
+        self._fast = (self.device.type != "cpu" and self._tail is not None
+                      and fast_launch_enabled())
+        device = self.device
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
             else 0)
@@ -146,10 +156,13 @@ class BoundLaunch:
 
         It shares this launch's compiled kernels (keyed by its slots and the alignment of its
         slot tensors) when every fixed tensor is 16-byte aligned, as fresh allocations are;
-        otherwise it keeps its own.
+        otherwise it keeps its own. Grid, meta-parameters and constexpr tail were checked when
+        this launch was made and are shared, not checked again (a decode step binds a few
+        launches per step, so this is host time per step).
 
         Raises:
             TypeError: a value in ``fixed`` is not a tensor (scalars are fixed at construction).
+            ValueError: a slot is not a positional index.
         """
         args = list(self.args)
         aligned = True
@@ -159,8 +172,14 @@ class BoundLaunch:
                                 f"{type(value).__name__}; expected a tensor.")
             aligned = aligned and value.data_ptr() & 15 == 0
             args[i] = value
-        return BoundLaunch(self.kernel, self.grid, self.device, args, self.meta, slots,
-                           self._families if aligned else None)
+        slots = tuple(slots)
+        _check_slots(getattr(self.kernel, "fn", self.kernel), slots, len(args))
+        bound = object.__new__(BoundLaunch)
+        bound.kernel, bound.grid, bound.device = self.kernel, self.grid, self.device
+        bound.args, bound.slots, bound._tail = args, slots, self._tail
+        bound.meta = self.meta  # shared: never mutated after construction
+        bound._init_launch_state(self._families if aligned else {})
+        return bound
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if len(tensors) != len(self.slots):
