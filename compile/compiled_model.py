@@ -24,7 +24,6 @@ benchmarks/RESULTS.md, "Issue 5, session 4".
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from typing import Any, Optional
 

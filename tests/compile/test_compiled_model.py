@@ -19,21 +19,6 @@ needs_reuse = pytest.mark.skipif(not reusable_regions_supported(),
 MIXED = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
 
 
-@pytest.fixture
-def stamp_outs(monkeypatch):
-    """Counts Dynamo's region reuses (a stamped-out copy of an already traced layer)."""
-    from torch._dynamo.variables import invoke_subgraph
-    count = [0]
-    original = invoke_subgraph.stamp_out_subgraph
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", counting)
-    return count
-
-
 def _steps(h: Harness):
     """Extend (prefill past the sliding window), decode twice, then a second extend chunk."""
     yield h.extend([0, 1, 2], [6, 1, 9])

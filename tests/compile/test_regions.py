@@ -171,21 +171,6 @@ def test_regions_are_opt_in_and_torch_is_restored():
 
 # ------------------------------------------------ reusable regions (docs/regions_reuse.md)
 
-@pytest.fixture
-def stamp_outs(monkeypatch):
-    """Counts Dynamo's region reuses (a stamped-out copy of an already traced layer)."""
-    from torch._dynamo.variables import invoke_subgraph
-    count = [0]
-    original = invoke_subgraph.stamp_out_subgraph
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", counting)
-    return count
-
-
 def _pool_buffers(pool) -> list[torch.Tensor]:
     """Every KV buffer of ``pool``: K and V per layer (hybrid SWA: of both inner pools), or the
     latent cache per layer (MLA)."""
