@@ -10,6 +10,9 @@ script measures, in microseconds per call, the rows
     op: flash_attn         torch.ops.xpu_ops.flash_attn_with_kvcache
     flash_attn wrapper     xpu_ops.flash_attn_with_kvcache (+ defaults, packing, checks)
     backend.forward        XPUAttentionBackend.forward of one DECODE layer (store + attend)
+    split op               torch.ops.xpu_ops.unified_attention_with_output of that layer, as a
+                           piecewise step calls it (dispatcher, its checks, forward context,
+                           backend.forward into the op's output)
     init_forward_metadata  the host plan of one DECODE step (page table, cu_seqlens, ...)
     OpPlan x2              the two plans a step makes (store_kv_cache + flash_attn_with_kvcache)
     step                   what a piecewise step runs on the host besides its pieces:
@@ -46,7 +49,9 @@ import torch
 import xpu_ops
 from xpu_ops import providers
 from xpu_ops.plan import OpPlan
+from compile.forward_context import set_forward_context
 from compile.layer import PagedAttention
+from compile import split_op as _split_op  # noqa: F401  (registers the split op)
 from bench_model import paged_decode_batch  # benchmarks/ is on sys.path when run as a script
 
 OPS = ("flash_attn_with_kvcache", "store_kv_cache")
@@ -93,6 +98,8 @@ def decode_setup(args) -> SimpleNamespace:
     return SimpleNamespace(backend=backend, fb=fb, layer=layer, q=q, k=k, v=v, meta=meta,
                            kv=kv, k_cache=k_cache, v_cache=v_cache, q3=q.view(b, hq, d),
                            out=torch.empty(b, hq, d, dtype=dtype, device=device),
+                           k2=k.view(b, hkv * d), v2=v.view(b, hkv * d),
+                           split_out=torch.empty(b, hq * d, dtype=dtype, device=device),
                            loc=fb.out_cache_loc)
 
 
@@ -104,6 +111,7 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
     attn_kwargs = dict(max_seqlen_q=m.max_seqlen_q, softmax_scale=s.layer.scaling, causal=True,
                        window_size_left=-1, window_size_right=0, softcap=0.0)
     op_attn, op_store = torch.ops.xpu_ops.flash_attn_with_kvcache, torch.ops.xpu_ops.store_kv_cache
+    split_op = torch.ops.xpu_ops.unified_attention_with_output
     store_args = (kbuf, vbuf, s.loc, s.k, s.v, None, None)
 
     def step():
@@ -121,6 +129,7 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
             cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q,
             softmax_scale=s.layer.scaling, causal=True, out=s.out),
         "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
+        "split op (1 layer)": lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
         "init_forward_metadata": lambda: s.backend.init_forward_metadata(s.fb),
         "OpPlan x2 (store + attention)": lambda: (
             OpPlan("store_kv_cache", store_args, {}, (0, 1, 3, 4)),
@@ -166,12 +175,14 @@ def main() -> None:
         stub_kernels()
     ctx = torch.no_grad() if args.grad else torch.inference_mode()
     with ctx:
-        calls = cases(decode_setup(args), args.layers)
+        setup = decode_setup(args)
+        calls = cases(setup, args.layers)
         impl = calls["providers.select"]()
         stat = min if args.stat == "min" else statistics.median
-        rows = [(name, time_us(fn, device, args.iters, args.repeats, stat))
-                for name, fn in calls.items()
-                if args.only is None or any(part in name for part in args.only)]
+        with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch):
+            rows = [(name, time_us(fn, device, args.iters, args.repeats, stat))
+                    for name, fn in calls.items()
+                    if args.only is None or any(part in name for part in args.only)]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
           f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, "

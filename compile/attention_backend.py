@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops
-from xpu_ops.plan import planned_call, plan_applies
+from xpu_ops.plan import planned_run, plans_enabled
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                  paged_metadata, swa_metadata, uniform_cu_seqlens)
@@ -51,6 +51,12 @@ _STORE_SLOTS = {(ks, vs): (0, 1, 3, 4) + (() if ks else (5,)) + (() if vs else (
 _ATTEND_SLOTS = {(qv, sk, ds): (0, 1, 2, 6) + (() if qv else (7,)) + (() if ds else (9, 10))
                  + (() if sk else (11,))
                  for qv in (True, False) for sk in (True, False) for ds in (True, False)}
+
+
+def _plans_apply(t: Tensor, eager: Optional[bool]) -> bool:
+    """``xpu_ops.plan.plan_applies(t)``, with ``plans_enabled()`` taken from ``eager`` when the
+    caller already asked (one per layer)."""
+    return type(t) is Tensor and (plans_enabled() if eager is None else eager)
 
 
 class XPUAttentionBackend(GraphMetadataMixin):
@@ -278,15 +284,16 @@ class XPUAttentionBackend(GraphMetadataMixin):
         if self.use_mla:
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
                                                   meta, **kwargs)
+        eager = plans_enabled()  # asked once: nothing between the store and attention changes it
         if k is not None and save_kv_cache:
-            self.save_kv(layer, k, v, meta)
+            self.save_kv(layer, k, v, meta, eager=eager)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.head_dim)
         out = self.output_buffer(fb, q3, hq, dv)
         call, causal, cascade = self.select_call(meta, layer)
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
-                    expand=meta.expand if cascade else None)
+                    expand=meta.expand if cascade else None, eager=eager)
         return out.view(-1, hq * dv)
 
     def _metadata(self) -> AttentionMetadata:
@@ -321,11 +328,13 @@ class XPUAttentionBackend(GraphMetadataMixin):
             return layer.bound_kv_is_swa
         return self.token_to_kv_pool.is_swa_layer(layer.layer_id)
 
-    def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
+    def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata, *,
+                eager: Optional[bool] = None) -> None:
         """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
 
         Eager writes into a plain MHA pool go through one ``store_kv_cache`` plan per batch
-        (``meta.plans``): validated by the first layer, re-run by the others. Traced writes
+        (``meta.plans``): validated by the first layer, re-run by the others (``eager``: what
+        ``xpu_ops.plan.plans_enabled()`` says now, when the caller already asked). Traced writes
         use the buffers bound on the layer when there are some (MHA and hybrid SWA pools; an
         SWA layer writes the translated ``meta.write.swa_loc``).
         """
@@ -339,12 +348,15 @@ class XPUAttentionBackend(GraphMetadataMixin):
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)
-        elif type(pool) is MHATokenToKVPool and plan_applies(k):
+        elif type(pool) is MHATokenToKVPool and _plans_apply(k, eager):
             k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
             ks, vs, loc = layer.k_scale, layer.v_scale, meta.write.loc
-            planned_call(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None),
-                         "store_kv_cache", (k_buf, v_buf, loc, k, v, ks, vs), {},
-                         _STORE_SLOTS[ks is None, vs is None])
+            tensors = (k_buf, v_buf, k, v)
+            if ks is not None or vs is not None:
+                tensors += tuple(s for s in (ks, vs) if s is not None)
+            planned_run(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None), tensors,
+                        lambda: ("store_kv_cache", (k_buf, v_buf, loc, k, v, ks, vs), {},
+                                 _STORE_SLOTS[ks is None, vs is None]))
         else:
             pool.set_kv_buffer(layer, meta.write.loc, k, v, layer.k_scale, layer.v_scale)
 
@@ -390,8 +402,10 @@ class XPUAttentionBackend(GraphMetadataMixin):
         each, so the values always follow ``layer.k_scale``/``v_scale`` (also in a captured
         graph, which replays the copies); traced calls build them from the scales.
         """
+        if cache.dtype not in FP8_DTYPES:  # first: reading a module buffer costs ~1 us
+            return None, None
         k_scale = layer.k_scale
-        if cache.dtype not in FP8_DTYPES or k_scale is None:
+        if k_scale is None:
             return None, None
         hkv, v_scale = layer.tp_k_head_num, layer.v_scale
         if torch.compiler.is_compiling():
@@ -407,24 +421,18 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
-               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None) -> None:
-        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
+               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None,
+               eager: Optional[bool] = None) -> None:
+        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``
+        (``eager``: what ``xpu_ops.plan.plans_enabled()`` says now, when the caller asked)."""
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        if expand is None and plan_applies(q3):
+        if expand is None and _plans_apply(q3, eager):
             # Eager hot path (piecewise attention, eager decode): one validated plan per call
             # kind and batch, re-run by every layer with its own q, cache and out.
-            left, right = window[0], (0 if causal else window[1])
-            key = ("flash_attn_with_kvcache", id(call), causal, layer.scaling, layer.logit_cap,
-                   left, qv is None, sinks is None, k_descale is None)
-            planned_call(self._metadata().plans, key, "flash_attn_with_kvcache",
-                         (q3, k_cache, v_cache, call.cache_seqlens, call.page_table,
-                          call.cu_seqlens_q, out, qv, None, k_descale, v_descale, sinks),
-                         dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=layer.scaling,
-                              causal=causal, window_size_left=left, window_size_right=right,
-                              softcap=layer.logit_cap),
-                         _ATTEND_SLOTS[qv is None, sinks is None, k_descale is None])
+            self._planned_attend(q3, k_cache, v_cache, call, layer, out, causal, window[0],
+                                 window[1], qv, (k_descale, v_descale), sinks)
             return
         if expand is None:  # traced: the public op, keywords spelled out
             xpu_ops.flash_attn_with_kvcache(
@@ -451,6 +459,29 @@ class XPUAttentionBackend(GraphMetadataMixin):
             cu_seqlens_q=expand.cu_seqlens_q, max_seqlen_q=1, k_descale=kd, v_descale=vd, **kw)
         xpu_ops.merge_state_v2(o_a, lse_a.transpose(0, 1).contiguous(), o_b,
                                lse_b.transpose(0, 1).contiguous(), v_merged=out)
+
+    def _planned_attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        call: PagedAttnMetadata, layer, out: Tensor, causal: bool, left: int,
+                        right: int, qv: Optional[Tensor], descale: tuple, sinks: Optional[Tensor]
+                        ) -> None:
+        """``attend``'s eager call through the batch's plan of its call kind: a re-run reads
+        only the slot tensors (``_ATTEND_SLOTS`` order); the full call is built for a new plan."""
+        right = 0 if causal else right
+        scale, cap = layer.scaling, layer.logit_cap
+        no_qv, no_sinks, no_descale = qv is None, sinks is None, descale[0] is None
+        tensors = (q3, k_cache, v_cache, out)
+        if not (no_qv and no_sinks and no_descale):
+            tensors += ((() if no_qv else (qv,)) + (() if no_descale else descale)
+                        + (() if no_sinks else (sinks,)))
+        key = ("flash_attn_with_kvcache", id(call), causal, scale, cap, left, no_qv, no_sinks,
+               no_descale)
+        planned_run(self._metadata().plans, key, tensors, lambda: (
+            "flash_attn_with_kvcache",
+            (q3, k_cache, v_cache, call.cache_seqlens, call.page_table, call.cu_seqlens_q, out,
+             qv, None, *descale, sinks),
+            dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=scale, causal=causal,
+                 window_size_left=left, window_size_right=right, softcap=cap),
+            _ATTEND_SLOTS[no_qv, no_sinks, no_descale]))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value of padded graph rows (sglang: 1, so no request is empty)."""

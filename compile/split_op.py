@@ -45,10 +45,12 @@ def _check_rows(name: str, x: Optional[Tensor], tokens) -> None:
 
 def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
            sinks: Optional[Tensor], q_rope: Optional[Tensor], k_rope: Optional[Tensor]) -> None:
-    """Shape checks that need no values (run in the fake too)."""
-    if output.dim() != 2 or output.shape[0] != q.shape[0]:
+    """Shape checks that need no values (run in the fake too; eagerly once per layer and step,
+    so each tensor attribute is read once)."""
+    tokens = q.shape[0]
+    if output.dim() != 2 or output.shape[0] != tokens:
         raise ValueError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
-                         f"Hq * Dv] with tokens = q.shape[0] = {q.shape[0]}. Allocate it with "
+                         f"Hq * Dv] with tokens = q.shape[0] = {tokens}. Allocate it with "
                          "unified_attention(layer, q, k, v).")
     if output.dtype != q.dtype or output.device != q.device:
         raise ValueError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
@@ -60,8 +62,11 @@ def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
         raise ValueError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
                          f"k_rope instead of v); got k={type(k).__name__}, "
                          f"v={type(v).__name__}.")
-    for name, x in (("k", k), ("v", v), ("q_rope", q_rope), ("k_rope", k_rope)):
-        _check_rows(name, x, q.shape[0])
+    _check_rows("k", k, tokens)
+    _check_rows("v", v, tokens)
+    if q_rope is not None or k_rope is not None:  # MLA
+        _check_rows("q_rope", q_rope, tokens)
+        _check_rows("k_rope", k_rope, tokens)
     if sinks is not None and (sinks.dim() != 1 or sinks.dtype != torch.float32):
         raise ValueError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
                          "expected [Hq] torch.float32 (one sink logit per query head).")

@@ -31,7 +31,7 @@ unless ``plan_applies(t)`` says a plan would do the same thing.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -43,14 +43,23 @@ from ._registration import DEFINED
 from ._value_checks import debug_checks_enabled
 
 
+def plans_enabled() -> bool:
+    """The half of ``plan_applies`` that does not depend on the tensor: not under Dynamo, no
+    Python dispatch mode (fake tensors, ``make_fx``, functionalization) and the debug value
+    checks off. Callers that plan several calls in a row without running other code in between
+    (one attention layer: its store, then its attention) may ask once and test each tensor with
+    ``type(t) is Tensor``."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not debug_checks_enabled())
+
+
 def plan_applies(t: Tensor) -> bool:
     """True when a plan may replace an op call on ``t``: the call would run its kernel right
-    away (not under Dynamo, no Python dispatch mode such as fake tensors, ``make_fx`` or
-    functionalization, ``t`` a plain tensor rather than a subclass such as ``FakeTensor``) and
-    the debug value checks (``XPU_OPS_DEBUG_CHECKS=1``, ``xpu_ops.debug_checks()``), which only
-    the public ops run, are off."""
-    return (type(t) is Tensor and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None and not debug_checks_enabled())
+    away (``plans_enabled()``: not under Dynamo, no Python dispatch mode such as fake tensors,
+    ``make_fx`` or functionalization; the debug value checks (``XPU_OPS_DEBUG_CHECKS=1``,
+    ``xpu_ops.debug_checks()``), which only the public ops run, off) and ``t`` is a plain tensor
+    rather than a subclass such as ``FakeTensor``."""
+    return type(t) is Tensor and plans_enabled()
 
 
 def _signature(t: Tensor) -> tuple:
@@ -209,17 +218,15 @@ class OpPlan:
         self._kwargs = dict(kwargs)
         self.slots = slots
         self._names = checked.slot_names
-        self._template = (tuple(_signature(args[i]) for i in slots) if key is None
-                          else tuple(key[2][i] for i in slots))  # the slots' tensor keys
+        # The slots' tensor keys, a list so that ``matches`` compares them in one go.
+        self._template = ([_signature(args[i]) for i in slots] if key is None
+                          else [key[2][i] for i in slots])
         # The provider's own plan (e.g. Triton: launch grid, scratch and arguments fixed once).
         self._planned = impl.plan(tuple(args), self._kwargs, self.slots) if impl.plan else None
 
     def matches(self, tensors: Sequence[Tensor]) -> bool:
         """True when every tensor has its slot's planned shape, strides, dtype and device."""
-        for t, (shape, stride, dtype, device) in zip(tensors, self._template):
-            if t.dtype != dtype or t.shape != shape or t.stride() != stride or t.device != device:
-                return False
-        return True
+        return [(t.shape, t.stride(), t.dtype, t.device) for t in tensors] == self._template
 
     def run(self, *tensors: Tensor):
         """Run the op with ``tensors`` in the slots; returns what the op returns.
@@ -251,6 +258,30 @@ class OpPlan:
         return self._fn(*args, **self._kwargs)
 
 
+def planned_run(plans: dict, key: Any, tensors: Sequence[Tensor],
+                make_call: Callable[[], tuple[str, Sequence[Any], dict[str, Any], Sequence[int]]]):
+    """Run the plan stored under ``key`` in ``plans`` with ``tensors`` in its slots; when there
+    is none or the tensors no longer match it, plan ``make_call()`` first.
+
+    ``planned_call`` for hot paths: the full call ``(op, args, kwargs, slots)`` is only built
+    when a plan is made, a re-run only reads ``tensors`` (``args[i] for i in slots``, in order).
+    ``key`` must identify everything outside the slots, as for ``planned_call``.
+
+    Raises:
+        ValueError: ``tensors`` are not the slot tensors of ``make_call()``'s call.
+        Whatever ``OpPlan`` raises.
+    """
+    plan = plans.get(key)
+    if plan is None or not plan.matches(tensors):
+        op, args, kwargs, slots = make_call()
+        if len(slots) != len(tensors) or any(args[i] is not t for i, t in zip(slots, tensors)):
+            raise ValueError(f"planned_run({op}): tensors must be args[i] for i in slots "
+                             f"{tuple(slots)}; got {len(tensors)} other tensors. Pass the "
+                             "call's own slot tensors.")
+        plan = plans[key] = OpPlan(op, args, kwargs, slots)
+    return plan.run_matched(tensors)
+
+
 def planned_call(plans: dict, key: Any, op: str, args: Sequence[Any], kwargs: dict[str, Any],
                  slots: Sequence[int]):
     """Call ``op`` through the plan stored under ``key`` in ``plans``, planning it first when
@@ -260,12 +291,8 @@ def planned_call(plans: dict, key: Any, op: str, args: Sequence[Any], kwargs: di
     plan keeps them alive, so an id cannot be reused while the plan exists) and every scalar.
     Raises what ``OpPlan`` raises.
     """
-    tensors = [args[i] for i in slots]
-    plan = plans.get(key)
-    if plan is None or not plan.matches(tensors):
-        plan = plans[key] = OpPlan(op, args, kwargs, slots)
-    return plan.run_matched(tensors)
+    return planned_run(plans, key, [args[i] for i in slots], lambda: (op, args, kwargs, slots))
 
 
-__all__ = ["OpPlan", "planned_call", "plan_applies", "validation_cache_info",
-           "clear_validation_cache"]
+__all__ = ["OpPlan", "planned_call", "planned_run", "plan_applies", "plans_enabled",
+           "validation_cache_info", "clear_validation_cache"]

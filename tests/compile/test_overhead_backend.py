@@ -16,6 +16,7 @@ from compile.layer import PagedAttention
 from compile.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from compile.model_runner import ModelRunnerInfo
 from tests.compile.oracle import Harness, assert_close
+import xpu_ops
 from xpu_ops.plan import clear_validation_cache, validation_cache_info
 
 FP8 = torch.float8_e4m3fn
@@ -123,3 +124,23 @@ def test_a_bad_argument_raises_on_every_step_after_validation_was_cached():
         q, k, v = h.rand(2, h.hq * h.d), h.rand(2, h.hkv, h.d), h.rand(2, h.hkv, h.dv)
         with pytest.raises(ValueError, match="store_kv_cache: k has dtype torch.float64"):
             h.backend.forward(q.float(), k, v.float(), layer, fb)
+
+
+def test_debug_checks_turned_on_between_layers_bypass_the_steps_plans():
+    """The backend asks ``plans_enabled()`` once per layer, not once per step: a layer run
+    under ``xpu_ops.debug_checks()`` goes through the public ops and their value checks even
+    when earlier layers of the step made plans."""
+    h = Harness(16, seed=13)
+    layer = h.layer(0)
+    reqs = [h.add_request(n) for n in (9, 17)]
+    loc = torch.cat([h.alloc_slots(r, r.length(), 1) for r in reqs])
+    fb = h.batch(ForwardMode.DECODE, reqs, [1, 1], loc, [r.length() + 1 for r in reqs])
+    h.backend.init_forward_metadata(fb)
+    q, k, v = (x.float() for x in (h.rand(2, h.hq * h.d), h.rand(2, h.hkv, h.d),
+                                    h.rand(2, h.hkv, h.dv)))
+    h.backend.forward(q, k, v, layer, fb)  # plans the store and the attention
+    assert len(h.backend.forward_metadata.plans) == 2
+    loc[0] = 10 ** 6  # out of range: only the debug value check of the public op sees it
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match="store_kv_cache: loc has a "
+                                                                 "token slot out of range"):
+        h.backend.forward(q, k, v, layer, fb)

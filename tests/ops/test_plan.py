@@ -15,7 +15,8 @@ from .triton_mode import INTERPRETED  # first: Triton in interpreter mode
 import torch  # noqa: E402
 
 import xpu_ops  # noqa: E402
-from xpu_ops.plan import OpPlan, plan_applies, planned_call  # noqa: E402
+from xpu_ops.plan import (OpPlan, plan_applies, planned_call, planned_run,  # noqa: E402
+                          plans_enabled)
 from xpu_ops.testing import sample_inputs  # noqa: E402
 
 from .utils import clone as clone_args  # noqa: E402
@@ -121,8 +122,53 @@ def test_plans_do_not_apply_where_the_op_would_not_run_its_kernel_now():
         assert not plan_applies(mode.from_tensor(t))
     assert not plan_applies(torch.nn.Parameter(t))  # a subclass: not a plain tensor
     seen = []
-    torch.compile(lambda x: seen.append(plan_applies(x)) or x + 1, backend="eager")(t)
-    assert seen == [False]
+    torch.compile(lambda x: seen.append((plan_applies(x), plans_enabled())) or x + 1,
+                  backend="eager")(t)
+    assert seen == [(False, False)]
+    assert plans_enabled()
+    with xpu_ops.debug_checks():
+        assert not plans_enabled()
+
+
+def test_matches_compares_shape_strides_dtype_and_every_slot():
+    args, kwargs = next(sample_inputs("store_kv_cache", "cpu"))
+    slots = SLOTS["store_kv_cache"]
+    plan = OpPlan("store_kv_cache", args, kwargs, slots)
+    tensors = [args[j] for j in slots]
+    assert plan.matches(tensors)
+    k = tensors[2]
+    other_strides = k.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
+    assert other_strides.shape == k.shape and other_strides.stride() != k.stride()
+    for i, bad in ((2, other_strides), (2, k.double()), (2, k[:0]), (3, k.new_empty(0))):
+        assert not plan.matches(tensors[:i] + [bad] + tensors[i + 1:]), i
+    assert not plan.matches(tensors[:3])  # a missing slot never matches
+
+
+def test_planned_run_builds_the_call_only_for_a_new_plan():
+    plans: dict = {}
+    samples = list(sample_inputs("store_kv_cache", "cpu"))
+    slots = SLOTS["store_kv_cache"]
+    built = []
+
+    def run(args, kwargs):
+        want = clone_args(args)
+        torch.ops.xpu_ops.store_kv_cache(*want, **kwargs)
+        planned_run(plans, "store", [args[j] for j in slots],
+                    lambda: built.append(1) or ("store_kv_cache", args, kwargs, slots))
+        torch.testing.assert_close(args[0], want[0], atol=0, rtol=0)
+    for args, kwargs in (samples[0], samples[0], samples[1]):
+        run(args, kwargs)
+    assert len(built) == 2  # a new plan for the first call and for the new cache shape
+
+
+def test_planned_run_rejects_tensors_other_than_the_calls_slots():
+    args, kwargs = next(sample_inputs("store_kv_cache", "cpu"))
+    slots = SLOTS["store_kv_cache"]
+    tensors = [args[j] for j in slots]
+    for bad in (tensors[:3], [t.clone() for t in tensors]):
+        with pytest.raises(ValueError, match=r"planned_run\(store_kv_cache\): tensors must be "
+                                             r"args\[i\] for i in slots \(0, 1, 3, 4\)"):
+            planned_run({}, "store", bad, lambda: ("store_kv_cache", args, kwargs, slots))
 
 
 def test_planned_call_replans_when_a_slot_changes_shape():
