@@ -14,8 +14,8 @@ and stamps out the others (docs/regions_reuse.md):
    attention does not index the pool by ``layer_id``.
 
 Where this torch cannot reuse region traces (``reusable_regions_supported`` False: torch
-< 2.13, e.g. the 2.11 of the GPU machine), or the batch has no pool that can bind layers,
-``CompiledModel`` is exactly ``torch.compile(model, ...)``: the regions only pay off with reuse
+< 2.13, e.g. the 2.11 of the GPU machine), the batch has no pool that can bind layers, or grad
+mode is on, ``CompiledModel`` is exactly ``torch.compile(model, ...)``: the regions only pay off with reuse
 (without it warm compiles get slower, regions.py measures both).
 
 Measured (30-layer decode step, 2-core CPU, ``benchmarks/bench_model.py --compile-only``): see
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .forward_context import set_forward_context
+from .layer import reading_bound_kv
 from .regions import layer_regions, supported as regions_supported
 
 
@@ -67,9 +68,13 @@ class CompiledModel:
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``regions=True`` and this torch cannot reuse region traces.
 
-    A step whose ``forward_batch`` has no pool with ``bind_layers`` runs without regions.
-    The first call with regions patches a torch class for the duration of each call on
-    torch <= 2.13 (``compile.regions.layer_regions`` says which and why).
+    Steps run without regions (a plain ``torch.compile`` call) when the ``forward_batch`` has
+    no pool with ``bind_layers`` or grad mode is on (regions mutate the KV cache inside
+    ``invoke_subgraph``, which autograd cannot train through; serving runs under
+    ``torch.inference_mode``). The binding stays on the layers after a call but is read only
+    inside ``CompiledModel`` calls (``compile.layer.reading_bound_kv``), so other compiled
+    functions of the same model keep their pool look-ups. Calls with regions patch two torch
+    functions for their duration (``compile.regions.layer_regions`` says which and why).
 
     >>> # engine = Engine(model, forward=compile_model(model))
     """
@@ -103,9 +108,12 @@ class CompiledModel:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, forward_batch, **kwargs):
         """The compiled model's output for this step (``model``'s contract)."""
-        if not (self.regions and self._bind(forward_batch)):
+        # Regions mutate the KV cache inside invoke_subgraph, which autograd cannot train
+        # through: with grad enabled this is a plain torch.compile.
+        if not (self.regions and not torch.is_grad_enabled() and self._bind(forward_batch)):
             return self.compiled(input_ids, positions, forward_batch, **kwargs)
-        with layer_regions(), set_forward_context({}, forward_batch, input_ids.shape[0]):
+        with layer_regions(), reading_bound_kv(), set_forward_context(
+                {}, forward_batch, input_ids.shape[0]):
             return self.compiled(input_ids, positions, forward_batch, **kwargs)
 
 

@@ -6,7 +6,8 @@ forwards to the batch's attention backend, which writes the new K/V into the poo
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -143,10 +144,37 @@ def kv_is_bound(attn) -> bool:
     return getattr(attn, "bound_k_buffer", None) is not None
 
 
+#: Whether traced layers may take their KV buffers from the layer (``bind_layers``) instead of
+#: the pool. Only inside ``reading_bound_kv()``, which ``compile.compiled_model.CompiledModel``
+#: enters per call after checking the binding is current: a binding outlives that call, and
+#: other compiled functions of the same model (a plain ``torch.compile``, a batch over another
+#: pool) must keep the pool look-ups. Dynamo guards on its value.
+READ_BOUND_KV: bool = False
+
+
+@contextlib.contextmanager
+def reading_bound_kv() -> Iterator[None]:
+    """Let traced layers read the KV buffers bound on them inside the ``with`` block (the caller
+    has bound them to the pool of the batches it runs: ``pool.bind_layers(model)``)."""
+    global READ_BOUND_KV
+    previous, READ_BOUND_KV = READ_BOUND_KV, True
+    try:
+        yield
+    finally:
+        READ_BOUND_KV = previous
+
+
+def bound_kv_enabled() -> bool:
+    """True inside ``reading_bound_kv()``."""
+    return READ_BOUND_KV
+
+
 def reads_bound_kv(attn) -> bool:
     """Whether the backend should take ``attn``'s KV buffers from the layer, not the pool: only
-    while Dynamo traces (eager keeps the pool look-ups and plans) and only for a bound layer."""
-    return torch.compiler.is_compiling() and kv_is_bound(attn)
+    while Dynamo traces (eager keeps the pool look-ups and plans), inside
+    ``reading_bound_kv()``, and only for a bound layer."""
+    return READ_BOUND_KV and torch.compiler.is_compiling() and kv_is_bound(attn)
 
 
-__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "kv_is_bound", "reads_bound_kv"]
+__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "READ_BOUND_KV", "bound_kv_enabled",
+           "kv_is_bound", "reading_bound_kv", "reads_bound_kv"]

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .forward_context import get_forward_context, has_forward_context
-from .layer import kv_is_bound
+from .layer import bound_kv_enabled, kv_is_bound
 
 
 def _functionalize_with_epilogue(self, *args, **kwargs):
@@ -100,22 +100,28 @@ def _alias_replaced_symbols(tx, match) -> None:
     ``cache_seqlens`` is ``[b]``) and the shape environment replaces ``u`` by ``s + 1``. The
     first trace records the lifted size as ``s + 1``, and torch 2.13's ``stamp_out_subgraph``
     looks that expression up among the bound symbols (``KeyError: s1 + 1``, on the first
-    dynamic-shape recompile). The bound proxy of ``u`` computes exactly that value, so it is
-    bound under the replaced expression too.
+    dynamic-shape recompile), or under a symbol replaced since (``s5 + 1`` with ``s5 = s28``,
+    hybrid SWA pools). Any bound proxy whose value has the same canonical form
+    (``shape_env.replace``) computes exactly that value, so it is bound under the recorded
+    expression too.
     """
     from torch._dynamo.output_graph import LazyProxy
     from torch._dynamo.variables.invoke_subgraph import LiftedBoundSymbol
 
     bound = tx.output.current_tracer.bound_symbols
-    missing = {m.expr for m in match.subgraph_input_mapping
-               if isinstance(m, LiftedBoundSymbol) and m.expr not in bound}
+    replace = tx.output.shape_env.replace  # an expression in today's canonical symbols
+    missing: dict = {}  # canonical form -> the expressions the first trace recorded
+    for m in match.subgraph_input_mapping:
+        if isinstance(m, LiftedBoundSymbol) and m.expr not in bound:
+            missing.setdefault(replace(m.expr), []).append(m.expr)
     if not missing:
         return
     for proxy in list(bound.values()):
         value = (proxy.args[0] if isinstance(proxy, LazyProxy)
                  else proxy.node.meta.get("example_value"))
-        if isinstance(value, torch.SymInt) and value.node.expr in missing:
-            bound[value.node.expr] = proxy
+        if isinstance(value, torch.SymInt):
+            for expr in missing.get(replace(value.node.expr), ()):
+                bound[expr] = proxy
 
 
 def _stamp_out_patch():
@@ -230,16 +236,18 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
     Regions Dynamo can reuse (trace one layer per kind, docs/regions_reuse.md) when, in
     addition, the model runs inside ``compile.forward_context.set_forward_context`` with this
     step's ``forward_batch`` (the regions read it from there; the caller must pass the same
-    batch) and every layer's KV buffers are bound (``pool.bind_layers(model)`` of an
+    batch), every layer's KV buffers are bound (``pool.bind_layers(model)`` of an
     ``MHATokenToKVPool``, ``SWAKVPool`` or ``MLATokenToKVPool``; ``pool.is_bound(model)``
-    tells whether the binding still matches the pool).
+    tells whether the binding still matches the pool) and the call is inside
+    ``compile.layer.reading_bound_kv()``. ``compile.compiled_model.CompiledModel`` does all
+    three per call.
     """
     split = any(layer.self_attn.attn.use_split_op for layer in layers)
     if not LAYER_REGIONS or split:
         for layer in layers:
             h = _call_layer(layer, positions, h, forward_batch)
         return h
-    if has_forward_context() and _kv_bound(layers):
+    if has_forward_context() and bound_kv_enabled() and _kv_bound(layers):
         # Reusable: Dynamo traces one layer per kind and stamps out the others.
         if get_forward_context().forward_batch is not forward_batch:
             raise ValueError("run_layers: the forward context holds another ForwardBatch than "

@@ -160,3 +160,13 @@ def fx_op_sequence(gm: torch.fx.GraphModule) -> str:
                 name = str(target)
             lines.append(f"{node.op} {name}")
     return "\n".join(lines)
+
+
+def pool_buffers(pool) -> list[torch.Tensor]:
+    """Every KV buffer of ``pool``: K and V per layer (hybrid SWA: of both inner pools), or the
+    latent cache per layer (MLA)."""
+    if isinstance(pool, SWAKVPool):
+        return pool_buffers(pool.full_kv_pool) + pool_buffers(pool.swa_kv_pool)
+    if isinstance(pool, MLATokenToKVPool):
+        return list(pool.kv_buffer)
+    return pool.k_buffer + pool.v_buffer

@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from compile import compiled_model
 from compile.compiled_model import CompiledModel, compile_model, reusable_regions_supported
-from tests.compile.compile_helpers import Harness, tiny_model
+from tests.compile.compile_helpers import Harness, SWAHarness, pool_buffers, tiny_model
 
 needs_reuse = pytest.mark.skipif(not reusable_regions_supported(),
                                  reason="torch without Dynamo region trace reuse (< 2.13)")
@@ -27,12 +27,11 @@ def _steps(h: Harness):
     yield h.extend([0, 1, 2], [2, 3, 1])
 
 
-def _run_pair(model, forward, steps_of=_steps):
+def _run_pair(model, forward, steps_of=_steps, harness=Harness):
     """Each step through ``forward`` and through eager from the same KV cache: logits equal and
     the pool's buffers afterwards equal."""
-    h = Harness(model)
-    pool = h.kv_pool
-    bufs = pool.k_buffer + pool.v_buffer
+    h = harness(model)
+    bufs = pool_buffers(h.kv_pool)
     with torch.no_grad():
         for b in bufs:
             b.normal_()
@@ -141,3 +140,44 @@ def test_batch_size_changes_after_the_dynamic_recompile():
             yield h.decode(rows)
 
     _run_pair(model, compile_model(model, backend="aot_eager", fullgraph=True), steps)
+
+
+@needs_reuse
+def test_batch_size_changes_over_a_hybrid_swa_pool():
+    """The same over sliding and full layers on an SWA pool, where the batch size symbol is
+    itself replaced (``s5 + 1`` recorded, ``s28 + 1`` bound)."""
+    torch._dynamo.reset()
+    model = tiny_model(4, **MIXED)
+
+    def steps(h):
+        yield h.extend([0, 1, 2], [6, 1, 9])
+        yield h.decode([0, 1, 2])
+        yield h.decode([0, 2])
+
+    _run_pair(model, compile_model(model, backend="aot_eager", fullgraph=True), steps,
+              harness=SWAHarness)
+
+
+@needs_reuse
+def test_a_binding_does_not_leak_into_other_compiles_of_the_model():
+    """After compile_model bound the layers to one pool, a plain torch.compile of the same model
+    (and compile_model(regions=False)) over another pool read and write that other pool."""
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    _run_pair(model, compile_model(model, backend="aot_eager", fullgraph=True))
+    assert all(m.self_attn.attn.bound_k_buffer is not None for m in model.model.layers)
+    _run_pair(model, torch.compile(model, backend="aot_eager", fullgraph=True))  # new Harness
+    _run_pair(model, compile_model(model, regions=False, backend="aot_eager", fullgraph=True))
+
+
+@needs_reuse
+def test_grad_mode_runs_without_regions(stamp_outs):
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    forward = compile_model(model, backend="aot_eager", fullgraph=True)
+    h = Harness(model)
+    ids, pos, fb = h.extend([0, 1], [4, 3])
+    out = forward(ids, pos, fb)  # grad mode on: a plain torch.compile call
+    assert out.requires_grad and stamp_outs[0] == 0 and forward.binds == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids, pos, fb), rtol=1e-4, atol=1e-5)

@@ -14,10 +14,11 @@ from torch._inductor.compile_fx import compile_fx
 
 from compile import regions
 from compile.forward_context import set_forward_context
-from compile.memory_pool import MLATokenToKVPool, SWAKVPool
+from compile.layer import reading_bound_kv
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.split_op import enable_split_op
-from tests.compile.compile_helpers import Harness, MLAHarness, SWAHarness, tiny_model
+from tests.compile.compile_helpers import (Harness, MLAHarness, SWAHarness, pool_buffers,
+                                          tiny_model)
 
 pytestmark = pytest.mark.skipif(not regions.supported(),
                                 reason="torch without usable nested_compile_region")
@@ -25,8 +26,10 @@ pytestmark = pytest.mark.skipif(not regions.supported(),
 
 @pytest.fixture
 def regions_on():
-    """Regions are opt-in: the test runs inside ``layer_regions()`` (torch restored after)."""
-    with regions.layer_regions():
+    """Regions are opt-in: the test runs inside ``layer_regions()`` (torch restored after) and
+    ``reading_bound_kv()`` (bound layers read their buffers while traced, as in
+    ``compile_model``)."""
+    with regions.layer_regions(), reading_bound_kv():
         yield
 
 MIXED = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4)
@@ -171,16 +174,6 @@ def test_regions_are_opt_in_and_torch_is_restored():
 
 # ------------------------------------------------ reusable regions (docs/regions_reuse.md)
 
-def _pool_buffers(pool) -> list[torch.Tensor]:
-    """Every KV buffer of ``pool``: K and V per layer (hybrid SWA: of both inner pools), or the
-    latent cache per layer (MLA)."""
-    if isinstance(pool, SWAKVPool):
-        return _pool_buffers(pool.full_kv_pool) + _pool_buffers(pool.swa_kv_pool)
-    if isinstance(pool, MLATokenToKVPool):
-        return list(pool.kv_buffer)
-    return pool.k_buffer + pool.v_buffer
-
-
 def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bool,
                                 kind: str = "decode"):
     """One ``kind`` (decode or extend) step, compiled vs eager from the same KV cache: logits
@@ -191,7 +184,7 @@ def _compiled_step_equals_eager(model, harness, backend, bind: bool, context: bo
     harness.extend([0, 1, 2], [5, 3, 7])
     ids, pos, fb = (harness.decode([0, 1, 2]) if kind == "decode"
                     else harness.extend([0, 1, 2], [2, 4, 1]))
-    bufs = _pool_buffers(pool)
+    bufs = pool_buffers(pool)
     with torch.no_grad():
         for b in bufs:
             b.normal_()
@@ -311,7 +304,7 @@ def test_reuse_over_an_mla_pool(regions_on, stamp_outs, kind):
     assert len(rec.subgraphs()) == 3 and len(set(rec.subgraphs())) == 1
 
 
-def test_swa_and_mla_bind_layers_bind_the_pool_buffers():
+def test_swa_and_mla_bind_layers_bind_thepool_buffers():
     model = tiny_model(4, **MIXED)
     pool = SWAHarness(model).kv_pool
     assert pool.bind_layers(model) == 4
