@@ -44,6 +44,10 @@ def reusable_regions_supported() -> bool:
     return importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None
 
 
+def _specialize_floats():
+    return torch._dynamo.config.patch(specialize_float=True)
+
+
 def _pool_of(forward_batch) -> Any:
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     if pool is None:
@@ -112,7 +116,10 @@ class CompiledModel:
         # through: with grad enabled this is a plain torch.compile.
         if not (self.regions and not torch.is_grad_enabled() and self._bind(forward_batch)):
             return self.compiled(input_ids, positions, forward_batch, **kwargs)
-        with layer_regions(), reading_bound_kv(), set_forward_context(
+        # specialize_float: layer regions are shared code, so a float module attribute that
+        # differs between models (softmax scale of another head_dim) would otherwise turn into
+        # a SymFloat the ops' float arguments reject.
+        with layer_regions(), reading_bound_kv(), _specialize_floats(), set_forward_context(
                 {}, forward_batch, input_ids.shape[0]):
             return self.compiled(input_ids, positions, forward_batch, **kwargs)
 

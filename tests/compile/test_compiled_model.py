@@ -181,3 +181,12 @@ def test_grad_mode_runs_without_regions(stamp_outs):
     assert out.requires_grad and stamp_outs[0] == 0 and forward.binds == 0
     with torch.no_grad():
         torch.testing.assert_close(out, model(ids, pos, fb), rtol=1e-4, atol=1e-5)
+
+
+@needs_reuse
+def test_two_models_with_other_softmax_scales_in_one_process():
+    """Region code is shared between models: a second model whose layers have another float
+    attribute (softmax scale of head_dim 16 vs 8) must compile (not hand a SymFloat to the op)."""
+    torch._dynamo.reset()
+    for model in (tiny_model(2), tiny_model(2, seed=1, head_dim=16)):
+        _run_pair(model, compile_model(model, backend="aot_eager", fullgraph=True))
