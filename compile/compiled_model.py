@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .forward_context import set_forward_context
-from .layer import reading_bound_kv
+from .layer import attention_layers, reading_bound_kv
 from .regions import layer_regions, supported as regions_supported
 
 
@@ -68,6 +68,8 @@ class CompiledModel:
     Attributes:
         model: the model. compiled: the ``torch.compile``d model. regions: whether steps run
             with reusable regions. binds: how many times the layers were (re)bound to a pool.
+            The model's ``PagedAttention`` modules are listed once, here: per-step binding
+            checks (``pool.is_bound(model, layers)``) do not walk the model.
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``regions=True`` and this torch cannot reuse region traces.
@@ -96,6 +98,7 @@ class CompiledModel:
         self.compiled = torch.compile(model, **compile_kwargs)
         self.binds = 0
         self._bound_pool: Any = None
+        self._layers = attention_layers(model)  # per-step binding checks skip the module walk
 
     def _bind(self, forward_batch) -> bool:
         """Bind the layers to the batch's pool if they are not bound to its current buffers;
@@ -104,7 +107,8 @@ class CompiledModel:
         if pool is None or not hasattr(pool, "bind_layers"):
             return False
         is_bound = getattr(pool, "is_bound", None)
-        if pool is not self._bound_pool or (is_bound is not None and not is_bound(self.model)):
+        if pool is not self._bound_pool or (is_bound is not None
+                                            and not is_bound(self.model, self._layers)):
             pool.bind_layers(self.model)
             self._bound_pool = pool
             self.binds += 1

@@ -138,6 +138,11 @@ class PagedAttention(nn.Module):
                 f"logit_cap={self.logit_cap}")
 
 
+def attention_layers(model: nn.Module) -> list[PagedAttention]:
+    """Every ``PagedAttention`` module of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
 def kv_is_bound(attn) -> bool:
     """Whether ``attn``'s KV buffers are bound on it by a pool's ``bind_layers`` (any pool kind;
     False for attention modules without the ``bound_*`` attributes, e.g. sglang's)."""
@@ -176,5 +181,6 @@ def reads_bound_kv(attn) -> bool:
     return READ_BOUND_KV and torch.compiler.is_compiling() and kv_is_bound(attn)
 
 
-__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "READ_BOUND_KV", "bound_kv_enabled",
+__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "READ_BOUND_KV", "attention_layers",
+           "bound_kv_enabled",
            "kv_is_bound", "reading_bound_kv", "reads_bound_kv"]

@@ -21,7 +21,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from .layer import PagedAttention
+from .layer import PagedAttention, attention_layers
 
 
 class ReqToTokenPool:
@@ -159,17 +159,18 @@ class LayerBindingMixin:
         """``(bound_k_buffer, bound_v_buffer, bound_kv_is_swa)`` of KV layer ``layer_id``."""
         raise NotImplementedError
 
-    def _bindings(self, model, method: str) -> list[tuple[PagedAttention, tuple]]:
-        """``(attn, binding)`` of every ``PagedAttention`` of ``model``, all validated first."""
+    def _bindings(self, model, method: str,
+                  layers: Optional[Sequence[PagedAttention]] = None
+                  ) -> list[tuple[PagedAttention, tuple]]:
+        """``(attn, binding)`` of every ``PagedAttention`` of ``model`` (or of ``layers``, the
+        caller's list of them: no walk over the model), all validated first."""
         name = f"{type(self).__name__}.{method}"
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{name}: model must be an nn.Module; expected a model with "
                             f"PagedAttention layers, got {type(model).__name__}.")
         ids = self._layer_ids()
         pairs = []
-        for attn in model.modules():
-            if not isinstance(attn, PagedAttention):
-                continue
+        for attn in attention_layers(model) if layers is None else layers:
             lid = attn.kv_cache_layer_id
             if lid not in ids:
                 held = (f"[{ids.start}, {ids.stop})" if isinstance(ids, range)
@@ -203,18 +204,19 @@ class LayerBindingMixin:
                 setattr(attn, attr, value)
         return len(pairs)
 
-    def is_bound(self, model) -> bool:
+    def is_bound(self, model, layers: Optional[Sequence[PagedAttention]] = None) -> bool:
         """Whether ``model``'s layers are bound to this pool's current buffers.
 
         True when ``model`` has ``PagedAttention`` layers and each one's bound buffers are the
         very tensors (``is``) this pool holds for its KV layer (and ``bound_kv_is_swa`` says
         the right pool): False after the pool replaced a buffer, before ``bind_layers`` or
-        after binding to another pool.
+        after binding to another pool. ``layers``: ``attention_layers(model)`` kept by the
+        caller (a per-step check then skips the walk over the model's modules).
 
         Raises:
             TypeError, ValueError: as ``bind_layers``.
         """
-        pairs = self._bindings(model, "is_bound")
+        pairs = self._bindings(model, "is_bound", layers)
         return bool(pairs) and all(
             attn.bound_k_buffer is k and attn.bound_v_buffer is v
             and attn.bound_kv_is_swa == is_swa for attn, (k, v, is_swa) in pairs)
