@@ -172,7 +172,8 @@ def compile_summary(forward: Callable) -> str:
                  f"{s['compiles']} piece compiles, {s['captures']} captures")
     if isinstance(forward, DecodeGraphRunner):
         line += (f"; decode graphs: {forward.captures} captured, {forward.replays} replays"
-                 + ("" if forward.capture else " (no capture on this device)"))
+                 if forward.capture else f"; decode graphs: none (no capture on this device; "
+                 f"{forward.replays} decode steps ran uncaptured)")
     return line
 
 

@@ -39,10 +39,14 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
 
     Raises:
         TypeError: ``t`` is not a ``torch.Tensor``.
-        ValueError: rank, dtype or device differ, naming ``arg`` and both values.
+        ValueError: not a dense (strided) tensor, or rank, dtype or device differ, naming
+            ``arg`` and both values.
     """
     if not isinstance(t, torch.Tensor):
         fail(fn, arg, "is not a tensor", "a torch.Tensor", type(t).__name__, exc=TypeError)
+    if t.layout != torch.strided:
+        fail(fn, arg, "is not a dense tensor", "layout torch.strided", t.layout,
+             "Convert it with .to_dense().")
     if ndim is not None:
         dim = t.dim()
         if dim != ndim if isinstance(ndim, int) else dim not in ndim:
