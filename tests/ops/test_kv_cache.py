@@ -141,7 +141,6 @@ def _bad_kv(t):
         "k heads": dict(k=t["k"][:, :1]),
         "v_cache heads": dict(v_cache=t["v_cache"][:, :1]),
         "k head dim": dict(k=t["k"][..., :4]),
-        "v_cache is k_cache": dict(v_cache=t["k_cache"]),
         "loc sparse": dict(loc=t["loc"].to_sparse()),
     }
 
@@ -175,8 +174,6 @@ MATCH_KV = {"k 2-D": "k has the wrong number of dimensions", "k int": "k has dty
                              r"Hkv = 2",
             "k head dim": r"k_cache has the wrong size in dimension -1 \(D\); expected D = 4 "
                           r"as in k.shape\[2\], got shape \(16, 2, 8\)",
-            "v_cache is k_cache": r"v_cache is the same tensor as k_cache; expected separate "
-                                  r"K and V caches",
             "loc sparse": r"loc is not a dense tensor; expected layout torch.strided, got "
                           r"torch.sparse_coo"}
 

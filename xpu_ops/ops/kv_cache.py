@@ -55,9 +55,6 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
     for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(fn, arg, cache, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES,
                      device=device)
-    if k_cache is v_cache:
-        fail(fn, "v_cache", "is the same tensor as k_cache", "separate K and V caches (the "
-             "values would overwrite the keys)", "k_cache itself")
     check_store_dtypes(fn, ("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache))
     check_same_size(fn, "N", ("k", k, 0), ("v", v, 0), ("loc", loc, 0))
     # Rows first: on a tie (k against k_cache alone) the cache is named, as for dtypes.
