@@ -15,8 +15,8 @@ and stamps out the others (docs/regions_reuse.md):
 
 Where this torch cannot reuse region traces (``reusable_regions_supported`` False: torch
 < 2.13, e.g. the 2.11 of the GPU machine), the batch has no pool that can bind layers, or grad
-mode is on, ``CompiledModel`` is exactly ``torch.compile(model, ...)``: the regions only pay off with reuse
-(without it warm compiles get slower, regions.py measures both).
+mode is on, ``CompiledModel`` is exactly ``torch.compile(model, ...)``: the regions only pay
+off with reuse (without it warm compiles get slower, regions.py measures both).
 
 Measured (30-layer decode step, 2-core CPU, ``benchmarks/bench_model.py --compile-only``): see
 benchmarks/RESULTS.md, "Issue 5, session 4".
@@ -97,7 +97,6 @@ class CompiledModel:
         self.regions = reusable_regions_supported() if regions is None else bool(regions)
         self.compiled = torch.compile(model, **compile_kwargs)
         self.binds = 0
-        self._bound_pool: Any = None
         self._layers = attention_layers(model)  # per-step binding checks skip the module walk
 
     def _bind(self, forward_batch) -> bool:
@@ -106,11 +105,8 @@ class CompiledModel:
         pool = _pool_of(forward_batch)
         if pool is None or not hasattr(pool, "bind_layers"):
             return False
-        is_bound = getattr(pool, "is_bound", None)
-        if pool is not self._bound_pool or (is_bound is not None
-                                            and not is_bound(self.model, self._layers)):
+        if not pool.is_bound(self.model, self._layers):  # False for another pool's binding too
             pool.bind_layers(self.model)
-            self._bound_pool = pool
             self.binds += 1
         return True
 
