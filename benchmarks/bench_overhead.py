@@ -13,6 +13,8 @@ script measures, in microseconds per call, the rows
     split op               torch.ops.xpu_ops.unified_attention_with_output of that layer, as a
                            piecewise step calls it (dispatcher, its checks, forward context,
                            backend.forward into the op's output)
+    ... replayed           the same with the step's metadata persisted across steps (bucketed
+                           piecewise decode): the split op replays the layer's recorded plan runs
     init_forward_metadata  the host plan of one DECODE step (page table, cu_seqlens, ...)
     OpPlan x2              the two plans a step makes (store_kv_cache + flash_attn_with_kvcache)
     step                   what a piecewise step runs on the host besides its pieces:
@@ -103,6 +105,9 @@ def decode_setup(args) -> SimpleNamespace:
                            loc=fb.out_cache_loc)
 
 
+REPLAYED = "split op (1 layer), metadata persisted: replayed"
+
+
 def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object]]:
     """Name -> zero-argument call, one per row of the table (``layers``: of the step row)."""
     m, kbuf, vbuf = s.meta, *s.kv.get_kv_buffer(0)
@@ -130,6 +135,7 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
             softmax_scale=s.layer.scaling, causal=True, out=s.out),
         "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
         "split op (1 layer)": lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
+        REPLAYED: lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
         "init_forward_metadata": lambda: s.backend.init_forward_metadata(s.fb),
         "OpPlan x2 (store + attention)": lambda: (
             OpPlan("store_kv_cache", store_args, {}, (0, 1, 3, 4)),
@@ -179,10 +185,17 @@ def main() -> None:
         calls = cases(setup, args.layers)
         impl = calls["providers.select"]()
         stat = min if args.stat == "min" else statistics.median
+        wanted = [name for name in calls
+                  if args.only is None or any(part in name for part in args.only)]
         with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch):
-            rows = [(name, time_us(fn, device, args.iters, args.repeats, stat))
-                    for name, fn in calls.items()
-                    if args.only is None or any(part in name for part in args.only)]
+            rows = [(name, time_us(calls[name], device, args.iters, args.repeats, stat))
+                    for name in wanted if name != REPLAYED]
+        if REPLAYED in wanted:  # the same call with the step's metadata kept across steps
+            meta = setup.backend.persist_forward_metadata(setup.fb, args.batch, args.batch)
+            with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch,
+                                     replays=meta.replays):
+                rows.append((REPLAYED, time_us(calls[REPLAYED], device, args.iters,
+                                               args.repeats, stat)))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
           f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, "

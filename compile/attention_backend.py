@@ -281,19 +281,22 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool,
                  sinks: Optional[Tensor] = None, **kwargs) -> Tensor:
         meta = self._metadata()
+        record = getattr(fb, "_attn_record", None)  # a list while the split op records
         if self.use_mla:
+            if record is not None:
+                record.append(None)  # not plan runs only: never replayed
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
                                                   meta, **kwargs)
         eager = plans_enabled()  # asked once: nothing between the store and attention changes it
         if k is not None and save_kv_cache:
-            self.save_kv(layer, k, v, meta, eager=eager)
+            self.save_kv(layer, k, v, meta, eager=eager, record=record)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.head_dim)
         out = self.output_buffer(fb, q3, hq, dv)
         call, causal, cascade = self.select_call(meta, layer)
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
-                    expand=meta.expand if cascade else None, eager=eager)
+                    expand=meta.expand if cascade else None, eager=eager, record=record)
         return out.view(-1, hq * dv)
 
     def _metadata(self) -> AttentionMetadata:
@@ -329,16 +332,20 @@ class XPUAttentionBackend(GraphMetadataMixin):
         return self.token_to_kv_pool.is_swa_layer(layer.layer_id)
 
     def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata, *,
-                eager: Optional[bool] = None) -> None:
+                eager: Optional[bool] = None, record: Optional[list] = None) -> None:
         """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
 
         Eager writes into a plain MHA pool go through one ``store_kv_cache`` plan per batch
         (``meta.plans``): validated by the first layer, re-run by the others (``eager``: what
         ``xpu_ops.plan.plans_enabled()`` says now, when the caller already asked). Traced writes
         use the buffers bound on the layer when there are some (MHA and hybrid SWA pools; an
-        SWA layer writes the translated ``meta.write.swa_loc``).
+        SWA layer writes the translated ``meta.write.swa_loc``). ``record``: gets the plan run
+        appended (``xpu_ops.plan.planned_run``), or ``None`` when the write was not one.
         """
         pool = self.token_to_kv_pool
+        planned = type(pool) is MHATokenToKVPool and not layer.is_cross_attention
+        if record is not None and not (planned and _plans_apply(k, eager)):
+            record.append(None)
         if layer.is_cross_attention:
             pool.set_kv_buffer(layer, meta.write.encoder_loc, k, v, layer.k_scale, layer.v_scale)
         elif reads_bound_kv(layer):  # traced: no layer_id look-up (reusable)
@@ -356,7 +363,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
                 tensors += tuple(s for s in (ks, vs) if s is not None)
             planned_run(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None), tensors,
                         lambda: ("store_kv_cache", (k_buf, v_buf, loc, k, v, ks, vs), {},
-                                 _STORE_SLOTS[ks is None, vs is None]))
+                                 _STORE_SLOTS[ks is None, vs is None]), record)
         else:
             pool.set_kv_buffer(layer, meta.write.loc, k, v, layer.k_scale, layer.v_scale)
 
@@ -422,17 +429,21 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
                expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None,
-               eager: Optional[bool] = None) -> None:
+               eager: Optional[bool] = None, record: Optional[list] = None) -> None:
         """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``
-        (``eager``: what ``xpu_ops.plan.plans_enabled()`` says now, when the caller asked)."""
+        (``eager``: what ``xpu_ops.plan.plans_enabled()`` says now, when the caller asked;
+        ``record``: gets the plan run appended, or ``None`` for any other work)."""
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        if expand is None and _plans_apply(q3, eager):
+        planned = expand is None and _plans_apply(q3, eager)
+        if record is not None and (not planned or k_descale is not None):
+            record.append(None)  # descales are refilled by copies each call
+        if planned:
             # Eager hot path (piecewise attention, eager decode): one validated plan per call
             # kind and batch, re-run by every layer with its own q, cache and out.
             self._planned_attend(q3, k_cache, v_cache, call, layer, out, causal, window[0],
-                                 window[1], qv, (k_descale, v_descale), sinks)
+                                 window[1], qv, (k_descale, v_descale), sinks, record)
             return
         if expand is None:  # traced: the public op, keywords spelled out
             xpu_ops.flash_attn_with_kvcache(
@@ -462,8 +473,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     def _planned_attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor,
                         call: PagedAttnMetadata, layer, out: Tensor, causal: bool, left: int,
-                        right: int, qv: Optional[Tensor], descale: tuple, sinks: Optional[Tensor]
-                        ) -> None:
+                        right: int, qv: Optional[Tensor], descale: tuple, sinks: Optional[Tensor],
+                        record: Optional[list] = None) -> None:
         """``attend``'s eager call through the batch's plan of its call kind: a re-run reads
         only the slot tensors (``_ATTEND_SLOTS`` order); the full call is built for a new plan."""
         right = 0 if causal else right
@@ -481,7 +492,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
              qv, None, *descale, sinks),
             dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=scale, causal=causal,
                  window_size_left=left, window_size_right=right, softcap=cap),
-            _ATTEND_SLOTS[no_qv, no_sinks, no_descale]))
+            _ATTEND_SLOTS[no_qv, no_sinks, no_descale]), record)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value of padded graph rows (sglang: 1, so no request is empty)."""

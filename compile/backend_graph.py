@@ -20,7 +20,7 @@ topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ import xpu_ops
 from .local_attention import local_chunks_per_request
 
 _EXTERNAL = ("write.loc", "write.encoder_loc")  # the graph runner's own static buffers
+_PERSISTENT_EXTERNAL = ("write.encoder_loc",)  # persistent eager steps copy write.loc too
 
 
 def _set_path(obj: Any, path: str, value: Tensor) -> None:
@@ -39,45 +40,116 @@ def _set_path(obj: Any, path: str, value: Tensor) -> None:
     setattr(obj, leaf, value)
 
 
+def metadata_buffers(backend, max_bs: int, max_num_tokens: int, *, write_loc: bool = False
+                     ) -> dict[str, Tensor]:
+    """Fixed buffers for the metadata of ``backend``'s batches up to ``max_bs`` requests and
+    ``max_num_tokens`` query tokens, keyed by ``AttentionMetadata.tensors()`` names.
+
+    Page tables are as wide as ``context_len`` (in pages); the SWA table and translated write
+    slots exist only for hybrid SWA pools, the local-attention tables only with an
+    ``attention_chunk_size``, the MLA workspace only for MLA. ``write_loc``: also a buffer for
+    ``write.loc`` (int64 ``[max_num_tokens]``) for callers whose batches do not already keep
+    ``out_cache_loc`` in a static buffer.
+    """
+    dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
+    max_pages = -(-backend.max_context_len // backend.page_size)
+    q_per_req = max(1, backend.speculative_num_draft_tokens, -(-max_num_tokens // max_bs))
+    buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
+           "main.cache_seqlens": torch.zeros(max_bs, **i32),
+           "main.page_table": torch.zeros(max_bs, max_pages, **i32)}
+    if hasattr(backend.token_to_kv_pool, "translate_loc_from_full_to_swa"):
+        buf["swa.page_table"] = torch.zeros(max_bs, max_pages, **i32)
+        buf["write.swa_loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+    if write_loc:
+        buf["write.loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+    if backend.attention_chunk_size:
+        chunk = int(backend.attention_chunk_size)
+        max_v = max_bs * local_chunks_per_request(q_per_req, chunk)
+        buf["local.cu_seqlens_q"] = torch.zeros(max_v + 1, **i32)
+        buf["local.cache_seqlens"] = torch.zeros(max_v, **i32)
+        buf["local.page_table"] = torch.zeros(max_v, chunk // backend.page_size, **i32)
+    if backend.use_mla:
+        size = xpu_ops.flash_mla_get_workspace_size(backend.max_context_len, max_bs,
+                                                    backend.num_heads or 128)
+        buf["mla_workspace"] = torch.empty(size, dtype=torch.uint8, device=dev)
+    return buf
+
+
+def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = _EXTERNAL):
+    """Move every tensor of ``meta`` (but the ``external`` ones) into a leading slice of its
+    buffer, in place, and return ``meta``.
+
+    Raises:
+        NotImplementedError: ``meta`` has a tensor without a buffer (a layer kind that cannot
+            be kept in fixed buffers).
+    """
+    seen: dict[int, Tensor] = {}
+    for name, t in list(meta.tensors()):
+        if name in external:
+            continue
+        if id(t) not in seen:
+            if name not in buffers:
+                raise NotImplementedError(f"XPUAttentionBackend: metadata {name} has no graph "
+                                          f"buffer; this layer kind is not graph-capturable.")
+            buf = buffers[name]
+            bound = buf if name == "mla_workspace" else buf[:t.shape[0]]
+            if name != "mla_workspace":
+                bound[..., :t.shape[-1] if t.dim() > 1 else None].copy_(t)
+            seen[id(t)] = bound
+        _set_path(meta, name, seen[id(t)])
+    return meta
+
+
+def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None:
+    """Copy ``fresh`` values into ``bound``'s tensors (``bind_metadata``'s result for a batch of
+    the same mode and size); columns past the new width keep stale entries, which are never read
+    (they lie past ``cache_seqlens``).
+
+    Raises:
+        RuntimeError: a fresh tensor does not fit its bound slice.
+    """
+    fresh_tensors = dict(fresh.tensors())
+    for name, b in bound.tensors():
+        if name in external or name == "mla_workspace":
+            continue
+        f = fresh_tensors[name]
+        if f.shape[0] != b.shape[0] or (f.dim() > 1 and f.shape[1] > b.shape[1]):
+            raise RuntimeError(f"XPUAttentionBackend: refilled metadata {name} has shape "
+                               f"{tuple(f.shape)}; expected it to fit {tuple(b.shape)}.")
+        b[..., :f.shape[-1]].copy_(f) if f.dim() > 1 else b.copy_(f)
+
+
 class GraphMetadataMixin:
     """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed metadata buffers for batches up to ``max_bs`` requests and
         ``max_num_tokens`` query tokens (e.g. ``max_bs * draft_token_num`` for verify)."""
-        dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
-        max_pages = -(-self.max_context_len // self.page_size)
-        q_per_req = max(1, self.speculative_num_draft_tokens, -(-max_num_tokens // max_bs))
-        buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
-               "main.cache_seqlens": torch.zeros(max_bs, **i32),
-               "main.page_table": torch.zeros(max_bs, max_pages, **i32),
-               "swa.page_table": torch.zeros(max_bs, max_pages, **i32),
-               "write.swa_loc": torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)}
-        if self.attention_chunk_size:
-            chunk = int(self.attention_chunk_size)
-            max_v = max_bs * local_chunks_per_request(q_per_req, chunk)
-            buf["local.cu_seqlens_q"] = torch.zeros(max_v + 1, **i32)
-            buf["local.cache_seqlens"] = torch.zeros(max_v, **i32)
-            buf["local.page_table"] = torch.zeros(max_v, chunk // self.page_size, **i32)
-        if self.use_mla:
-            size = xpu_ops.flash_mla_get_workspace_size(self.max_context_len, max_bs,
-                                                        self.num_heads or 128)
-            buf["mla_workspace"] = torch.empty(size, dtype=torch.uint8, device=dev)
-        self.graph_buffers = buf
+        self.graph_buffers = metadata_buffers(self, max_bs, max_num_tokens)
         self.graph_max_bs, self.graph_max_num_tokens = max_bs, max_num_tokens
         self._graph_metadata = {}
+
+    # (max_bs, max_num_tokens, buffers, key -> bound metadata) of persist_forward_metadata
+    _persistent: Optional[tuple] = None
 
     def _graph_key(self, fb) -> tuple:
         return (fb.forward_mode, fb.batch_size, fb.spec_info is not None)
 
-    def _check_graph_mode(self, fb) -> None:
+    def graph_mode_unsupported(self, fb) -> Optional[str]:
+        """Why ``fb``'s mode cannot keep its metadata in fixed buffers, or None (DECODE, and
+        TARGET_VERIFY / draft decode with topk 1, and IDLE)."""
         mode = fb.forward_mode
         ok = mode.is_decode() or mode.is_target_verify() or mode.is_idle()
         if not ok or (fb.spec_info is not None and self._topk(fb) > 1):
-            raise NotImplementedError(
-                f"XPUAttentionBackend: graph metadata for mode {mode.name} with topk "
-                f"{self._topk(fb) if fb.spec_info is not None else 0} is not supported; graphs "
-                f"cover DECODE and TARGET_VERIFY/draft decode with topk 1.")
+            return (f"graph metadata for mode {mode.name} with topk "
+                    f"{self._topk(fb) if fb.spec_info is not None else 0} is not supported; "
+                    f"graphs cover DECODE and TARGET_VERIFY/draft decode with topk 1.")
+        return None
+
+    def _check_graph_mode(self, fb) -> None:
+        why = self.graph_mode_unsupported(fb)
+        if why is not None:
+            raise NotImplementedError(f"XPUAttentionBackend: {why}")
         if fb.batch_size > getattr(self, "graph_max_bs", -1):
             raise RuntimeError(f"XPUAttentionBackend: batch size {fb.batch_size} exceeds the "
                                f"graph buffers; expected init_cuda_graph_state(max_bs >= "
@@ -90,13 +162,56 @@ class GraphMetadataMixin:
         fresh = self.build_metadata(forward_batch, graph=True)
         key = self._graph_key(forward_batch)
         if in_capture:
-            self._graph_metadata[key] = self._bind(fresh)
+            self._graph_metadata[key] = bind_metadata(fresh, self.graph_buffers)
         elif key not in self._graph_metadata:
             raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
                                f"was captured for {key}; expected in_capture=True first.")
         else:
-            self._refill(self._graph_metadata[key], fresh)
+            refill_metadata(self._graph_metadata[key], fresh)
         self.forward_metadata = self._graph_metadata[key]
+
+    def persist_forward_metadata(self, forward_batch, max_bs: int, max_num_tokens: int):
+        """Move the step's ``forward_metadata`` (built by ``init_forward_metadata``) into fixed
+        buffers kept across eager steps, and make that the current metadata.
+
+        For eager steps that should look the same to the ops every time, as piecewise decode
+        does (``PiecewiseModel``): the first step of each ``(mode, batch size)`` binds its
+        metadata to leading slices of buffers allocated once (for up to ``max_bs`` requests
+        and ``max_num_tokens`` tokens, ``write.loc`` included); later steps of that key copy
+        their values into the same slices and reuse the same ``AttentionMetadata`` object, so
+        its op plans (``plans``) and the split op's recorded layer calls (``replays``) stay
+        valid: every tensor they read keeps its address, only values change, as in a captured
+        graph. Separate from the graph runner's buffers (``init_cuda_graph_state``). Copies are
+        ordered on the current stream after the previous step's kernels.
+
+        Returns:
+            the current (persistent) ``AttentionMetadata``, or None when the step keeps its own
+            metadata: a mode without graph metadata (extend, topk > 1, idle), chunked-local or
+            cross attention (per-step shapes), or a batch past ``max_bs``/``max_num_tokens``.
+        """
+        fresh = self.forward_metadata
+        if (fresh is None or forward_batch.forward_mode.is_idle()
+                or self.graph_mode_unsupported(forward_batch) is not None
+                or fresh.local is not None or fresh.encoder is not None
+                or forward_batch.batch_size > max_bs
+                or fresh.write.loc.shape[0] > max_num_tokens):
+            return None
+        state = self._persistent
+        if state is None or state[0] < max_bs or state[1] < max_num_tokens:
+            with torch.inference_mode(False):  # normal tensors: refilled in and out of it
+                buffers = metadata_buffers(self, max_bs, max_num_tokens, write_loc=True)
+            state = self._persistent = (max_bs, max_num_tokens, buffers, {})
+        bound_by_key = state[3]
+        # Slices made under inference mode may only be written under it: one binding per mode.
+        key = self._graph_key(forward_batch) + (torch.is_inference_mode_enabled(),)
+        bound = bound_by_key.get(key)
+        if bound is None:
+            bound = bound_by_key[key] = bind_metadata(fresh, state[2], _PERSISTENT_EXTERNAL)
+            bound.replays = {}
+        else:
+            refill_metadata(bound, fresh, _PERSISTENT_EXTERNAL)
+        self.forward_metadata = bound
+        return bound
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Inside the captured region: use the bound metadata of this batch shape."""
@@ -107,36 +222,5 @@ class GraphMetadataMixin:
                                f"forward_batch, in_capture=True) before capture.")
         self.forward_metadata = self._graph_metadata[key]
 
-    def _bind(self, meta):
-        """Move every tensor of ``meta`` into a leading slice of its buffer (in place)."""
-        seen: dict[int, Tensor] = {}
-        for name, t in list(meta.tensors()):
-            if name in _EXTERNAL:
-                continue
-            if id(t) not in seen:
-                if name not in self.graph_buffers:
-                    raise NotImplementedError(f"XPUAttentionBackend: metadata {name} has no graph "
-                                              f"buffer; this layer kind is not graph-capturable.")
-                buf = self.graph_buffers[name]
-                bound = buf if name == "mla_workspace" else buf[:t.shape[0]]
-                if name != "mla_workspace":
-                    bound[..., :t.shape[-1] if t.dim() > 1 else None].copy_(t)
-                seen[id(t)] = bound
-            _set_path(meta, name, seen[id(t)])
-        return meta
 
-    def _refill(self, bound, fresh) -> None:
-        """Copy ``fresh`` values into ``bound``'s tensors; shapes past the new width keep stale
-        entries, which are never read (they lie past ``cache_seqlens``)."""
-        fresh_tensors = dict(fresh.tensors())
-        for name, b in bound.tensors():
-            if name in _EXTERNAL or name == "mla_workspace":
-                continue
-            f = fresh_tensors[name]
-            if f.shape[0] != b.shape[0] or (f.dim() > 1 and f.shape[1] > b.shape[1]):
-                raise RuntimeError(f"XPUAttentionBackend: refilled metadata {name} has shape "
-                                   f"{tuple(f.shape)}; expected it to fit {tuple(b.shape)}.")
-            b[..., :f.shape[-1]].copy_(f) if f.dim() > 1 else b.copy_(f)
-
-
-__all__ = ["GraphMetadataMixin"]
+__all__ = ["GraphMetadataMixin", "metadata_buffers", "bind_metadata", "refill_metadata"]

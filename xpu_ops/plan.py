@@ -259,13 +259,16 @@ class OpPlan:
 
 
 def planned_run(plans: dict, key: Any, tensors: Sequence[Tensor],
-                make_call: Callable[[], tuple[str, Sequence[Any], dict[str, Any], Sequence[int]]]):
+                make_call: Callable[[], tuple[str, Sequence[Any], dict[str, Any], Sequence[int]]],
+                record: Optional[list] = None):
     """Run the plan stored under ``key`` in ``plans`` with ``tensors`` in its slots; when there
     is none or the tensors no longer match it, plan ``make_call()`` first.
 
     ``planned_call`` for hot paths: the full call ``(op, args, kwargs, slots)`` is only built
     when a plan is made, a re-run only reads ``tensors`` (``args[i] for i in slots``, in order).
-    ``key`` must identify everything outside the slots, as for ``planned_call``.
+    ``key`` must identify everything outside the slots, as for ``planned_call``. ``record``:
+    a list that gets ``(plan, tensors)`` appended, for callers that replay the run later with
+    ``plan.run_matched(tensors)`` (``compile/layer_replay.py``).
 
     Raises:
         ValueError: ``tensors`` are not the slot tensors of ``make_call()``'s call.
@@ -279,6 +282,8 @@ def planned_run(plans: dict, key: Any, tensors: Sequence[Tensor],
                              f"{tuple(slots)}; got {len(tensors)} other tensors. Pass the "
                              "call's own slot tensors.")
         plan = plans[key] = OpPlan(op, args, kwargs, slots)
+    if record is not None:
+        record.append((plan, tensors))
     return plan.run_matched(tensors)
 
 

@@ -1,0 +1,69 @@
+"""``LayerReplay``: one split-op attention call, re-run on the host without its Python path.
+
+In a piecewise decode step every layer's attention runs eagerly between captured graph pieces,
+and on a fast GPU that host work is the step's bottleneck: the split op's checks, the forward
+context, the backend's dispatch on the layer kind, the plan look-ups (``xpu_ops.plan``), for
+three kernel launches. When the step's metadata lives in fixed buffers across steps
+(``XPUAttentionBackend.persist_forward_metadata``), a layer's call is the same from step to step:
+the same piece outputs (a captured piece returns the same tensors on every replay), the same KV
+cache, the same metadata tensors with new values. The split op then records, on the first such
+call, the validated plan runs the backend made (``planned_run(..., record=...)``) and replays
+them on later calls, after checking that it got the very same tensor objects and token count.
+
+A call is recorded only when the backend served it with plan runs alone (plain MHA pool, no fp8
+descale copies, no cascade, no MLA, result written straight into the op's output): the backend
+marks any other work with a ``None`` in the record, which makes it unrecordable. What this
+assumes is what a captured graph assumes: tensors the runs read (the layer's KV cache, the
+metadata buffers, scratch of the plans) are never replaced by new tensor objects, only updated
+in place. This is the host-side analogue of FlashInfer's plan/run split (plan once per batch,
+run per layer), carried across steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import Tensor
+
+
+class LayerReplay:
+    """The plan runs of one split-op call, for calls with the same inputs.
+
+    Args:
+        inputs: the split op's ``(q, k, v, output, sinks, q_rope, k_rope, save_kv_cache)`` of
+            the recorded call (kept: identity is the check).
+        num_tokens: the step's real tokens (``forward_context.num_tokens``).
+        runs: ``(OpPlan, slot tensors)`` in the order the backend ran them.
+        tail: ``output[num_tokens:]`` when the call zeroed a padded tail, else None.
+    """
+
+    __slots__ = ("inputs", "num_tokens", "runs", "tail")
+
+    def __init__(self, inputs: tuple, num_tokens: int, runs: Sequence[tuple[Any, tuple]],
+                 tail: Optional[Tensor]):
+        self.inputs, self.num_tokens = inputs, num_tokens
+        self.runs, self.tail = tuple(runs), tail
+
+    @staticmethod
+    def recordable(runs: Optional[list]) -> bool:
+        """Whether a record the backend filled holds plan runs only (no ``None`` marker)."""
+        return bool(runs) and all(r is not None for r in runs)
+
+    def matches(self, inputs: tuple, num_tokens: int) -> bool:
+        """True for the recorded call's very objects (and ``save_kv_cache`` flag) and tokens."""
+        if num_tokens != self.num_tokens:
+            return False
+        for a, b in zip(inputs, self.inputs):
+            if a is not b:
+                return False
+        return True
+
+    def replay(self) -> None:
+        """Re-run the recorded plans (and zero the padded tail)."""
+        for plan, tensors in self.runs:
+            plan.run_matched(tensors)
+        if self.tail is not None:
+            self.tail.zero_()
+
+
+__all__ = ["LayerReplay"]

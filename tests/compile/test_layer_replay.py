@@ -1,0 +1,187 @@
+"""Persistent step metadata and split-op layer replays (``compile/layer_replay.py``).
+
+``PiecewiseModel`` moves the metadata of bucketed decode steps into fixed buffers
+(``persist_forward_metadata``); each layer's split-op call records its plan runs once and replays
+them on later steps. These tests run the emulated-capture path on the CPU (a captured piece
+returns the same output tensors every replay, as a device graph does), poison the KV slots a
+step must write, and compare logits and KV writes with eager runs over the same batch, while
+lengths grow, batches shrink and grow inside a bucket, and the grad mode changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xpu_ops
+
+from compile import layer_replay
+from compile.memory_pool import SWAKVPool
+from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from compile.piecewise import PiecewiseModel
+from tests.compile.compile_helpers import Harness, MLAHarness, SWAHarness, pool_buffers, tiny_model
+
+MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: no recompile budget shared with earlier tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts ``LayerReplay.replay`` calls (``[count]``)."""
+    count = [0]
+    original = layer_replay.LayerReplay.replay
+
+    def counted(self):
+        count[0] += 1
+        original(self)
+    monkeypatch.setattr(layer_replay.LayerReplay, "replay", counted)
+    return count
+
+
+def _eager(model, layers, ids, pos, fb):
+    for layer in layers.values():
+        layer.use_split_op = False
+    try:
+        with torch.no_grad():
+            return model(ids, pos, fb)
+    finally:
+        for layer in layers.values():
+            layer.use_split_op = True
+
+
+def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad):
+    """One decode step of ``rows`` through ``pw``: the written KV slots (NaN-poisoned first)
+    and the logits equal an eager run of the same batch."""
+    ids, pos, fb = h.decode(rows)
+    pool, loc = h.kv_pool, fb.out_cache_loc
+    if isinstance(pool, SWAKVPool):  # the SWA pool's buffers take translated slots
+        swa_loc = pool.translate_loc_from_full_to_swa(loc)
+        rows_of = ([(b, loc) for b in pool_buffers(pool.full_kv_pool)]
+                   + [(b, swa_loc) for b in pool_buffers(pool.swa_kv_pool)])
+    else:
+        rows_of = [(b, loc) for b in pool_buffers(pool)]
+    for buf, slots in rows_of:
+        buf.view(buf.shape[0], -1)[slots] = float("nan")
+    with grad_mode():
+        out = pw(ids, pos, fb)
+    written = [buf.view(buf.shape[0], -1)[slots].clone() for buf, slots in rows_of]
+    ref = _eager(model, pw.layers, ids, pos, fb)  # rewrites the same slots, eagerly
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, (buf, slots) in zip(written, rows_of):
+        torch.testing.assert_close(got, buf.view(buf.shape[0], -1)[slots], rtol=1e-5, atol=1e-5)
+    return fb
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_steps_replay_every_layer_and_equal_eager(replays, page_size):
+    model = tiny_model(num_layers=3)
+    h = Harness(model, page_size=page_size)
+    h.extend([0, 1, 2], [5, 9, 3])
+    _eager(model, {}, *h.extend([0, 1, 2], [5, 9, 3]))  # fill some context
+    pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
+    schedule = [[0, 1], [0, 1], [0, 1], [0, 1, 2], [0, 1, 2], [2], [0, 1], [0, 1]]
+    for rows in schedule:
+        fb = _step_equals_eager(pw, model, h, rows)
+        assert fb.attn_backend.forward_metadata.replays is not None
+    # Each (batch size) key records at its first step in the bucket after warm-up/capture; the
+    # steps after that replay all 3 layers.
+    assert replays[0] >= 3 * 4, replays[0]
+
+
+def test_grad_and_inference_mode_steps_keep_separate_bindings(replays):
+    model = tiny_model(num_layers=2)
+    h = Harness(model)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        for _ in range(3):
+            _step_equals_eager(pw, model, h, [0, 1], grad_mode=mode)
+    assert replays[0] > 0
+
+
+def test_extend_steps_keep_their_own_metadata():
+    model = tiny_model(num_layers=2)
+    h = Harness(model)
+    pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
+    ids, pos, fb = h.extend([0, 1], [3, 2])
+    fresh = fb.attn_backend.forward_metadata
+    with torch.no_grad():
+        out = pw(ids, pos, fb)
+    assert fb.attn_backend.forward_metadata is fresh and fresh.replays is None
+    torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb))
+
+
+def test_persistent_metadata_off_never_replays(replays):
+    model = tiny_model(num_layers=2)
+    h = Harness(model)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True,
+                        persistent_metadata=False)
+    for _ in range(4):
+        fb = _step_equals_eager(pw, model, h, [0, 1])
+    assert replays[0] == 0 and fb.attn_backend.forward_metadata.replays is None
+
+
+def _deepseek():
+    torch.manual_seed(0)
+    return DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=2,
+                                                  q_lora_rank=24)).eval()
+
+
+@pytest.mark.parametrize("kind", ["mla", "hybrid_swa"])
+def test_layers_served_by_more_than_plan_runs_are_never_recorded(replays, kind):
+    if kind == "mla":
+        model = _deepseek()
+        h = MLAHarness(model)
+    else:
+        model = tiny_model(2, **MIXED)
+        h = SWAHarness(model)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True)
+    for _ in range(4):
+        fb = _step_equals_eager(pw, model, h, [0, 1])
+    assert replays[0] == 0
+    assert fb.attn_backend.forward_metadata.replays == {}  # persisted, nothing recorded
+
+
+def test_a_replay_needs_the_same_tensors_and_token_count():
+    q, k, v, out = (torch.randn(4, 8) for _ in range(4))
+    calls = []
+
+    class Plan:
+        def run_matched(self, tensors):
+            calls.append(tensors)
+
+    inputs = (q, k, v, out, None, None, None, True)
+    replay = layer_replay.LayerReplay(inputs, 3, [(Plan(), (q,))], out[3:])
+    assert replay.matches(inputs, 3)
+    assert not replay.matches(inputs, 2)
+    assert not replay.matches((q.clone(), k, v, out, None, None, None, True), 3)
+    assert not replay.matches((q, k, v, out, None, None, None, False), 3)
+    replay.replay()
+    assert len(calls) == 1 and calls[0][0] is q and bool((out[3:] == 0).all())
+    assert not layer_replay.LayerReplay.recordable([])
+    assert not layer_replay.LayerReplay.recordable([(Plan(), (q,)), None])
+    assert not layer_replay.LayerReplay.recordable(None)
+
+
+def test_debug_value_checks_turn_replays_off(replays):
+    model = tiny_model(num_layers=2)
+    h = Harness(model)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True)
+    for _ in range(3):
+        _step_equals_eager(pw, model, h, [0, 1])
+    before = replays[0]
+    assert before > 0
+    with xpu_ops.debug_checks():  # the public ops' value checks must run: no plans, no replays
+        for _ in range(2):
+            _step_equals_eager(pw, model, h, [0, 1])
+    assert replays[0] == before
