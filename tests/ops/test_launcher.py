@@ -78,6 +78,26 @@ def test_gpu_fast_path_matches_normal_launch_across_alignments():
     assert len(run._compiled) == 2  # one kernel per alignment class of the slot tensors
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")
+def test_gpu_fast_path_passes_addresses_of_fixed_and_slot_tensors():
+    n = 300
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    y = torch.randn(n, device=DEVICE, generator=gen)
+    bound = _bound(DEVICE, n).bind({1: y}, slots=(0, 2))
+    assert bound._fast and bound._ptrs[1] == y.data_ptr()
+    for _ in range(3):  # first launch through the JIT, then the compiled kernel's launcher
+        x = torch.randn(n, device=DEVICE, generator=gen)
+        out = torch.full((n,), float("nan"), device=DEVICE)
+        bound(x, out)
+        torch.testing.assert_close(out.double(), 0.5 * x.double() + y.double(), atol=1e-5,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match="argument 0 is a host tensor"):
+        bound(torch.randn(n), out)
+    host_fixed = _bound(DEVICE, n).bind({1: y.cpu()}, slots=(0, 2))
+    assert not host_fixed._fast  # the normal path, whose launcher rejects host memory
+
+
 def test_bind_fixes_tensors_and_rejects_scalars(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not INTERPRETED:

@@ -10,7 +10,11 @@ argument except the tensors at ``slots``, and keeps the ``CompiledKernel`` that 
 returned per alignment class of the slot tensors (the only property of theirs that Triton
 specialises on besides the dtype, which is part of the key too). Later launches call the compiled
 kernel's own launcher (``CompiledKernel[grid](*args, stream=...)``), as Inductor's generated code
-launches its kernels.
+launches its kernels, with every tensor passed as its address: Triton's launcher accepts ints for
+pointer arguments and then skips, per tensor, the ``data_ptr()`` call and the driver query
+(``cuPointerGetAttribute``) it makes to reject host memory, a large part of a launch's host time
+for a kernel with 16 tensor arguments. Host tensors are rejected here instead (a ``ValueError``
+for slot tensors; fixed host tensors keep the normal path).
 
 Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, with Triton < 3.3
 (whose launchers took a different argument list), and for launches created while
@@ -105,7 +109,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "device", "args", "meta", "slots", "_tail", "_compiled",
-                 "_families", "_device_index", "_fast")
+                 "_families", "_device_index", "_fast", "_ptrs")
 
     def __init__(self, kernel, grid: Sequence[int], device: torch.device, args: Sequence[Any],
                  meta: dict[str, Any], slots: Sequence[int],
@@ -145,6 +149,20 @@ class BoundLaunch:
         self._compiled: dict[tuple, Any] = families.setdefault(self.slots, {})
         self._fast = (self.device.type != "cpu" and self._tail is not None
                       and fast_launch_enabled())
+        # Fast launches pass the fixed tensors as their addresses (ints): the compiled kernel's
+        # launcher otherwise calls data_ptr() and asks the driver about every pointer on every
+        # launch (cuPointerGetAttribute, to reject host memory). Host tensors keep the normal
+        # path, whose launcher rejects them with its own error. self.args keeps the tensors
+        # alive (and serves the JIT path).
+        self._ptrs = None
+        if self._fast:
+            fixed = [a for i, a in enumerate(self.args)
+                     if isinstance(a, torch.Tensor) and i not in self.slots]
+            if any(t.device.type == "cpu" for t in fixed):
+                self._fast = False
+            else:
+                self._ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                              for a in self.args]
         device = self.device
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available()
@@ -191,7 +209,14 @@ class BoundLaunch:
         if not self._fast:
             launch(self.kernel, self.grid, self.device, *args, **self.meta)
             return
-        key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
+        ptrs, key = self._ptrs, []
+        for i, t in zip(self.slots, tensors):
+            if t.is_cpu:  # an address the device cannot read: the launcher would not check it
+                raise ValueError(f"BoundLaunch: {self.kernel.fn.__name__} argument {i} is a "
+                                 f"host tensor; expected a tensor on {self.device}.")
+            ptr = ptrs[i] = t.data_ptr()
+            key.append((t.dtype, ptr & 15 == 0))
+        key = tuple(key)
         compiled = self._compiled.get(key)
         if compiled is None:
             # First launch of this alignment class: Triton binds, specialises, compiles or
@@ -204,7 +229,7 @@ class BoundLaunch:
             return
         g = self.grid
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *self._tail)
+                     None, None, *ptrs, *self._tail)
 
 
 __all__ = ["BoundLaunch", "fast_launch_enabled"]
