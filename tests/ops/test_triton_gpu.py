@@ -9,6 +9,7 @@ with the reference provider by relative Frobenius error.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -152,6 +153,45 @@ def test_decode_cuda_graph_capture_and_replay():
     graph.replay()
     with xpu_ops.use_provider("reference"):
         ref = xpu_ops.flash_attn_with_kvcache(q, k, v, **kw)
+    assert _rel(out, ref) < 1e-2
+
+
+def test_split_kv_plan_replays_bitwise_and_leaves_counters_zero():
+    """A provider plan's split-KV launch (splits merged in-kernel by the last program to finish)
+    captured in a CUDA graph: every replay gives the same bits whichever program merged, equals
+    the unplanned call, matches the reference, and leaves the plan's counters zero."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs")
+    from xpu_ops.plan import OpPlan
+    q, k, v, lens, table, cu = paged_case([40000, 100, 7000, 1], [1, 1, 1, 1], 64)
+    sinks = torch.randn(32, device=DEVICE)
+    out = torch.empty_like(q)
+    kwargs = dict(max_seqlen_q=1, softmax_scale=128 ** -0.5, causal=True, window_size_left=-1,
+                  window_size_right=0, softcap=0.0)
+    with xpu_ops.use_provider("triton"):
+        plan = OpPlan("flash_attn_with_kvcache",
+                      (q, k, v, lens, table, cu, out, None, None, None, None, sinks), kwargs,
+                      (0, 6))
+        eager = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
+                                                cu_seqlens_q=cu, max_seqlen_q=1, causal=True,
+                                                sinks=sinks)
+    launch = inspect.getclosurevars(plan._planned).nonlocals["attention"]
+    counters = launch.args[8]
+    assert launch.meta["NUM_SPLITS"] > 1
+    plan.run(q, out)                                   # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, out)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, eager)
+        assert not counters.any()
+    with xpu_ops.use_provider("reference"):
+        ref = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
+                                              cu_seqlens_q=cu, max_seqlen_q=1, causal=True,
+                                              sinks=sinks)
     assert _rel(out, ref) < 1e-2
 
 

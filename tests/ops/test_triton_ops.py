@@ -4,11 +4,15 @@ Triton must be imported in interpreter mode for that (``tests/ops/triton_mode.py
 and does it); if something imported Triton earlier in compile mode, this module reruns itself in
 a fresh interpreter-mode subprocess. ``xpu_ops.triton`` runs an interpreted copy of its kernels
 for CPU tensors. Shapes are tiny: the interpreter executes every tile op through NumPy.
+The split-KV tests force split counts and check the in-kernel merge against the float64 oracle;
+the interpreter runs programs one after another (the last split of a tile merges), so the
+ordering between concurrent programs is left to the gpu suite (``test_triton_gpu.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import subprocess
 import sys
@@ -33,6 +37,9 @@ def test_rerun_in_subprocess():
 
 import xpu_ops  # noqa: E402
 import xpu_ops.testing as xt  # noqa: E402
+
+from . import oracle  # noqa: E402
+from .utils import assert_matches_oracle  # noqa: E402
 
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
        "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
@@ -104,34 +111,109 @@ def test_triton_matches_reference_on_samples(op):
     assert count > 0
 
 
-def _paged_case(gen, q_lens, k_lens, page, hq, hkv, d, dv):
-    (k, v), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(hkv, d), (hkv, dv)],
+# (q_lens, k_lens, page_size, Hq, Hkv, Dv): decode, GQA 4 (BLOCK_M 16 > 4 rows), an empty cache;
+# extend with a request shorter than its queries (first rows see no key) and one with no queries;
+# MQA group 6 over 7 rows (two m-blocks of 32; the other request's second block returns early),
+# Dv 80 (the merge's 64-column chunks, the second one partly masked).
+SPLIT_CASES = [([1, 1, 1], [37, 0, 50], 3, 8, 2, 8),
+               ([1, 5, 0, 2, 3], [40, 3, 9, 0, 50], 3, 4, 2, 8), ([7, 2], [45, 20], 4, 6, 1, 80)]
+# (window, softcap, sinks): causal, sliding window (whole splits outside it), bidirectional.
+SPLIT_MASKS = [((-1, 0), 0.0, False), ((2, 0), 0.0, True), ((5, 2), 2.0, True),
+               ((0, -1), 0.0, False)]
+
+
+def _split_inputs(case, mask, seed):
+    """Op arguments and keywords (``oracle.flash_attn_with_kvcache`` order) of a split case."""
+    q_lens, k_lens, page, hq, hkv, dv = case
+    window, softcap, sinks = mask
+    gen = torch.Generator().manual_seed(seed)
+    (k, v), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(hkv, 16), (hkv, dv)],
                                             dtype=torch.float32, device="cpu")
-    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    q = torch.randn(sum(q_lens), hq, 16, generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    return q, k, v, lens, table, cu
+    sink = torch.randn(hq, generator=gen) if sinks else None
+    out = torch.full((q.shape[0], hq, dv), float("nan"))
+    kwargs = dict(max_seqlen_q=max(q_lens), softmax_scale=0.25, causal=False,
+                  window_size_left=window[0], window_size_right=window[1], softcap=softcap)
+    return [q, k, v, lens, table, cu, out, None, None, None, None, sink], kwargs
+
+
+def _split_attention(args, kwargs, num_splits, **buffers):
+    """``paged_attention`` with a forced split count into NaN-poisoned ``out`` and LSE."""
+    from xpu_ops.triton.paged_attention import paged_attention
+    q, k, v, lens, table, cu, out = args[:7]
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
+    paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+                    max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=table.shape[1] * k.shape[1],
+                    qv=None, q_descale=None, k_descale=None, v_descale=None, sinks=args[11],
+                    softmax_scale=kwargs["softmax_scale"], window_left=kwargs["window_size_left"],
+                    window_right=kwargs["window_size_right"], softcap=kwargs["softcap"],
+                    num_splits=num_splits, lse=lse, **buffers)
+    return out, lse
 
 
 @in_subprocess
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("window,softcap,sinks", [((-1, 0), 0.0, False), ((5, 2), 2.0, True),
-                                                  ((0, -1), 0.0, True)])
-def test_forced_splits_windows_sinks(num_splits, window, softcap, sinks):
-    """The launcher with a forced split count equals the reference (split merge adds sinks once;
-    window tiles skipped; empty rows 0 / -inf)."""
-    from xpu_ops.triton.paged_attention import paged_attention
-    gen = torch.Generator().manual_seed(num_splits)
-    q, k, v, lens, table, cu = _paged_case(gen, [1, 4, 2, 3], [37, 4, 0, 50], 3, 4, 2, 16, 8)
-    sink = torch.randn(4, generator=gen) if sinks else None
-    with xpu_ops.use_provider("reference"):
-        want, want_lse = xpu_ops.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=4,
-            window_size=window, softcap=softcap, sinks=sink, return_softmax_lse=True)
-    out = torch.full_like(want, float("nan"))
-    lse = paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
-                          max_seqlen_q=4, max_kv_len=table.shape[1] * 3, qv=None, q_descale=None,
-                          k_descale=None, v_descale=None, sinks=sink, softmax_scale=0.25,
-                          window_left=window[0], window_right=window[1], softcap=softcap,
-                          num_splits=num_splits)
-    _compare(out, want, "out")
-    _compare(lse, want_lse, "lse")
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("mask", SPLIT_MASKS, ids=["causal", "window-sinks", "softcap-sinks",
+                                                   "bidirectional"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=["decode-gqa4", "extend-empty", "mqa6"])
+def test_split_kv_merge_matches_oracle(case, mask, num_splits):
+    """Forced split counts (the last split program merges in the same launch) against the float64
+    oracle: sinks counted once, empty splits weight 0, rows without a visible key 0 / -inf."""
+    args, kwargs = _split_inputs(case, mask, seed=num_splits)
+    out, lse = _split_attention(args, kwargs, num_splits)
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+
+
+@in_subprocess
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_given_counters_left_zero_for_the_next_launch(num_splits):
+    """A caller's counters (the documented size bound) and NaN-poisoned scratch, reused by two
+    launches in a row: both match the oracle and leave every counter 0 (as a replay needs)."""
+    q_lens, _, _, hq, hkv, _ = case = SPLIT_CASES[1]
+    total_q = sum(q_lens)
+    tiles = len(q_lens) * hkv * -(-max(q_lens) * (hq // hkv) // 16)
+    counters = torch.zeros(tiles, dtype=torch.int32)
+    scratch = (torch.full((num_splits, total_q, hq, 16), float("nan")),
+               torch.full((num_splits, total_q, hq), float("nan")))
+    for seed in (0, 1):
+        args, kwargs = _split_inputs(case, SPLIT_MASKS[1], seed)
+        out, lse = _split_attention(args, kwargs, num_splits, scratch=scratch, counters=counters)
+        want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+        assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+        assert counters.eq(0).all(), counters
+
+
+@in_subprocess
+@pytest.mark.parametrize("counters, problem", [
+    (torch.zeros(64, dtype=torch.int64), "torch.int64, contiguous, with 64 entries"),
+    (torch.zeros(3, dtype=torch.int32), "torch.int32, contiguous, with 3 entries"),
+    (torch.zeros(128, dtype=torch.int32)[::2], "torch.int32, non-contiguous, with 64 entries")])
+def test_split_kv_rejects_unusable_counters(counters, problem):
+    args, kwargs = _split_inputs(SPLIT_CASES[1], SPLIT_MASKS[0], seed=0)
+    with pytest.raises(ValueError, match=f"^paged_attention: counters is {problem}; expected "
+                                         f"contiguous torch.int32 with at least 10 "):
+        _split_attention(args, kwargs, 2, counters=counters)
+
+
+@in_subprocess
+def test_plan_reruns_split_kv_identically_with_its_counters_zero():
+    """The provider plan binds its counters once: re-runs with the same tensors give identical
+    bits, new tensors give the oracle's answer, and the counters are 0 after every run."""
+    from xpu_ops.triton.paged_attention import plan_flash_attn_with_kvcache
+    args, kwargs = _split_inputs(([1, 1], [150, 70], 4, 4, 2, 8), SPLIT_MASKS[1], seed=3)
+    slots = (0, 1, 2, 6)
+    run = plan_flash_attn_with_kvcache(tuple(args), kwargs, slots)
+    launch = inspect.getclosurevars(run).nonlocals["attention"]
+    counters = launch.args[8]
+    assert launch.meta["NUM_SPLITS"] == 3 and counters.dtype == torch.int32  # planned from shapes
+    results = []
+    for q in (args[0], args[0], torch.randn_like(args[0])):
+        args[0], args[6] = q, torch.full_like(args[6], float("nan"))
+        lse = run(*[args[i] for i in slots]).clone()
+        assert counters.eq(0).all(), counters
+        want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+        assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)
+        results.append((args[6], lse))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))

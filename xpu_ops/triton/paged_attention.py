@@ -12,13 +12,26 @@ see (causal and sliding window skip whole tiles); partial tiles are masked with 
 K/V loads past the request's length use ``other=0`` so NaN garbage never enters a product.
 
 Split-KV: with few (request, KV head) pairs for the machine, the visible key range is cut into
-``num_splits`` pieces; each writes an fp32 partial output and its log-sum-exp, and
-``_merge_splits_kernel`` combines them (LSE-weighted, sinks added there once). The split count and
-the scratch size depend only on shapes and the device's multiprocessor count, never on tensor
-values, so the launch can be captured in a device graph.
+``num_splits`` pieces; each split program writes an fp32 partial output and its log-sum-exp, and
+the same launch merges them ("last program to finish reduces", no second kernel): after its
+stores the program passes a barrier and adds 1 to an int32 counter of its tile (one per (m-block,
+request x KV head)) with an ``acq_rel`` gpu-scope atomic; the one that reads ``num_splits - 1``
+loads all partials of its rows in split order 0..S-1 (the result does not depend on which program
+merges), combines them LSE-weighted (sinks added once, empty splits weight 0, ``-inf`` LSE for
+rows with no visible key), writes ``out`` and the LSE, and stores 0 back to the counter. No
+program waits for another. The counters are zero before and after every launch, so their owner
+reuses them: ``plan_flash_attn_with_kvcache`` allocates one zeroed buffer per plan, next to its
+scratch, and binds it (runs of a plan are sequential on one stream, graph replays included);
+an unplanned ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for the
+call (inside a graph capture that comes from the graph's pool and its memset is replayed); never
+one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
+split count, scratch and counter sizes depend only on shapes and the device's multiprocessor
+count, never on tensor values, so the launch can be captured in a device graph.
 
 Source: FlashAttention-2 (arXiv 2307.08691); split-KV "flash decoding" (Dao et al., 2023); paged
-KV cache from vLLM (arXiv 2309.06180).
+KV cache from vLLM (arXiv 2309.06180); the in-kernel reduction by the last-arriving program from
+the CUDA samples' ``threadFenceReduction`` and Stream-K's tile fix-up (Osama et al., PPoPP 2023,
+arXiv 2301.03598).
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, QV, O, LSE, O_PART, LSE_PART,
+    Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
     CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
@@ -222,44 +235,77 @@ def _paged_attention_kernel(
                  + offs_dv[None, :], out, mask=mask_m[:, None] & mask_dv[None, :])
         tl.store(LSE_PART + split.to(tl.int64) * stride_lsep_s + tok * stride_lsep_t + head,
                  lse, mask=mask_m)
+        # ---- split-KV reduction: the tile's last split program to arrive merges them all ----
+        # The barrier orders every thread's partial stores before the counter update; acq_rel at
+        # gpu scope releases them to, and acquires the other splits' for, the last arrival.
+        tl.debug_barrier()
+        counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
+                               stride_part_s, stride_part_t, stride_part_h,
+                               stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
+                               BLOCK_M, DV_PAD, NUM_SPLITS, HAS_SINKS)
+            tl.store(counter, 0)  # zero again for the next launch (and graph replay)
 
 
 @triton.jit
-def _merge_splits_kernel(
-    O_PART, LSE_PART, O, LSE, SINKS,
+def _merge_splits_tile(
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
-    stride_ot, stride_oh, stride_lse_h, num_splits, head_dim_v,
-    SPLITS_PAD: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    stride_ot, stride_oh, stride_lse_h,
+    BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    # One program per (token, head): out = sum_s e^{lse_s - m} o_s / (sum_s e^{lse_s - m} [+ sink]).
+    # BLOCK_M rows: out = sum_s e^{lse_s - m} o_s / (sum_s e^{lse_s - m} [+ e^{sink - m}]), the
+    # splits summed in order 0..NUM_SPLITS-1 whichever program merges (deterministic). Loads
+    # bypass L1 (.cg): other multiprocessors wrote the partials during this launch.
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
-    mask_s = offs_s < num_splits
-    mask_dv = offs_dv < head_dim_v
-    lse = tl.load(LSE_PART + offs_s * stride_lsep_s + tok * stride_lsep_t + head, mask=mask_s,
-                  other=float("-inf")) * LOG2E_C
-    m = tl.max(lse, 0)
+    DV_CHUNK: tl.constexpr = 64 if DV_PAD > 64 else DV_PAD  # bounds registers for MLA's Dv 512
+    # Pointers advance by one split per iteration (no int32 split x stride products).
+    lse_rows = LSE_PART + tok * stride_lsep_t + head
+    lse_s = lse_rows
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for _ in range(0, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_s, mask=mask_m, other=float("-inf"),
+                                  cache_modifier=".cg") * LOG2E_C)
+        lse_s += stride_lsep_s
     if HAS_SINKS:
-        sink = tl.load(SINKS + head) * LOG2E_C
+        sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for empty splits
-    den = tl.sum(w, 0)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    lse_s = lse_rows
+    for _ in range(0, NUM_SPLITS):  # empty splits (lse -inf) weigh 0
+        den += tl.exp2(tl.load(lse_s, mask=mask_m, other=float("-inf"), cache_modifier=".cg")
+                       * LOG2E_C - m_safe)
+        lse_s += stride_lsep_s
     if HAS_SINKS:
         den += tl.exp2(sink - m_safe)
-    o = tl.load(O_PART + offs_s[:, None] * stride_part_s + tok * stride_part_t
-                + head * stride_part_h + offs_dv[None, :],
-                mask=(mask_s & (w > 0))[:, None] & mask_dv[None, :], other=0.0)
-    out = tl.sum(tl.where((w > 0)[:, None], o * w[:, None], 0.0), 0) / tl.where(den > 0, den, 1.0)
-    tl.store(O + tok * stride_ot + head * stride_oh + offs_dv, out.to(O.dtype.element_ty),
-             mask=mask_dv)
-    lse_out = tl.where(den > 0, (m_safe + tl.log2(tl.where(den > 0, den, 1.0))) * LN2_C,
-                       float("-inf"))
-    tl.store(LSE + head * stride_lse_h + tok, lse_out)
+    has_keys = den > 0
+    inv_den = 1.0 / tl.where(has_keys, den, 1.0)
+    lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, den, 1.0))) * LN2_C,
+                   float("-inf"))
+    tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
+    o_rows = O_PART + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
+    out_rows = O + tok[:, None] * stride_ot + head[:, None] * stride_oh
+    for dv_start in tl.static_range(0, DV_PAD, DV_CHUNK):
+        offs_dv = dv_start + tl.arange(0, DV_CHUNK)
+        mask_dv = offs_dv < head_dim_v
+        acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
+        lse_s = lse_rows
+        o_s = o_rows + offs_dv[None, :]
+        for _ in range(0, NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_s, mask=mask_m, other=float("-inf"), cache_modifier=".cg")
+                        * LOG2E_C - m_safe)
+            o = tl.load(o_s, mask=(mask_m & (w > 0))[:, None] & mask_dv[None, :], other=0.0,
+                        cache_modifier=".cg")
+            acc += o * w[:, None]
+            lse_s += stride_lsep_s
+            o_s += stride_part_s
+        tl.store(out_rows + offs_dv[None, :], (acc * inv_den[:, None]).to(O.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_dv[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,14 +357,13 @@ def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_
 class _LaunchPlan:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
     attention: BoundLaunch
-    merge: Optional[BoundLaunch]
     num_splits: int
     dv_pad: int
+    num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
 
 
-# Slots (positions of per-call tensors) in the kernels' argument lists.
-_ATTENTION_SLOTS = tuple(range(16))      # Q .. SINKS
-_MERGE_SLOTS = tuple(range(5))           # O_PART, LSE_PART, O, LSE, SINKS
+# Slots (positions of per-call tensors) in the kernel's argument list.
+_ATTENTION_SLOTS = tuple(range(17))      # Q .. SINKS
 
 
 @functools.lru_cache(maxsize=512)
@@ -359,7 +404,7 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
     upcast = device.type == "cpu" and q_dtype != torch.float32
     precision = "ieee" if q_dtype == torch.float32 or upcast else None
     qv_s = qv_strides if has_qv else q_strides
-    args = [None] * 16 + [
+    args = [None] * 17 + [
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
         float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
@@ -371,14 +416,7 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     attention = BoundLaunch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits),
                             device, args, meta, _ATTENTION_SLOTS)
-    merge = None
-    if num_splits > 1:
-        merge = BoundLaunch(_merge_splits_kernel, (total_q, num_heads_q), device,
-                            [None] * 5 + [ps, pt_, ph, ls, lt, out_strides[0], out_strides[1],
-                                          lse_stride, num_splits, head_dim_v],
-                            dict(SPLITS_PAD=next_pow2(num_splits), DV_PAD=dv_pad,
-                                 HAS_SINKS=has_sinks, num_warps=4), _MERGE_SLOTS)
-    return _LaunchPlan(attention, merge, num_splits, dv_pad)
+    return _LaunchPlan(attention, num_splits, dv_pad, grid_m * batch * num_heads_kv)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
@@ -389,8 +427,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                     sinks: Optional[Tensor], softmax_scale: float, window_left: int,
                     window_right: int, softcap: float, num_splits: Optional[int] = None,
                     scratch: Optional[tuple[Tensor, Tensor]] = None,
-                    config: Optional[_Config] = None, lse: Optional[Tensor] = None) -> Tensor:
-    """Launch the attention kernel (and the split merge); write ``out``, return the LSE.
+                    counters: Optional[Tensor] = None, config: Optional[_Config] = None,
+                    lse: Optional[Tensor] = None) -> Tensor:
+    """Launch the attention kernel (splits merged inside it); write ``out``, return the LSE.
 
     Args:
         q: [total_q, Hq, D]. out: [total_q, Hq, Dv] (written). qv: [total_q, Hq, Dv] or None.
@@ -404,12 +443,19 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
+        counters: split-KV arrival counters, int32 contiguous, all zero, at least
+            ``b * Hkv * cdiv(max_seqlen_q * Hq // Hkv, 16)`` entries (one per program tile;
+            BLOCK_M >= 16); left all zero. Reusable by launches that run one after another on
+            one stream, never by concurrent ones. ``torch.zeros`` per call when None; unused
+            with one split.
         config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
     Returns:
         softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
+    Raises:
+        ValueError: ``counters`` is not int32, not contiguous or has fewer entries than tiles.
 
     Host cost: the grid, tile config, split count and scalar arguments are computed once per call
-    shape (``_launch_plan``, cached) and the kernels re-launch through ``BoundLaunch``.
+    shape (``_launch_plan``, cached) and the kernel re-launches through ``BoundLaunch``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if lse is None:
@@ -419,16 +465,14 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
                      q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
                      window_right, softcap, num_splits, config, scratch, lse)
-    o_part, lse_part = _scratch(plan, q, scratch, lse)
+    o_part, lse_part, counters = _split_buffers(plan, q, scratch, counters, lse)
     dummy = lse
-    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, cache_seqlens,
-                   cache_seqlens if page_table is None else page_table, cu_seqlens_q,
-                   cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
+                   cache_seqlens, cache_seqlens if page_table is None else page_table,
+                   cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
                    dummy if q_descale is None else q_descale,
                    dummy if k_descale is None else k_descale,
                    dummy if v_descale is None else v_descale, dummy if sinks is None else sinks)
-    if plan.merge is not None:
-        plan.merge(o_part, lse_part, out, lse, dummy if sinks is None else sinks)
     return lse
 
 
@@ -447,30 +491,47 @@ def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
 
 
-def _scratch(plan: _LaunchPlan, q: Tensor, scratch, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """``(o_part, lse_part)`` for the plan's splits: ``scratch``, new buffers, or unused."""
+def _split_buffers(plan: _LaunchPlan, q: Tensor, scratch, counters,
+                   dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(o_part, lse_part, counters)`` for the plan's splits: the given buffers, new ones
+    (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
     splits = plan.num_splits
-    if splits > 1 and scratch is not None:
-        return scratch
-    if splits > 1:
-        total_q, num_heads_q = q.shape[0], q.shape[1]
-        return (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
-                            device=q.device),
-                torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
-                            device=q.device))
-    return lse, lse  # unused
+    if splits == 1:
+        return dummy, dummy, dummy
+    total_q, num_heads_q = q.shape[0], q.shape[1]
+    if scratch is None:
+        scratch = (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
+                               device=q.device),
+                   torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
+                               device=q.device))
+    if counters is None:
+        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=q.device)
+    elif (counters.dtype != torch.int32 or not counters.is_contiguous()
+          or counters.numel() < plan.num_tiles):
+        raise ValueError(f"paged_attention: counters is {counters.dtype}, "
+                         f"{'' if counters.is_contiguous() else 'non-'}contiguous, with "
+                         f"{counters.numel()} entries; expected contiguous torch.int32 with at "
+                         f"least {plan.num_tiles} (one per program tile). Allocate "
+                         f"torch.zeros(n, dtype=torch.int32) once and reuse it.")
+    return scratch[0], scratch[1], counters
 
 
 # flash_attn_with_kvcache's argument index -> _paged_attention_kernel's argument index.
-_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 8, 4: 9, 5: 10, 6: 4, 7: 3, 8: 12, 9: 13, 10: 14, 11: 15}
+_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 9, 4: 10, 5: 11, 6: 4, 7: 3, 8: 13, 9: 14, 10: 15, 11: 16}
 
 
 def plan_flash_attn_with_kvcache(args, kwargs, slots):
     """Provider plan (``providers.Implementation.plan``) of ``flash_attn_with_kvcache``.
 
     Fixes everything but the slot tensors once: launch plan, LSE and split scratch buffers (kept
-    by the plan: the returned LSE is overwritten by the next run), the metadata tensors in the
-    kernels' arguments. Returns ``run(*slot_tensors) -> lse``.
+    by the plan: the returned LSE is overwritten by the next run), the split-KV counters, the
+    metadata tensors in the kernel's arguments. Returns ``run(*slot_tensors) -> lse``.
+
+    The counters are allocated zeroed here, once, and bound as a fixed argument; every launch
+    leaves them zero. Runs of one plan share them, which is safe because they are sequential on
+    one stream (piecewise decode re-runs the plan layer after layer; a captured graph replays
+    them in order); concurrent runs of one plan on two streams would race. A plan made during a
+    graph capture has its zeroing recorded, not done: run it only through that graph's replays.
     """
     (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
      k_descale, v_descale, sinks) = args
@@ -481,31 +542,18 @@ def plan_flash_attn_with_kvcache(args, kwargs, slots):
                      page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
                      sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
                      kwargs["window_size_right"], kwargs["softcap"], None, None, None, lse)
-    o_part, lse_part = _scratch(plan, q, None, lse)
-    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part,
+    o_part, lse_part, counters = _split_buffers(plan, q, None, None, lse)
+    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part, counters,
               cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
     values += [lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks)]
     kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
     attention = plan.attention.bind(
         {i: t for i, t in enumerate(values) if i not in kernel_slots}, kernel_slots)
-    if plan.merge is None:
-        def run(*tensors):
-            attention(*tensors)
-            return lse
-        return run
-    # Merge arguments O_PART, LSE_PART, O, LSE, SINKS: out (op 6) and sinks (op 11) may be slots.
-    merge_from = {2: 6, 4: 11}
-    merge_slots = tuple(m for m, op_index in merge_from.items() if op_index in slots)
-    picks = tuple(slots.index(merge_from[m]) for m in merge_slots)
-    merge = plan.merge.bind({m: t for m, t in enumerate(
-        (o_part, lse_part, out, lse, lse if sinks is None else sinks)) if m not in merge_slots},
-        merge_slots)
 
-    def run_split(*tensors):
+    def run(*tensors):
         attention(*tensors)
-        merge(*[tensors[j] for j in picks])
         return lse
-    return run_split
+    return run
 
 
 def supports_attention(q, k, v, out, qv) -> Optional[str]:
