@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 from typing import Optional
 
 import torch
@@ -49,7 +50,25 @@ def available(device_type: str) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _interpreted(fn):
     from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(fn)
+    return InterpretedFunction(_with_interpreted_callees(fn))
+
+
+def _with_interpreted_callees(fn):
+    """``fn`` rebound to globals in which the ``@triton.jit`` functions it names (helpers a
+    kernel calls) are interpreted copies too: a compiled ``JITFunction`` called from an
+    interpreted kernel raises "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    from triton.runtime.jit import JITFunction
+    callees = {name: value for name, value in fn.__globals__.items()
+               if name in fn.__code__.co_names and isinstance(value, JITFunction)
+               and value.fn is not fn}
+    if not callees:
+        return fn
+    scope = dict(fn.__globals__)
+    scope.update({name: _interpreted(value.fn) for name, value in callees.items()})
+    clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__kwdefaults__, clone.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    clone.__module__, clone.__doc__ = fn.__module__, fn.__doc__
+    return clone
 
 
 def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
