@@ -4,6 +4,8 @@
 #   OUT=/path/to/results bash benchmarks/gpu_session.sh           # on the H200, from the repo root
 #   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/gpu_session.sh         # CPU check of part (c) only
 #   SKIP_GPU_TESTS=1 ...                                          # parts (b) and (c) only
+#   SKIP_BENCH=1 ...                                              # without part (b)
+#   MODES="eager piecewise graphs" ...                            # the generate modes of (c)
 #
 # Parts, each under its own `timeout` (seconds):
 #   (a) python -m pytest -m gpu -q                               -> $OUT/gpu_tests.log      120
@@ -30,7 +32,7 @@ SUMMARY="$OUT/summary.txt"
 if [ "$DRY_RUN" = 1 ]; then  # CPU: only part (c), 2 layers, 4 tokens
     DEVICE=cpu LAYERS=2 TOKENS=4 MODES="eager graphs" EXTRA="--no-inductor"
 else
-    DEVICE=cuda LAYERS=30 TOKENS=32 MODES="eager graphs" EXTRA=""
+    DEVICE=cuda LAYERS=30 TOKENS=32 MODES="${MODES:-eager graphs}" EXTRA=""
 fi
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -51,7 +53,7 @@ if [ "$DRY_RUN" != 1 ] && [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
     run_part "a pytest -m gpu" 120 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q
     tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
 fi
-if [ "$DRY_RUN" != 1 ]; then
+if [ "$DRY_RUN" != 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
 
     # (b) decode tokens/s per mode; 12 (mode, batch) runs, each compiles a 4-layer model
     run_part "b bench_model" 150 "$OUT/bench_model.log" $PY benchmarks/bench_model.py \
@@ -87,7 +89,7 @@ print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameter
 EOF
 if [ $? = 0 ]; then
     for mode in $MODES; do
-        limit=45; [ "$mode" = graphs ] && limit=150
+        limit=45; [ "$mode" != eager ] && limit=150
         run_part "c generate --mode $mode" $limit "$OUT/generate_$mode.log" \
             $PY -m compile generate --model "$MODEL_DIR" --device "$DEVICE" --mode "$mode" \
             --max-new-tokens "$TOKENS" --verify --no-progress $EXTRA
