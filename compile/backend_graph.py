@@ -202,8 +202,10 @@ class GraphMetadataMixin:
                 buffers = metadata_buffers(self, max_bs, max_num_tokens, write_loc=True)
             state = self._persistent = (max_bs, max_num_tokens, buffers, {})
         bound_by_key = state[3]
-        # Slices made under inference mode may only be written under it: one binding per mode.
-        key = self._graph_key(forward_batch) + (torch.is_inference_mode_enabled(),)
+        # Per token count too (verify steps of another draft length), and per inference mode:
+        # slices made under it may only be written under it.
+        key = self._graph_key(forward_batch) + (fresh.write.loc.shape[0],
+                                                torch.is_inference_mode_enabled())
         bound = bound_by_key.get(key)
         if bound is None:
             bound = bound_by_key[key] = bind_metadata(fresh, state[2], _PERSISTENT_EXTERNAL)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode
+from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
 from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool, SWAKVPool)
 from compile.model_runner import ModelRunnerInfo
@@ -110,6 +110,29 @@ class Harness:
         ids = torch.randint(0, self.vocab, (len(rows),), generator=self.gen)
         return self._batch(ForwardMode.DECODE, list(rows), [1] * len(rows), ids, init)
 
+    def verify(self, rows: Sequence[int], d: int, init=False):
+        """TARGET_VERIFY over ``d`` drafts per request (``seq_lens`` = the prefix, as sglang):
+        ``d`` new slots per request; the drafts do not count as cached until ``accept``."""
+        ids, pos, fb = self.extend(rows, [d] * len(rows), init=False)
+        for r in rows:
+            self.lens[r] -= d
+        seq_lens_cpu = torch.tensor([self.lens[r] for r in rows], dtype=torch.int32)
+        verify = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(rows),
+                              req_pool_indices=fb.req_pool_indices,
+                              seq_lens=seq_lens_cpu.to(self.device), seq_lens_cpu=seq_lens_cpu,
+                              out_cache_loc=fb.out_cache_loc, positions=fb.positions,
+                              spec_info=SpecInfo(topk=1, draft_token_num=d))
+        verify.attn_backend, verify.token_to_kv_pool = self.backend, self.kv_pool
+        verify.req_to_token_pool = self.req_pool
+        if init:
+            self.backend.init_forward_metadata(verify)
+        return ids, pos, verify
+
+    def accept(self, rows: Sequence[int], n: int = 1) -> None:
+        """Accept the first ``n`` drafts of each request of a ``verify`` step."""
+        for r in rows:
+            self.lens[r] += n
+
 
 class MLAHarness(Harness):
     """``Harness`` over an ``MLATokenToKVPool`` for a DeepSeek-V2 model (R + r per token, one
@@ -147,6 +170,20 @@ class SWAHarness(Harness):
         if new.numel():
             self.kv_pool.map_pages(new.tolist(), self.swa_allocator.alloc_pages(new.numel()))
         return slots
+
+
+def eager_without_split_op(model, layers, ids: Tensor, pos: Tensor, fb: ForwardBatch):
+    """``model(ids, pos, fb)`` under ``no_grad`` with its split-op ``layers`` (``layer_id ->
+    PagedAttention``) back on the backend directly for the call: the eager reference of a
+    piecewise step."""
+    for layer in layers.values():
+        layer.use_split_op = False
+    try:
+        with torch.no_grad():
+            return model(ids, pos, fb)
+    finally:
+        for layer in layers.values():
+            layer.use_split_op = True
 
 
 def fx_op_sequence(gm: torch.fx.GraphModule) -> str:

@@ -13,7 +13,7 @@ import torch
 from expecttest import TestCase
 
 from compile import device as dev
-from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.forward_batch import ForwardMode
 from compile.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, full_and_piecewise
 from compile.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
@@ -69,36 +69,14 @@ class TestDecodeGraphRunnerCPU(TestCase):
         runner = TargetVerifyGraphRunner(model, draft_token_num=d, batch_sizes=(2, 4),
                                          capture=False)
         for rows in ([0, 1, 2], [1, 2], [0, 1, 2]):
-            ids, pos, fb = _verify_batch(h, rows, d)
+            ids, pos, fb = h.verify(rows, d)
             with torch.no_grad():
                 out = runner(ids, pos, fb)
                 h.backend.init_forward_metadata(fb)
                 ref = model(ids, pos, fb)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-            _accept_one(h, rows, d)
+            h.accept(rows)
         self.assertEqual(sorted(runner.graphs), [2, 4])
-
-
-def _verify_batch(h: Harness, rows, d: int):
-    """TARGET_VERIFY over ``d`` drafts per request (``seq_lens`` = the prefix, as sglang)."""
-    ids, pos, fb = h.extend(rows, [d] * len(rows), init=False)  # allocates d slots/request
-    for r in rows:
-        h.lens[r] -= d  # drafts are not part of the prefix yet
-    seq_lens_cpu = torch.tensor([h.lens[r] for r in rows], dtype=torch.int32)
-    verify = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(rows),
-                          req_pool_indices=fb.req_pool_indices,
-                          seq_lens=seq_lens_cpu.to(h.device), seq_lens_cpu=seq_lens_cpu,
-                          out_cache_loc=fb.out_cache_loc, positions=fb.positions,
-                          spec_info=SpecInfo(topk=1, draft_token_num=d))
-    verify.attn_backend, verify.token_to_kv_pool = h.backend, h.kv_pool
-    verify.req_to_token_pool = h.req_pool
-    return ids, pos, verify
-
-
-def _accept_one(h: Harness, rows, d: int) -> None:
-    """Accept the first draft of each request; the next verify step re-allocates the rest."""
-    for r in rows:
-        h.lens[r] += 1
 
 
 @requires_gpu_graphs

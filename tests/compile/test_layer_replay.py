@@ -19,7 +19,9 @@ from compile import layer_replay
 from compile.memory_pool import SWAKVPool
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.piecewise import PiecewiseModel
-from tests.compile.compile_helpers import Harness, MLAHarness, SWAHarness, pool_buffers, tiny_model
+from tests.compile.compile_helpers import (Harness, MLAHarness, SWAHarness,
+                                           eager_without_split_op as _eager, pool_buffers,
+                                           tiny_model)
 
 MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
 
@@ -45,21 +47,11 @@ def replays(monkeypatch):
     return count
 
 
-def _eager(model, layers, ids, pos, fb):
-    for layer in layers.values():
-        layer.use_split_op = False
-    try:
-        with torch.no_grad():
-            return model(ids, pos, fb)
-    finally:
-        for layer in layers.values():
-            layer.use_split_op = True
-
-
-def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad):
-    """One decode step of ``rows`` through ``pw``: the written KV slots (NaN-poisoned first)
-    and the logits equal an eager run of the same batch."""
-    ids, pos, fb = h.decode(rows)
+def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad, draft=0):
+    """One decode step of ``rows`` (a target-verify step of ``draft`` tokens per request when
+    ``draft``) through ``pw``: the written KV slots (NaN-poisoned first) and the logits equal an
+    eager run of the same batch over freshly built metadata."""
+    ids, pos, fb = h.verify(rows, draft, init=True) if draft else h.decode(rows)
     pool, loc = h.kv_pool, fb.out_cache_loc
     if isinstance(pool, SWAKVPool):  # the SWA pool's buffers take translated slots
         swa_loc = pool.translate_loc_from_full_to_swa(loc)
@@ -72,7 +64,10 @@ def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad):
     with grad_mode():
         out = pw(ids, pos, fb)
     written = [buf.view(buf.shape[0], -1)[slots].clone() for buf, slots in rows_of]
+    persisted = fb.attn_backend.forward_metadata
+    fb.attn_backend.init_forward_metadata(fb)  # the reference reads its own, fresh metadata
     ref = _eager(model, pw.layers, ids, pos, fb)  # rewrites the same slots, eagerly
+    fb.attn_backend.forward_metadata = persisted
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for got, (buf, slots) in zip(written, rows_of):
         torch.testing.assert_close(got, buf.view(buf.shape[0], -1)[slots], rtol=1e-5, atol=1e-5)
@@ -93,6 +88,19 @@ def test_decode_steps_replay_every_layer_and_equal_eager(replays, page_size):
     # Each (batch size) key records at its first step in the bucket after warm-up/capture; the
     # steps after that replay all 3 layers.
     assert replays[0] >= 3 * 4, replays[0]
+
+
+def test_target_verify_steps_of_two_draft_lengths_replay_and_equal_eager(replays):
+    model = tiny_model(num_layers=2)
+    h = Harness(model, page_size=2)
+    _eager(model, {}, *h.extend([0, 1, 2], [5, 8, 3]))
+    pw = PiecewiseModel(model, graph_sizes=(8, 16), inductor=False, emulate_graphs=True)
+    for rows, draft in ([([0, 1], 3)] * 3 + [([0, 1], 2)] * 2 + [([0, 1, 2], 2)] * 2
+                        + [([0, 1], 3)] * 2):
+        fb = _step_equals_eager(pw, model, h, rows, draft=draft)
+        assert fb.attn_backend.forward_metadata.replays is not None
+        h.accept(rows)
+    assert replays[0] > 0
 
 
 def test_grad_and_inference_mode_steps_keep_separate_bindings(replays):

@@ -19,20 +19,9 @@ from compile.forward_context import get_forward_context, has_forward_context, se
 from compile.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, compile_piecewise,
                                split_graph)
 from compile.split_op import enable_split_op
-from tests.compile.compile_helpers import Harness, fx_op_sequence, tiny_model
+from tests.compile.compile_helpers import (Harness, eager_without_split_op as _eager,
+                                           fx_op_sequence, tiny_model)
 from tests.markers import requires_gpu_graphs
-
-
-def _eager(model, layers, ids, pos, fb):
-    """The model with its layers back on the backend directly (no split op)."""
-    for layer in layers.values():
-        layer.use_split_op = False
-    try:
-        with torch.no_grad():
-            return model(ids, pos, fb)
-    finally:
-        for layer in layers.values():
-            layer.use_split_op = True
 
 
 def _mixed(h, rows, lens):
