@@ -319,6 +319,17 @@ class XPUAttentionBackend(GraphMetadataMixin):
             return k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:])
         return self.token_to_kv_pool.get_paged_kv(layer.kv_cache_layer_id, page_size)
 
+    def replay_state(self, layer) -> tuple:
+        """What an eager call of ``layer`` reads besides its inputs and the metadata: its KV
+        buffers (those it writes and those it attends) and its fp8 scales, compared by identity
+        before the split op replays a recorded call (``compile/layer_replay.py``), so a pool
+        that replaced its buffers or new ``set_kv_scales`` make the call record again."""
+        pool = self.token_to_kv_pool
+        state = (*pool.get_kv_buffer(layer.kv_cache_layer_id), layer.k_scale, layer.v_scale)
+        if layer.kv_cache_layer_id != layer.layer_id:
+            state += pool.get_kv_buffer(layer.layer_id)
+        return state
+
     def is_swa_layer(self, layer) -> bool:
         """Whether ``layer``'s KV lives in the sliding-window pool of a hybrid SWA pool.
 

@@ -20,7 +20,7 @@ topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int, *, write_loc: bo
 
 def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = _EXTERNAL):
     """Move every tensor of ``meta`` (but the ``external`` ones) into a leading slice of its
-    buffer, in place, and return ``meta``.
+    buffer, in place, and return ``meta``. Its op plans are dropped: they read the tensors it had
+    before (an eager run of the step may have planned calls already).
 
     Raises:
         NotImplementedError: ``meta`` has a tensor without a buffer (a layer kind that cannot
@@ -97,6 +98,7 @@ def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = 
                 bound[..., :t.shape[-1] if t.dim() > 1 else None].copy_(t)
             seen[id(t)] = bound
         _set_path(meta, name, seen[id(t)])
+    meta.plans = {}
     return meta
 
 
@@ -116,7 +118,18 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
         if f.shape[0] != b.shape[0] or (f.dim() > 1 and f.shape[1] > b.shape[1]):
             raise RuntimeError(f"XPUAttentionBackend: refilled metadata {name} has shape "
                                f"{tuple(f.shape)}; expected it to fit {tuple(b.shape)}.")
-        b[..., :f.shape[-1]].copy_(f) if f.dim() > 1 else b.copy_(f)
+        if f.dim() > 1:
+            b[..., :f.shape[-1]].copy_(f)
+        else:
+            b.copy_(f)
+
+
+class _PersistentState(NamedTuple):
+    """Buffers of ``persist_forward_metadata`` and the metadata bound to them, per key."""
+    max_bs: int
+    max_num_tokens: int
+    buffers: dict[str, Tensor]
+    bound: dict[tuple, Any]
 
 
 class GraphMetadataMixin:
@@ -129,8 +142,7 @@ class GraphMetadataMixin:
         self.graph_max_bs, self.graph_max_num_tokens = max_bs, max_num_tokens
         self._graph_metadata = {}
 
-    # (max_bs, max_num_tokens, buffers, key -> bound metadata) of persist_forward_metadata
-    _persistent: Optional[tuple] = None
+    _persistent: Optional[_PersistentState] = None  # persist_forward_metadata's
 
     def _graph_key(self, fb) -> tuple:
         return (fb.forward_mode, fb.batch_size, fb.spec_info is not None)
@@ -197,18 +209,17 @@ class GraphMetadataMixin:
                 or fresh.write.loc.shape[0] > max_num_tokens):
             return None
         state = self._persistent
-        if state is None or state[0] < max_bs or state[1] < max_num_tokens:
+        if state is None or state.max_bs < max_bs or state.max_num_tokens < max_num_tokens:
             with torch.inference_mode(False):  # normal tensors: refilled in and out of it
                 buffers = metadata_buffers(self, max_bs, max_num_tokens, write_loc=True)
-            state = self._persistent = (max_bs, max_num_tokens, buffers, {})
-        bound_by_key = state[3]
+            state = self._persistent = _PersistentState(max_bs, max_num_tokens, buffers, {})
         # Per token count too (verify steps of another draft length), and per inference mode:
         # slices made under it may only be written under it.
         key = self._graph_key(forward_batch) + (fresh.write.loc.shape[0],
                                                 torch.is_inference_mode_enabled())
-        bound = bound_by_key.get(key)
+        bound = state.bound.get(key)
         if bound is None:
-            bound = bound_by_key[key] = bind_metadata(fresh, state[2], _PERSISTENT_EXTERNAL)
+            bound = state.bound[key] = bind_metadata(fresh, state.buffers, _PERSISTENT_EXTERNAL)
             bound.replays = {}
         else:
             refill_metadata(bound, fresh, _PERSISTENT_EXTERNAL)

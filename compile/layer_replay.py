@@ -3,19 +3,20 @@
 In a piecewise decode step every layer's attention runs eagerly between captured graph pieces,
 and on a fast GPU that host work is the step's bottleneck: the split op's checks, the forward
 context, the backend's dispatch on the layer kind, the plan look-ups (``xpu_ops.plan``), for
-three kernel launches. When the step's metadata lives in fixed buffers across steps
+two kernel launches (the KV store, and attention with its split-KV merge inside). When the step's metadata lives in fixed buffers across steps
 (``XPUAttentionBackend.persist_forward_metadata``), a layer's call is the same from step to step:
 the same piece outputs (a captured piece returns the same tensors on every replay), the same KV
 cache, the same metadata tensors with new values. The split op then records, on the first such
 call, the validated plan runs the backend made (``planned_run(..., record=...)``) and replays
-them on later calls, after checking that it got the very same tensor objects and token count.
+them on later calls, after checking that it got the very same tensor objects and token count
+and that what else the runs read is unchanged: the layer's KV buffers in the pool and its fp8
+scales (``XPUAttentionBackend.replay_state``), compared by identity.
 
 A call is recorded only when the backend served it with plan runs alone (plain MHA pool, no fp8
 descale copies, no cascade, no MLA, result written straight into the op's output): the backend
 marks any other work with a ``None`` in the record, which makes it unrecordable. What this
-assumes is what a captured graph assumes: tensors the runs read (the layer's KV cache, the
-metadata buffers, scratch of the plans) are never replaced by new tensor objects, only updated
-in place. This is the host-side analogue of FlashInfer's plan/run split (plan once per batch,
+assumes beyond those checks is what a captured graph assumes: the tensors the runs read are
+updated in place, never resized (``resize_``/``set_`` on the same object). This is the host-side analogue of FlashInfer's plan/run split (plan once per batch,
 run per layer), carried across steps.
 """
 
@@ -35,14 +36,15 @@ class LayerReplay:
         num_tokens: the step's real tokens (``forward_context.num_tokens``).
         runs: ``(OpPlan, slot tensors)`` in the order the backend ran them.
         tail: ``output[num_tokens:]`` when the call zeroed a padded tail, else None.
+        state: ``XPUAttentionBackend.replay_state(layer)`` when the call was recorded.
     """
 
-    __slots__ = ("inputs", "num_tokens", "runs", "tail")
+    __slots__ = ("inputs", "num_tokens", "runs", "tail", "state")
 
     def __init__(self, inputs: tuple, num_tokens: int, runs: Sequence[tuple[Any, tuple]],
-                 tail: Optional[Tensor]):
+                 tail: Optional[Tensor], state: tuple):
         self.inputs, self.num_tokens = inputs, num_tokens
-        self.runs, self.tail = tuple(runs), tail
+        self.runs, self.tail, self.state = tuple(runs), tail, state
 
     @staticmethod
     def recordable(runs: Optional[list]) -> bool:
@@ -57,6 +59,10 @@ class LayerReplay:
             if a is not b:
                 return False
         return True
+
+    def same_state(self, state: tuple) -> bool:
+        """True when ``state`` holds the very objects recorded (``replay_state`` now)."""
+        return len(state) == len(self.state) and all(a is b for a, b in zip(state, self.state))
 
     def replay(self) -> None:
         """Re-run the recorded plans (and zero the padded tail)."""

