@@ -225,8 +225,7 @@ def main(argv=None):
             print(f"compile {args.compile_layers} layers ({key}): cold "
                   f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
                   f"{os.getloadavg()[0]:.2f})", flush=True)
-    if args.compile_only:  # no decode table: print, leave the result files alone
-        print(compile_summary(args, compile_s))
+    if args.compile_only:  # no decode table: the figures are printed above, no result files
         return
     write_results(args, rows, compile_s)
 

@@ -31,6 +31,7 @@ unless ``plan_applies(t)`` says a plan would do the same thing.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -109,6 +110,7 @@ class _Validated(NamedTuple):
 
 _VALIDATED: dict[tuple, _Validated] = {}
 _VALIDATED_MAX = 1024  # signatures kept; the oldest goes first
+_VALIDATED_LOCK = threading.Lock()  # held to change _VALIDATED (reads need no lock)
 _validation_counts = {"hits": 0, "misses": 0}
 
 
@@ -165,9 +167,10 @@ def _validated(key: Optional[tuple], op: str, args: Sequence[Any], kwargs: dict[
     _validation_counts["misses"] += 1
     found = _validate(op, args, kwargs, slots)
     if key is not None:
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            del _VALIDATED[next(iter(_VALIDATED))]
-        _VALIDATED[key] = found
+        with _VALIDATED_LOCK:  # threads planning at once: evict and insert one at a time
+            if len(_VALIDATED) >= _VALIDATED_MAX:
+                del _VALIDATED[next(iter(_VALIDATED))]
+            _VALIDATED[key] = found
     return found
 
 
@@ -179,7 +182,8 @@ def validation_cache_info() -> dict[str, int]:
 
 def clear_validation_cache() -> None:
     """Forget every cached validation (and reset the counts of ``validation_cache_info``)."""
-    _VALIDATED.clear()
+    with _VALIDATED_LOCK:
+        _VALIDATED.clear()
     _validation_counts.update(hits=0, misses=0)
 
 
