@@ -103,5 +103,5 @@ def has_forward_context() -> bool:
     return _CONTEXT is not None
 
 
-__all__ = ["ForwardContext", "set_forward_context", "get_forward_context", "current_forward_context",
-           "has_forward_context"]
+__all__ = ["ForwardContext", "set_forward_context", "get_forward_context",
+           "current_forward_context", "has_forward_context"]
