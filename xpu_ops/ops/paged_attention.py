@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
@@ -75,7 +75,7 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
                            sinks=sinks, softcap=softcap, max_seqlen_q=max_seqlen_q)
 
 
-@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",), by_device=True)
 def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
@@ -92,10 +92,6 @@ def flash_attn_with_kvcache_op(
     args = (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
             k_descale, v_descale, sinks)
     _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              softmax_scale=softmax_scale, causal=causal,
-                              window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap)
 
 
 @flash_attn_with_kvcache_op.register_fake

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail)
@@ -55,7 +55,7 @@ def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sequ
                            softcap=softcap, max_seqlen_q=max_seqlen_q)
 
 
-@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",), by_device=True)
 def flash_attn_varlen_func_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
     seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
@@ -72,10 +72,6 @@ def flash_attn_varlen_func_op(
             v_descale, sinks)
     _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   softcap=softcap)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal, window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap)
 
 
 @flash_attn_varlen_func_op.register_fake

@@ -3,21 +3,16 @@
 One program per written token copies its ``[Hkv, D]`` rows into slot ``loc[i]`` of the flat
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
 Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off.
-``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), re-launched through a
-``BoundLaunch`` cached per call shape (decode writes the same shape in every layer).
+``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``).
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
 from .. import providers
 from ._common import available, launch, next_pow2
-from .launcher import BoundLaunch
 
 
 @triton.jit
@@ -80,21 +75,6 @@ def _store_kv_kernel(
              v.to(V_CACHE.dtype.element_ty), mask=mask_v)
 
 
-@functools.lru_cache(maxsize=256)
-def _store_kv_launch(device: torch.device, num_tokens: int, k_shape, k_strides, v_shape,
-                     v_strides, kc_shape, kc_strides, vc_shape, vc_strides, has_k_scale: bool,
-                     has_v_scale: bool) -> BoundLaunch:
-    """The ``_store_kv_kernel`` launch of one call shape (flat caches ``[slots, Hkv, D]``)."""
-    _, num_heads, head_dim = k_shape
-    args = [None] * 7 + [k_strides[0], k_strides[1], v_strides[0], v_strides[1], kc_strides[0],
-                         kc_strides[1], vc_strides[0], vc_strides[1], num_heads, head_dim,
-                         v_shape[2], kc_shape[0], vc_shape[0]]
-    meta = dict(BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
-                BLOCK_DV=next_pow2(v_shape[2]), HAS_K_SCALE=has_k_scale,
-                HAS_V_SCALE=has_v_scale, num_warps=4)
-    return BoundLaunch(_store_kv_kernel, (num_tokens,), device, args, meta, tuple(range(7)))
-
-
 def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
     """Launch ``_store_rows_kernel``: ``src [N, H, D]`` into ``dst [slots, H, >= D]``; entries
     of ``loc`` outside ``[0, slots)`` are skipped."""
@@ -123,54 +103,24 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
     return None
 
 
-# store_kv_cache's argument index -> _store_kv_kernel's argument index.
-_OP_TO_KERNEL = {0: 2, 1: 3, 2: 4, 3: 0, 4: 1, 5: 5, 6: 6}
-
-
-def plan_store_kv_cache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``store_kv_cache``: the launch with
-    the non-slot arguments (``loc``, typically) fixed. Returns ``run(*slot_tensors)``; 4-D
-    caches in the slots are viewed flat per run."""
-    k_cache, v_cache, loc, k, v, k_scale, v_scale = args
-    if k.shape[0] == 0:
-        return lambda *tensors: None
-    kc, vc = _flat(k_cache), _flat(v_cache)
-    launch = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
-                              kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
-                              v_scale is not None)
-    values = (k, v, kc, vc, loc, loc if k_scale is None else k_scale,
-              loc if v_scale is None else v_scale)
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    bound = launch.bind({i: t for i, t in enumerate(values) if i not in kernel_slots},
-                        kernel_slots)
-    flatten = tuple(j for j, i in enumerate(slots) if i in (0, 1) and args[i].dim() == 4)
-    if not flatten:
-        return bound
-
-    def run(*tensors):
-        tensors = list(tensors)
-        for j in flatten:
-            tensors[j] = tensors[j].flatten(0, 1)
-        bound(*tensors)
-    return run
-
-
-@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store,
-                    plan=plan_store_kv_cache)
+@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
     One launch of ``_store_kv_kernel``: one program per token copies its K and V rows
     ``[Hkv, D]``/``[Hkv, Dv]`` into slot ``loc[i]``; out-of-range slots are masked off.
     """
-    if k.shape[0] == 0:
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
         return
     kc, vc = _flat(k_cache), _flat(v_cache)
-    run = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
-                           kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
-                           v_scale is not None)
-    run(k, v, kc, vc, loc, loc if k_scale is None else k_scale,
-        loc if v_scale is None else v_scale)
+    launch(_store_kv_kernel, (num_tokens,), k.device, k, v, kc, vc, loc,
+           loc if k_scale is None else k_scale, loc if v_scale is None else v_scale,
+           k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+           vc.stride(0), vc.stride(1), num_heads, head_dim, v.shape[2], kc.shape[0], vc.shape[0],
+           BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+           BLOCK_DV=next_pow2(v.shape[2]), HAS_K_SCALE=k_scale is not None,
+           HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 
 def _supports_mla(kv_cache, loc, k_nope, k_rope):

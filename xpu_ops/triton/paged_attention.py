@@ -20,11 +20,9 @@ loads all partials of its rows in split order 0..S-1 (the result does not depend
 merges), combines them LSE-weighted (sinks added once, empty splits weight 0, ``-inf`` LSE for
 rows with no visible key), writes ``out`` and the LSE, and stores 0 back to the counter. No
 program waits for another. The counters are zero before and after every launch, so their owner
-reuses them: ``plan_flash_attn_with_kvcache`` allocates one zeroed buffer per plan, next to its
-scratch, and binds it (runs of a plan are sequential on one stream, graph replays included);
-an unplanned ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for the
-call (inside a graph capture that comes from the graph's pool and its memset is replayed); never
-one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
+may reuse them: a ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for
+the call (inside a graph capture that comes from the graph's pool and its memset is replayed);
+never one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
 split count, scratch and counter sizes depend only on shapes and the device's multiprocessor
 count, never on tensor values, so the launch can be captured in a device graph.
 
@@ -44,8 +42,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import HAS_TRITON, available, cdiv, next_pow2, num_sms
-from .launcher import BoundLaunch
+from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
 
 if HAS_TRITON:
     import triton
@@ -354,25 +351,23 @@ def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchPlan:
+class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
-    attention: BoundLaunch
+    grid: tuple[int, int, int]
+    scalars: tuple  # the kernel's arguments after its 17 tensors (strides, sizes, scalars)
+    meta: dict      # constexprs and launch options
     num_splits: int
     dv_pad: int
     num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
 
 
-# Slots (positions of per-call tensors) in the kernel's argument list.
-_ATTENTION_SLOTS = tuple(range(17))      # Q .. SINKS
-
-
 @functools.lru_cache(maxsize=512)
-def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
-                 v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
-                 batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
-                 softmax_scale: float, softcap: float, window_left: int, window_right: int,
-                 num_splits: Optional[int], config: Optional[_Config], part_strides,
-                 lse_stride: int) -> _LaunchPlan:
+def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
+                   v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
+                   batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
+                   softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                   num_splits: Optional[int], config: Optional[_Config], part_strides,
+                   lse_stride: int) -> _LaunchParams:
     """Grid, tile config, split count and every scalar argument of one call shape (cached: a
     decode step repeats the same shape in every layer, so this runs once per shape)."""
     total_q, num_heads_q, head_dim = q_shape
@@ -404,19 +399,18 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
     upcast = device.type == "cpu" and q_dtype != torch.float32
     precision = "ieee" if q_dtype == torch.float32 or upcast else None
     qv_s = qv_strides if has_qv else q_strides
-    args = [None] * 17 + [
+    scalars = (
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
         float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
-        num_heads_kv, head_dim, head_dim_v, cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits)]
+        num_heads_kv, head_dim, head_dim_v, cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits))
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attention = BoundLaunch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits),
-                            device, args, meta, _ATTENTION_SLOTS)
-    return _LaunchPlan(attention, num_splits, dv_pad, grid_m * batch * num_heads_kv)
+    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
+                         dv_pad, grid_m * batch * num_heads_kv)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
@@ -438,9 +432,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             Only the last dimension needs unit stride.
         cache_seqlens: [b] int32 keys per request (tokens).
         cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
-        max_kv_len: bound on keys per request from shapes (tokens), used to plan splits.
+        max_kv_len: bound on keys per request from shapes (tokens), used to choose splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
-        num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
+        num_splits: force the KV split count (tests, benchmarks); default chosen from shapes.
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
@@ -454,34 +448,17 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     Raises:
         ValueError: ``counters`` is not int32, not contiguous or has fewer entries than tiles.
 
-    Host cost: the grid, tile config, split count and scalar arguments are computed once per call
-    shape (``_launch_plan``, cached) and the kernel re-launches through ``BoundLaunch``.
+    The grid, tile config, split count and scalar arguments depend only on shapes, strides and
+    scalars, so they are computed once per call shape (``_launch_params``, cached); the launch
+    itself is ``kernel[grid](...)``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if lse is None:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
-    plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
-                     q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
-                     window_right, softcap, num_splits, config, scratch, lse)
-    o_part, lse_part, counters = _split_buffers(plan, q, scratch, counters, lse)
-    dummy = lse
-    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-                   cache_seqlens, cache_seqlens if page_table is None else page_table,
-                   cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
-                   dummy if q_descale is None else q_descale,
-                   dummy if k_descale is None else k_descale,
-                   dummy if v_descale is None else v_descale, dummy if sinks is None else sinks)
-    return lse
-
-
-def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv, q_descale,
-              k_descale, v_descale, sinks, softmax_scale, window_left, window_right, softcap,
-              num_splits, config, scratch, lse) -> _LaunchPlan:
-    """``_launch_plan`` of these tensors' shapes, strides and flags."""
     paged = page_table is not None
-    return _launch_plan(
+    params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
@@ -489,71 +466,40 @@ def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len,
                      v_descale is not None, sinks is not None), softmax_scale, softcap,
         window_left, window_right, num_splits, config,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
+    o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    launch(_paged_attention_kernel, params.grid, q.device,
+           q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
+           cache_seqlens, cache_seqlens if page_table is None else page_table,
+           cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+           lse if q_descale is None else q_descale, lse if k_descale is None else k_descale,
+           lse if v_descale is None else v_descale, lse if sinks is None else sinks,
+           *params.scalars, **params.meta)
+    return lse
 
 
-def _split_buffers(plan: _LaunchPlan, q: Tensor, scratch, counters,
+def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                    dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(o_part, lse_part, counters)`` for the plan's splits: the given buffers, new ones
+    """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
     (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
-    splits = plan.num_splits
+    splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if scratch is None:
-        scratch = (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
-                               device=q.device),
+        scratch = (torch.empty((splits, total_q, num_heads_q, params.dv_pad),
+                               dtype=torch.float32, device=q.device),
                    torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
                                device=q.device))
     if counters is None:
-        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=q.device)
+        counters = torch.zeros(params.num_tiles, dtype=torch.int32, device=q.device)
     elif (counters.dtype != torch.int32 or not counters.is_contiguous()
-          or counters.numel() < plan.num_tiles):
+          or counters.numel() < params.num_tiles):
         raise ValueError(f"paged_attention: counters is {counters.dtype}, "
                          f"{'' if counters.is_contiguous() else 'non-'}contiguous, with "
                          f"{counters.numel()} entries; expected contiguous torch.int32 with at "
-                         f"least {plan.num_tiles} (one per program tile). Allocate "
+                         f"least {params.num_tiles} (one per program tile). Allocate "
                          f"torch.zeros(n, dtype=torch.int32) once and reuse it.")
     return scratch[0], scratch[1], counters
-
-
-# flash_attn_with_kvcache's argument index -> _paged_attention_kernel's argument index.
-_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 9, 4: 10, 5: 11, 6: 4, 7: 3, 8: 13, 9: 14, 10: 15, 11: 16}
-
-
-def plan_flash_attn_with_kvcache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``flash_attn_with_kvcache``.
-
-    Fixes everything but the slot tensors once: launch plan, LSE and split scratch buffers (kept
-    by the plan: the returned LSE is overwritten by the next run), the split-KV counters, the
-    metadata tensors in the kernel's arguments. Returns ``run(*slot_tensors) -> lse``.
-
-    The counters are allocated zeroed here, once, and bound as a fixed argument; every launch
-    leaves them zero. Runs of one plan share them, which is safe because they are sequential on
-    one stream (piecewise decode re-runs the plan layer after layer; a captured graph replays
-    them in order); concurrent runs of one plan on two streams would race. A plan made during a
-    graph capture has its zeroing recorded, not done: run it only through that graph's replays.
-    """
-    (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-     k_descale, v_descale, sinks) = args
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    if q.shape[0] == 0 or cache_seqlens.shape[0] == 0:
-        return lambda *tensors: lse
-    plan = _plan_for(q, k_cache, v_cache, out, cache_seqlens, page_table, kwargs["max_seqlen_q"],
-                     page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
-                     sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
-                     kwargs["window_size_right"], kwargs["softcap"], None, None, None, lse)
-    o_part, lse_part, counters = _split_buffers(plan, q, None, None, lse)
-    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-              cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
-    values += [lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks)]
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    attention = plan.attention.bind(
-        {i: t for i, t in enumerate(values) if i not in kernel_slots}, kernel_slots)
-
-    def run(*tensors):
-        attention(*tensors)
-        return lse
-    return run
 
 
 def supports_attention(q, k, v, out, qv) -> Optional[str]:
@@ -569,8 +515,7 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 
 @providers.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv),
-                    plan=plan_flash_attn_with_kvcache)
+                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
                             softmax_scale, causal, window_size_left, window_size_right, softcap):
