@@ -318,11 +318,13 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
 @_sampler("merge_state_v2")
 def _merge_state_v2_samples(device, dtype, gen):
     inf = float("inf")
-    # (N, H, D, dtype, which LSE entries are -inf: "a", "b", "both", "mixed" or "")
+    # (N, H, D, dtype, which LSE entries are empty: -inf on "a", "b", "both" or "mixed" rows;
+    # "posinf": +inf (FlashAttention's empty row) against finite, -inf and +inf; "far" or "")
     for n, h, d, dt, empty in ((5, 4, 64, torch.float32, "mixed"), (3, 2, 128, torch.bfloat16, ""),
                                (4, 8, 80, torch.float16, "mixed"), (1, 1, 256, torch.float32, "a"),
                                (2, 3, 64, torch.float32, "both"), (0, 4, 64, torch.float32, ""),
-                               (6, 2, 32, torch.float32, "far")):
+                               (6, 2, 32, torch.float32, "far"),
+                               (4, 3, 64, torch.bfloat16, "posinf")):
         dt = dtype or dt
         v_a, v_b = _randn(gen, n, h, d, dtype=dt, device=device), _randn(gen, n, h, d, dtype=dt,
                                                                              device=device)
@@ -336,6 +338,10 @@ def _merge_state_v2_samples(device, dtype, gen):
             s_a[n // 2, 0] = s_b[n // 2, 0] = -inf
         if empty == "far":                      # one side dominates by e^60
             s_a = s_b + 60.0
+        if empty == "posinf":
+            s_a[0], s_b[1] = inf, inf                           # against finite LSEs
+            s_a[2], s_b[2] = inf, -inf                          # +inf with -inf
+            s_a[3], s_b[3] = inf, inf                           # both +inf
         s_a, s_b = s_a.to(device), s_b.to(device)
         yield ((v_a, s_a, v_b, s_b, _nan_poisoned((n, h, d), dt, device),
                 _nan_poisoned((n, h), torch.float32, device)), {})
