@@ -176,6 +176,25 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, softma
     return torch.stack(outs) if outs else torch.zeros(0, q_nope.shape[1], latent, dtype=F64)
 
 
+def flash_mla_prefill(q_nope, q_pe, kv_cache, cu_seqlens_q, seq_lens_k, page_table, *, sm_scale,
+                      causal):
+    """Absorbed MLA of ragged queries: request ``r``'s rows ``cu_seqlens_q[r]:[r + 1]`` over its
+    ``seq_lens_k[r]`` tokens, keys the whole ``[R + r]`` row, values the first ``R`` entries,
+    causal bottom-right. Returns ``[total_q, H, R]`` float64."""
+    latent = q_nope.shape[-1]
+    cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, kv_cache.shape[-1])
+    outs = []
+    for r in range(seq_lens_k.shape[0]):
+        q0, q1 = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        k_len = int(seq_lens_k[r])
+        q = torch.cat([q_nope[q0:q1], q_pe[q0:q1]], dim=-1).to(F64)      # [Lq, H, R + r]
+        k = paged_keys(cache, page_table, r, k_len)                        # [Lk, 1, R + r]
+        mask = visible_mask(q1 - q0, k_len, causal=causal)
+        o, _ = attend(q, k, k[..., :latent], mask, scale=sm_scale)
+        outs.append(o)
+    return torch.cat(outs) if outs else torch.zeros(0, q_nope.shape[1], latent, dtype=F64)
+
+
 def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] = None) -> Tensor:
     """Expected cache after writing ``values[i]`` (divided by ``scale`` for fp8) into flat token
     slot ``loc[i]``: a copy of ``cache`` viewed ``[slots, ...]``, written one slot at a time."""
