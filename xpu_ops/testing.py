@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -318,11 +319,13 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
 @_sampler("merge_state_v2")
 def _merge_state_v2_samples(device, dtype, gen):
     inf = float("inf")
-    # (N, H, D, dtype, which LSE entries are -inf: "a", "b", "both", "mixed" or "")
+    # (N, H, D, dtype, which LSE entries are empty: -inf on "a", "b", "both" or "mixed" rows;
+    # "posinf": +inf (FlashAttention's empty row) against finite, -inf and +inf; "far" or "")
     for n, h, d, dt, empty in ((5, 4, 64, torch.float32, "mixed"), (3, 2, 128, torch.bfloat16, ""),
                                (4, 8, 80, torch.float16, "mixed"), (1, 1, 256, torch.float32, "a"),
                                (2, 3, 64, torch.float32, "both"), (0, 4, 64, torch.float32, ""),
-                               (6, 2, 32, torch.float32, "far")):
+                               (6, 2, 32, torch.float32, "far"),
+                               (4, 3, 64, torch.bfloat16, "posinf")):
         dt = dtype or dt
         v_a, v_b = _randn(gen, n, h, d, dtype=dt, device=device), _randn(gen, n, h, d, dtype=dt,
                                                                              device=device)
@@ -336,6 +339,10 @@ def _merge_state_v2_samples(device, dtype, gen):
             s_a[n // 2, 0] = s_b[n // 2, 0] = -inf
         if empty == "far":                      # one side dominates by e^60
             s_a = s_b + 60.0
+        if empty == "posinf":
+            s_a[0], s_b[1] = inf, inf                           # against finite LSEs
+            s_a[2], s_b[2] = inf, -inf                          # +inf with -inf
+            s_a[3], s_b[3] = inf, inf                           # both +inf
         s_a, s_b = s_a.to(device), s_b.to(device)
         yield ((v_a, s_a, v_b, s_b, _nan_poisoned((n, h, d), dt, device),
                 _nan_poisoned((n, h), torch.float32, device)), {})
@@ -361,6 +368,33 @@ def _flash_mla_decode_samples(device, dtype, gen):
         workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         yield ((q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                 1.0 / math.sqrt(latent // 4 + rope), splits), {})
+
+
+@_sampler("flash_mla_prefill")
+def _flash_mla_prefill_samples(device, dtype, gen):
+    # (q_lens, k_lens, page_size, H, R, r, dtype, causal, num_kv_splits, q_pe a view of q_all):
+    # extend with prefixes, a request whose queries outnumber its keys (first rows see nothing)
+    # next to one without queries, full prefill at DeepSeek's R/r, non-causal, forced splits.
+    for q_lens, k_lens, page_size, h, latent, rope, dt, causal, splits, sliced in (
+            ((3, 1, 5), (9, 1, 30), 16, 4, 64, 16, torch.float32, True, -1, False),
+            ((2, 0), (1, 5), 1, 2, 128, 32, torch.float32, True, -1, True),
+            ((17,), (17,), 64, 16, 512, 64, torch.bfloat16, True, -1, True),
+            ((3, 5), (8, 12), 4, 3, 64, 16, torch.float16, False, 1, False),
+            ((2, 7), (33, 7), 16, 8, 128, 64, torch.float32, True, 4, False)):
+        dt = dtype or dt
+        (kv_cache,), page_table, seq_lens_k = paged_kv_cache(
+            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
+        total_q = sum(q_lens)
+        q_nope = _randn(gen, total_q, h, latent, dtype=dt, device=device)
+        q_pe = _randn(gen, total_q, h, rope, dtype=dt, device=device)
+        if sliced:                       # sglang splits one [total_q, H, R + r] query tensor
+            q_pe = torch.cat([q_nope, q_pe], dim=-1)[..., latent:]
+        cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32,
+                                    device=device)
+        workspace = torch.zeros(1, dtype=torch.uint8, device=device)
+        yield ((q_nope, q_pe, kv_cache, cu_seqlens_q, seq_lens_k, page_table, workspace),
+               dict(max_seqlen_q=max(q_lens), sm_scale=1.0 / math.sqrt(latent // 4 + rope),
+                    causal=causal, num_kv_splits=splits))
 
 
 @_sampler("store_kv_cache")

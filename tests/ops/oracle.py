@@ -139,20 +139,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, windo
 
 def merge_state(v_a, s_a, v_b, s_b) -> tuple[Tensor, Tensor]:
     """API.md: ``m = max(s_a, s_b)``, ``w = e^(s - m)``, ``v = (w_a v_a + w_b v_b)/(w_a + w_b)``,
-    ``s = m + ln(w_a + w_b)``; a ``-inf`` side contributes nothing; both ``-inf`` give (0, -inf).
-    Element by element over ``[N, H]``."""
+    ``s = m + ln(w_a + w_b)``; a ``-inf`` or ``+inf`` side is empty and contributes nothing; both
+    empty give (0, -inf). Element by element over ``[N, H]``."""
     n, h, d = v_a.shape
     v = torch.zeros(n, h, d, dtype=F64)
     s = torch.full((n, h), -math.inf, dtype=F64)
     for i in range(n):
         for j in range(h):
             a, b = float(s_a[i, j]), float(s_b[i, j])
-            if a == -math.inf and b == -math.inf:
+            a_empty, b_empty = math.isinf(a), math.isinf(b)
+            if a_empty and b_empty:
                 continue
-            m = max(a, b)
-            wa = 0.0 if a == -math.inf else math.exp(a - m)
-            wb = 0.0 if b == -math.inf else math.exp(b - m)
-            v[i, j] = (wa * v_a[i, j].to(F64) + wb * v_b[i, j].to(F64)) / (wa + wb)
+            m = b if a_empty else a if b_empty else max(a, b)
+            wa = 0.0 if a_empty else math.exp(a - m)
+            wb = 0.0 if b_empty else math.exp(b - m)
+            part_a = 0.0 if a_empty else wa * v_a[i, j].to(F64)     # empty: never read
+            part_b = 0.0 if b_empty else wb * v_b[i, j].to(F64)
+            v[i, j] = (part_a + part_b) / (wa + wb)
             s[i, j] = m + math.log(wa + wb)
     return v, s
 
@@ -171,6 +174,25 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, softma
         o, _ = attend(q, k, k[..., :latent], mask, scale=softmax_scale)
         outs.append(o[0])
     return torch.stack(outs) if outs else torch.zeros(0, q_nope.shape[1], latent, dtype=F64)
+
+
+def flash_mla_prefill(q_nope, q_pe, kv_cache, cu_seqlens_q, seq_lens_k, page_table, *, sm_scale,
+                      causal):
+    """Absorbed MLA of ragged queries: request ``r``'s rows ``cu_seqlens_q[r]:[r + 1]`` over its
+    ``seq_lens_k[r]`` tokens, keys the whole ``[R + r]`` row, values the first ``R`` entries,
+    causal bottom-right. Returns ``[total_q, H, R]`` float64."""
+    latent = q_nope.shape[-1]
+    cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, kv_cache.shape[-1])
+    outs = []
+    for r in range(seq_lens_k.shape[0]):
+        q0, q1 = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        k_len = int(seq_lens_k[r])
+        q = torch.cat([q_nope[q0:q1], q_pe[q0:q1]], dim=-1).to(F64)      # [Lq, H, R + r]
+        k = paged_keys(cache, page_table, r, k_len)                        # [Lk, 1, R + r]
+        mask = visible_mask(q1 - q0, k_len, causal=causal)
+        o, _ = attend(q, k, k[..., :latent], mask, scale=sm_scale)
+        outs.append(o)
+    return torch.cat(outs) if outs else torch.zeros(0, q_nope.shape[1], latent, dtype=F64)
 
 
 def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] = None) -> Tensor:

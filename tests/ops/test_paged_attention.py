@@ -150,12 +150,21 @@ def test_wrapper_rejects_bad_num_splits(value, exc, match):
     ("pack_gqa", False, "None", "False"),
     ("sm_margin", 2, "None or 0", "2"),
     ("rotary_interleaved", False, "None or True", "False"),
+    ("bidirectional_block_ids", torch.zeros(1), "None", "a tensor"),   # sglang 0.5.23
 ])
 def test_wrapper_unimplemented_keywords(keyword, value, rule, got):
     t, _, _ = _wrapper_inputs()
     with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted for "
                        f"compatibility .* expected {rule} \\(its default\\), got {got}"):
         xpu_ops.flash_attn_with_kvcache(**t, **{keyword: value})
+
+
+def test_wrapper_accepts_bidirectional_block_ids_none():
+    # sglang 0.5.23's XPU backend passes bidirectional_block_ids=None on every extend call.
+    t, _, _ = _wrapper_inputs()
+    expected = xpu_ops.flash_attn_with_kvcache(**t)
+    torch.testing.assert_close(xpu_ops.flash_attn_with_kvcache(**t, bidirectional_block_ids=None),
+                               expected, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------

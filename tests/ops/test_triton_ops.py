@@ -42,7 +42,7 @@ from . import oracle  # noqa: E402
 from .utils import assert_matches_oracle  # noqa: E402
 
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
-       "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
 
 
 @pytest.fixture(autouse=True, scope="module")

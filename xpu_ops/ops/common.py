@@ -6,6 +6,7 @@ Each function reads only shapes, dtypes and devices, so it runs in the fakes as 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Optional
 
@@ -129,6 +130,20 @@ def check_num_splits(fn: str, num_splits) -> None:
         fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
 
 
+def check_workspace_size_args(fn: str, **sizes) -> None:
+    """Arguments of a ``flash_mla_*_get_workspace_size`` function: integers, the sizes
+    non-negative (``num_kv_splits`` may be -1: automatic).
+
+    Raises:
+        TypeError: an argument is not an integer. ValueError: a negative size.
+    """
+    for arg, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            fail(fn, arg, "is not an integer", "an int", repr(value), exc=TypeError)
+        if arg != "num_kv_splits" and value < 0:
+            fail(fn, arg, "is negative", ">= 0", value)
+
+
 def float_scalar(fn: str, arg: str, value) -> float:
     """Accept a Python/NumPy real number (not a tensor) for a float argument."""
     if type(value) is float:
@@ -143,4 +158,5 @@ def float_scalar(fn: str, arg: str, value) -> float:
 
 __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
            "check_query", "check_kv_dtype", "check_attention_extras", "check_out",
-           "check_cu_seqlens", "check_num_splits", "float_scalar", "check_optional"]
+           "check_cu_seqlens", "check_num_splits", "check_workspace_size_args", "float_scalar",
+           "check_optional"]

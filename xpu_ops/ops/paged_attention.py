@@ -164,7 +164,7 @@ def flash_attn_with_kvcache(
     q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
     scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-    return_softmax_lse=False, sinks=None, out=None,
+    return_softmax_lse=False, sinks=None, out=None, bidirectional_block_ids=None,
 ):
     """Attention of new query tokens over a paged KV cache (sgl-kernel ``flash_attn`` compatible).
 
@@ -199,9 +199,9 @@ def flash_attn_with_kvcache(
             does not depend on it; providers choose their own split counts.
         k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_k_new,
         rotary_seqlens, scheduler_metadata, attention_chunk, rotary_interleaved, pack_gqa,
-        sm_margin: not implemented; accepted only as None or their defaults (0 for
-            attention_chunk and sm_margin, True for rotary_interleaved). Append new K/V with
-            ``store_kv_cache`` and apply rotary embedding before the call instead.
+        sm_margin, bidirectional_block_ids: not implemented; accepted only as None or their
+            defaults (0 for attention_chunk and sm_margin, True for rotary_interleaved). Append
+            new K/V with ``store_kv_cache`` and apply rotary embedding before the call instead.
     Returns:
         ``out`` [total_q, Hq, Dv] (or [b, s, Hq, Dv]) in q's dtype (bf16 for an fp8 q), or
         ``(out, softmax_lse)``.
@@ -236,6 +236,7 @@ def flash_attn_with_kvcache(
     if not (k is None and v is None and rotary_cos is None and rotary_sin is None
             and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
             and rotary_seqlens is None and scheduler_metadata is None and pack_gqa is None
+            and bidirectional_block_ids is None
             and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)
             and (sm_margin is None or type(sm_margin) is int and sm_margin == 0)
             and (rotary_interleaved is None or rotary_interleaved is True)):
@@ -246,7 +247,8 @@ def flash_attn_with_kvcache(
                               scheduler_metadata=scheduler_metadata,
                               attention_chunk=attention_chunk,
                               rotary_interleaved=rotary_interleaved, pack_gqa=pack_gqa,
-                              sm_margin=sm_margin)
+                              sm_margin=sm_margin,
+                              bidirectional_block_ids=bidirectional_block_ids)
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
     if not tensors_or_none((q, k_cache, v_cache), (cache_seqlens, page_table, cu_seqlens_q, qv,

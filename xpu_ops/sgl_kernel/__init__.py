@@ -25,6 +25,7 @@ defines sgl-kernel-xpu's schemas with reference implementations (``tests/ops``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -116,12 +117,15 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     """sgl_kernel ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
 
     Calls the native op on contiguous copies; non-contiguous outputs are staged, then copied back.
+    An LSE of ``+inf`` is passed as ``-inf`` (both mean an empty state here; native kernels are
+    not all known to treat ``+inf`` so).
     """
     # Native kernels index dense rows; callers often pass a transposed LSE ([H, N] -> [N, H]).
     outputs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                for t in (v_merged, s_merged)]
-    native.packet("merge_state_v2").default(v_a.contiguous(), s_a.contiguous(), v_b.contiguous(),
-                                            s_b.contiguous(), *outputs)
+    s_a, s_b = (torch.where(s == math.inf, -math.inf, s).contiguous() for s in (s_a, s_b))
+    native.packet("merge_state_v2").default(v_a.contiguous(), s_a, v_b.contiguous(), s_b,
+                                            *outputs)
     for staged, target in zip(outputs, (v_merged, s_merged)):
         if staged is not target:
             target.copy_(staged)
