@@ -56,6 +56,7 @@ LN2 = 0.6931471805599453
 def _paged_attention_kernel(
     Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
     CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
+    K_START, BLOCK_IDS, Q_USED,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
@@ -64,7 +65,8 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_K_START: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
+    HAS_Q_USED: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -103,21 +105,33 @@ def _paged_attention_kernel(
     mask_dv = offs_dv < head_dim_v
     tok = (q_start + q_row).to(tl.int64)
 
-    # Per-row visible key range [lo_row, hi_row] (bottom-right aligned position pos).
-    pos = kv_len - q_len + q_row
+    # Per-row visible key range [lo_row, hi_row] (bottom-right aligned position pos; with
+    # seqused_q the first q_used rows align, the others see nothing).
+    q_used = q_len
+    if HAS_Q_USED:
+        q_used = tl.load(Q_USED + req)
+    k_start = 0
+    if HAS_K_START:
+        k_start = tl.load(K_START + req)
+    pos = kv_len - q_used + q_row
     hi_row = kv_len - 1 + tl.zeros_like(pos)
-    lo_row = tl.zeros_like(pos)
+    lo_row = k_start + tl.zeros_like(pos)
     if window_right >= 0:
         hi_row = tl.minimum(hi_row, pos + window_right)
     if window_left >= 0:
         lo_row = tl.maximum(lo_row, pos - window_left)
+    if HAS_Q_USED:
+        hi_row = tl.where(q_row < q_used, hi_row, -1)
+    if HAS_BLOCK_IDS:  # query block ids; key j has the id of query row j - (kv_len - q_len)
+        q_block = tl.load(BLOCK_IDS + tok, mask=mask_m, other=-1)
     # Block range: the union over this program's rows (monotone in the row index).
     blk_hi = kv_len
-    blk_lo = 0
-    if window_right >= 0:
-        blk_hi = tl.minimum(kv_len, kv_len - q_len + row_last + window_right + 1)
+    blk_lo = k_start
+    if not HAS_BLOCK_IDS:  # same-block keys may sit past the right bound
+        if window_right >= 0:
+            blk_hi = tl.minimum(kv_len, kv_len - q_used + row_last + window_right + 1)
     if window_left >= 0:
-        blk_lo = tl.maximum(0, kv_len - q_len + row_first - window_left)
+        blk_lo = tl.maximum(blk_lo, kv_len - q_used + row_first - window_left)
     blk_lo = (blk_lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
         # Fixed-size chunks of split_tiles tiles (from shapes): a short request uses only its
@@ -127,10 +141,12 @@ def _paged_attention_kernel(
     # Keys every row of the program sees: tiles inside [full_lo, full_hi) need no mask.
     full_hi = blk_hi
     if window_right >= 0:
-        full_hi = tl.minimum(full_hi, kv_len - q_len + row_first + window_right + 1)
-    full_lo = blk_lo
+        full_hi = tl.minimum(full_hi, kv_len - q_used + row_first + window_right + 1)
+    full_lo = tl.maximum(blk_lo, k_start)
     if window_left >= 0:
-        full_lo = tl.maximum(full_lo, kv_len - q_len + row_last - window_left)
+        full_lo = tl.maximum(full_lo, kv_len - q_used + row_last - window_left)
+    if HAS_Q_USED | HAS_BLOCK_IDS:  # per-row or per-key masks: mask every tile
+        full_hi = full_lo
 
     # ---- load the query tile once; fold scales into one log2-domain multiplier ----
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -167,7 +183,7 @@ def _paged_attention_kernel(
     for start_n in range(blk_lo, blk_hi, BLOCK_N):
         # ---- gather one key tile: page id per key, int64 page x stride offsets ----
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < blk_hi
+        mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
         if PAGED:
             page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -193,8 +209,14 @@ def _paged_attention_kernel(
             t = (1.0 - e) / (1.0 + e)
             s = softcap * tl.where(x >= 0, t, -t) * LOG2E_C
         if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
-            visible = ((offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= hi_row[:, None])
-                       & mask_n[None, :])
+            right_ok = offs_n[None, :] <= hi_row[:, None]
+            if HAS_BLOCK_IDS:
+                key_row = offs_n - (kv_len - q_len)
+                k_block = tl.load(BLOCK_IDS + q_start + key_row,
+                                  mask=mask_n & (key_row >= 0) & (key_row < q_len), other=-1)
+                right_ok = right_ok | ((q_block[:, None] >= 0)
+                                       & (q_block[:, None] == k_block[None, :]))
+            visible = (offs_n[None, :] >= lo_row[:, None]) & right_ok & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
 
         # ---- online softmax; a row with no visible key so far keeps m = -inf, p = 0 ----
@@ -374,7 +396,7 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
-    has_qv, has_qd, has_kd, has_vd, has_sinks = flags
+    has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     elem = torch.empty((), dtype=q_dtype).element_size()
     cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
@@ -407,6 +429,7 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
+                HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
@@ -422,7 +445,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                     window_right: int, softcap: float, num_splits: Optional[int] = None,
                     scratch: Optional[tuple[Tensor, Tensor]] = None,
                     counters: Optional[Tensor] = None, config: Optional[_Config] = None,
-                    lse: Optional[Tensor] = None) -> Tensor:
+                    lse: Optional[Tensor] = None, k_start: Optional[Tensor] = None,
+                    block_ids: Optional[Tensor] = None,
+                    q_used: Optional[Tensor] = None) -> Tensor:
     """Launch the attention kernel (splits merged inside it); write ``out``, return the LSE.
 
     Args:
@@ -443,6 +468,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             one stream, never by concurrent ones. ``torch.zeros`` per call when None; unused
             with one split.
         config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
+        k_start: [b] int32 first visible key per request (``cache_leftpad``).
+        block_ids: [total_q] int32 bidirectional block id per query token (< 0: none): key j
+            has the id of query row ``j - (Lk - Lq)``; same-id keys pass the right bound.
+        q_used: [b] int32 used query rows (``seqused_q``): alignment ``Lk - q_used + i``, rows
+            past it see no key (output 0, LSE -inf).
     Returns:
         softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
     Raises:
@@ -457,13 +487,15 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
+    extras = (k_start, block_ids, q_used)
     paged = page_table is not None
     params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
         max_kv_len, (qv is not None, q_descale is not None, k_descale is not None,
-                     v_descale is not None, sinks is not None), softmax_scale, softcap,
+                     v_descale is not None, sinks is not None, *(t is not None for t in extras)),
+        softmax_scale, softcap,
         window_left, window_right, num_splits, config,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
@@ -471,8 +503,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
            q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
            cache_seqlens, cache_seqlens if page_table is None else page_table,
            cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
-           lse if q_descale is None else q_descale, lse if k_descale is None else k_descale,
-           lse if v_descale is None else v_descale, lse if sinks is None else sinks,
+           *(lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks, *extras)),
            *params.scalars, **params.meta)
     return lse
 
@@ -502,6 +533,11 @@ def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
     return scratch[0], scratch[1], counters
 
 
+def requested_splits(num_splits: int) -> Optional[int]:
+    """The op's ``num_splits`` (0: automatic) as ``paged_attention``'s (None: planned)."""
+    return None if num_splits == 0 else num_splits
+
+
 def supports_attention(q, k, v, out, qv) -> Optional[str]:
     """Why the kernel cannot serve these tensors (shapes/strides only), or ``None``."""
     if q.shape[-1] > 256 or v.shape[-1] > 512:
@@ -517,8 +553,9 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
                     supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                     out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+                            qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits):
     """Triton ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
@@ -529,4 +566,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
         max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
-        window_left=window_size_left, window_right=window_size_right, softcap=softcap)
+        window_left=window_size_left, window_right=window_size_right, softcap=softcap,
+        num_splits=requested_splits(num_splits), k_start=cache_leftpad,
+        block_ids=bidirectional_block_ids)
