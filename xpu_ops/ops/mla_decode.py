@@ -14,7 +14,8 @@ from torch import Tensor
 
 from .. import _value_checks, providers
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
+from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
+                       int_scalar)
 from .common import check_index, float_scalar
 
 NAME = "flash_mla_decode"
@@ -53,7 +54,8 @@ def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_siz
         int, bytes: ``b * H * splits * (R + 1) * 4`` with R = 512 (float32 partials + LSE); a
         model with a larger latent (R > 512) needs ``mla_split_bytes`` times its split count.
     Raises:
-        TypeError: an argument is not an integer. ValueError: a negative size.
+        TypeError: an argument is not an integer (``num_kv_splits=1.5`` or ``"2"`` included).
+        ValueError: a negative size.
     Source: FlashDecoding split-KV (Dao et al., 2023); sgl-kernel's workspace convention.
 
     >>> flash_mla_get_workspace_size(4096, 2, 16)
@@ -66,6 +68,8 @@ def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_siz
                  repr(value), exc=TypeError)
         if value < 0:
             fail("flash_mla_get_workspace_size", arg, "is negative", ">= 0", value)
+    num_kv_splits = int_scalar("flash_mla_get_workspace_size", "num_kv_splits", num_kv_splits,
+                               "an int split count (-1: derived from max_seq_len)")
     heads = num_heads if num_heads > 0 else WORKSPACE_HEADS
     splits = mla_num_kv_splits(max_seq_len, num_kv_splits)
     return splits * mla_split_bytes(int(num_batches), heads, WORKSPACE_LATENT_DIM)
@@ -138,7 +142,8 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     Returns:
         [b, H, R], dtype of q_nope.
     Raises:
-        TypeError/ValueError: shape, dtype or device mismatch, naming the argument.
+        TypeError/ValueError: shape, dtype or device mismatch, naming the argument; a
+            num_kv_splits or softmax_scale that is not an int / a real number.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, ``cache_seqlens`` or a page id that is read
             out of range.
     Source: DeepSeek-V2 (arXiv 2405.04434) weight absorption; FlashAttention-2 online softmax;
@@ -159,4 +164,5 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
                                               float_scalar(NAME, "softmax_scale", softmax_scale),
-                                              int(num_kv_splits))
+                                              int_scalar(NAME, "num_kv_splits", num_kv_splits,
+                                                         "an int split count (-1: derived)"))

@@ -17,9 +17,10 @@ from .. import _value_checks, providers
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, default_softmax_scale,
-                     float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query,
+                     default_softmax_scale, float_scalar, max_seqlen, no_cap_if_infinite,
+                     normalize_window, output_dtype)
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
@@ -95,7 +96,8 @@ def flash_attn_with_kvcache_op(
     return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
                               softmax_scale=softmax_scale, causal=causal,
                               window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap)
+                              window_size_right=window_size_right,
+                              softcap=no_cap_if_infinite(softcap))
 
 
 @flash_attn_with_kvcache_op.register_fake
@@ -118,7 +120,7 @@ def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
         if cu_seqlens_q is None:
             fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
                  "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
-        return q, cu_seqlens_q, (q.shape[0] if max_seqlen_q is None else max_seqlen_q), None
+        return q, cu_seqlens_q, max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0]), None
     if cu_seqlens_q is not None:
         fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
              "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
@@ -267,6 +269,7 @@ def flash_attn_with_kvcache(
         fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table", None)
     head_dim_v = v_cache.shape[-1]
     if softmax_scale is None:
+        check_head_dim(fn, "q", q3)
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     left, right = normalize_window(fn, window_size, causal)
     out3 = out

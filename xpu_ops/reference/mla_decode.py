@@ -6,7 +6,7 @@ import torch
 
 from .. import providers
 from .attention import attend_packed
-from .paged_attention import gather_pages
+from .paged_attention import gather_pages, paged_lengths
 
 
 @providers.register("flash_mla_decode", "reference")
@@ -20,10 +20,11 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     """
     batch, num_heads, latent_dim = q_nope.shape
     q = torch.cat([q_nope, q_rope], dim=-1)                        # [b, H, R + r], one token each
-    kv = gather_pages(kv_cache.unsqueeze(2), page_table, cache_seqlens)   # [b, L, 1, R + r]
+    k_lens = paged_lengths(page_table, cache_seqlens, kv_cache.shape[1])
+    kv, valid = gather_pages(kv_cache.unsqueeze(2), page_table, k_lens)   # [b, L, 1, R + r]
     out = q_nope.new_empty((batch, num_heads, latent_dim))
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    attend_packed(q, cu_seqlens_q, 1, kv, kv[..., :latent_dim], cache_seqlens, out, qv=None,
+    attend_packed(q, cu_seqlens_q, 1, kv, kv[..., :latent_dim], k_lens, out, qv=None,
                   q_descale=None, sinks=None, softmax_scale=softmax_scale, window_size_left=-1,
-                  window_size_right=-1, softcap=0.0)
+                  window_size_right=-1, softcap=0.0, key_valid=valid)
     return out
