@@ -10,7 +10,9 @@ import torch
 
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state_v2
-from .ops.mla_decode import flash_mla_decode, flash_mla_get_workspace_size
+from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
+                             flash_mla_get_workspace_size)
+from .ops.mla_prefill import flash_mla_prefill, flash_mla_prefill_get_workspace_size
 from .ops.paged_attention import flash_attn_with_kvcache
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
@@ -25,6 +27,7 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.flash_attn_varlen_func,
     torch.ops.xpu_ops.merge_state_v2,
     torch.ops.xpu_ops.flash_mla_decode,
+    torch.ops.xpu_ops.flash_mla_prefill,
     torch.ops.xpu_ops.store_kv_cache,
     torch.ops.xpu_ops.store_mla_kv_cache,
     torch.ops.xpu_ops.prepare_swa_spec_page_table,
@@ -32,6 +35,7 @@ REGISTERED_OPS = [
 
 __all__ = [
     "REGISTERED_OPS", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_mla_decode",
-    "flash_mla_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
+    "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
+    "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",
 ]

@@ -199,6 +199,8 @@ def check_window(fn: str, window_size: object) -> tuple[int, int]:
         left, right = window_size
         if type(left) is int and type(right) is int and left >= -1 and right >= -1:
             return left, right  # the common case, without the conversions below
+    if isinstance(window_size, torch.Tensor) and window_size.shape == (2,):
+        window_size = window_size.tolist()  # FlashAttention's tests pass torch.randint(..., (2,))
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         fail(fn, "window_size", "is not a pair", "(left, right) with -1 for unbounded",
              repr(window_size), exc=TypeError)

@@ -162,11 +162,12 @@ def check_max_seqlen(fn: str, arg: str, max_seqlen: int, cu, cu_arg: str) -> Non
 
 
 def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: int,
-                contiguous: bool = False) -> None:
+                contiguous: bool = False, lens_arg: str = "cache_seqlens") -> None:
     """``0 <= cache_seqlens <= capacity`` and every page-table entry that is read is a page id.
 
     ``contiguous``: the caller built ``page_table`` for a contiguous cache ``[b, seqlen_k, Hkv,
-    D]`` (none was given), so the capacity is stated as ``seqlen_k``.
+    D]`` (none was given), so the capacity is stated as ``seqlen_k``. ``lens_arg``: the name of
+    the lengths argument in the caller's signature.
     """
     if not (_index_ok(cache_seqlens, 1) and _index_ok(page_table, 2, cache_seqlens.device)
             and page_table.shape[0] == cache_seqlens.shape[0]):
@@ -176,21 +177,21 @@ def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: i
     where = _first((cache_seqlens < 0) | (cache_seqlens > capacity))
     if where is not None:
         if contiguous:
-            fail(fn, "cache_seqlens", "is out of range", f"0 <= cache_seqlens <= k_cache.shape[1] "
+            fail(fn, lens_arg, "is out of range", f"0 <= {lens_arg} <= k_cache.shape[1] "
                  f"(seqlen_k of a contiguous cache without page_table) = {capacity} tokens",
-                 _at("cache_seqlens", cache_seqlens, where),
+                 _at(lens_arg, cache_seqlens, where),
                  "Keep each request's length within the cache, or pass a paged cache with "
                  "its page_table.")
-        fail(fn, "cache_seqlens", "is out of range", f"0 <= cache_seqlens <= page_table.shape[1] "
+        fail(fn, lens_arg, "is out of range", f"0 <= {lens_arg} <= page_table.shape[1] "
              f"* page_size = {max_pages} * {page_size} = {capacity} tokens",
-             _at("cache_seqlens", cache_seqlens, where),
+             _at(lens_arg, cache_seqlens, where),
              "Give each request enough page-table columns for its tokens.")
     pages_used = (cache_seqlens.long() + page_size - 1) // page_size
     read = torch.arange(max_pages, device=page_table.device)[None, :] < pages_used[:, None]
     where = _first(read & ((page_table < 0) | (page_table >= num_pages)))
     if where is not None:
         fail(fn, "page_table", "has a page id out of range in an entry that is read",
-             f"0 <= page id < {num_pages} (num_pages) in the first ceil(cache_seqlens / "
+             f"0 <= page id < {num_pages} (num_pages) in the first ceil({lens_arg} / "
              f"page_size) entries of each row", _at("page_table", page_table, where),
              "Map each request's pages to physical pages of the cache.")
 
@@ -266,6 +267,19 @@ def check_flash_mla_decode(kv_cache, cache_seqlens, page_table) -> None:
     if _active(kv_cache, cache_seqlens, page_table) and kv_cache.dim() == 3:
         check_paged("flash_mla_decode", cache_seqlens, page_table, kv_cache.shape[1],
                     kv_cache.shape[0])
+
+
+def check_flash_mla_prefill(q_nope, kv_cache, cu_seqlens_q, seq_lens_k, page_table,
+                            max_seqlen_q) -> None:
+    """Debug-switch value checks of ``flash_mla_prefill``: ``seq_lens_k``/``page_table`` in
+    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound."""
+    fn = "flash_mla_prefill"
+    if not _active(q_nope, kv_cache, cu_seqlens_q, seq_lens_k, page_table) or kv_cache.dim() != 3:
+        return
+    check_paged(fn, seq_lens_k, page_table, kv_cache.shape[1], kv_cache.shape[0],
+                lens_arg="seq_lens_k")
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q_nope.shape[0], "q_nope.shape[0] (total_q)")
+    check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
 
 
 def check_prepare_swa_spec_page_table(page_table, prefix_lens) -> None:

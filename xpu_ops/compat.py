@@ -4,8 +4,16 @@
 installs a small module under that name whose functions are xpu-ops' own, so these resolve:
 
     import sgl_kernel
-    from sgl_kernel.flash_attn import flash_attn_with_kvcache, flash_attn_varlen_func
-    from sgl_kernel import merge_state_v2, flash_mla_decode, flash_mla_get_workspace_size
+    from sgl_kernel.flash_attn import (flash_attn_with_kvcache, flash_attn_varlen_func,
+                                       get_scheduler_metadata)
+    from sgl_kernel import (merge_state_v2, flash_mla_decode, flash_mla_decode_get_workspace_size,
+                            flash_mla_get_workspace_size, flash_mla_prefill,
+                            flash_mla_prefill_get_workspace_size)
+
+These are every name that sglang 0.5.23's ``xpu_backend.py`` and ``flashattention_backend.py``
+import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``).
+``get_scheduler_metadata`` returns None: FA3's precomputed tile schedule is a speed hint that
+``flash_attn_with_kvcache`` accepts as ``scheduler_metadata=None``.
 
 A real installation (sgl-kernel-xpu, sgl-kernel) is never shadowed: if ``import sgl_kernel``
 succeeds the shim is not installed and the real module is returned. The shim carries
@@ -20,6 +28,24 @@ import sys
 import types
 
 SHIM_NAME = "sgl_kernel"
+#: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
+SGL_KERNEL_NAMES = ("merge_state_v2", "flash_mla_decode", "flash_mla_decode_get_workspace_size",
+                    "flash_mla_get_workspace_size", "flash_mla_prefill",
+                    "flash_mla_prefill_get_workspace_size")
+#: Names the shim's ``sgl_kernel.flash_attn`` module exports.
+SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
+                               "get_scheduler_metadata")
+
+
+def get_scheduler_metadata(*args, **kwargs) -> None:
+    """sgl-kernel's FA3 scheduler-metadata hook: xpu-ops plans its own launches, so there is no
+    precomputed schedule; returns None (what ``scheduler_metadata`` accepts). Arguments are
+    ignored.
+
+    >>> get_scheduler_metadata(batch_size=2, max_seqlen_q=1, max_seqlen_k=64) is None
+    True
+    """
+    return None
 
 
 def is_shim(module: object) -> bool:
@@ -59,14 +85,12 @@ def install_sgl_kernel_shim() -> types.ModuleType:
         return importlib.import_module(SHIM_NAME)   # a real installation wins
     except ImportError:
         pass
-    from . import (flash_attn_varlen_func, flash_attn_with_kvcache, flash_mla_decode,
-                   flash_mla_get_workspace_size, merge_state_v2)
+    import xpu_ops
+    functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata)
     flash_attn = _module(f"{SHIM_NAME}.flash_attn", False,
-                         flash_attn_with_kvcache=flash_attn_with_kvcache,
-                         flash_attn_varlen_func=flash_attn_varlen_func)
-    package = _module(SHIM_NAME, True, flash_attn=flash_attn, merge_state_v2=merge_state_v2,
-                      flash_mla_decode=flash_mla_decode,
-                      flash_mla_get_workspace_size=flash_mla_get_workspace_size)
+                         **{name: functions[name] for name in SGL_KERNEL_FLASH_ATTN_NAMES})
+    package = _module(SHIM_NAME, True, flash_attn=flash_attn,
+                      **{name: functions[name] for name in SGL_KERNEL_NAMES})
     sys.modules[SHIM_NAME] = package
     sys.modules[flash_attn.__name__] = flash_attn
     return package

@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -162,6 +163,9 @@ class AttentionCase:
     sinks: bool = False
     qv: bool = False
     softmax_scale: Optional[float] = None     # None: 1/sqrt(D) (1/sqrt(D + Dv) with qv)
+    leftpad: tuple[int, ...] = ()             # cache_leftpad per request (() : none)
+    blocks: tuple[tuple[int, int, int], ...] = ()  # (request, first row, last row) id spans
+    num_splits: int = 0
 
     @property
     def head_dim_v(self) -> int:
@@ -225,6 +229,15 @@ ATTENTION_CASES = (
     AttentionCase(((4, 2), (2, 0), (1, 3)), page_size=1, hq=2, hkv=2, causal=True),
     # window (0, 0): each row sees only its own position
     AttentionCase(((3, 6),), page_size=4, hq=2, hkv=1, window=(0, 0)),
+    # cache_leftpad (one request all padding), causal, GQA 2, one pass over the keys
+    AttentionCase(((3, 9), (1, 6), (2, 4)), page_size=4, hq=4, hkv=2, causal=True,
+                  leftpad=(2, 6, 0), num_splits=1),
+    # bidirectional blocks (Gemma-3 image tokens): full prefill, a block per request, GQA 2
+    AttentionCase(((6, 6), (5, 5)), page_size=4, hq=4, hkv=2, causal=True,
+                  blocks=((0, 1, 3), (1, 0, 1), (1, 3, 4))),
+    # bidirectional block after a cached prefix, with a left window, at most 2 KV splits
+    AttentionCase(((4, 9),), page_size=1, hq=2, hkv=1, causal=True, window=(5, 0),
+                  blocks=((0, 0, 2),), num_splits=2),
 )
 
 
@@ -256,12 +269,42 @@ def attention_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dty
     out_dtype = torch.bfloat16 if case.q_fp8 else dtype
     out = _nan_poisoned((total_q, case.hq, dv), out_dtype, device)
     left, right = case.window
+    leftpad = None
+    if case.leftpad:
+        leftpad = torch.tensor(case.leftpad, dtype=torch.int32, device=device)
+        _poison_slots(k_cache, v_cache, page_table, case.leftpad)
     args = (q, k_cache, v_cache, cache_seqlens, page_table, _cu_seqlens(q_lens, device), out, qv,
-            q_descale, k_descale, v_descale, sinks)
+            q_descale, k_descale, v_descale, sinks, leftpad, _block_ids(case, device))
     kwargs = dict(max_seqlen_q=max(q_lens, default=0), softmax_scale=case.scale,
                   causal=case.causal, window_size_left=left,
-                  window_size_right=0 if case.causal else right, softcap=case.softcap)
+                  window_size_right=0 if case.causal else right, softcap=case.softcap,
+                  num_splits=case.num_splits)
     return args, kwargs
+
+
+def _poison_slots(k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                  leftpad: Sequence[int]) -> None:
+    """NaN into the first ``leftpad[r]`` key slots of request ``r`` (never to be read)."""
+    page_size = k_cache.shape[1]
+    for r, n in enumerate(leftpad):
+        for j in range(n):
+            page = int(page_table[r, j // page_size])
+            k_cache[page, j % page_size] = float("nan")
+            v_cache[page, j % page_size] = float("nan")
+
+
+def _block_ids(case: AttentionCase, device) -> Optional[Tensor]:
+    """``bidirectional_block_ids [total_q]`` int32 of ``case.blocks`` (span k gets id k, other
+    tokens -1), or None without blocks."""
+    if not case.blocks:
+        return None
+    starts = [0]
+    for lq, _ in case.reqs:
+        starts.append(starts[-1] + lq)
+    ids = torch.full((starts[-1],), -1, dtype=torch.int32)
+    for block, (req, first, last) in enumerate(case.blocks):
+        ids[starts[req] + first:starts[req] + last + 1] = block
+    return ids.to(device)
 
 
 @_sampler("flash_attn_with_kvcache")
@@ -273,15 +316,16 @@ def _flash_attn_with_kvcache_samples(device, dtype, gen):
 
 
 def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
-                       gen: Optional[torch.Generator] = None, *, seqused: bool = False
-                       ) -> tuple[tuple, dict]:
+                       gen: Optional[torch.Generator] = None, *, seqused: bool = False,
+                       seqused_q: bool = False) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``torch.ops.xpu_ops.flash_attn_varlen_func`` for ``case``.
 
     Request ``r``'s keys are packed contiguously (``case.page_size`` is unused). With ``seqused``
     every request gets 2 extra NaN keys past ``seqused_k[r]`` inside its ``cu_seqlens_k`` range.
+    With ``seqused_q`` the last query row of every request with one is unused (output 0).
     """
     args, kwargs = attention_case_inputs(case, device, dtype, gen)
-    q, k_cache, v_cache, _, _, cu_q, out, qv, q_descale, k_descale, v_descale, sinks = args
+    q, k_cache, v_cache, _, _, cu_q, out, qv, q_descale, k_descale, v_descale, sinks = args[:12]
     gen = gen if gen is not None else torch.Generator().manual_seed(1)
     pad = 2 if seqused else 0
     k_lens = [lk for _, lk in case.reqs]
@@ -299,8 +343,10 @@ def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype]
     cu_k = _cu_seqlens([n + pad for n in k_lens], device)
     seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device) if seqused else None
     kwargs = dict(kwargs, max_seqlen_k=max(k_lens, default=0) + pad)
-    return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks),
-            kwargs)
+    used_q = (torch.tensor([max(lq - 1, 0) for lq, _ in case.reqs], dtype=torch.int32,
+                           device=device) if seqused_q else None)
+    return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks,
+             used_q), kwargs)
 
 
 @_sampler("flash_attn_varlen_func")
@@ -308,7 +354,8 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
     for i, case in enumerate(ATTENTION_CASES):
         if dtype is not None and case.q_fp8:
             continue
-        yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1)
+        yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1,
+                                 seqused_q=i % 4 == 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,11 +365,13 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
 @_sampler("merge_state_v2")
 def _merge_state_v2_samples(device, dtype, gen):
     inf = float("inf")
-    # (N, H, D, dtype, which LSE entries are -inf: "a", "b", "both", "mixed" or "")
+    # (N, H, D, dtype, which LSE entries are empty: -inf on "a", "b", "both" or "mixed" rows;
+    # "posinf": +inf (FlashAttention's empty row) against finite, -inf and +inf; "far" or "")
     for n, h, d, dt, empty in ((5, 4, 64, torch.float32, "mixed"), (3, 2, 128, torch.bfloat16, ""),
                                (4, 8, 80, torch.float16, "mixed"), (1, 1, 256, torch.float32, "a"),
                                (2, 3, 64, torch.float32, "both"), (0, 4, 64, torch.float32, ""),
-                               (6, 2, 32, torch.float32, "far")):
+                               (6, 2, 32, torch.float32, "far"),
+                               (4, 3, 64, torch.bfloat16, "posinf")):
         dt = dtype or dt
         v_a, v_b = _randn(gen, n, h, d, dtype=dt, device=device), _randn(gen, n, h, d, dtype=dt,
                                                                              device=device)
@@ -336,6 +385,10 @@ def _merge_state_v2_samples(device, dtype, gen):
             s_a[n // 2, 0] = s_b[n // 2, 0] = -inf
         if empty == "far":                      # one side dominates by e^60
             s_a = s_b + 60.0
+        if empty == "posinf":
+            s_a[0], s_b[1] = inf, inf                           # against finite LSEs
+            s_a[2], s_b[2] = inf, -inf                          # +inf with -inf
+            s_a[3], s_b[3] = inf, inf                           # both +inf
         s_a, s_b = s_a.to(device), s_b.to(device)
         yield ((v_a, s_a, v_b, s_b, _nan_poisoned((n, h, d), dt, device),
                 _nan_poisoned((n, h), torch.float32, device)), {})
@@ -361,6 +414,33 @@ def _flash_mla_decode_samples(device, dtype, gen):
         workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         yield ((q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                 1.0 / math.sqrt(latent // 4 + rope), splits), {})
+
+
+@_sampler("flash_mla_prefill")
+def _flash_mla_prefill_samples(device, dtype, gen):
+    # (q_lens, k_lens, page_size, H, R, r, dtype, causal, num_kv_splits, q_pe a view of q_all):
+    # extend with prefixes, a request whose queries outnumber its keys (first rows see nothing)
+    # next to one without queries, full prefill at DeepSeek's R/r, non-causal, forced splits.
+    for q_lens, k_lens, page_size, h, latent, rope, dt, causal, splits, sliced in (
+            ((3, 1, 5), (9, 1, 30), 16, 4, 64, 16, torch.float32, True, -1, False),
+            ((2, 0), (1, 5), 1, 2, 128, 32, torch.float32, True, -1, True),
+            ((17,), (17,), 64, 16, 512, 64, torch.bfloat16, True, -1, True),
+            ((3, 5), (8, 12), 4, 3, 64, 16, torch.float16, False, 1, False),
+            ((2, 7), (33, 7), 16, 8, 128, 64, torch.float32, True, 4, False)):
+        dt = dtype or dt
+        (kv_cache,), page_table, seq_lens_k = paged_kv_cache(
+            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
+        total_q = sum(q_lens)
+        q_nope = _randn(gen, total_q, h, latent, dtype=dt, device=device)
+        q_pe = _randn(gen, total_q, h, rope, dtype=dt, device=device)
+        if sliced:                       # sglang splits one [total_q, H, R + r] query tensor
+            q_pe = torch.cat([q_nope, q_pe], dim=-1)[..., latent:]
+        cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32,
+                                    device=device)
+        workspace = torch.zeros(1, dtype=torch.uint8, device=device)
+        yield ((q_nope, q_pe, kv_cache, cu_seqlens_q, seq_lens_k, page_table, workspace),
+               dict(max_seqlen_q=max(q_lens), sm_scale=1.0 / math.sqrt(latent // 4 + rope),
+                    causal=causal, num_kv_splits=splits))
 
 
 @_sampler("store_kv_cache")

@@ -50,6 +50,14 @@ def test_glue_shim_resolves_sgl_kernel_imports(shim):
     assert merge_state_v2 is xpu_ops.merge_state_v2
     assert flash_mla_decode is xpu_ops.flash_mla_decode
     assert flash_mla_get_workspace_size is xpu_ops.flash_mla_get_workspace_size
+    # sglang 0.5.23: xpu_backend.py's and flashattention_backend.py's imports.
+    from sgl_kernel import (flash_mla_decode_get_workspace_size, flash_mla_prefill,
+                            flash_mla_prefill_get_workspace_size)
+    from sgl_kernel.flash_attn import get_scheduler_metadata
+    assert flash_mla_decode_get_workspace_size is xpu_ops.flash_mla_decode_get_workspace_size
+    assert flash_mla_prefill is xpu_ops.flash_mla_prefill
+    assert flash_mla_prefill_get_workspace_size is xpu_ops.flash_mla_prefill_get_workspace_size
+    assert get_scheduler_metadata(batch_size=1, max_seqlen_q=1, max_seqlen_k=8) is None
     assert install_sgl_kernel_shim() is shim                               # installed once
     assert "compatibility shim" in sk.native._package_reason("sgl_kernel")  # never "native"
 

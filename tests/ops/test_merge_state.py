@@ -31,12 +31,14 @@ def test_matches_oracle(provider, index):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("empty_lse", [float("-inf"), float("inf")], ids=["neginf", "posinf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_empty_states(provider, dtype):
+def test_empty_states(provider, dtype, empty_lse):
+    # API.md: -inf and +inf (FlashAttention's LSE of an empty row) both mean an empty state.
     gen = torch.Generator().manual_seed(11)
     v_a, v_b = (torch.randn(3, 2, 64, generator=gen).to(dtype) for _ in range(2))
     s = torch.randn(3, 2, generator=gen)
-    empty = torch.full((3, 2), float("-inf"))
+    empty = torch.full((3, 2), empty_lse)
     with xpu_ops.use_provider(provider):
         v, lse = xpu_ops.merge_state_v2(v_a, empty, v_b, empty)
         expected_v, expected_s = oracle.merge_state(v_a, empty, v_b, empty)
@@ -48,6 +50,24 @@ def test_empty_states(provider, dtype):
             v, lse = xpu_ops.merge_state_v2(*args)
             assert torch.equal(v, v_keep) and torch.equal(lse, s_keep)
             torch.testing.assert_close(v.double(), oracle.merge_state(*args)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_posinf_lse_bug_report(provider):
+    # Issue 14: sgl-kernel's test_merge_state_v2.py marks empty rows with +inf; the merge gave NaN.
+    gen = torch.Generator().manual_seed(12)
+    v_a, v_b = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
+    s_a, s_b = torch.randn(4, 2, generator=gen), torch.randn(4, 2, generator=gen)
+    s_a[:2, 0] = float("inf")
+    s_b[1:3, 1] = float("inf")
+    v_a[0, 0] = float("nan")                     # an empty side's values are never read
+    with xpu_ops.use_provider(provider):
+        v, lse = xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b)
+    v64, s64 = oracle.merge_state(v_a, s_a, v_b, s_b)
+    assert not v.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(v.double(), v64, **OUT_TOL[torch.float32])
+    torch.testing.assert_close(lse.double(), s64, atol=1e-5, rtol=1e-6)
+    assert torch.equal(v[0, 0], v_b[0, 0]) and lse[0, 0] == s_b[0, 0]   # the other side, exactly
 
 
 def test_out_arguments_are_written_and_returned():

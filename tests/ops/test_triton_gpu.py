@@ -23,7 +23,7 @@ from ..markers import GPU_DEVICE, requires_gpu
 DEVICE = GPU_DEVICE
 pytestmark = requires_gpu
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
-       "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
 
 
 def _rel(got, want):
@@ -131,6 +131,29 @@ def test_mla_decode_128_heads():
     for prov in ("reference", "triton"):
         with xpu_ops.use_provider(prov):
             outs.append(xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576)))
+    assert _rel(outs[1], outs[0]) < 1e-2
+
+
+def test_mla_prefill_128_heads():
+    """DeepSeek shapes: extend chunks over long prefixes, one request without a prefix."""
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    h, latent, rope, page = 128, 512, 64, 64
+    q_lens, k_lens = [300, 1, 17], [5300, 1, 17]
+    width = max(k_lens) // page + 2
+    kv = torch.randn(3 * width, page, latent + rope, device=DEVICE, dtype=torch.bfloat16,
+                     generator=gen)
+    table = torch.randperm(3 * width, device=DEVICE, generator=gen).view(3, width).int()
+    qn = torch.randn(sum(q_lens), h, latent, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    qp = torch.randn(sum(q_lens), h, rope, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 300, 301, 318], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(xpu_ops.flash_mla_prefill_get_workspace_size(max(k_lens), 3, h, page),
+                     dtype=torch.uint8, device=DEVICE)
+    outs = []
+    for prov in ("reference", "triton"):
+        with xpu_ops.use_provider(prov):
+            outs.append(xpu_ops.flash_mla_prefill(qn, qp, kv, cu, lens, 300, table, ws,
+                                                  1 / math.sqrt(192)))
     assert _rel(outs[1], outs[0]) < 1e-2
 
 

@@ -6,6 +6,7 @@ Each function reads only shapes, dtypes and devices, so it runs in the fakes as 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Optional
 
@@ -123,8 +124,8 @@ def check_cu_seqlens(fn: str, arg: str, t, batch: int, device: torch.device) -> 
 
 
 def check_num_splits(fn: str, num_splits) -> None:
-    """``num_splits`` is a performance hint (0: automatic, n >= 1: n KV splits): any
-    non-negative integer is accepted and ignored, since results do not depend on it.
+    """``num_splits`` (0: the provider chooses, 1: one pass over the keys, n > 1: at most n KV
+    splits) is a non-negative integer.
 
     Raises:
         TypeError: not an integer. ValueError: negative.
@@ -152,6 +153,44 @@ def max_seqlen(fn: str, arg: str, value, default: int) -> int:
     if value is None:
         return default
     return int_scalar(fn, arg, value, "an int number of tokens (or None)")
+def check_speed_hints(fn: str, *, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
+                      max_seqlen_k=None) -> None:
+    """FlashAttention-3's speed-only keywords: accepted, never change results, but typed.
+
+    ``pack_gqa`` None or a bool; ``sm_margin`` an int >= 0 (None allowed); ``scheduler_metadata``
+    None or a tensor (a precomputed FA3 schedule, unused here); ``max_seqlen_k`` None or an
+    int >= 0 (a bound of keys per request).
+
+    Raises:
+        TypeError: a value of the wrong kind. ValueError: a negative count.
+    """
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        fail(fn, "pack_gqa", "is not a bool", "None, True or False", type(pack_gqa).__name__,
+             exc=TypeError)
+    for arg, value in (("sm_margin", sm_margin), ("max_seqlen_k", max_seqlen_k)):
+        if value is None or type(value) is int and value >= 0:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(fn, arg, "is not an integer", "an int >= 0", type(value).__name__,
+                 exc=TypeError)
+        fail(fn, arg, "is negative", f"{arg} >= 0", value)
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        fail(fn, "scheduler_metadata", "is not a tensor", "None or a torch.Tensor",
+             type(scheduler_metadata).__name__, exc=TypeError)
+
+
+def check_workspace_size_args(fn: str, **sizes) -> None:
+    """Arguments of a ``flash_mla_*_get_workspace_size`` function: integers, the sizes
+    non-negative (``num_kv_splits`` may be -1: automatic).
+
+    Raises:
+        TypeError: an argument is not an integer. ValueError: a negative size.
+    """
+    for arg, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            fail(fn, arg, "is not an integer", "an int", repr(value), exc=TypeError)
+        if arg != "num_kv_splits" and value < 0:
+            fail(fn, arg, "is negative", ">= 0", value)
 
 
 def float_scalar(fn: str, arg: str, value) -> float:
@@ -170,5 +209,6 @@ def float_scalar(fn: str, arg: str, value) -> float:
 
 
 __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
-           "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype", "check_attention_extras", "check_out",
-           "check_cu_seqlens", "check_num_splits", "float_scalar", "check_optional"]
+           "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
+           "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
+           "check_speed_hints", "check_workspace_size_args", "float_scalar", "check_optional"]

@@ -49,13 +49,14 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
     """Merge two attention states over disjoint key sets (sgl-kernel ``merge_state_v2``).
 
     ``m = max(s_a, s_b)``, ``w = e^(s - m)``, ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``,
-    ``s = m + ln(w_a + w_b)``. A side with LSE ``-inf`` contributes nothing (the other state is
-    returned bit-exactly); both ``-inf`` gives ``(0, -inf)``, never NaN.
+    ``s = m + ln(w_a + w_b)``. A side with LSE ``-inf`` or ``+inf`` is empty and contributes
+    nothing (the other state is returned bit-exactly); both empty gives ``(0, -inf)``, never NaN.
+    ``+inf`` is how FlashAttention kernels report a row with no visible key.
 
     Args:
         v_a, v_b: [N, H, D] fp16|bf16|fp32 partial outputs (each normalised over its own keys).
         s_a, s_b: [N, H] float32 natural-log LSE of each part (transpose the ``[H, N]`` LSE that
-            the attention ops return).
+            the attention ops return); ``-inf`` or ``+inf`` marks an empty part.
         v_merged, s_merged: optional outputs ``[N, H, D]`` / ``[N, H]``, written in place.
     Returns:
         ``(v_merged [N, H, D], s_merged [N, H] float32)``.
@@ -70,6 +71,9 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
     >>> v, s = xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b)
     >>> w = torch.stack([s_a, s_b]).softmax(0)[..., None]
     >>> torch.allclose(v, w[0] * v_a + w[1] * v_b, atol=1e-6), torch.allclose(s, torch.logaddexp(s_a, s_b))
+    (True, True)
+    >>> v, s = xpu_ops.merge_state_v2(v_a, torch.full_like(s_a, float("inf")), v_b, s_b)
+    >>> torch.equal(v, v_b), torch.equal(s, s_b)
     (True, True)
     """
     check_tensor_args(NAME, ("v_merged", "s_merged"), v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b,

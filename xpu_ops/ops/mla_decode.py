@@ -7,8 +7,6 @@ only, so the op never allocates during a captured graph.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
@@ -16,7 +14,7 @@ from .. import _value_checks, providers
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
                        int_scalar)
-from .common import check_index, float_scalar
+from .common import check_index, check_workspace_size_args, float_scalar
 
 NAME = "flash_mla_decode"
 MAX_KV_SPLITS = 16
@@ -40,8 +38,14 @@ def mla_split_bytes(batch: int, num_heads: int, latent_dim: int) -> int:
     return batch * num_heads * (latent_dim + 1) * 4
 
 
-def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_size=0,
-                                 num_kv_splits=-1) -> int:
+def _workspace_size(max_seq_len, num_batches, num_heads, num_kv_splits) -> int:
+    heads = num_heads if num_heads > 0 else WORKSPACE_HEADS
+    splits = mla_num_kv_splits(max_seq_len, num_kv_splits)
+    return splits * mla_split_bytes(int(num_batches), heads, WORKSPACE_LATENT_DIM)
+
+
+def flash_mla_decode_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_size=0,
+                                        num_kv_splits=-1) -> int:
     """Bytes of scratch that ``flash_mla_decode`` needs (split-KV partial outputs and LSEs).
 
     Args:
@@ -54,25 +58,30 @@ def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_siz
         int, bytes: ``b * H * splits * (R + 1) * 4`` with R = 512 (float32 partials + LSE); a
         model with a larger latent (R > 512) needs ``mla_split_bytes`` times its split count.
     Raises:
-        TypeError: an argument is not an integer (``num_kv_splits=1.5`` or ``"2"`` included).
-        ValueError: a negative size.
-    Source: FlashDecoding split-KV (Dao et al., 2023); sgl-kernel's workspace convention.
+        TypeError: an argument is not an integer. ValueError: a negative size.
+    Source: FlashDecoding split-KV (Dao et al., 2023); sgl-kernel's workspace convention
+    (sglang 0.5.23 calls this name; ``flash_mla_get_workspace_size`` is the older one).
 
-    >>> flash_mla_get_workspace_size(4096, 2, 16)
+    >>> flash_mla_decode_get_workspace_size(4096, 2, 16)
     525312
     """
-    for arg, value in (("max_seq_len", max_seq_len), ("num_batches", num_batches),
-                       ("num_heads", num_heads), ("page_size", page_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            fail("flash_mla_get_workspace_size", arg, "is not an integer", "an int",
-                 repr(value), exc=TypeError)
-        if value < 0:
-            fail("flash_mla_get_workspace_size", arg, "is negative", ">= 0", value)
-    num_kv_splits = int_scalar("flash_mla_get_workspace_size", "num_kv_splits", num_kv_splits,
-                               "an int split count (-1: derived from max_seq_len)")
-    heads = num_heads if num_heads > 0 else WORKSPACE_HEADS
-    splits = mla_num_kv_splits(max_seq_len, num_kv_splits)
-    return splits * mla_split_bytes(int(num_batches), heads, WORKSPACE_LATENT_DIM)
+    check_workspace_size_args("flash_mla_decode_get_workspace_size", max_seq_len=max_seq_len,
+                              num_batches=num_batches, num_heads=num_heads, page_size=page_size,
+                              num_kv_splits=num_kv_splits)
+    return _workspace_size(max_seq_len, num_batches, num_heads, num_kv_splits)
+
+
+def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_size=0,
+                                 num_kv_splits=-1) -> int:
+    """The older name of ``flash_mla_decode_get_workspace_size`` (same arguments and result).
+
+    >>> flash_mla_get_workspace_size(4096, 2, 16) == flash_mla_decode_get_workspace_size(4096, 2, 16)
+    True
+    """
+    check_workspace_size_args("flash_mla_get_workspace_size", max_seq_len=max_seq_len,
+                              num_batches=num_batches, num_heads=num_heads, page_size=page_size,
+                              num_kv_splits=num_kv_splits)
+    return _workspace_size(max_seq_len, num_batches, num_heads, num_kv_splits)
 
 
 def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,

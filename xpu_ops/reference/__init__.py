@@ -3,4 +3,5 @@
 Importing this package registers every reference implementation with ``xpu_ops.providers``.
 """
 
-from . import kv_cache, merge_state, mla_decode, paged_attention, swa_spec, varlen_attention  # noqa: F401
+from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention, swa_spec  # noqa: F401
+from . import varlen_attention  # noqa: F401

@@ -9,6 +9,7 @@ caller's ``max_seqlen_*`` bounds only, so the code also runs inside CUDA graph c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -66,7 +67,7 @@ def dequantize(x: Tensor, descale: Optional[Tensor]) -> Tensor:
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Tensor, *,
                      qv: Optional[Tensor], softmax_scale: float, window_left: int,
                      window_right: int, softcap: float, sinks: Optional[Tensor],
-                     key_valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     masks: Optional["ExtraMasks"] = None) -> tuple[Tensor, Tensor]:
     """Masked softmax attention of padded blocks, float32 throughout.
 
     Args:
@@ -76,7 +77,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
         qv: [b, max_q, Hq, Dv] or None, adds ``qv.v`` to the scores.
         window_left/window_right: inclusive window around ``pos = k_len - q_len + i``, -1
             unbounded (causal is ``window_right = 0``).
-        key_valid: [b, max_k] bool or None; False hides a key (a page id out of range).
+        masks: the optional FlashAttention-3 masks (``ExtraMasks``), or None.
     Returns:
         ``(out [b, max_q, Hq, Dv], lse [b, Hq, max_q])``; rows with no visible key give 0 and
         ``-inf`` (or the sink logit when ``sinks`` is given).
@@ -94,16 +95,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
         scores = softcap * torch.tanh(scores / softcap)
     # Visibility: key j of request r is visible to row i when j < k_len and inside the window
     # around the bottom-right aligned position pos = k_len - q_len + i.
-    rows = torch.arange(max_q, device=q.device)
-    cols = torch.arange(max_k, device=q.device)
-    pos = (k_lens - q_lens)[:, None] + rows[None, :]                        # [b, max_q]
-    visible = cols[None, None, :] < k_lens[:, None, None]                   # [b, 1, max_k]
-    if key_valid is not None:
-        visible = visible & key_valid[:, None, :]
-    if window_left >= 0:
-        visible = visible & (cols[None, None, :] >= pos[:, :, None] - window_left)
-    if window_right >= 0:
-        visible = visible & (cols[None, None, :] <= pos[:, :, None] + window_right)
+    visible = _visible(q_lens, k_lens, max_q, max_k, window_left, window_right, masks)
     scores = torch.where(visible[:, None, None], scores, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True) if max_k > 0 else scores.new_full(
         (*scores.shape[:-1], 1), float("-inf"))
@@ -118,6 +110,63 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs / torch.where(denom > 0, denom, 1.0), v)
     lse = (row_max + torch.log(denom)).squeeze(-1)                           # -inf when empty
     return out.reshape(b, max_q, num_heads_q, v.shape[-1]), lse.reshape(b, num_heads_q, max_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraMasks:
+    """FlashAttention-3 masks on top of length, causal and window (each optional).
+
+    Attributes:
+        k_start: [b] first visible key (``cache_leftpad``); keys before it are invisible.
+        q_used: [b] used query rows (``seqused_q``): alignment ``pos = k_len - q_used + i``,
+            rows ``i >= q_used`` see nothing.
+        q_block_ids: [b, max_q] block id of each query row (``bidirectional_block_ids``
+            gathered, ``-1`` past a request's rows): key ``j`` carries the id of the query at
+            the same absolute position, and same-id keys (id >= 0) pass the right bound.
+        key_valid: [b, max_k] bool, False for keys that do not exist (their page id is out of
+            range, with value checks off).
+    """
+    k_start: Optional[Tensor] = None
+    q_used: Optional[Tensor] = None
+    q_block_ids: Optional[Tensor] = None
+    key_valid: Optional[Tensor] = None
+
+
+def _visible(q_lens: Tensor, k_lens: Tensor, max_q: int, max_k: int, window_left: int,
+             window_right: int, masks: Optional[ExtraMasks]) -> Tensor:
+    """``[b, max_q, max_k]`` (or broadcastable) bool: key ``j`` visible to row ``i``."""
+    masks = masks or ExtraMasks()
+    device = k_lens.device
+    rows = torch.arange(max_q, device=device)
+    cols = torch.arange(max_k, device=device)[None, None, :]
+    q_align = q_lens if masks.q_used is None else masks.q_used.long()
+    pos = ((k_lens - q_align)[:, None] + rows[None, :])[:, :, None]          # [b, max_q, 1]
+    visible = cols < k_lens[:, None, None]                                  # [b, 1, max_k]
+    if masks.k_start is not None:
+        visible = visible & (cols >= masks.k_start.long()[:, None, None])
+    if masks.key_valid is not None:
+        visible = visible & masks.key_valid[:, None, :]
+    if masks.q_used is not None:
+        visible = visible & (rows[None, :, None] < q_align[:, None, None])
+    if window_left >= 0:
+        visible = visible & (cols >= pos - window_left)
+    if window_right >= 0:
+        right_ok = cols <= pos + window_right
+        if masks.q_block_ids is not None:
+            right_ok = right_ok | _same_block(masks.q_block_ids, q_lens, k_lens, max_k)
+        visible = visible & right_ok
+    return visible
+
+
+def _same_block(q_block_ids: Tensor, q_lens: Tensor, k_lens: Tensor, max_k: int) -> Tensor:
+    """``[b, max_q, max_k]``: row ``i`` and key ``j`` share a block id >= 0 (key ``j`` has the
+    id of query row ``j - (k_len - q_len)``; keys before the first query row have none)."""
+    max_q = q_block_ids.shape[1]
+    key_row = torch.arange(max_k, device=k_lens.device)[None, :] - (k_lens - q_lens)[:, None]
+    has_row = (key_row >= 0) & (key_row < q_lens[:, None])
+    key_ids = torch.gather(q_block_ids, 1, key_row.clamp(0, max(max_q - 1, 0)))
+    key_ids = torch.where(has_row, key_ids, -1)                              # [b, max_k]
+    return (q_block_ids[:, :, None] >= 0) & (q_block_ids[:, :, None] == key_ids[:, None, :])
 
 
 def scatter_packed(out_pad: Tensor, lse_pad: Tensor, start: Tensor, lens: Tensor, out: Tensor,
@@ -138,6 +187,8 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
                   v_pad: Tensor, k_lens: Tensor, out: Tensor, *, qv: Optional[Tensor],
                   q_descale: Optional[Tensor], sinks: Optional[Tensor], softmax_scale: float,
                   window_size_left: int, window_size_right: int, softcap: float,
+                  k_start: Optional[Tensor] = None, q_used: Optional[Tensor] = None,
+                  block_ids: Optional[Tensor] = None,
                   key_valid: Optional[Tensor] = None) -> Tensor:
     """Attention of packed queries over padded per-request keys; writes ``out``, returns LSE.
 
@@ -146,7 +197,8 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
         k_pad: [b, max_k, Hkv, D], v_pad: [b, max_k, Hkv, Dv] float32, already dequantised.
         k_lens: [b] keys per request (in ``[0, max_k]``). out: [total_q, Hq, Dv], written in
             place (the rows ``cu_seqlens_q`` describes, see ``scatter_packed``).
-        key_valid: [b, max_k] bool or None: keys to hide (``masked_attention``).
+        k_start, q_used: [b] (``ExtraMasks``); block_ids: [total_q] packed block ids.
+        key_valid: [b, max_k] bool or None: keys that exist (``ExtraMasks``).
     Returns:
         softmax_lse [Hq, total_q] float32.
     """
@@ -156,10 +208,15 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
         group = q.shape[1] // k_pad.shape[2]
         q_pad = q_pad * q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
     qv_pad = None if qv is None else gather_padded(qv, q_idx, q_valid)
+    q_block_ids = None
+    if block_ids is not None:
+        q_block_ids = torch.where(q_valid, block_ids[q_idx.clamp(max=max(q.shape[0] - 1, 0))], -1)
+    masks = ExtraMasks(k_start=k_start, q_used=q_used, q_block_ids=q_block_ids,
+                       key_valid=key_valid)
     out_pad, lse_pad = masked_attention(
         q_pad, k_pad, v_pad, q_lens, k_lens.long(), qv=qv_pad, softmax_scale=softmax_scale,
         window_left=window_size_left, window_right=window_size_right, softcap=softcap,
-        sinks=sinks, key_valid=key_valid)
+        sinks=sinks, masks=masks)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     start, _ = request_ranges(cu_seqlens_q, max_seqlen_q, q.shape[0])
     scatter_packed(out_pad, lse_pad, start, q_lens, out, lse)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import providers
@@ -12,8 +14,11 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     """Reference ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
 
     LSE-weighted sum of two partial outputs in float32, written into ``v_merged [N, H, D]`` and
-    ``s_merged [N, H]``; an empty side (``-inf`` LSE) adds nothing, even if its values are NaN.
+    ``s_merged [N, H]``; an empty side (LSE ``-inf`` or ``+inf``) adds nothing, even if its values
+    are NaN.
     """
+    s_a = torch.where(s_a == math.inf, -math.inf, s_a)     # +inf (FlashAttention's empty row)
+    s_b = torch.where(s_b == math.inf, -math.inf, s_b)     # is an empty state, like -inf
     s_max = torch.maximum(s_a, s_b)
     s_max = torch.where(torch.isfinite(s_max), s_max, 0.0)   # both sides empty: no NaN
     w_a = torch.exp(s_a - s_max)

@@ -10,12 +10,14 @@ from .attention import attend_packed, dequantize, gather_padded, request_rows
 
 @providers.register("flash_attn_varlen_func", "reference")
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_size_left, window_size_right, softcap):
+                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size_left, window_size_right, softcap,
+                           num_splits):
     """Reference ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).
 
     Gathers the ragged K/V rows (``cu_seqlens_k``, cut to ``seqused_k`` when given) into padded
-    float32 blocks, then masked softmax attention per request; writes ``out``, returns the LSE.
+    float32 blocks, then masked softmax attention per request (rows past ``seqused_q`` see no
+    key); writes ``out``, returns the LSE. One pass over the keys (``num_splits`` does not apply).
     """
     k_idx, k_valid, k_lens = request_rows(cu_seqlens_k, max_seqlen_k, k.shape[0])
     if seqused_k is not None:
@@ -27,4 +29,4 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     return attend_packed(q, cu_seqlens_q, max_seqlen_q, k_pad, v_pad, k_lens, out, qv=qv,
                          q_descale=q_descale, sinks=sinks, softmax_scale=softmax_scale,
                          window_size_left=window_size_left, window_size_right=window_size_right,
-                         softcap=softcap)
+                         softcap=softcap, q_used=seqused_q)

@@ -9,7 +9,8 @@ One module per kernel family, each a ``_<name>_kernel`` plus its launcher ``<nam
 from ._common import HAS_TRITON, available
 
 if HAS_TRITON:
-    from . import kv_cache, merge_state, mla_decode, paged_attention, swa_spec  # noqa: F401
+    from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention  # noqa: F401
+    from . import swa_spec  # noqa: F401
     from . import varlen_attention  # noqa: F401
 
 __all__ = ["HAS_TRITON", "available"]

@@ -16,14 +16,17 @@ def _merge_state_kernel(
     stride_sa_t, stride_sa_h, stride_sb_t, stride_sb_h, stride_so_t, stride_so_h, head_dim,
     BLOCK_D: tl.constexpr,
 ):
-    # One program per (token, head): m = max(s_a, s_b), w = e^{s - m}; an empty side (-inf)
-    # gets weight 0 and its values are never read (they may be NaN).
+    # One program per (token, head): m = max(s_a, s_b), w = e^{s - m}; an empty side (LSE -inf,
+    # or +inf as FlashAttention reports empty rows) gets weight 0 and its values are never read
+    # (they may be NaN).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     s_a = tl.load(S_A + tok * stride_sa_t + head * stride_sa_h)
     s_b = tl.load(S_B + tok * stride_sb_t + head * stride_sb_h)
+    s_a = tl.where(s_a == float("inf"), float("-inf"), s_a)
+    s_b = tl.where(s_b == float("inf"), float("-inf"), s_b)
     m = tl.maximum(s_a, s_b)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_a = tl.exp(s_a - m_safe)
