@@ -19,8 +19,10 @@ name a non-dense argument) and otherwise raises ``RuntimeError`` naming the devi
 
 What ``custom_op`` did that ``define_op`` keeps: mutated arguments get their version counter
 bumped after the kernel ran (``torch.autograd.graph.increment_version``), so autograd notices
-the in-place write. What it drops: the Python autograd kernel (these ops have no backward; a
-backward through them fails in PyTorch's autograd fallback).
+the in-place write. What it drops: the Python autograd kernel. These ops have no backward:
+the kernel and the fake raise ``NotImplementedError`` naming the op when grad mode is on and an
+input requires grad (``_checks.check_no_grad``), so every provider, eager or traced, refuses
+the same calls instead of returning an output whose graph depends on the provider.
 ``torch.compile`` treats the result like any op with a mutable schema (``auto_functionalized``),
 and ``torch.library.opcheck`` runs on it unchanged.
 """
@@ -33,6 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import providers
+from ._checks import check_no_grad
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 DEFINED: dict[str, "OpDef"] = {}
@@ -58,7 +61,13 @@ class OpDef:
     def register_fake(self, fake: Callable) -> Callable:
         """Decorator: ``fake`` computes output metadata (and runs the shape checks) for fake
         tensors, meta tensors and tracing."""
-        torch.library.register_fake(self.qualname, fake, lib=self._lib)
+        name = self.qualname.split("::")[1]
+
+        def checked_fake(*args, **kwargs):
+            check_no_grad(name, args)
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(self.qualname, checked_fake, lib=self._lib)
         self.fake = fake
         return fake
 
@@ -80,7 +89,8 @@ def define_op(qualname: str, *, mutates_args: Sequence[str], schema: Optional[st
         schema: the schema after the name, e.g. ``"(Tensor q, Tensor(a!) out) -> ()"``; default:
             inferred from the type hints (``torch.library.infer_schema``).
         by_device: register one kernel per dispatch key of ``providers.DISPATCH_KEYS``; each
-            runs the decorated function (checks; its result is ignored) and then returns what
+            runs the decorated function (the checks; it returns None, or a dict of keyword
+            arguments whose normalised values the provider gets instead) and then returns what
             the provider resolved for ``(name, device type)`` returns (``providers.Route``).
     Returns:
         an ``OpDef`` (register the fake with ``@opdef.register_fake``).
@@ -114,7 +124,7 @@ def define_op(qualname: str, *, mutates_args: Sequence[str], schema: Optional[st
                 lib.impl(name, _device_kernel(fn, providers.route(name, device_type), mutated), key)
             lib.impl(name, _other_backends_kernel(fn, qualname), "CompositeExplicitAutograd")
         else:
-            lib.impl(name, _kernel(fn, mutated), "CompositeExplicitAutograd")
+            lib.impl(name, _kernel(fn, name, mutated), "CompositeExplicitAutograd")
         opdef = DEFINED[qualname] = OpDef(qualname, fn, lib)
         return opdef
 
@@ -127,9 +137,10 @@ def _bump_versions(args: tuple, mutated: tuple[int, ...]) -> None:
         torch.autograd.graph.increment_version(written)
 
 
-def _kernel(fn: Callable, mutated: tuple[int, ...]) -> Callable:
+def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
     """``fn`` as a kernel for every device: its result, mutated arguments' versions bumped."""
     def kernel(*args, **kwargs):
+        check_no_grad(name, args)
         result = fn(*args, **kwargs)
         if mutated:
             _bump_versions(args, mutated)
@@ -142,7 +153,10 @@ def _kernel(fn: Callable, mutated: tuple[int, ...]) -> Callable:
 def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, ...]) -> Callable:
     """The kernel of one device type: ``check``, then ``route``'s provider computes."""
     def kernel(*args, **kwargs):
-        check(*args, **kwargs)
+        check_no_grad(route.op, args)
+        replaced = check(*args, **kwargs)
+        if replaced:
+            kwargs = {**kwargs, **replaced}
         result = route(*args, **kwargs)
         if mutated:
             _bump_versions(args, mutated)
@@ -156,6 +170,7 @@ def _other_backends_kernel(check: Callable, qualname: str) -> Callable:
     """The kernel of every other backend key (sparse layouts, devices without providers): the
     checks, which name a non-dense argument, else a ``RuntimeError`` naming the device."""
     def kernel(*args, **kwargs):
+        check_no_grad(qualname, args)
         check(*args, **kwargs)
         kinds = sorted({f"{a.device.type} {a.layout}" for a in args
                         if isinstance(a, torch.Tensor)})

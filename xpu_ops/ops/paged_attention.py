@@ -8,6 +8,7 @@ gives none, so the functional form traces and the ``out=`` form writes a fixed b
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -18,9 +19,10 @@ from . import kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+                     default_softmax_scale, float_scalar, no_cap_if_infinite, normalize_window,
+                     output_dtype)
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
@@ -112,6 +114,8 @@ def flash_attn_with_kvcache_op(
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids)
     _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap,
                                    num_splits=num_splits)
+    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+        return {"softcap": no_cap_if_infinite(softcap)}
 
 
 @flash_attn_with_kvcache_op.register_fake
@@ -233,6 +237,7 @@ def flash_attn_with_kvcache(
         fn, k_cache, cache_seqlens, page_table, cache_batch_idx, cu_seqlens_q, batch_shape)
     head_dim_v = v_cache.shape[-1]
     if softmax_scale is None:
+        check_head_dim(fn, "q", q3)
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)
