@@ -111,7 +111,7 @@ def test_bad_argument_names_itself(call, kwargs, expected, fake):
                                          (None, "None (NoneType)")])
 def test_num_kv_splits_must_be_an_int(value, kind):
     with pytest.raises(TypeError, match=r"^flash_mla_get_workspace_size: num_kv_splits is not an "
-                       rf"integer; expected an int split count .*, got {re.escape(kind)}"):
+                       rf"integer; expected an int, got {re.escape(kind.split(' (')[0])}\."):
         xpu_ops.flash_mla_get_workspace_size(64, 2, 4, num_kv_splits=value)
     qn, qr, kv = torch.randn(1, 2, 8), torch.randn(1, 2, 4), torch.randn(1, 4, 12)
     ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(4, 1, 2), dtype=torch.uint8)
