@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops  # noqa: F401  (registers the ops)
+from .testing_layouts import LAYOUTS, relayout
 
 __all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "sample_inputs",
            "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name"]
@@ -48,8 +49,8 @@ def op_name(op) -> str:
     return op._qualified_op_name.split("::")[-1]
 
 
-def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
-                  seed: int = 0) -> Iterator[tuple[tuple, dict]]:
+def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *, seed: int = 0,
+                  layout: str = "contiguous") -> Iterator[tuple[tuple, dict]]:
     """Yield ``(args, kwargs)`` pairs that call ``op`` directly: small, varied, adversarial.
 
     Args:
@@ -58,6 +59,9 @@ def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
         dtype: floating dtype of queries/keys/values; ``None`` mixes float32, bfloat16 and
             float16 across samples. fp8 KV caches stay fp8 (their queries take ``dtype``).
         seed: seed of the random values (the shapes and flags do not depend on it).
+        layout: ``"contiguous"``, or ``"strided"``: every tensor argument as a view with other
+            strides (expanded scales and sinks, column-sliced tables, strided index vectors,
+            padded rows; ``xpu_ops.testing_layouts``) whose padding holds garbage.
     Returns:
         An iterator of ``(args, kwargs)``; each pair is freshly allocated, so the caller may
         run the op on it (mutated ``out`` buffers start as NaN).
@@ -73,7 +77,9 @@ def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
         raise KeyError(f"sample_inputs: op {name!r} has no sampler; expected one of "
                        f"{sorted(_SAMPLERS)}, got {name!r}. Add one in xpu_ops/testing.py.")
     gen = torch.Generator().manual_seed(seed)
-    yield from _SAMPLERS[name](torch.device(device), dtype, gen)
+    arg_names = [a.name for a in getattr(torch.ops.xpu_ops, name).default._schema.arguments]
+    for args, kwargs in _SAMPLERS[name](torch.device(device), dtype, gen):
+        yield relayout(arg_names, args, layout), kwargs
 
 
 def _sampler(name: str):

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
-import subprocess
-import sys
 
 import pytest
 
-from .triton_mode import INTERPRETED, tl, triton  # noqa: F401  (first: sets the mode)
+from .triton_mode import INTERPRETED, rerun_in_subprocess, tl, triton  # noqa: F401  (first)
 
 import torch  # noqa: E402
 
@@ -27,13 +24,7 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
                                    "before this module; test_rerun_in_subprocess covers it")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="Triton is in interpreter mode in this process")
-def test_rerun_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p",
-                           "no:cacheprovider", __file__], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
 import xpu_ops  # noqa: E402
 import xpu_ops.testing as xt  # noqa: E402

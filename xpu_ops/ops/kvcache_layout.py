@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .._checks import fail
-from .common import check_index
+from .common import check_index, max_seqlen
 
 
 def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
@@ -33,7 +33,7 @@ def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
         if cu_seqlens_q is None:
             fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
                  "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
-        return q, cu_seqlens_q, (q.shape[0] if max_seqlen_q is None else max_seqlen_q), None
+        return q, cu_seqlens_q, max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0]), None
     if cu_seqlens_q is not None:
         fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
              "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")

@@ -18,9 +18,10 @@ from . import kvcache_append, kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+                     default_softmax_scale, float_scalar, no_cap_if_infinite, normalize_window,
+                     output_dtype)
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
@@ -115,8 +116,8 @@ def flash_attn_with_kvcache_op(
     return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
                               softmax_scale=softmax_scale, causal=causal,
                               window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap,
-                              num_splits=num_splits)
+                              window_size_right=window_size_right,
+                              softcap=no_cap_if_infinite(softcap), num_splits=num_splits)
 
 
 @flash_attn_with_kvcache_op.register_fake
@@ -245,6 +246,7 @@ def flash_attn_with_kvcache(
         fn, k_cache, cache_seqlens, page_table, cache_batch_idx, cu_seqlens_q, batch_shape)
     head_dim_v = v_cache.shape[-1]
     if softmax_scale is None:
+        check_head_dim(fn, "q", q3)
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)

@@ -15,9 +15,10 @@ from .. import _value_checks, providers
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
                        check_tensor_args, fail)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+                     default_softmax_scale, float_scalar, max_seqlen, no_cap_if_infinite,
+                     normalize_window, output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
@@ -82,8 +83,8 @@ def flash_attn_varlen_func_op(
     return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                               causal=causal, window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap,
-                              num_splits=num_splits)
+                              window_size_right=window_size_right,
+                              softcap=no_cap_if_infinite(softcap), num_splits=num_splits)
 
 
 @flash_attn_varlen_func_op.register_fake
@@ -158,16 +159,18 @@ def flash_attn_varlen_func(
     check_tensor(fn, "k", k, ndim=3)
     check_tensor(fn, "v", v, ndim=3)
     if softmax_scale is None:
+        check_head_dim(fn, "q", q)
         softmax_scale = default_softmax_scale(q.shape[-1], v.shape[-1] if qv is not None else 0)
     left, right = normalize_window(fn, window_size, causal)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q))
+    max_seqlen_q = max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0])
+    max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                max_seqlen_q, max_seqlen_k)
     lse = torch.ops.xpu_ops.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-        sinks, seqused_q, max_seqlen_q=q.shape[0] if max_seqlen_q is None else max_seqlen_q,
-        max_seqlen_k=k.shape[0] if max_seqlen_k is None else max_seqlen_k,
+        sinks, seqused_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
         window_size_left=left, window_size_right=right,
         softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)

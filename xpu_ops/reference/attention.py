@@ -16,27 +16,39 @@ import torch
 from torch import Tensor
 
 
-def request_rows(cu_seqlens: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
+def request_ranges(cu_seqlens: Tensor, max_len: int, total: int) -> tuple[Tensor, Tensor]:
+    """``(start [b], lens [b])`` int64 of each request's packed rows, clamped so that even
+    inconsistent prefix sums address only rows ``[0, total)``, at most ``max_len`` per request
+    (the same clamps as the Triton kernels, so both providers agree on such input)."""
+    start = cu_seqlens[:-1].long().clamp(0, total)
+    end = torch.maximum(cu_seqlens[1:].long(), start).clamp(max=total)
+    return start, (end - start).clamp(max=max_len)
+
+
+def request_rows(cu_seqlens: Tensor, max_len: int, total: int) -> tuple[Tensor, Tensor, Tensor]:
     """Packed row index of every (request, slot) pair.
 
     Args:
         cu_seqlens: [b + 1] int32 prefix sums. max_len: bound of any request's length.
+        total: packed rows (``request_ranges`` clamps into them).
     Returns:
-        ``(index [b, max_len] int64 clamped into range, valid [b, max_len] bool, lens [b])``.
+        ``(index [b, max_len] int64 in range, valid [b, max_len] bool, lens [b])``.
     """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    start, lens = request_ranges(cu_seqlens, max_len, total)
     slots = torch.arange(max_len, device=cu_seqlens.device)
     valid = slots[None, :] < lens[:, None]
-    index = cu_seqlens[:-1, None].long() + slots[None, :]
-    return index.clamp(min=0), valid, lens
+    index = start[:, None] + slots[None, :]
+    return index.clamp(max=max(total - 1, 0)), valid, lens
 
 
-def token_owner(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """For each packed token, ``(request id, row within the request)`` (both int64 ``[total]``)."""
-    tokens = torch.arange(total, device=cu_seqlens.device)
-    owner = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-    owner = owner.clamp(max=max(cu_seqlens.shape[0] - 2, 0))
-    return owner, tokens - cu_seqlens[:-1].long()[owner]
+def token_owner(start: Tensor, lens: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For each packed token, ``(request id, row within the request, described)`` (``[total]``):
+    ``described`` is False for rows no request's ``[start, start + lens)`` covers."""
+    tokens = torch.arange(total, device=start.device)
+    owner = torch.searchsorted(start + lens, tokens, right=True)
+    owner = owner.clamp(max=max(start.shape[0] - 1, 0))
+    row = tokens - start[owner]
+    return owner, row.clamp(min=0), (row >= 0) & (row < lens[owner])
 
 
 def gather_padded(x: Tensor, index: Tensor, valid: Tensor) -> Tensor:
@@ -111,10 +123,13 @@ class ExtraMasks:
         q_block_ids: [b, max_q] block id of each query row (``bidirectional_block_ids``
             gathered, ``-1`` past a request's rows): key ``j`` carries the id of the query at
             the same absolute position, and same-id keys (id >= 0) pass the right bound.
+        key_valid: [b, max_k] bool, False for keys that do not exist (their page id is out of
+            range, with value checks off).
     """
     k_start: Optional[Tensor] = None
     q_used: Optional[Tensor] = None
     q_block_ids: Optional[Tensor] = None
+    key_valid: Optional[Tensor] = None
 
 
 def _visible(q_lens: Tensor, k_lens: Tensor, max_q: int, max_k: int, window_left: int,
@@ -129,6 +144,8 @@ def _visible(q_lens: Tensor, k_lens: Tensor, max_q: int, max_k: int, window_left
     visible = cols < k_lens[:, None, None]                                  # [b, 1, max_k]
     if masks.k_start is not None:
         visible = visible & (cols >= masks.k_start.long()[:, None, None])
+    if masks.key_valid is not None:
+        visible = visible & masks.key_valid[:, None, :]
     if masks.q_used is not None:
         visible = visible & (rows[None, :, None] < q_align[:, None, None])
     if window_left >= 0:
@@ -152,16 +169,18 @@ def _same_block(q_block_ids: Tensor, q_lens: Tensor, k_lens: Tensor, max_k: int)
     return (q_block_ids[:, :, None] >= 0) & (q_block_ids[:, :, None] == key_ids[:, None, :])
 
 
-def scatter_packed(out_pad: Tensor, lse_pad: Tensor, cu_seqlens_q: Tensor, out: Tensor,
+def scatter_packed(out_pad: Tensor, lse_pad: Tensor, start: Tensor, lens: Tensor, out: Tensor,
                    lse: Tensor) -> None:
     """Copy padded per-request results back into packed ``out [total_q, Hq, Dv]``, ``lse [Hq,
-    total_q]`` (every packed row is written exactly once)."""
+    total_q]``: each row a request describes (``start``/``lens`` of ``request_ranges``) once;
+    rows none describes (inconsistent metadata only) keep their contents."""
     total_q = out.shape[0]
-    if total_q == 0:
+    if total_q == 0 or out_pad.shape[0] == 0 or out_pad.shape[1] == 0:
         return
-    owner, row = token_owner(cu_seqlens_q, total_q)
-    out.copy_(out_pad[owner, row].to(out.dtype))
-    lse.copy_(lse_pad[owner, :, row].transpose(0, 1))
+    owner, row, described = token_owner(start, lens, total_q)
+    row = row.clamp(max=out_pad.shape[1] - 1)
+    out.copy_(torch.where(described[:, None, None], out_pad[owner, row].to(out.dtype), out))
+    lse.copy_(torch.where(described[None, :], lse_pad[owner, :, row].transpose(0, 1), lse))
 
 
 def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Tensor,
@@ -169,18 +188,21 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
                   q_descale: Optional[Tensor], sinks: Optional[Tensor], softmax_scale: float,
                   window_size_left: int, window_size_right: int, softcap: float,
                   k_start: Optional[Tensor] = None, q_used: Optional[Tensor] = None,
-                  block_ids: Optional[Tensor] = None) -> Tensor:
+                  block_ids: Optional[Tensor] = None,
+                  key_valid: Optional[Tensor] = None) -> Tensor:
     """Attention of packed queries over padded per-request keys; writes ``out``, returns LSE.
 
     Args:
         q: [total_q, Hq, D] (fp8 with ``q_descale [b, Hkv]`` allowed); cu_seqlens_q: [b + 1].
         k_pad: [b, max_k, Hkv, D], v_pad: [b, max_k, Hkv, Dv] float32, already dequantised.
-        k_lens: [b] keys per request. out: [total_q, Hq, Dv], written in place.
+        k_lens: [b] keys per request (in ``[0, max_k]``). out: [total_q, Hq, Dv], written in
+            place (the rows ``cu_seqlens_q`` describes, see ``scatter_packed``).
         k_start, q_used: [b] (``ExtraMasks``); block_ids: [total_q] packed block ids.
+        key_valid: [b, max_k] bool or None: keys that exist (``ExtraMasks``).
     Returns:
         softmax_lse [Hq, total_q] float32.
     """
-    q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q)
+    q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q, q.shape[0])
     q_pad = gather_padded(q, q_idx, q_valid)
     if q_descale is not None:
         group = q.shape[1] // k_pad.shape[2]
@@ -189,11 +211,13 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
     q_block_ids = None
     if block_ids is not None:
         q_block_ids = torch.where(q_valid, block_ids[q_idx.clamp(max=max(q.shape[0] - 1, 0))], -1)
-    masks = ExtraMasks(k_start=k_start, q_used=q_used, q_block_ids=q_block_ids)
+    masks = ExtraMasks(k_start=k_start, q_used=q_used, q_block_ids=q_block_ids,
+                       key_valid=key_valid)
     out_pad, lse_pad = masked_attention(
         q_pad, k_pad, v_pad, q_lens, k_lens.long(), qv=qv_pad, softmax_scale=softmax_scale,
         window_left=window_size_left, window_right=window_size_right, softcap=softcap,
         sinks=sinks, masks=masks)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    scatter_packed(out_pad, lse_pad, cu_seqlens_q, out, lse)
+    start, _ = request_ranges(cu_seqlens_q, max_seqlen_q, q.shape[0])
+    scatter_packed(out_pad, lse_pad, start, q_lens, out, lse)
     return lse

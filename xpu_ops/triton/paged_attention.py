@@ -56,6 +56,43 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _tanh(x):
+    # tanh from exp2 (portable: no libdevice), accurate for every |x|: (1 - e) / (1 + e) with
+    # e = exp(-2|x|) cancels for small |x|, where the odd Taylor series to x^9 is exact in
+    # float32 (|x| < 1/4: next term < 1e-8 relative), so a huge softcap tends to no cap.
+    LOG2E_C: tl.constexpr = 1.4426950408889634
+    a = tl.abs(x)
+    e = tl.exp2(-2.0 * LOG2E_C * a)
+    t_far = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    t_near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0
+                                                                  + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, t_near, t_far)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _request_geometry(CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_q, stride_cu_k,
+                      total_q, total_k, max_seqlen_q, max_kv_len, PAGED: tl.constexpr):
+    # (q_start, q_len, kv_start, kv_len) of request req, from strided metadata, clamped so that
+    # inconsistent values never address rows outside q/out (or ragged K/V): rows into
+    # [0, total_q], at most max_seqlen_q of them (the grid's bound); keys into [0, max_kv_len]
+    # (the page table's capacity, or max_seqlen_k), ragged rows into [0, total_k].
+    q_start = tl.minimum(tl.maximum(tl.load(CU_Q + req * stride_cu_q), 0), total_q)
+    q_end = tl.minimum(tl.maximum(tl.load(CU_Q + (req + 1) * stride_cu_q), q_start), total_q)
+    q_len = tl.minimum(q_end - q_start, max_seqlen_q)
+    kv_len = tl.load(CACHE_SEQLENS + req * stride_seqlens)
+    kv_start = 0
+    if not PAGED:
+        kv_start = tl.minimum(tl.maximum(tl.load(CU_K + req * stride_cu_k), 0), total_k)
+        kv_end = tl.minimum(tl.maximum(tl.load(CU_K + (req + 1) * stride_cu_k), kv_start),
+                            total_k)
+        kv_len = tl.minimum(kv_len, kv_end - kv_start)
+    kv_len = tl.minimum(tl.maximum(kv_len, 0), max_kv_len)
+    return q_start, q_len, kv_start, kv_len
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
     CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
@@ -63,8 +100,11 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+    stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+    stride_block_ids, stride_q_used,
     softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
-    head_dim_v, split_tiles,
+    head_dim_v, split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
@@ -85,14 +125,9 @@ def _paged_attention_kernel(
     kv_head = pid_bh % num_heads_kv
 
     # ---- request geometry: queries, keys, rows of this program ----
-    q_start = tl.load(CU_Q + req)
-    q_len = tl.load(CU_Q + req + 1) - q_start
-    if PAGED:
-        kv_len = tl.load(CACHE_SEQLENS + req)
-        kv_start = 0
-    else:
-        kv_start = tl.load(CU_K + req)
-        kv_len = tl.load(CACHE_SEQLENS + req)
+    q_start, q_len, kv_start, kv_len = _request_geometry(
+        CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_q, stride_cu_k, total_q,
+        total_k, max_seqlen_q, max_kv_len, PAGED)
     row_first = (pid_m * BLOCK_M) // group
     if row_first >= q_len:
         return
@@ -112,10 +147,10 @@ def _paged_attention_kernel(
     # seqused_q the first q_used rows align, the others see nothing).
     q_used = q_len
     if HAS_Q_USED:
-        q_used = tl.load(Q_USED + req)
+        q_used = tl.load(Q_USED + req * stride_q_used)
     k_start = 0
     if HAS_K_START:
-        k_start = tl.load(K_START + req)
+        k_start = tl.load(K_START + req * stride_k_start)
     pos = kv_len - q_used + q_row
     hi_row = kv_len - 1 + tl.zeros_like(pos)
     lo_row = k_start + tl.zeros_like(pos)
@@ -126,7 +161,7 @@ def _paged_attention_kernel(
     if HAS_Q_USED:
         hi_row = tl.where(q_row < q_used, hi_row, -1)
     if HAS_BLOCK_IDS:  # query block ids; key j has the id of query row j - (kv_len - q_len)
-        q_block = tl.load(BLOCK_IDS + tok, mask=mask_m, other=-1)
+        q_block = tl.load(BLOCK_IDS + tok * stride_block_ids, mask=mask_m, other=-1)
     # Block range: the union over this program's rows (monotone in the row index).
     blk_hi = kv_len
     blk_lo = k_start
@@ -166,13 +201,13 @@ def _paged_attention_kernel(
         q = q.to(compute_dtype)
     qk_scale = softmax_scale
     if HAS_Q_DESCALE:
-        qk_scale = qk_scale * tl.load(Q_DESCALE + req * num_heads_kv + kv_head)
+        qk_scale = qk_scale * tl.load(Q_DESCALE + req * stride_qd_b + kv_head * stride_qd_h)
     v_descale = 1.0
     k_scale = qk_scale
     if HAS_K_DESCALE:
-        k_scale = qk_scale * tl.load(K_DESCALE + req * num_heads_kv + kv_head)
+        k_scale = qk_scale * tl.load(K_DESCALE + req * stride_kd_b + kv_head * stride_kd_h)
     if HAS_V_DESCALE:
-        v_descale = tl.load(V_DESCALE + req * num_heads_kv + kv_head)
+        v_descale = tl.load(V_DESCALE + req * stride_vd_b + kv_head * stride_vd_h)
     if not USE_SOFTCAP:
         k_scale = k_scale * LOG2E_C  # scores go straight to the exp2 domain
 
@@ -187,8 +222,15 @@ def _paged_attention_kernel(
         # ---- gather one key tile: page id per key, int64 page x stride offsets ----
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
+        pages_ok = 1
         if PAGED:
-            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            page = tl.load(pt_row + (offs_n // PAGE_SIZE) * stride_pt_p, mask=mask_n,
+                           other=0).to(tl.int64)
+            # A page id outside [0, num_pages) (inconsistent metadata) hides its keys.
+            page_ok = (page >= 0) & (page < num_pages)
+            pages_ok = tl.min(page_ok.to(tl.int32), 0)
+            mask_n = mask_n & page_ok
+            page = tl.where(page_ok, page, 0)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
             k_rows = page * stride_kp + slot * stride_ks
             v_rows = page * stride_vp + slot * stride_vs
@@ -206,16 +248,12 @@ def _paged_attention_kernel(
             s += tl.dot(qv.to(compute_dtype), tl.trans(v), input_precision=PRECISION) * (
                 qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C))
         if USE_SOFTCAP:
-            # softcap * tanh(s / softcap), tanh from exp2 (portable, stable for large |x|)
-            x = s / softcap
-            e = tl.exp2(-2.0 * LOG2E_C * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(x >= 0, t, -t) * LOG2E_C
-        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
+            s = softcap * _tanh(s / softcap) * LOG2E_C
+        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
             right_ok = offs_n[None, :] <= hi_row[:, None]
             if HAS_BLOCK_IDS:
                 key_row = offs_n - (kv_len - q_len)
-                k_block = tl.load(BLOCK_IDS + q_start + key_row,
+                k_block = tl.load(BLOCK_IDS + (q_start + key_row) * stride_block_ids,
                                   mask=mask_n & (key_row >= 0) & (key_row < q_len), other=-1)
                 right_ok = right_ok | ((q_block[:, None] >= 0)
                                        & (q_block[:, None] == k_block[None, :]))
@@ -234,10 +272,11 @@ def _paged_attention_kernel(
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
     if NUM_SPLITS == 1:
         if HAS_SINKS:
-            sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
+            sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
             m_fin = tl.maximum(m_i, sink)
-            scale = tl.exp2(m_i - m_fin)
-            l_i = l_i * scale + tl.exp2(sink - m_fin)
+            m_fin_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)  # no key, sink -inf
+            scale = tl.exp2(m_i - m_fin_safe)
+            l_i = l_i * scale + tl.exp2(sink - m_fin_safe)
             acc = acc * scale[:, None]
             m_i = m_fin
         has_keys = l_i > 0
@@ -265,6 +304,7 @@ def _paged_attention_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
+                               stride_sinks,
                                stride_part_s, stride_part_t, stride_part_h,
                                stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
                                BLOCK_M, DV_PAD, NUM_SPLITS, HAS_SINKS)
@@ -273,7 +313,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_tile(
-    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, stride_sinks,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
     stride_ot, stride_oh, stride_lse_h,
     BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -294,7 +334,7 @@ def _merge_splits_tile(
                                   cache_modifier=".cg") * LOG2E_C)
         lse_s += stride_lsep_s
     if HAS_SINKS:
-        sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
+        sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros([BLOCK_M], tl.float32)
@@ -394,9 +434,10 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
                  batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
                  softmax_scale: float, softcap: float, window_left: int, window_right: int,
                  num_splits: Optional[int], config: Optional[_Config], part_strides,
-                 lse_stride: int) -> _LaunchPlan:
+                 lse_stride: int, meta_strides: tuple) -> _LaunchPlan:
     """Grid, tile config, split count and every scalar argument of one call shape (cached: a
-    decode step repeats the same shape in every layer, so this runs once per shape)."""
+    decode step repeats the same shape in every layer, so this runs once per shape).
+    ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured)."""
     total_q, num_heads_q, head_dim = q_shape
     head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
@@ -429,8 +470,10 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
     args = [None] * len(_ATTENTION_SLOTS) + [
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
-        float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
-        num_heads_kv, head_dim, head_dim_v, cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits)]
+        *meta_strides, float(softmax_scale), float(softcap), int(window_left),
+        int(window_right), group, num_heads_kv, head_dim, head_dim_v,
+        cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits), total_q, k_shape[0],
+        k_shape[0], max_seqlen_q, max_kv_len]
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
@@ -495,7 +538,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     extras = (k_start, block_ids, q_used)
     plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
                      q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
-                     window_right, softcap, num_splits, config, scratch, lse, extras)
+                     window_right, softcap, num_splits, config, scratch, lse, cu_seqlens_q,
+                     cu_seqlens_k, extras)
     o_part, lse_part, counters = _split_buffers(plan, q, scratch, counters, lse)
     dummy = lse
     plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
@@ -508,7 +552,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
 
 def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv, q_descale,
               k_descale, v_descale, sinks, softmax_scale, window_left, window_right, softcap,
-              num_splits, config, scratch, lse, extras=(None, None, None)) -> _LaunchPlan:
+              num_splits, config, scratch, lse, cu_seqlens_q, cu_seqlens_k,
+              extras=(None, None, None)) -> _LaunchPlan:
     """``_launch_plan`` of these tensors' shapes, strides and flags (``extras``: k_start,
     block_ids, q_used)."""
     paged = page_table is not None
@@ -520,7 +565,21 @@ def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len,
                      v_descale is not None, sinks is not None, *(t is not None for t in extras)),
         softmax_scale, softcap,
         window_left, window_right, num_splits, config,
-        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
+        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0),
+        _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks,
+                          q_descale, k_descale, v_descale, *extras))
+
+
+def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks, q_descale,
+                      k_descale, v_descale, k_start, block_ids, q_used) -> tuple[int, ...]:
+    """Strides of the small tensors, in the kernel's order: any view works (a column slice of
+    the page table, strided lengths, expanded per-tensor descales and sinks), no copy."""
+    def stride(t, dim):
+        return 0 if t is None else t.stride(dim)
+    return (stride(cache_seqlens, 0), stride(cu_seqlens_q, 0), stride(cu_seqlens_k, 0),
+            stride(page_table, 1), stride(sinks, 0), stride(q_descale, 0), stride(q_descale, 1),
+            stride(k_descale, 0), stride(k_descale, 1), stride(v_descale, 0),
+            stride(v_descale, 1), stride(k_start, 0), stride(block_ids, 0), stride(q_used, 0))
 
 
 def _split_buffers(plan: _LaunchPlan, q: Tensor, scratch, counters,
@@ -576,7 +635,8 @@ def plan_flash_attn_with_kvcache(args, kwargs, slots):
                      page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
                      sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
                      kwargs["window_size_right"], kwargs["softcap"],
-                     requested_splits(kwargs["num_splits"]), None, None, lse, extras)
+                     requested_splits(kwargs["num_splits"]), None, None, lse, cu_seqlens_q, None,
+                     extras)
     o_part, lse_part, counters = _split_buffers(plan, q, None, None, lse)
     values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part, counters,
               cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
