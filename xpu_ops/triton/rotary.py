@@ -18,7 +18,7 @@ from ._common import available, launch, next_pow2
 @triton.jit
 def _apply_rotary_emb_kernel(
     X, COS, SIN, POSITIONS, OUT,
-    stride_xt, stride_xh, stride_xd, stride_ct, stride_st, stride_ot, stride_oh,
+    stride_xt, stride_xh, stride_xd, stride_ct, stride_st, stride_p, stride_ot, stride_oh,
     head_dim, half, seqlen_ro,
     HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
@@ -26,7 +26,8 @@ def _apply_rotary_emb_kernel(
     head = tl.program_id(1)
     x_row = X + tok * stride_xt + head * stride_xh
     o_row = OUT + tok * stride_ot + head * stride_oh
-    pos = tl.minimum(tl.maximum(tl.load(POSITIONS + tok), 0), seqlen_ro - 1).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(POSITIONS + tok * stride_p), 0), seqlen_ro - 1)
+    pos = pos.to(tl.int64)
 
     # ---- features past rotary_dim pass through; the rotary pairs are rotated ----
     offs_d = tl.arange(0, D_PAD)
@@ -50,8 +51,8 @@ def _apply_rotary_emb_kernel(
 def apply_rotary_emb(x, cos, sin, positions, *, interleaved):
     """Triton ``apply_rotary_emb`` (contract: ``xpu_ops/ops/rotary.py``).
 
-    Grid (N, H); cos/sin rows need unit stride in their last dimension (made contiguous
-    otherwise). Returns a new contiguous tensor.
+    Grid (N, H); x and positions are read through their strides, cos/sin rows need unit
+    stride in their last dimension (made contiguous otherwise). Returns a new contiguous tensor.
     """
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     num_tokens, num_heads, head_dim = x.shape
@@ -64,7 +65,7 @@ def apply_rotary_emb(x, cos, sin, positions, *, interleaved):
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     launch(_apply_rotary_emb_kernel, (num_tokens, num_heads), x.device, x, cos, sin, positions,
            out, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
-           out.stride(0), out.stride(1), head_dim, half, cos.shape[0],
+           positions.stride(0), out.stride(0), out.stride(1), head_dim, half, cos.shape[0],
            HALF_PAD=max(2, next_pow2(half)), D_PAD=max(2, next_pow2(head_dim)),
            INTERLEAVED=bool(interleaved), num_warps=1)
     return out
