@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
 from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .._registration import define_op
 from .common import check_index
@@ -36,12 +35,12 @@ def _check_apply_rotary_emb(x, cos, sin, positions) -> None:
     check_size(fn, "positions", positions, 0, x.shape[0], "x.shape[0] (N)")
 
 
-@define_op("xpu_ops::apply_rotary_emb", mutates_args=())
+@define_op("xpu_ops::apply_rotary_emb", mutates_args=(), by_device=True)
 def apply_rotary_emb_op(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, *,
                         interleaved: bool) -> Tensor:
-    """Op form of ``apply_rotary_emb``: returns the rotated copy of ``x``."""
+    """Op form of ``apply_rotary_emb``: returns the rotated copy of ``x`` (the checks; the
+    dispatcher then runs the provider of x's device)."""
     _check_apply_rotary_emb(x, cos, sin, positions)
-    return providers.dispatch(NAME, x.device, x, cos, sin, positions, interleaved=interleaved)
 
 
 @apply_rotary_emb_op.register_fake
