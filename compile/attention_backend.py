@@ -47,7 +47,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _STORE_SLOTS = {(ks, vs): (0, 1, 3, 4) + (() if ks else (5,)) + (() if vs else (6,))
                 for ks in (True, False) for vs in (True, False)}
 # flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
-# q_descale, k_descale, v_descale, sinks): key (qv None, sinks None, descales None)
+# q_descale, k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids): key (qv None,
+# sinks None, descales None)
 _ATTEND_SLOTS = {(qv, sk, ds): (0, 1, 2, 6) + (() if qv else (7,)) + (() if ds else (9, 10))
                  + (() if sk else (11,))
                  for qv in (True, False) for sk in (True, False) for ds in (True, False)}
@@ -500,9 +501,9 @@ class XPUAttentionBackend(GraphMetadataMixin):
         planned_run(self._metadata().plans, key, tensors, lambda: (
             "flash_attn_with_kvcache",
             (q3, k_cache, v_cache, call.cache_seqlens, call.page_table, call.cu_seqlens_q, out,
-             qv, None, *descale, sinks),
+             qv, None, *descale, sinks, None, None),
             dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=scale, causal=causal,
-                 window_size_left=left, window_size_right=right, softcap=cap),
+                 window_size_left=left, window_size_right=right, softcap=cap, num_splits=0),
             _ATTEND_SLOTS[no_qv, no_sinks, no_descale]), record)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

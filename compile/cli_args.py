@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import NoReturn
 
 MODEL_NAMES = ("tiny", "default")
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names for --dtype
+GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 
 
 class CliParser(argparse.ArgumentParser):
@@ -74,6 +76,8 @@ def model_name(text: str) -> str:
         why = "no such file or folder"
     elif path.is_file() and path.suffix != ".gguf":
         why = "a file that is not .gguf"
+    elif path.is_file() and not _starts_with(path, GGUF_MAGIC):
+        why = "not a GGUF file: it does not start with the GGUF magic bytes"
     elif path.is_dir() and not (path / "config.json").is_file():
         why = "a folder without config.json"
     else:
@@ -81,6 +85,37 @@ def model_name(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"expected 'tiny', 'default', a .gguf file or a Hugging Face model folder, got {text!r} "
         f"({why})")
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def prompt_text(text: str) -> str:
+    """argparse type: a prompt with at least one non-blank character."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a prompt with non-blank text, got {text!r}")
+    return text
+
+
+def prompt_lines(text: str) -> list[str]:
+    """argparse type: a UTF-8 text file of prompts, one per line; returns its non-blank lines
+    (at least one)."""
+    try:
+        with open(Path(existing_file(text)).expanduser(), encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror or str(e)
+        raise argparse.ArgumentTypeError(f"expected a readable UTF-8 file of prompts, got "
+                                         f"{text!r} ({why})") from None
+    if not lines:
+        raise argparse.ArgumentTypeError(f"expected a file with one prompt per line, got "
+                                         f"{text!r} (no non-blank line)")
+    return lines
 
 
 def existing_file(text: str) -> str:
@@ -91,4 +126,5 @@ def existing_file(text: str) -> str:
 
 
 __all__ = ["CliParser", "positive_int", "non_negative_int", "temperature", "model_name",
-           "existing_file", "MODEL_NAMES"]
+           "existing_file", "prompt_text", "prompt_lines", "MODEL_NAMES", "DTYPES",
+           "GGUF_MAGIC"]

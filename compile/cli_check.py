@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from compile.cli_args import model_name, positive_int
+from compile.cli_args import DTYPES, model_name, positive_int
 
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
 
@@ -134,12 +134,14 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
 
 def cmd_check(args) -> int:
     """Entry point of ``python -m compile check MODEL``; 0 when ``CheckResult.ok``."""
-    from compile.cli_models import load_model, pick_device
+    from compile.cli_models import load_model, pick_device, user_model_errors
     from compile.models import from_hf
 
     device = pick_device(args.device)
-    hf_model, _ = load_model(None if args.model == "default" else args.model)
-    model = from_hf(hf_model, dtype=getattr(torch, args.dtype), device=device)
+    name = None if args.model == "default" else args.model
+    with user_model_errors(name):
+        hf_model, _ = load_model(name)
+        model = from_hf(hf_model, dtype=getattr(torch, args.dtype), device=device)
     result = check_model(model, inductor=args.inductor, page_size=args.page_size)
     print(format_result(args.model, result, "inductor" if args.inductor else "eager"))
     return 0 if result.ok else 1
@@ -151,11 +153,11 @@ def add_parser(sub) -> None:
     c.add_argument("model", type=model_name,
                    help="'default' (SmolLM2-135M GGUF), 'tiny', a .gguf or a folder")
     c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
-    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     c.add_argument("--inductor", action="store_true",
                    help="compile with Inductor too (default: Dynamo's eager backend)")
-    c.set_defaults(func=cmd_check, error=c.error)
+    c.set_defaults(func=cmd_check, error=c.error, model_flag="model")
 
 
 __all__ = ["CheckResult", "check_model", "format_result", "cmd_check", "add_parser"]

@@ -8,7 +8,9 @@ GGUF / Hugging Face folder loaded offline by ``compile.models.gguf.load_hf``.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import struct
+from typing import Iterator, Optional
 
 import torch
 
@@ -73,6 +75,35 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class ModelLoadError(ValueError):
+    """A model the user named (a ``.gguf`` file or a folder) could not be read or converted;
+    ``python -m compile`` reports it as a one-line argument error."""
+
+
+# What reading a malformed or unsupported model raises: missing or unreadable files, a corrupt
+# GGUF (struct.error, EOFError, ValueError), absent tensors (KeyError), an architecture or RoPE
+# type the zoo lacks (NotImplementedError).
+LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, struct.error, NotImplementedError)
+
+
+@contextlib.contextmanager
+def user_model_errors(name: Optional[str]) -> Iterator[None]:
+    """Inside the ``with`` block, turn ``LOAD_ERRORS`` raised while loading the user's model
+    ``name`` (a path) into ``ModelLoadError``; errors with ``tiny`` or the default model are the
+    project's own and propagate unchanged."""
+    try:
+        yield
+    except LOAD_ERRORS as e:
+        if name in (None, "default", TINY):
+            raise
+        kind = type(e).__name__
+        if type(e).__module__ != "builtins":  # struct.error, not error
+            kind = f"{type(e).__module__}.{kind}"
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"expected a model that transformers loads and this zoo supports, "
+                             f"got {name!r} ({kind}: {reason})") from e
+
+
 def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
     """``(hf_model, tokenizer)`` for ``--model``: ``tiny``, None/``default`` (SmolLM2 GGUF), a
     ``.gguf`` file or a Hugging Face folder (see ``compile.models.gguf.resolve_model``)."""
@@ -83,4 +114,4 @@ def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
 
 
 __all__ = ["pick_device", "TINY", "TINY_CONFIG", "ByteTokenizer", "tiny_hf_model",
-           "load_model"]
+           "load_model", "ModelLoadError", "LOAD_ERRORS", "user_model_errors"]

@@ -28,20 +28,7 @@ from compile.forward_batch import ForwardBatch, ForwardMode
 from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool)
 from compile.model_runner import ModelRunnerInfo
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """How a request samples. ``temperature = 0`` is greedy (argmax).
-
-    Attributes:
-        max_new_tokens: tokens to generate at most. temperature: softmax temperature (>= 0).
-        stop_token_ids: generation ends after sampling any of them (it is kept in the output).
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
+from compile.sampling import SamplingParams, is_integer, sample
 
 
 @dataclasses.dataclass
@@ -87,22 +74,32 @@ class Engine:
             ``forward(input_ids [T], positions [T], forward_batch) -> logits [b, vocab]``.
         forward: the callable actually run (default ``model``; e.g. ``compile_model(model)``).
         page_size: tokens per KV page. max_running: ``req_to_token`` rows (concurrent requests).
-        max_context_len: tokens per request at most (prompt + output).
+        max_context_len: tokens per request at most (prompt + output); requests are also held
+            to the model's ``max_position_embeddings`` (``max_request_tokens``, the smaller).
         max_total_tokens: KV slots in the pool (page 0 is reserved as padding on top of these).
         chunked_prefill_size: most new tokens in one EXTEND step.
         kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
+    Attributes:
+        max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
+            ``max_context_len`` and the model's ``max_position_embeddings``.
+    Raises:
+        TypeError, ValueError: a size argument that is not an integer >= 1.
     """
 
     def __init__(self, model, *, forward: Optional[Callable] = None, page_size: int = 1,
                  max_running: int = 8, max_context_len: int = 2048,
                  max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
                  kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None):
+        _check_sizes(page_size=page_size, max_running=max_running,
+                     max_context_len=max_context_len, max_total_tokens=max_total_tokens,
+                     chunked_prefill_size=chunked_prefill_size)
         cfg = model.config
         weight = next(model.parameters())
         self.device, self.model = weight.device, model
         self.forward = model if forward is None else forward
         self.page_size, self.chunked_prefill_size = page_size, chunked_prefill_size
+        self.max_request_tokens = min(max_context_len, cfg.max_position_embeddings)
         num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
         if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
@@ -137,21 +134,61 @@ class Engine:
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_ids: Sequence[int],
                     sampling: Optional[SamplingParams] = None) -> Req:
-        """Queue a request; it joins the batch at the next ``step``.
+        """Queue one request; it joins the batch at the next ``step`` (see ``add_requests``)."""
+        return self._queue([prompt_ids], sampling, "Engine.add_request", "prompt_ids")[0]
 
+    def add_requests(self, prompts: Sequence[Sequence[int]],
+                     sampling: Optional[SamplingParams] = None) -> list[Req]:
+        """Queue one request per prompt, in order. Every prompt is checked before any is queued,
+        so after an error nothing new is waiting.
+
+        Args:
+            prompts: token ids per request (lists of ints or 1-D integer tensors).
+            sampling: for every request (default ``SamplingParams()``).
         Raises:
-            ValueError: empty prompt, or prompt + max_new_tokens over ``max_context_len``.
+            TypeError: ``sampling`` is not a ``SamplingParams``, a token id is not an integer.
+            ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, prompt +
+                ``max_new_tokens`` over ``max_request_tokens`` or over the whole KV pool, or a
+                ``sampling`` field out of range (``SamplingParams.validate``).
         """
-        sampling = sampling or SamplingParams()
-        limit = self.req_to_token_pool.max_context_len
-        if not prompt_ids or len(prompt_ids) + sampling.max_new_tokens > limit:
-            raise ValueError(f"Engine.add_request: prompt of {len(prompt_ids)} tokens plus "
-                             f"max_new_tokens={sampling.max_new_tokens}; expected 1 or more "
-                             f"prompt tokens and a total <= max_context_len={limit}.")
-        req = Req(self._next_rid, list(prompt_ids), sampling)
-        self._next_rid += 1
-        self.waiting.append(req)
-        return req
+        return self._queue(prompts, sampling, "Engine.add_requests", "prompts[{}]")
+
+    def _queue(self, prompts, sampling: Optional[SamplingParams], where: str,
+               name: str) -> list[Req]:
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"{where}: sampling has type {type(sampling).__name__}; "
+                            f"expected a SamplingParams, got {sampling!r}. Build one with "
+                            "compile.engine.SamplingParams(...).")
+        sampling.validate(where)
+        checked = [self._check_prompt(p, sampling, where, name.format(i))
+                   for i, p in enumerate(prompts)]
+        reqs = [Req(self._next_rid + i, ids, sampling) for i, ids in enumerate(checked)]
+        self._next_rid += len(reqs)
+        self.waiting.extend(reqs)
+        return reqs
+
+    def _check_prompt(self, prompt, sampling: SamplingParams, where: str,
+                      name: str) -> list[int]:
+        """``prompt`` as a list of token ids, or the error that makes it unservable."""
+        ids = prompt.tolist() if isinstance(prompt, Tensor) else list(prompt)
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not is_integer(t)), None)
+        if bad is not None:
+            raise TypeError(f"{where}: {name} holds a {type(bad).__name__}; expected integer "
+                            f"token ids, got {bad!r}. Tokenize the prompt first.")
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            got = "an empty prompt" if not ids else f"ids from {min(ids)} to {max(ids)}"
+            raise ValueError(f"{where}: {name} is empty or outside the vocabulary; expected 1 "
+                             f"or more token ids in [0, {vocab}), got {got}.")
+        total, limit = len(ids) + sampling.max_new_tokens, self.max_request_tokens
+        pages, pool = -(-total // self.page_size), self.allocator.num_pages - 1
+        if total > limit or pages > pool:
+            raise ValueError(f"{where}: {name} needs {len(ids)} prompt + {sampling.max_new_tokens} "
+                             f"new tokens = {total} ({pages} pages); expected at most "
+                             f"max_request_tokens={limit} and the pool's {pool} pages. Shorten "
+                             "the prompt, lower max_new_tokens or build a larger Engine.")
+        return ids
 
     def has_work(self) -> bool:
         """True while any request is waiting or running."""
@@ -289,8 +326,10 @@ class Engine:
     # ----------------------------------------------------------------- driver
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Optional[SamplingParams] = None,
                  on_step: Optional[Callable[[list[Req]], None]] = None) -> list[list[int]]:
-        """Run ``prompts`` to completion; returns the generated token ids of each, in order."""
-        reqs = [self.add_request(p, sampling) for p in prompts]
+        """Run ``prompts`` (and any request queued before) to completion; returns the generated
+        token ids of each prompt, in order. Every prompt is checked before any is queued
+        (``add_requests``)."""
+        reqs = self.add_requests(prompts, sampling)
         while self.has_work():
             finished = self.step()
             if on_step is not None:
@@ -298,20 +337,15 @@ class Engine:
         return [r.output_ids for r in reqs]
 
 
-def sample(logits: Tensor, temperatures: Tensor, generator: torch.Generator) -> Tensor:
-    """Next token per row: argmax where ``temperature == 0``, else a softmax sample.
-
-    Args:
-        logits: [b, vocab] float. temperatures: [b] float (>= 0). generator: for sampling.
-    Returns:
-        [b] int64 token ids.
-    """
-    greedy = logits.argmax(dim=-1)
-    if not bool((temperatures > 0).any()):
-        return greedy
-    probs = torch.softmax(logits.float() / temperatures.clamp_min(1e-5)[:, None], dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return torch.where(temperatures > 0, sampled, greedy)
+def _check_sizes(**sizes: int) -> None:
+    """Raise unless every keyword (an ``Engine`` size argument) is an integer >= 1."""
+    for name, value in sizes.items():
+        if not is_integer(value):
+            raise TypeError(f"Engine: {name} has type {type(value).__name__}; expected an "
+                            f"integer >= 1, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"Engine: {name} is below 1; expected an integer >= 1, got "
+                             f"{value}.")
 
 
 __all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "sample"]

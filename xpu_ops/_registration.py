@@ -11,8 +11,10 @@ function (about 5 us).
 
 What ``custom_op`` did that ``define_op`` keeps: mutated arguments get their version counter
 bumped after the kernel ran (``torch.autograd.graph.increment_version``), so autograd notices
-the in-place write. What it drops: the Python autograd kernel (these ops have no backward; a
-backward through them fails in PyTorch's autograd fallback).
+the in-place write. What it drops: the Python autograd kernel. These ops have no backward:
+the kernel and the fake raise ``NotImplementedError`` naming the op when grad mode is on and an
+input requires grad (``_checks.check_no_grad``), so every provider, eager or traced, refuses
+the same calls instead of returning an output whose graph depends on the provider.
 ``torch.compile`` treats the result like any op with a mutable schema (``auto_functionalized``),
 and ``torch.library.opcheck`` runs on it unchanged.
 """
@@ -23,6 +25,8 @@ import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from ._checks import check_no_grad
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 DEFINED: dict[str, "OpDef"] = {}
@@ -48,7 +52,13 @@ class OpDef:
     def register_fake(self, fake: Callable) -> Callable:
         """Decorator: ``fake`` computes output metadata (and runs the shape checks) for fake
         tensors, meta tensors and tracing."""
-        torch.library.register_fake(self.qualname, fake, lib=self._lib)
+        name = self.qualname.split("::")[1]
+
+        def checked_fake(*args, **kwargs):
+            check_no_grad(name, args)
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(self.qualname, checked_fake, lib=self._lib)
         self.fake = fake
         return fake
 
@@ -97,6 +107,7 @@ def define_op(qualname: str, *, mutates_args: Sequence[str],
         lib.define(name + (schema or torch.library.infer_schema(fn, mutates_args=mutates_args)))
 
         def kernel(*args, **kwargs):
+            check_no_grad(name, args)
             result = fn(*args, **kwargs)
             written = [args[i] for i in mutated if i < len(args) and args[i] is not None]
             if written:

@@ -94,7 +94,7 @@ def _at(arg: str, t: Tensor, index: tuple[int, ...]) -> str:
 
 
 def check_loc(fn: str, loc, num_slots: int) -> None:
-    """Every ``loc`` entry is a token slot in ``[0, num_slots)``."""
+    """Every ``loc`` entry is a token slot in ``[0, num_slots)``, and no slot repeats."""
     if not _index_ok(loc, 1):
         return
     where = _first((loc < 0) | (loc >= num_slots))
@@ -103,6 +103,30 @@ def check_loc(fn: str, loc, num_slots: int) -> None:
              f"of the cache)", _at("loc", loc, where),
              "Allocate slots from the cache's pool; out-of-range slots are skipped (never "
              "written) when XPU_OPS_DEBUG_CHECKS is off.")
+    if loc.shape[0] < 2:
+        return
+    slots, order = loc.sort(stable=True)
+    repeat = torch.zeros_like(loc, dtype=torch.bool)
+    repeat[order[1:]] = slots[1:] == slots[:-1]          # a later entry of a repeated slot
+    where = _first(repeat)
+    if where is not None:
+        earlier = int(_first(loc[:where[0]] == loc[where])[0])
+        fail(fn, "loc", "has a repeated token slot", "distinct slots (one row per slot)",
+             f"{_at('loc', loc, where)} = loc[{earlier}]",
+             "Give each new token its own slot; which of two rows for one slot lands is "
+             "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
+
+
+def check_scale(fn: str, arg: str, scale) -> None:
+    """A per-tensor fp8 scale tensor is positive and finite (stored rows are divided by it)."""
+    if not isinstance(scale, Tensor) or not scale.is_floating_point() or scale.numel() == 0:
+        return
+    flat = scale.reshape(-1)
+    where = _first(~((flat > 0) & torch.isfinite(flat)))
+    if where is not None:
+        fail(fn, arg, "is not a positive finite number", "0 < scale < inf (the fp8 cache "
+             "stores rows / scale)", f"{float(flat[where[0]])}",
+             "Use the scale the cache was calibrated with (1.0 when unscaled).")
 
 
 def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None:
@@ -186,14 +210,18 @@ def check_prefix_lens(fn: str, prefix_lens, page_table) -> None:
 
 # One entry point per public wrapper (called right before its torch.ops.xpu_ops call).
 
-def check_store_kv_cache(loc, k_cache) -> None:
-    """Debug-switch value check of ``store_kv_cache``: ``loc`` within the cache's token slots."""
-    if _active(loc, k_cache) and isinstance(k_cache, Tensor) and k_cache.dim() in (3, 4):
+def check_store_kv_cache(loc, k_cache, k_scale=None, v_scale=None) -> None:
+    """Debug-switch value checks of ``store_kv_cache``: ``loc`` distinct slots of the cache,
+    fp8 scales positive and finite."""
+    if _active(loc, k_cache, k_scale, v_scale) and isinstance(k_cache, Tensor) \
+            and k_cache.dim() in (3, 4):
         check_loc("store_kv_cache", loc, k_cache.shape[:-2].numel())
+        check_scale("store_kv_cache", "k_scale", k_scale)
+        check_scale("store_kv_cache", "v_scale", v_scale)
 
 
 def check_store_mla_kv_cache(loc, kv_cache) -> None:
-    """Debug-switch value check of ``store_mla_kv_cache``: ``loc`` within the token slots."""
+    """Debug-switch value check of ``store_mla_kv_cache``: ``loc`` distinct token slots."""
     if _active(loc, kv_cache) and isinstance(kv_cache, Tensor) and kv_cache.dim() in (3, 4):
         slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 4 else 1)
         check_loc("store_mla_kv_cache", loc, slots)

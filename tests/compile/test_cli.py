@@ -127,6 +127,40 @@ BAD_ARGS = [
     (["check", "tiny", "--page-size", "0"],
      r"argument --page-size: expected an integer >= 1, got 0"),
     (["check", "tiny", "--dtype", "int8"], r"argument --dtype: invalid choice: 'int8'"),
+    # Prompts: empty or blank text, an empty, blank or non-UTF-8 file (files made in {tmp} by
+    # the test); before the fix these ran, a blank file silently with the built-in prompts.
+    (["generate", "--model", "tiny", "--prompt", ""],
+     r"argument --prompt: expected a prompt with non-blank text, got ''"),
+    (["generate", "--model", "tiny", "--prompt", " \t "],
+     r"argument --prompt: expected a prompt with non-blank text, got ' \\t '"),
+    (["generate", "--model", "tiny", "--prompts-file", "{tmp}/empty.txt"],
+     r"argument --prompts-file: expected a file with one prompt per line, got '.*empty\.txt' "
+     r"\(no non-blank line\)"),
+    (["generate", "--model", "tiny", "--prompts-file", "{tmp}/blank.txt"],
+     r"argument --prompts-file: expected .*, got '.*blank\.txt' \(no non-blank line\)"),
+    (["generate", "--model", "tiny", "--prompts-file", "{tmp}/latin1.txt"],
+     r"argument --prompts-file: expected a readable UTF-8 file of prompts, got '.*latin1\.txt' "
+     r"\(not UTF-8 text\)"),
+    # A .gguf that is not GGUF: one line, not a 27-line traceback from transformers.
+    (["generate", "--model", "{tmp}/fake.gguf"],
+     r"argument --model: expected .*, got '.*fake\.gguf' \(not a GGUF file: it does not start "
+     r"with the GGUF magic bytes\)"),
+    (["check", "{tmp}/fake.gguf"], r"argument model: .*\(not a GGUF file"),
+    # bench's own options: choices and ranges, one line under bench's name (were tracebacks).
+    (["bench", "--modes", "eager", "compile"],
+     r"^python -m compile bench: error: argument --modes: invalid choice: 'compile' \(choose "
+     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'full_and_piecewise'\)"),
+    (["bench", "--dtype", "fp32"],
+     r"^python -m compile bench: error: argument --dtype: invalid choice: 'fp32' \(choose from "
+     r"'float32', 'bfloat16', 'float16'\)"),
+    (["bench", "--steps", "0"], r"bench: error: argument --steps: expected an integer >= 1, got 0"),
+    (["bench", "--batches", "1", "-8"],
+     r"bench: error: argument --batches: expected an integer >= 1, got -8"),
+    (["bench", "--hidden", "48"],
+     r"bench: error: argument --hidden: expected 0 or a multiple of 64, got 48"),
+    (["bench", "--device", "cpu", "--context", "8192"],
+     r"bench: error: argument --context: expected at most 8191 .*, got 8192"),
+    (["bench", "--no-such-flag"], r"bench: error: unrecognized arguments: --no-such-flag"),
 ]
 
 
@@ -142,6 +176,10 @@ def no_loading(monkeypatch):
 
 @pytest.mark.parametrize("argv, pattern", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
 def test_argument_errors_are_one_line_and_status_2(argv, pattern, tmp_path, capsys, no_loading):
+    for name, data in (("empty.txt", b""), ("blank.txt", b"\n  \n\t\r\n"),
+                       ("latin1.txt", "caf\u00e9\n".encode("latin-1")),
+                       ("fake.gguf", b"GGML but not GGUF")):
+        (tmp_path / name).write_bytes(data)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -174,3 +212,54 @@ def test_internal_errors_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(cli_models, "load_model", broken)
     with pytest.raises(RuntimeError, match="internal failure while loading"):
         main(["generate", "--model", "tiny", "--device", "cpu"])
+
+
+def _one_line_exit_2(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2, captured
+    err = captured.err.splitlines()
+    assert len(err) == 1 and "Traceback" not in captured.err, captured.err
+    return err[0]
+
+
+def test_a_corrupt_gguf_is_a_one_line_error(tmp_path, capsys):
+    """The magic is right, the rest is not: transformers' reader fails while loading."""
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 10)
+    line = _one_line_exit_2(["generate", "--model", str(path)], capsys)
+    assert re.fullmatch(r"python -m compile generate: error: argument --model: expected a model "
+                        r"that transformers loads and this zoo supports, got '.*truncated\.gguf' "
+                        r"\(struct\.error: .*\) \(see python -m compile generate --help\)",
+                        line), line
+
+
+def test_prompt_longer_than_the_models_positions_is_a_one_line_error(capsys):
+    # tiny: max_position_embeddings = 1024; the byte tokenizer gives one token per character
+    line = _one_line_exit_2(["generate", "--model", "tiny", "--prompt", "x" * 20,
+                             "--max-new-tokens", "1005", "--no-progress"], capsys)
+    assert re.search(r"argument --prompt: prompt 0 is 20 tokens \+ --max-new-tokens 1005 = 1025; "
+                     r"expected at most the model's max_position_embeddings=1024, got 1025",
+                     line), line
+
+
+def test_prompts_file_lines_are_the_prompts(tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n  first prompt\r\n\n\tsecond\n", encoding="utf-8")
+    rc = main(["generate", "--model", "tiny", "--prompts-file", str(path), "--prompt", "zero",
+               "--max-new-tokens", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.findall(r"--- prompt \d+: (.*)", out) == ["'zero'", "'  first prompt'",
+                                                        "'\\tsecond'"], out
+
+
+def test_bench_runs_a_smoke_table(tmp_path, capsys):
+    rc = main(["bench", "--device", "cpu", "--dtype", "float32", "--layers", "1", "--hidden",
+               "64", "--batches", "1", "2", "--modes", "eager", "--warmup", "0", "--steps", "1",
+               "--context", "8", "--compile-layers", "0", "--out", str(tmp_path / "bench")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"b=1 eager: [\d.]+ tok/s", out) and re.search(r"b=2 eager: ", out), out
+    assert (tmp_path / "bench.md").is_file(), sorted(tmp_path.iterdir())

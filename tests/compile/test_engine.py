@@ -162,10 +162,81 @@ def test_stop_token_ends_request_and_frees_it(models):
 
 def test_add_request_rejects_too_long(models):
     engine = Engine(models[1], max_context_len=8, max_total_tokens=16)
-    with pytest.raises(ValueError, match="max_context_len=8"):
+    with pytest.raises(ValueError, match=r"prompt_ids needs 6 prompt \+ 4 new tokens = 10 .*"
+                                         r"max_request_tokens=8"):
         engine.add_request(list(range(6)), SamplingParams(max_new_tokens=4))
-    with pytest.raises(ValueError, match="1 or more prompt tokens"):
+    with pytest.raises(ValueError, match=r"prompt_ids is empty .*got an empty prompt"):
         engine.add_request([], SamplingParams(max_new_tokens=4))
+    assert not engine.waiting
+
+
+def test_requests_are_held_to_the_models_positions_and_the_pool(models):
+    hf, model = models  # max_position_embeddings=128
+    engine = Engine(model, page_size=4, max_context_len=512, max_total_tokens=1024)
+    assert engine.max_request_tokens == hf.config.max_position_embeddings == 128
+    with pytest.raises(ValueError, match=r"= 129 .*max_request_tokens=128"):
+        engine.add_request(prompt(120, 0), SamplingParams(max_new_tokens=9))
+    small = Engine(model, page_size=4, max_context_len=64, max_total_tokens=16)  # 4 pages
+    with pytest.raises(ValueError, match=r"= 20 \(5 pages\); .*the pool's 4 pages"):
+        small.add_request(prompt(12, 0), SamplingParams(max_new_tokens=8))
+    assert not engine.waiting and not small.waiting
+
+
+@pytest.mark.parametrize("bad, error, pattern", [
+    ([[1, 2], [3, VOCAB]], ValueError, rf"prompts\[1\] is empty or outside the vocabulary; "
+                                       rf"expected 1 or more token ids in \[0, {VOCAB}\), got "
+                                       rf"ids from 3 to {VOCAB}"),
+    ([[1, 2], [-1, 3]], ValueError, r"prompts\[1\] .*got ids from -1 to 3"),
+    ([[1, 2], []], ValueError, r"prompts\[1\] is empty"),
+    ([[1, 2], [1.0, 2]], TypeError, r"prompts\[1\] holds a float; expected integer token ids"),
+    ([[1, 2], "ab"], TypeError, r"prompts\[1\] holds a str"),
+    ([[1, 2], [True, 2]], TypeError, r"prompts\[1\] holds a bool"),
+])
+def test_add_requests_rejects_bad_token_ids_naming_the_prompt(models, bad, error, pattern):
+    engine = Engine(models[1], max_context_len=32, max_total_tokens=64)
+    with pytest.raises(error, match=pattern):
+        engine.add_requests(bad, SamplingParams(max_new_tokens=2))
+    assert not engine.waiting
+
+
+def test_generate_checks_every_prompt_before_queueing_any(models):
+    """generate([ok, ok, too_long]) raises and leaves nothing queued: the next generate runs
+    only its own prompts (before the fix the two good ones stayed queued and ran then)."""
+    hf, model = models
+    engine = Engine(model, page_size=4, max_context_len=16, max_total_tokens=64)
+    ok, too_long = prompt(5, 40), prompt(14, 41)
+    with pytest.raises(ValueError, match=r"prompts\[2\] needs 14 prompt \+ 3 new tokens"):
+        engine.generate([ok, prompt(6, 42), too_long], SamplingParams(max_new_tokens=3))
+    assert not engine.waiting and not engine.running and engine.stats.steps == 0
+    with pytest.raises(TypeError, match="sampling has type dict; expected a SamplingParams"):
+        engine.generate([ok], {"max_new_tokens": 3})
+    assert not engine.waiting
+    assert engine.generate([ok], SamplingParams(max_new_tokens=3)) == [greedy_ref(hf, ok, 3)]
+    assert engine.stats.steps == 3  # one prefill, two decodes: nothing else ran
+
+
+def test_sampling_changed_after_construction_is_checked_on_add(models):
+    engine = Engine(models[1], max_context_len=32, max_total_tokens=64)
+    sp = SamplingParams(max_new_tokens=2)
+    sp.max_new_tokens = 0
+    with pytest.raises(ValueError, match=r"Engine.add_request: max_new_tokens is below 1"):
+        engine.add_request([1, 2], sp)
+    sp.max_new_tokens, sp.temperature = 2, float("nan")
+    with pytest.raises(ValueError, match=r"Engine.add_requests: temperature is not a finite"):
+        engine.add_requests([[1, 2]], sp)
+    assert not engine.waiting
+
+
+@pytest.mark.parametrize("name", ["page_size", "max_running", "max_context_len",
+                                  "max_total_tokens", "chunked_prefill_size"])
+@pytest.mark.parametrize("value, error, pattern", [
+    (0, ValueError, "is below 1; expected an integer >= 1, got 0"),
+    (-3, ValueError, "is below 1; expected an integer >= 1, got -3"),
+    (2.0, TypeError, "has type float; expected an integer >= 1, got 2.0"),
+])
+def test_engine_rejects_bad_sizes(models, name, value, error, pattern):
+    with pytest.raises(error, match=f"Engine: {name} {pattern}"):
+        Engine(models[1], **{name: value})
 
 
 def test_sample_greedy_and_temperature():

@@ -152,9 +152,10 @@ def _op_args(kwargs):
     q = kwargs["q"]
     return ((q, kwargs["k_cache"], kwargs["v_cache"], kwargs["cache_seqlens"],
              kwargs["page_table"], kwargs["cu_seqlens_q"], torch.empty_like(q),
-             kwargs.get("qv"), None, None, None, kwargs.get("sinks")),
+             kwargs.get("qv"), None, None, None, kwargs.get("sinks"), kwargs.get("cache_leftpad"),
+             kwargs.get("bidirectional_block_ids")),
             dict(max_seqlen_q=kwargs["max_seqlen_q"], softmax_scale=0.1, causal=True,
-                 window_size_left=-1, window_size_right=0, softcap=0.0))
+                 window_size_left=-1, window_size_right=0, softcap=0.0, num_splits=0))
 
 
 DECLINED = {   # name: (call shape, overrides, part of the reason)
@@ -166,6 +167,11 @@ DECLINED = {   # name: (call shape, overrides, part of the reason)
                            "sinks"),
     "qv": (dict(k_lens=(20,), q_lens=(1,)), {"qv": torch.zeros(1, 4, 64)}, "qv"),
     "fp32_query": (dict(k_lens=(20,), q_lens=(1,), dtype=torch.float32), {}, "float16/bfloat16"),
+    "decode_leftpad": (dict(k_lens=(20,), q_lens=(1,), page_size=64),
+                       {"cache_leftpad": torch.ones(1, dtype=torch.int32)}, "cache_leftpad"),
+    "bidirectional_block_ids": (dict(k_lens=(4,), q_lens=(4,)), {
+        "bidirectional_block_ids": torch.tensor([-1, 0, 0, -1], dtype=torch.int32)},
+        "bidirectional_block_ids"),
 }
 
 

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from .. import _value_checks, providers
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
+from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
+                       int_scalar)
 from .common import check_index, check_workspace_size_args, float_scalar
 
 NAME = "flash_mla_decode"
@@ -150,7 +151,8 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     Returns:
         [b, H, R], dtype of q_nope.
     Raises:
-        TypeError/ValueError: shape, dtype or device mismatch, naming the argument.
+        TypeError/ValueError: shape, dtype or device mismatch, naming the argument; a
+            num_kv_splits or softmax_scale that is not an int / a real number.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, ``cache_seqlens`` or a page id that is read
             out of range.
     Source: DeepSeek-V2 (arXiv 2405.04434) weight absorption; FlashAttention-2 online softmax;
@@ -171,4 +173,5 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
                                               float_scalar(NAME, "softmax_scale", softmax_scale),
-                                              int(num_kv_splits))
+                                              int_scalar(NAME, "num_kv_splits", num_kv_splits,
+                                                         "an int split count (-1: derived)"))

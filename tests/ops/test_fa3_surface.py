@@ -1,0 +1,310 @@
+"""The FlashAttention-3 surface of ``flash_attn_with_kvcache`` / ``flash_attn_varlen_func``.
+
+API.md, "Public Python functions": dense caches with ``cache_batch_idx``, ``cache_leftpad``,
+``seqused_q``, ``bidirectional_block_ids`` (sglang 0.5.23 / sgl-kernel-xpu), ``num_splits``
+and the speed-only keywords. Every numeric check is against the float64 oracle
+(``tests/ops/oracle.py``) on fresh random inputs with NaN-poisoned outputs; the Triton kernel
+runs the same features in ``test_triton_ops.py`` (interpreter) and ``test_triton_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import xpu_ops
+from xpu_ops.testing import paged_kv_cache
+
+from . import oracle
+from .utils import assert_matches_oracle, fake_like
+
+I32 = torch.int32
+NAN = float("nan")
+
+
+def _paged(seed, q_lens, k_lens, *, page_size=4, hq=4, hkv=2, d=32, dv=None):
+    """Packed q, a shuffled paged cache (NaN past every length) and the call's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
+        gen, list(k_lens), page_size, [(hkv, d), (hkv, dv or d)], dtype=torch.float32,
+        device="cpu")
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                page_table=page_table, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
+
+
+def _oracle(t, *, causal, window=(-1, -1), **extra):
+    """Oracle of a public-wrapper call ``t`` (paged, packed q)."""
+    left, right = window
+    return oracle.flash_attn_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], t["page_table"],
+        t["cu_seqlens_q"], None, None, None, None, None, None, extra.get("cache_leftpad"),
+        extra.get("bidirectional_block_ids"), max_seqlen_q=t["max_seqlen_q"],
+        softmax_scale=t["q"].shape[-1] ** -0.5, causal=causal, window_size_left=left,
+        window_size_right=0 if causal else right, softcap=0.0)
+
+
+def _call(t, **kw):
+    out = torch.full((t["q"].shape[0], t["q"].shape[1], t["v_cache"].shape[-1]), NAN)
+    res, lse = xpu_ops.flash_attn_with_kvcache(**t, out=out, return_softmax_lse=True, **kw)
+    assert res is out
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# cache_leftpad
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)),
+                                            (True, (3, 0)), (False, (2, 1))])
+def test_cache_leftpad_ignores_keys_before_it(causal, window):
+    t = _paged(1, q_lens=(3, 1, 2, 2), k_lens=(9, 6, 4, 0))
+    leftpad = torch.tensor([2, 6, 1, 0], dtype=I32)   # request 1: every key padded away
+    slots = t["page_table"][:, :1].long() * 4          # NaN garbage in the padded slots
+    t["k_cache"].view(-1, 2, 32)[slots[0, 0]:slots[0, 0] + 2] = NAN
+    out, lse = _call(t, causal=causal, window_size=window, cache_leftpad=leftpad)
+    want, want_lse = _oracle(t, causal=causal, window=window, cache_leftpad=leftpad)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+    assert out[3].eq(0).all() and torch.isneginf(lse[:, 3]).all()
+
+
+def test_cache_leftpad_keeps_absolute_positions():
+    """Padding keys away does not move the queries: row i still sits at Lk - Lq + i, so with
+    causal the visible keys are [leftpad, pos] (FlashAttention-3's test mask)."""
+    t = _paged(2, q_lens=(2,), k_lens=(8,))
+    out, _ = _call(t, causal=True, cache_leftpad=torch.tensor([3], dtype=I32))
+    keys = oracle.paged_keys(t["k_cache"], t["page_table"], 0, 8)
+    values = oracle.paged_keys(t["v_cache"], t["page_table"], 0, 8)
+    for i, pos in enumerate((6, 7)):
+        s = torch.einsum("hd,khd->hk", t["q"][i].double().view(2, 2, 32).flatten(0, 1),
+                         keys[3:pos + 1].repeat_interleave(2, 1)) / 32 ** 0.5
+        ref = torch.einsum("hk,khd->hd", s.softmax(-1), values[3:pos + 1].repeat_interleave(2, 1))
+        torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# bidirectional_block_ids (Gemma-3 image tokens)
+# ----------------------------------------------------------------------------------------------
+
+def _block_reference(t, spans):
+    """sgl-kernel-xpu's test reference written out: causal, plus each span (first, last) of a
+    request fully visible inside itself; full prefill (Lq == Lk)."""
+    outs = []
+    cu = t["cu_seqlens_q"].tolist()
+    for r, req_spans in enumerate(spans):
+        n = cu[r + 1] - cu[r]
+        allow = torch.ones(n, n, dtype=torch.bool).tril()
+        for first, last in req_spans:
+            allow[first:last + 1, first:last + 1] = True
+        keys = oracle.paged_keys(t["k_cache"], t["page_table"], r, n).repeat_interleave(2, 1)
+        values = oracle.paged_keys(t["v_cache"], t["page_table"], r, n).repeat_interleave(2, 1)
+        s = torch.einsum("qhd,khd->hqk", t["q"][cu[r]:cu[r + 1]].double(), keys) / 32 ** 0.5
+        p = s.masked_fill(~allow, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, values))
+    return torch.cat(outs)
+
+
+def _block_ids(q_lens, spans):
+    ids, block = [], 0
+    for n, req_spans in zip(q_lens, spans):
+        row = [-1] * n
+        for first, last in req_spans:
+            row[first:last + 1] = [block] * (last - first + 1)
+            block += 1
+        ids += row
+    return torch.tensor(ids, dtype=I32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["sgl-kernel-xpu-noncausal", "causal"])
+def test_bidirectional_blocks_full_prefill(causal):
+    """sglang 0.5.23 passes causal=False with the ids; either way text stays causal and each
+    image block (id 0 included) is bidirectional inside itself."""
+    q_lens = (7, 5, 4)
+    spans = [[(1, 3), (5, 6)], [(0, 1)], []]
+    t = _paged(3, q_lens=q_lens, k_lens=q_lens)
+    ids = _block_ids(q_lens, spans)
+    out, lse = _call(t, causal=causal, bidirectional_block_ids=ids)
+    want, want_lse = _oracle(t, causal=True, bidirectional_block_ids=ids)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+    torch.testing.assert_close(out.double(), _block_reference(t, spans), rtol=1e-5, atol=1e-5)
+    plain = _call(t, causal=True)[0]
+    assert (out - plain).abs().max() > 0.05       # the mask has an effect
+    torch.testing.assert_close(out[12:], plain[12:], rtol=0, atol=0)   # text-only request
+
+
+def test_bidirectional_blocks_after_a_cached_prefix_and_window():
+    """Keys of the cached prefix carry no id (causal only); the left window still applies to
+    same-block keys."""
+    t = _paged(4, q_lens=(4,), k_lens=(10,), page_size=1)
+    ids = torch.tensor([0, 0, 0, -1], dtype=I32)
+    for window in ((-1, -1), (2, 0)):
+        out, lse = _call(t, causal=True, window_size=window, bidirectional_block_ids=ids)
+        want, want_lse = _oracle(t, causal=True, window=window, bidirectional_block_ids=ids)
+        assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+    mask = oracle.visible_mask(4, 10, causal=True, left=2, block_ids=[0, 0, 0, -1])
+    assert mask[0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8]   # pos 6, left 2, block 6..8
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense caches, cache_batch_idx, int cache_seqlens, tensor window_size
+# ----------------------------------------------------------------------------------------------
+
+def test_dense_cache_with_cache_batch_idx():
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(6, 12, 2, 32, generator=gen), torch.randn(6, 12, 2, 32,
+                                                                               generator=gen)
+    lens = torch.tensor([12, 5, 0], dtype=I32)
+    rows = torch.tensor([4, 0, 2], dtype=I32)
+    for r, n in zip(rows.tolist(), lens.tolist()):
+        k_cache[r, n:] = NAN
+        v_cache[r, n:] = NAN
+    q = torch.randn(3, 2, 4, 32, generator=gen)
+    out, lse = xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                               cache_batch_idx=rows, causal=True,
+                                               return_softmax_lse=True)
+    table = rows.view(3, 1)                          # a dense row is one page of s_cache tokens
+    want, want_lse = oracle.flash_attn_with_kvcache(
+        q.flatten(0, 1), k_cache, v_cache, lens, table, torch.tensor([0, 2, 4, 6], dtype=I32),
+        None, None, None, None, None, None, max_seqlen_q=2, softmax_scale=32 ** -0.5,
+        causal=True, window_size_left=-1, window_size_right=0, softcap=0.0)
+    assert out.shape == (3, 2, 4, 32) and lse.shape == (3, 4, 2)
+    assert_matches_oracle(out.flatten(0, 1), want, torch.float32,
+                          lse.transpose(0, 1).flatten(1), want_lse)
+
+
+def test_paged_cache_with_cache_batch_idx_picks_page_table_rows():
+    t = _paged(6, q_lens=(2, 1, 3), k_lens=(7, 3, 9))
+    order = torch.tensor([2, 0, 1], dtype=I32)
+    picked = dict(t, q=t["q"], cache_seqlens=t["cache_seqlens"][order.long()])
+    got, _ = _call(dict(picked, page_table=t["page_table"]), cache_batch_idx=order,
+                   causal=True)
+    want, want_lse = _oracle(dict(picked, page_table=t["page_table"][order.long()]),
+                             causal=True)
+    assert_matches_oracle(got, want, torch.float32)
+
+
+def test_int_cache_seqlens_and_tensor_window_size():
+    """FA3 accepts ``cache_seqlens`` as an int and its tests pass ``window_size`` as a
+    2-element tensor."""
+    t = _paged(7, q_lens=(2, 2), k_lens=(8, 8))
+    want, want_lse = _oracle(t, causal=False, window=(3, 1))
+    got, lse = _call(dict(t, cache_seqlens=8), window_size=torch.tensor([3, 1]))
+    assert_matches_oracle(got, want, torch.float32, lse, want_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# seqused_q, num_splits and the speed-only keywords
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_q_and_seqused_k(causal):
+    """Rows past ``seqused_q`` give exactly 0 (LSE -inf); the used rows align to
+    ``seqused_k - seqused_q`` (FA3's padding masks), so garbage in unused rows never leaks."""
+    gen = torch.Generator().manual_seed(8)
+    q_lens, k_lens = (5, 3, 4), (6, 4, 9)
+    q = torch.randn(sum(q_lens), 4, 32, generator=gen)
+    k, v = torch.randn(sum(k_lens), 2, 32, generator=gen), torch.randn(sum(k_lens), 2, 16,
+                                                                       generator=gen)
+    cu_q = torch.tensor([0, 5, 8, 12], dtype=I32)
+    cu_k = torch.tensor([0, 6, 10, 19], dtype=I32)
+    used_q, used_k = torch.tensor([3, 0, 4], dtype=I32), torch.tensor([4, 4, 0], dtype=I32)
+    q[3:5] = NAN                                    # unused rows of request 0
+    k[4:6] = NAN                                    # unused keys of request 0
+    out = torch.full((12, 4, 16), NAN)
+    _, lse = xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 9, seqused_q=used_q,
+                                            seqused_k=used_k, causal=causal, out=out,
+                                            return_softmax_lse=True)
+    want, want_lse = oracle.flash_attn_varlen_func(
+        q.nan_to_num(), k, v, cu_q, cu_k, causal=causal, softmax_scale=32 ** -0.5,
+        seqused_k=used_k, seqused_q=used_q)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+    unused = torch.tensor([3, 4, 5, 6, 7])
+    assert out[unused].eq(0).all() and torch.isneginf(lse[:, unused]).all()
+
+
+def test_num_splits_and_speed_hints_never_change_the_result():
+    t = _paged(9, q_lens=(1, 4), k_lens=(30, 11))
+    ref = _call(t, causal=True)[0]
+    for kw in (dict(num_splits=1), dict(num_splits=3), dict(pack_gqa=True), dict(sm_margin=4),
+               dict(max_seqlen_k=32), dict(scheduler_metadata=torch.zeros(4, dtype=I32)),
+               dict(rotary_seqlens=t["cache_seqlens"])):
+        torch.testing.assert_close(_call(t, causal=True, **kw)[0], ref, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (one per new branch) and fake tensors
+# ----------------------------------------------------------------------------------------------
+
+def _bad_calls(t):
+    n = t["cache_seqlens"].shape[0]
+    total_q = t["q"].shape[0]
+    return {
+        "cache_leftpad int64": (dict(cache_leftpad=torch.zeros(n, dtype=torch.int64)),
+                                ValueError, "cache_leftpad has dtype torch.int64"),
+        "cache_leftpad size": (dict(cache_leftpad=torch.zeros(n + 1, dtype=I32)), ValueError,
+                               r"cache_leftpad has the wrong size in dimension 0; expected "
+                               r"cache_seqlens.shape\[0\] \(b\)"),
+        "block ids size": (dict(bidirectional_block_ids=torch.zeros(total_q - 1, dtype=I32)),
+                           ValueError, r"bidirectional_block_ids has the wrong size in "
+                           r"dimension 0; expected q.shape\[0\] \(total_q\)"),
+        "block ids float": (dict(bidirectional_block_ids=torch.zeros(total_q)), ValueError,
+                            "bidirectional_block_ids has dtype torch.float32"),
+        "block ids list": (dict(bidirectional_block_ids=[0] * total_q), TypeError,
+                           "bidirectional_block_ids is not a tensor"),
+        "cache_batch_idx int64": (dict(cache_batch_idx=torch.zeros(n, dtype=torch.int64)),
+                                  ValueError, "cache_batch_idx has dtype torch.int64"),
+        "pack_gqa int": (dict(pack_gqa=1), TypeError, "pack_gqa is not a bool"),
+        "sm_margin negative": (dict(sm_margin=-2), ValueError, "sm_margin is negative"),
+        "max_seqlen_k float": (dict(max_seqlen_k=3.0), TypeError, "max_seqlen_k is not an "
+                               "integer"),
+        "scheduler_metadata list": (dict(scheduler_metadata=[1]), TypeError,
+                                    "scheduler_metadata is not a tensor"),
+        "window tensor of 3": (dict(window_size=torch.tensor([1, 2, 3])), TypeError,
+                               "window_size is not a pair"),
+    }
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("name", sorted(_bad_calls(_paged(0, (2,), (5,)))))
+def test_new_checks_name_the_argument(name, fake):
+    t = _paged(0, (2,), (5,))
+    change, exc, match = _bad_calls(t)[name]
+    kwargs = dict(t, **change)
+    if fake:
+        mode = FakeTensorMode()
+        kwargs = {k: fake_like(mode, v) if isinstance(v, torch.Tensor) else v
+                  for k, v in kwargs.items()}
+        with mode, pytest.raises(exc, match=f"^flash_attn_with_kvcache: {match}"):
+            xpu_ops.flash_attn_with_kvcache(**kwargs)
+    else:
+        with pytest.raises(exc, match=f"^flash_attn_with_kvcache: {match}"):
+            xpu_ops.flash_attn_with_kvcache(**kwargs)
+
+
+def test_varlen_seqused_q_check():
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    cu = torch.tensor([0, 2, 4], dtype=I32)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: seqused_q has the wrong size "
+                                         r"in dimension 0; expected cu_seqlens_q.shape\[0\] - 1"):
+        xpu_ops.flash_attn_varlen_func(q, k, k, cu, cu, seqused_q=torch.zeros(3, dtype=I32))
+
+
+def test_fake_trace_with_the_new_arguments_keeps_symbolic_sizes():
+    t = _paged(10, q_lens=(3, 2), k_lens=(6, 9))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    extra = dict(cache_leftpad=torch.tensor([1, 0], dtype=I32),
+                 bidirectional_block_ids=torch.tensor([0, 0, -1, 1, 1], dtype=I32),
+                 cache_batch_idx=torch.tensor([1, 0], dtype=I32))
+    dynamic = dict(q=(0,), bidirectional_block_ids=(0,), cache_seqlens=(0,), cache_leftpad=(0,),
+                   cache_batch_idx=(0,), page_table=(0, 1), cu_seqlens_q=(0,))
+    f = {k: fake_like(mode, v, dynamic.get(k, ())) if isinstance(v, torch.Tensor) else v
+         for k, v in dict(t, **extra).items()}
+    with mode:
+        out, lse = xpu_ops.flash_attn_with_kvcache(**f, causal=True, num_splits=1,
+                                                   return_softmax_lse=True)
+    total_q = f["q"].shape[0]
+    assert isinstance(out.shape[0], torch.SymInt) and str(out.shape[0]) == str(total_q)
+    assert str(lse.shape[1]) == str(total_q) and lse.dtype == torch.float32
