@@ -9,7 +9,6 @@ with the reference provider by relative Frobenius error.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 
 import pytest
@@ -179,33 +178,34 @@ def test_decode_cuda_graph_capture_and_replay():
     assert _rel(out, ref) < 1e-2
 
 
-def test_split_kv_plan_replays_bitwise_and_leaves_counters_zero():
-    """A provider plan's split-KV launch (splits merged in-kernel by the last program to finish)
-    captured in a CUDA graph: every replay gives the same bits whichever program merged, equals
-    the unplanned call, matches the reference, and leaves the plan's counters zero."""
+def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
+    """A split-KV launch (splits merged in-kernel by the last program to finish) with the
+    caller's counters, captured in a CUDA graph: every replay gives the same bits whichever
+    program merged, equals the eager op call, matches the reference, and leaves the counters
+    zero."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs")
-    from xpu_ops.plan import OpPlan
+    from xpu_ops.triton.paged_attention import paged_attention
     q, k, v, lens, table, cu = paged_case([40000, 100, 7000, 1], [1, 1, 1, 1], 64)
     sinks = torch.randn(32, device=DEVICE)
     out = torch.empty_like(q)
-    kwargs = dict(max_seqlen_q=1, softmax_scale=128 ** -0.5, causal=True, window_size_left=-1,
-                  window_size_right=0, softcap=0.0)
     with xpu_ops.use_provider("triton"):
-        plan = OpPlan("flash_attn_with_kvcache",
-                      (q, k, v, lens, table, cu, out, None, None, None, None, sinks), kwargs,
-                      (0, 6))
         eager = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
                                                 cu_seqlens_q=cu, max_seqlen_q=1, causal=True,
                                                 sinks=sinks)
-    launch = inspect.getclosurevars(plan._planned).nonlocals["attention"]
-    counters = launch.args[8]
-    assert launch.meta["NUM_SPLITS"] > 1
-    plan.run(q, out)                                   # compile outside capture
+    counters = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
+
+    def launch():
+        return paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+                               max_seqlen_q=1, max_kv_len=table.shape[1] * k.shape[1], qv=None,
+                               q_descale=None, k_descale=None, v_descale=None, sinks=sinks,
+                               softmax_scale=128 ** -0.5, window_left=-1, window_right=0,
+                               softcap=0.0, num_splits=4, counters=counters)
+    launch()                                           # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(q, out)
+        launch()
     for _ in range(20):
         out.fill_(float("nan"))
         graph.replay()

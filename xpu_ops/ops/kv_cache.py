@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_same_size, check_size,
                        check_store_dtypes, check_tensor, check_tensor_args, fail, tensors_or_none)
@@ -72,12 +72,11 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
         _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
-@define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
+@define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"), by_device=True)
 def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Op form of ``store_kv_cache`` (all arguments explicit)."""
     _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
-    providers.dispatch(STORE_KV, k.device, k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
 @store_kv_cache_op.register_fake
@@ -168,11 +167,10 @@ def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
                f"k_nope.shape[2] + k_rope.shape[2] (R + r) = {latent_dim} + {rope_dim}")
 
 
-@define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))
+@define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",), by_device=True)
 def store_mla_kv_cache_op(kv_cache: Tensor, loc: Tensor, k_nope: Tensor, k_rope: Tensor) -> None:
     """Op form of ``store_mla_kv_cache``."""
     _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
-    providers.dispatch(STORE_MLA, k_nope.device, kv_cache, loc, k_nope, k_rope)
 
 
 @store_mla_kv_cache_op.register_fake

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
                        int_scalar)
@@ -111,7 +111,7 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
              "Size it with flash_mla_get_workspace_size.")
 
 
-@define_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",))
+@define_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",), by_device=True)
 def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_seqlens: Tensor,
                         page_table: Tensor, workspace: Tensor, softmax_scale: float,
                         num_kv_splits: int) -> Tensor:
@@ -119,7 +119,6 @@ def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_
     as scratch (declared mutated)."""
     args = (q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace)
     _check_flash_mla_decode(*args, num_kv_splits)
-    return providers.dispatch(NAME, q_nope.device, *args, softmax_scale, num_kv_splits)
 
 
 @flash_mla_decode_op.register_fake

@@ -15,7 +15,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .common import check_cu_seqlens, check_index, check_workspace_size_args, float_scalar
@@ -75,7 +75,7 @@ def _check_flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, se
              "max_seqlen_q >= 1 (an upper bound of the new tokens of any request)", 0)
 
 
-@define_op("xpu_ops::flash_mla_prefill", mutates_args=("workspace",))
+@define_op("xpu_ops::flash_mla_prefill", mutates_args=("workspace",), by_device=True)
 def flash_mla_prefill_op(q_nope: Tensor, q_pe: Tensor, kv_c_and_k_pe_cache: Tensor,
                          cu_seqlens_q: Tensor, seq_lens_k: Tensor, page_table: Tensor,
                          workspace: Tensor, *, max_seqlen_q: int, sm_scale: float, causal: bool,
@@ -84,8 +84,6 @@ def flash_mla_prefill_op(q_nope: Tensor, q_pe: Tensor, kv_c_and_k_pe_cache: Tens
     ``workspace`` as scratch (declared mutated)."""
     args = (q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace)
     _check_flash_mla_prefill(*args, max_seqlen_q)
-    return providers.dispatch(NAME, q_nope.device, *args, max_seqlen_q=max_seqlen_q,
-                              sm_scale=sm_scale, causal=causal, num_kv_splits=num_kv_splits)
 
 
 @flash_mla_prefill_op.register_fake

@@ -8,12 +8,13 @@ gives none, so the functional form traces and the ``out=`` form writes a fixed b
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from . import kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
@@ -86,7 +87,7 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
         check_num_splits(fn, num_splits)
 
 
-@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",), by_device=True)
 def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
@@ -113,11 +114,8 @@ def flash_attn_with_kvcache_op(
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids)
     _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap,
                                    num_splits=num_splits)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              softmax_scale=softmax_scale, causal=causal,
-                              window_size_left=window_size_left,
-                              window_size_right=window_size_right,
-                              softcap=no_cap_if_infinite(softcap), num_splits=num_splits)
+    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+        return {"softcap": no_cap_if_infinite(softcap)}
 
 
 @flash_attn_with_kvcache_op.register_fake

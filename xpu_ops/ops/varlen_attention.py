@@ -6,12 +6,13 @@ returns ``softmax_lse [Hq, total_q]``; the public wrapper allocates ``out`` when
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
                        check_tensor_args, fail)
@@ -59,7 +60,7 @@ def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sequ
         check_num_splits(fn, num_splits)
 
 
-@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",), by_device=True)
 def flash_attn_varlen_func_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
     seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
@@ -80,11 +81,8 @@ def flash_attn_varlen_func_op(
             v_descale, sinks, seqused_q)
     _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   softcap=softcap, num_splits=num_splits)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal, window_size_left=window_size_left,
-                              window_size_right=window_size_right,
-                              softcap=no_cap_if_infinite(softcap), num_splits=num_splits)
+    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+        return {"softcap": no_cap_if_infinite(softcap)}
 
 
 @flash_attn_varlen_func_op.register_fake

@@ -4,8 +4,8 @@ One program per written token copies its ``[Hkv, D]`` rows into slot ``loc[i]`` 
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
 Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off. ``loc``
 may have any stride; values stored into an fp8 cache saturate to its largest finite value.
-``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), re-launched through a
-``BoundLaunch`` cached per call shape (decode writes the same shape in every layer).
+``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), whose scalar arguments
+are computed once per call shape (decode writes the same shape in every layer).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import triton.language as tl
 from .. import providers
 from .._checks import FP8_DTYPES
 from ._common import available, launch, next_pow2
-from .launcher import BoundLaunch
 
 
 @triton.jit
@@ -119,22 +118,23 @@ def cache_geometry(cache, feature_dims: int) -> tuple[int, int, int, int]:
 def _store_kv_launch(device: torch.device, num_tokens: int, k_shape, k_strides, v_shape,
                      v_strides, kc_geometry, kc_head_stride: int, vc_geometry,
                      vc_head_stride: int, loc_stride: int, has_k_scale: bool, has_v_scale: bool,
-                     kc_dtype: torch.dtype, vc_dtype: torch.dtype) -> BoundLaunch:
-    """The ``_store_kv_kernel`` launch of one call shape (``cache_geometry`` of each cache)."""
+                     kc_dtype: torch.dtype, vc_dtype: torch.dtype) -> tuple[tuple, dict]:
+    """``(scalar arguments, meta)`` of the ``_store_kv_kernel`` launch of one call shape
+    (``cache_geometry`` of each cache)."""
     _, num_heads, head_dim = k_shape
     max_k, max_v = fp8_max(kc_dtype), fp8_max(vc_dtype)
     (kp, ks, kps, k_slots), (vp, vs, vps, v_slots) = kc_geometry, vc_geometry
-    args = [None] * 7 + [k_strides[0], k_strides[1], v_strides[0], v_strides[1], kp, ks,
-                         kc_head_stride, vp, vs, vc_head_stride, loc_stride, kps, vps, num_heads,
-                         head_dim, v_shape[2], k_slots, v_slots, max_k, max_v]
+    scalars = (k_strides[0], k_strides[1], v_strides[0], v_strides[1], kp, ks, kc_head_stride,
+               vp, vs, vc_head_stride, loc_stride, kps, vps, num_heads, head_dim, v_shape[2],
+               k_slots, v_slots, max_k, max_v)
     meta = dict(BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
                 BLOCK_DV=next_pow2(v_shape[2]), HAS_K_SCALE=has_k_scale,
                 HAS_V_SCALE=has_v_scale, SATURATE_K=max_k > 0, SATURATE_V=max_v > 0,
                 num_warps=4)
-    return BoundLaunch(_store_kv_kernel, (num_tokens,), device, args, meta, tuple(range(7)))
+    return scalars, meta
 
 
-def _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> BoundLaunch:
+def _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> tuple[tuple, dict]:
     return _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
                             cache_geometry(k_cache, 2), k_cache.stride(-2),
                             cache_geometry(v_cache, 2), v_cache.stride(-2), loc.stride(0),
@@ -165,26 +165,7 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
     return None
 
 
-# store_kv_cache's argument index -> _store_kv_kernel's argument index.
-_OP_TO_KERNEL = {0: 2, 1: 3, 2: 4, 3: 0, 4: 1, 5: 5, 6: 6}
-
-
-def plan_store_kv_cache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``store_kv_cache``: the launch with
-    the non-slot arguments (``loc``, typically) fixed. Returns ``run(*slot_tensors)``."""
-    k_cache, v_cache, loc, k, v, k_scale, v_scale = args
-    if k.shape[0] == 0:
-        return lambda *tensors: None
-    launch = _store_kv_launch_for(*args)
-    values = (k, v, k_cache, v_cache, loc, loc if k_scale is None else k_scale,
-              loc if v_scale is None else v_scale)
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    return launch.bind({i: t for i, t in enumerate(values) if i not in kernel_slots},
-                       kernel_slots)
-
-
-@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store,
-                    plan=plan_store_kv_cache)
+@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
@@ -193,9 +174,10 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """
     if k.shape[0] == 0:
         return
-    run = _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale)
-    run(k, v, k_cache, v_cache, loc, loc if k_scale is None else k_scale,
-        loc if v_scale is None else v_scale)
+    scalars, meta = _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    launch(_store_kv_kernel, (k.shape[0],), k.device, k, v, k_cache, v_cache, loc,
+           loc if k_scale is None else k_scale, loc if v_scale is None else v_scale, *scalars,
+           **meta)
 
 
 def _supports_mla(kv_cache, loc, k_nope, k_rope):

@@ -20,11 +20,9 @@ loads all partials of its rows in split order 0..S-1 (the result does not depend
 merges), combines them LSE-weighted (sinks added once, empty splits weight 0, ``-inf`` LSE for
 rows with no visible key), writes ``out`` and the LSE, and stores 0 back to the counter. No
 program waits for another. The counters are zero before and after every launch, so their owner
-reuses them: ``plan_flash_attn_with_kvcache`` allocates one zeroed buffer per plan, next to its
-scratch, and binds it (runs of a plan are sequential on one stream, graph replays included);
-an unplanned ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for the
-call (inside a graph capture that comes from the graph's pool and its memset is replayed); never
-one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
+may reuse them: a ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for
+the call (inside a graph capture that comes from the graph's pool and its memset is replayed);
+never one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
 split count, scratch and counter sizes depend only on shapes and the device's multiprocessor
 count, never on tensor values, so the launch can be captured in a device graph.
 
@@ -44,8 +42,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import HAS_TRITON, available, cdiv, next_pow2, num_sms
-from .launcher import BoundLaunch
+from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
 
 if HAS_TRITON:
     import triton
@@ -416,25 +413,23 @@ def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchPlan:
+class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
-    attention: BoundLaunch
+    grid: tuple[int, int, int]
+    scalars: tuple  # the kernel's arguments after its 17 tensors (strides, sizes, scalars)
+    meta: dict      # constexprs and launch options
     num_splits: int
     dv_pad: int
     num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
 
 
-# Slots (positions of per-call tensors) in the kernel's argument list.
-_ATTENTION_SLOTS = tuple(range(20))      # Q .. Q_USED
-
-
 @functools.lru_cache(maxsize=512)
-def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
-                 v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
-                 batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
-                 softmax_scale: float, softcap: float, window_left: int, window_right: int,
-                 num_splits: Optional[int], config: Optional[_Config], part_strides,
-                 lse_stride: int, meta_strides: tuple) -> _LaunchPlan:
+def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
+                   v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
+                   batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
+                   softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                   num_splits: Optional[int], config: Optional[_Config], part_strides,
+                   lse_stride: int, meta_strides: tuple) -> _LaunchParams:
     """Grid, tile config, split count and every scalar argument of one call shape (cached: a
     decode step repeats the same shape in every layer, so this runs once per shape).
     ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured)."""
@@ -467,22 +462,21 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
     upcast = device.type == "cpu" and q_dtype != torch.float32
     precision = "ieee" if q_dtype == torch.float32 or upcast else None
     qv_s = qv_strides if has_qv else q_strides
-    args = [None] * len(_ATTENTION_SLOTS) + [
+    scalars = (
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
         *meta_strides, float(softmax_scale), float(softcap), int(window_left),
         int(window_right), group, num_heads_kv, head_dim, head_dim_v,
         cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits), total_q, k_shape[0],
-        k_shape[0], max_seqlen_q, max_kv_len]
+        k_shape[0], max_seqlen_q, max_kv_len)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
                 HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attention = BoundLaunch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits),
-                            device, args, meta, _ATTENTION_SLOTS)
-    return _LaunchPlan(attention, num_splits, dv_pad, grid_m * batch * num_heads_kv)
+    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
+                         dv_pad, grid_m * batch * num_heads_kv)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
@@ -506,9 +500,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             Only the last dimension needs unit stride.
         cache_seqlens: [b] int32 keys per request (tokens).
         cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
-        max_kv_len: bound on keys per request from shapes (tokens), used to plan splits.
+        max_kv_len: bound on keys per request from shapes (tokens), used to choose splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
-        num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
+        num_splits: force the KV split count (tests, benchmarks); default chosen from shapes.
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
@@ -527,8 +521,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     Raises:
         ValueError: ``counters`` is not int32, not contiguous or has fewer entries than tiles.
 
-    Host cost: the grid, tile config, split count and scalar arguments are computed once per call
-    shape (``_launch_plan``, cached) and the kernel re-launches through ``BoundLaunch``.
+    The grid, tile config, split count and scalar arguments depend only on shapes, strides and
+    scalars, so they are computed once per call shape (``_launch_params``, cached); the launch
+    itself is ``kernel[grid](...)``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if lse is None:
@@ -536,28 +531,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
     extras = (k_start, block_ids, q_used)
-    plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
-                     q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
-                     window_right, softcap, num_splits, config, scratch, lse, cu_seqlens_q,
-                     cu_seqlens_k, extras)
-    o_part, lse_part, counters = _split_buffers(plan, q, scratch, counters, lse)
-    dummy = lse
-    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-                   cache_seqlens, cache_seqlens if page_table is None else page_table,
-                   cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
-                   *(dummy if t is None else t
-                     for t in (q_descale, k_descale, v_descale, sinks, *extras)))
-    return lse
-
-
-def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv, q_descale,
-              k_descale, v_descale, sinks, softmax_scale, window_left, window_right, softcap,
-              num_splits, config, scratch, lse, cu_seqlens_q, cu_seqlens_k,
-              extras=(None, None, None)) -> _LaunchPlan:
-    """``_launch_plan`` of these tensors' shapes, strides and flags (``extras``: k_start,
-    block_ids, q_used)."""
     paged = page_table is not None
-    return _launch_plan(
+    params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
@@ -568,6 +543,14 @@ def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0),
         _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks,
                           q_descale, k_descale, v_descale, *extras))
+    o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    launch(_paged_attention_kernel, params.grid, q.device,
+           q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
+           cache_seqlens, cache_seqlens if page_table is None else page_table,
+           cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+           *(lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks, *extras)),
+           *params.scalars, **params.meta)
+    return lse
 
 
 def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks, q_descale,
@@ -582,74 +565,29 @@ def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sin
             stride(v_descale, 1), stride(k_start, 0), stride(block_ids, 0), stride(q_used, 0))
 
 
-def _split_buffers(plan: _LaunchPlan, q: Tensor, scratch, counters,
+def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                    dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(o_part, lse_part, counters)`` for the plan's splits: the given buffers, new ones
+    """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
     (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
-    splits = plan.num_splits
+    splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if scratch is None:
-        scratch = (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
-                               device=q.device),
+        scratch = (torch.empty((splits, total_q, num_heads_q, params.dv_pad),
+                               dtype=torch.float32, device=q.device),
                    torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
                                device=q.device))
     if counters is None:
-        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=q.device)
+        counters = torch.zeros(params.num_tiles, dtype=torch.int32, device=q.device)
     elif (counters.dtype != torch.int32 or not counters.is_contiguous()
-          or counters.numel() < plan.num_tiles):
+          or counters.numel() < params.num_tiles):
         raise ValueError(f"paged_attention: counters is {counters.dtype}, "
                          f"{'' if counters.is_contiguous() else 'non-'}contiguous, with "
                          f"{counters.numel()} entries; expected contiguous torch.int32 with at "
-                         f"least {plan.num_tiles} (one per program tile). Allocate "
+                         f"least {params.num_tiles} (one per program tile). Allocate "
                          f"torch.zeros(n, dtype=torch.int32) once and reuse it.")
     return scratch[0], scratch[1], counters
-
-
-# flash_attn_with_kvcache's argument index -> _paged_attention_kernel's argument index.
-_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 9, 4: 10, 5: 11, 6: 4, 7: 3, 8: 13, 9: 14, 10: 15, 11: 16,
-                 12: 17, 13: 18}
-
-
-def plan_flash_attn_with_kvcache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``flash_attn_with_kvcache``.
-
-    Fixes everything but the slot tensors once: launch plan, LSE and split scratch buffers (kept
-    by the plan: the returned LSE is overwritten by the next run), the split-KV counters, the
-    metadata tensors in the kernel's arguments. Returns ``run(*slot_tensors) -> lse``.
-
-    The counters are allocated zeroed here, once, and bound as a fixed argument; every launch
-    leaves them zero. Runs of one plan share them, which is safe because they are sequential on
-    one stream (piecewise decode re-runs the plan layer after layer; a captured graph replays
-    them in order); concurrent runs of one plan on two streams would race. A plan made during a
-    graph capture has its zeroing recorded, not done: run it only through that graph's replays.
-    """
-    (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-     k_descale, v_descale, sinks, cache_leftpad, block_ids) = args
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    if q.shape[0] == 0 or cache_seqlens.shape[0] == 0:
-        return lambda *tensors: lse
-    extras = (cache_leftpad, block_ids, None)
-    plan = _plan_for(q, k_cache, v_cache, out, cache_seqlens, page_table, kwargs["max_seqlen_q"],
-                     page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
-                     sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
-                     kwargs["window_size_right"], kwargs["softcap"],
-                     requested_splits(kwargs["num_splits"]), None, None, lse, cu_seqlens_q, None,
-                     extras)
-    o_part, lse_part, counters = _split_buffers(plan, q, None, None, lse)
-    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-              cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
-    values += [lse if t is None else t
-               for t in (q_descale, k_descale, v_descale, sinks, *extras)]
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    attention = plan.attention.bind(
-        {i: t for i, t in enumerate(values) if i not in kernel_slots}, kernel_slots)
-
-    def run(*tensors):
-        attention(*tensors)
-        return lse
-    return run
 
 
 def requested_splits(num_splits: int) -> Optional[int]:
@@ -670,8 +608,7 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 
 @providers.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv),
-                    plan=plan_flash_attn_with_kvcache)
+                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                             bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
