@@ -142,7 +142,6 @@ def test_wrapper_rejects_bad_num_splits(value, exc, match):
     ("cu_seqlens_k_new", torch.zeros(1), "None", "a tensor"),
     ("attention_chunk", 8, "None or 0", "8"),
     ("rotary_interleaved", False, "None or True", "False"),
-    ("bidirectional_block_ids", torch.zeros(1), "None", "a tensor"),   # sglang 0.5.23
 ])
 def test_wrapper_unimplemented_keywords(keyword, value, rule, got):
     t, _, _ = _wrapper_inputs()
