@@ -512,3 +512,23 @@ def _prepare_swa_spec_page_table_samples(device, dtype, gen):
         draft_slots = torch.randint(1000, 2000, (b, num_draft), generator=gen, dtype=torch.int32)
         yield ((page_table.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device),
                 draft_slots.to(device), mask.expand(b, -1, -1).contiguous().to(device)), {})
+
+
+@_sampler("apply_rotary_emb")
+def _apply_rotary_emb_samples(device, dtype, gen):
+    # (N, H, D, rotary_dim, seqlen_ro, interleaved, dtype, strided x)
+    for n, h, d, rot, seqlen_ro, interleaved, dt, strided in (
+            (5, 3, 64, 64, 16, False, torch.float32, False),
+            (4, 2, 64, 32, 9, True, torch.float32, True),        # partial rotary, x a view
+            (3, 4, 80, 48, 5, False, torch.bfloat16, False),
+            (2, 1, 128, 128, 300, True, torch.float16, False),
+            (0, 2, 32, 16, 4, False, torch.float32, False)):     # no token
+        dt = dtype or dt
+        base = _randn(gen, n, h, 2 * d if strided else d, dtype=dt, device=device)
+        x = base[..., ::2] if strided else base
+        angle = torch.rand(seqlen_ro, rot // 2, generator=gen) * 6.283
+        positions = torch.randint(0, seqlen_ro, (n,), generator=gen, dtype=torch.int32)
+        if n:
+            positions[0] = seqlen_ro - 1
+        yield ((x, angle.cos().to(dt).to(device), angle.sin().to(dt).to(device),
+                positions.to(device)), dict(interleaved=interleaved))

@@ -187,17 +187,36 @@ def _corrupted_paged_call(data, gen):
 @_settings(20)
 @given(data=st.data(), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_inconsistent_paged_metadata_stays_inside_the_tensors(provider, data, causal, seed):
+    _check_inconsistent_paged_call(provider, "cpu", data, causal, seed)
+
+
+@pytest.mark.gpu
+@_settings(60)
+@given(data=st.data(), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_inconsistent_paged_metadata_stays_inside_the_tensors_on_gpu(data, causal, seed):
+    """Compiled Triton on the GPU: no illegal address, the same rows as the oracle."""
+    _check_inconsistent_paged_call("triton", "cuda", data, causal, seed)
+    torch.cuda.synchronize()
+
+
+def _check_inconsistent_paged_call(provider, device, data, causal, seed):
+    # The GPU runs compiled Triton: no interpreter switch there.
+    using = (lambda: running(provider)) if device == "cpu" else (
+        lambda: xpu_ops.use_provider(provider))
     gen = torch.Generator().manual_seed(seed)
-    q, k_cache, v_cache, lens, table, cu, max_seqlen_q = _corrupted_paged_call(data, gen)
+    call_args = _corrupted_paged_call(data, gen)
+    q, k_cache, v_cache, lens, table, cu, max_seqlen_q = call_args
     out_buffer, out = _guarded(torch.full((q.shape[0], q.shape[1], v_cache.shape[-1]),
-                                          float("nan")))
-    k_buffer, k_view = _guarded(k_cache)
-    v_buffer, v_view = _guarded(v_cache)
+                                          float("nan"), device=device))
+    k_buffer, k_view = _guarded(k_cache.to(device))
+    v_buffer, v_view = _guarded(v_cache.to(device))
     caches_before = (k_buffer.clone(), v_buffer.clone())
-    call = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,
-                causal=causal, return_softmax_lse=True)
-    with running(provider), xpu_ops.debug_checks(False):
-        _, lse = xpu_ops.flash_attn_with_kvcache(q, k_view, v_view, out=out, **call)
+    call = dict(cache_seqlens=lens.to(device), page_table=table.to(device),
+                cu_seqlens_q=cu.to(device), max_seqlen_q=max_seqlen_q, causal=causal,
+                return_softmax_lse=True)
+    with using(), xpu_ops.debug_checks(False):
+        _, lse = xpu_ops.flash_attn_with_kvcache(q.to(device), k_view, v_view, out=out, **call)
+    out, lse, out_buffer = out.cpu(), lse.cpu(), out_buffer.cpu()
     assert torch.isnan(out_buffer[:GUARD]).all() and torch.isnan(out_buffer[-GUARD:]).all()
     assert bitwise_equal(k_buffer, caches_before[0]) and bitwise_equal(v_buffer, caches_before[1])
     want, want_lse, owners = oracle.flash_attn_with_kvcache_unchecked(
@@ -210,13 +229,13 @@ def test_inconsistent_paged_metadata_stays_inside_the_tensors(provider, data, ca
     assert_matches_oracle(out[once], want[once], torch.float32, lse[:, once], want_lse[:, once])
     valid = _paged_metadata_valid(cu, q.shape[0], max_seqlen_q, lens, table, k_cache.shape[1],
                                   k_cache.shape[0])
-    with running(provider), xpu_ops.debug_checks():
+    with using(), xpu_ops.debug_checks():
         if valid:
-            xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+            xpu_ops.flash_attn_with_kvcache(q.to(device), k_view, v_view, **call)
         else:
             with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: (cu_seqlens_q|"
                                r"max_seqlen_q|cache_seqlens|page_table) .*, got .*\d"):
-                xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+                xpu_ops.flash_attn_with_kvcache(q.to(device), k_view, v_view, **call)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
