@@ -13,21 +13,17 @@ script measures, in microseconds per call, the rows
     split op               torch.ops.xpu_ops.unified_attention_with_output of that layer, as a
                            piecewise step calls it (dispatcher, its checks, forward context,
                            backend.forward into the op's output)
-    ... replayed           the same with the step's metadata persisted across steps (bucketed
-                           piecewise decode): the split op replays the layer's recorded plan runs
-    init_forward_metadata  the host plan of one DECODE step (page table, cu_seqlens, ...)
-    OpPlan x2              the two plans a step makes (store_kv_cache + flash_attn_with_kvcache)
+    init_forward_metadata  the host metadata of one DECODE step (page table, cu_seqlens, ...)
     step                   what a piecewise step runs on the host besides its pieces:
-                           init_forward_metadata, then ``--layers`` layers (the first makes
-                           the step's plans, the others re-run them)
+                           init_forward_metadata, then ``--layers`` layers
 
 Kernels are stubbed by default (``--kernels stub``): the ``fn`` of every registered
 implementation of the two ops is swapped for a no-op (the attention stub still allocates its
 ``[Hq, total_q]`` float32 LSE, as a kernel does), so the rows are pure host time: checks,
 provider selection, dispatcher, allocation. ``--kernels real`` keeps the kernels (on a GPU
 launches are asynchronous, so the rows stay host time while the GPU keeps up; on CPU they
-include the kernel itself; the OpPlan row then includes the provider's own plan, e.g. Triton's
-with ``XPU_OPS_PROVIDER=triton TRITON_INTERPRET=1`` on CPU). Each row is the minimum (or with
+include the kernel itself, e.g. Triton's with ``XPU_OPS_PROVIDER=triton TRITON_INTERPRET=1`` on
+CPU). Each row is the minimum (or with
 ``--stat median`` the median) over ``--repeats`` of the mean of ``--iters`` calls, after a
 warm-up; the minimum because the machine may be shared. ``--only`` picks rows by substring.
 
@@ -50,7 +46,6 @@ import torch
 
 import xpu_ops
 from xpu_ops import providers
-from xpu_ops.plan import OpPlan
 from compile.forward_context import set_forward_context
 from compile.layer import PagedAttention
 from compile import split_op as _split_op  # noqa: F401  (registers the split op)
@@ -69,18 +64,14 @@ def _stub_store(*args, **kwargs) -> None:
 
 
 def stub_kernels() -> None:
-    """Swap the ``fn`` of every implementation of ``OPS`` for a no-op and drop its provider plan
-    (this process only)."""
+    """Swap the ``fn`` of every implementation of ``OPS`` for a no-op (this process only)."""
     providers.select(OPS[0], torch.device("cpu"))  # make sure every provider is imported
     stubs = {"flash_attn_with_kvcache": _stub_attention, "store_kv_cache": _stub_store}
     for op, stub in stubs.items():
         impls = providers._registry[op]
         for name, impl in impls.items():
-            # plan=None: a provider's own plan would launch the real kernels from OpPlan
-            impls[name] = dataclasses.replace(impl, fn=stub, plan=None)
-    invalidate = getattr(providers, "invalidate_cache", None)
-    if invalidate is not None:
-        invalidate()
+            impls[name] = dataclasses.replace(impl, fn=stub)
+    providers.refresh()
 
 
 def decode_setup(args) -> SimpleNamespace:
@@ -105,9 +96,6 @@ def decode_setup(args) -> SimpleNamespace:
                            loc=fb.out_cache_loc)
 
 
-REPLAYED = "split op (1 layer), metadata persisted: replayed"
-
-
 def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object]]:
     """Name -> zero-argument call, one per row of the table (``layers``: of the step row)."""
     m, kbuf, vbuf = s.meta, *s.kv.get_kv_buffer(0)
@@ -117,7 +105,6 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
                        window_size_left=-1, window_size_right=0, softcap=0.0)
     op_attn, op_store = torch.ops.xpu_ops.flash_attn_with_kvcache, torch.ops.xpu_ops.store_kv_cache
     split_op = torch.ops.xpu_ops.unified_attention_with_output
-    store_args = (kbuf, vbuf, s.loc, s.k, s.v, None, None)
 
     def step():
         s.backend.init_forward_metadata(s.fb)
@@ -135,11 +122,7 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
             softmax_scale=s.layer.scaling, causal=True, out=s.out),
         "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
         "split op (1 layer)": lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
-        REPLAYED: lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
         "init_forward_metadata": lambda: s.backend.init_forward_metadata(s.fb),
-        "OpPlan x2 (store + attention)": lambda: (
-            OpPlan("store_kv_cache", store_args, {}, (0, 1, 3, 4)),
-            OpPlan("flash_attn_with_kvcache", attn_args, attn_kwargs, (0, 1, 2, 6))),
         f"step: init_forward_metadata + {layers} layers": step,
     }
 
@@ -189,13 +172,7 @@ def main() -> None:
                   if args.only is None or any(part in name for part in args.only)]
         with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch):
             rows = [(name, time_us(calls[name], device, args.iters, args.repeats, stat))
-                    for name in wanted if name != REPLAYED]
-        if REPLAYED in wanted:  # the same call with the step's metadata kept across steps
-            meta = setup.backend.persist_forward_metadata(setup.fb, args.batch, args.batch)
-            with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch,
-                                     replays=meta.replays):
-                rows.append((REPLAYED, time_us(calls[REPLAYED], device, args.iters,
-                                               args.repeats, stat)))
+                    for name in wanted]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
           f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, "

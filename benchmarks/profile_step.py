@@ -25,15 +25,14 @@ from bench_overhead import stub_kernels
 def time_components(step, steps: int) -> str:
     """Run ``steps`` steps with wall-clock timers around the host layers of a step.
 
-    Rows nest: ``OpPlan(...)`` (plan creation) runs inside ``backend.forward``; the step total
-    is the median over steps, the rows are means per step.
+    Rows nest: the provider calls (``providers.Route``) run inside ``backend.forward``; the step
+    total is the median over steps, the rows are means per step.
     """
     import statistics
     import time
     from compile.attention_backend import XPUAttentionBackend
     from compile.piecewise import PieceRunner
-    from xpu_ops.plan import OpPlan
-    from xpu_ops.triton.launcher import BoundLaunch
+    from xpu_ops.providers import Route
 
     totals: dict[str, list] = {}
 
@@ -53,11 +52,10 @@ def time_components(step, steps: int) -> str:
 
     saved = [(XPUAttentionBackend, "init_forward_metadata",
               timed(XPUAttentionBackend, "init_forward_metadata", "init_forward_metadata")),
-             (OpPlan, "__init__", timed(OpPlan, "__init__", "OpPlan(...) (plan creation)")),
              (PieceRunner, "__call__", timed(PieceRunner, "__call__", "piece (replay)")),
              (XPUAttentionBackend, "forward",
               timed(XPUAttentionBackend, "forward", "backend.forward (split op body)")),
-             (BoundLaunch, "__call__", timed(BoundLaunch, "__call__", "triton launch"))]
+             (Route, "__call__", timed(Route, "__call__", "provider (kernel launch)"))]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -90,8 +88,8 @@ def main(argv=None) -> None:
                          "stub_kernels), so the attention rows are host time only")
     ap.add_argument("--timers", action="store_true",
                     help="instead of cProfile: wall-clock us per call of the piece runners, the "
-                         "split op's backend.forward, init_forward_metadata, plan creation and "
-                         "the Triton launches (no profiler overhead)")
+                         "split op's backend.forward, init_forward_metadata and the provider "
+                         "calls (no profiler overhead)")
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     if args.kernels == "stub":

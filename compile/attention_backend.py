@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 import xpu_ops
-from xpu_ops.plan import planned_run, plans_enabled
 
 from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                  paged_metadata, swa_metadata, uniform_cu_seqlens)
@@ -41,23 +40,6 @@ from .memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 from . import mla_attention, spec_metadata
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-# Plan slots (per-layer tensors) of the eager hot path, by which optional tensors are None.
-# store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale): key (k_scale None, v_scale None)
-_STORE_SLOTS = {(ks, vs): (0, 1, 3, 4) + (() if ks else (5,)) + (() if vs else (6,))
-                for ks in (True, False) for vs in (True, False)}
-# flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
-# q_descale, k_descale, v_descale, sinks): key (qv None, sinks None, descales None)
-_ATTEND_SLOTS = {(qv, sk, ds): (0, 1, 2, 6) + (() if qv else (7,)) + (() if ds else (9, 10))
-                 + (() if sk else (11,))
-                 for qv in (True, False) for sk in (True, False) for ds in (True, False)}
-
-
-def _plans_apply(t: Tensor, eager: Optional[bool]) -> bool:
-    """``xpu_ops.plan.plan_applies(t)``, with ``plans_enabled()`` taken from ``eager`` when the
-    caller already asked (one per layer)."""
-    return type(t) is Tensor and (plans_enabled() if eager is None else eager)
-
 
 class XPUAttentionBackend(GraphMetadataMixin):
     """Attention backend for every sglang forward mode on XPU, CUDA and CPU.
@@ -281,22 +263,18 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool,
                  sinks: Optional[Tensor] = None, **kwargs) -> Tensor:
         meta = self._metadata()
-        record = getattr(fb, "_attn_record", None)  # a list while the split op records
         if self.use_mla:
-            if record is not None:
-                record.append(None)  # not plan runs only: never replayed
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
                                                   meta, **kwargs)
-        eager = plans_enabled()  # asked once: nothing between the store and attention changes it
         if k is not None and save_kv_cache:
-            self.save_kv(layer, k, v, meta, eager=eager, record=record)
+            self.save_kv(layer, k, v, meta)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.head_dim)
         out = self.output_buffer(fb, q3, hq, dv)
         call, causal, cascade = self.select_call(meta, layer)
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
-                    expand=meta.expand if cascade else None, eager=eager, record=record)
+                    expand=meta.expand if cascade else None)
         return out.view(-1, hq * dv)
 
     def _metadata(self) -> AttentionMetadata:
@@ -319,17 +297,6 @@ class XPUAttentionBackend(GraphMetadataMixin):
             return k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:])
         return self.token_to_kv_pool.get_paged_kv(layer.kv_cache_layer_id, page_size)
 
-    def replay_state(self, layer) -> tuple:
-        """What an eager call of ``layer`` reads besides its inputs and the metadata: its KV
-        buffers (those it writes and those it attends) and its fp8 scales, compared by identity
-        before the split op replays a recorded call (``compile/layer_replay.py``), so a pool
-        that replaced its buffers or new ``set_kv_scales`` make the call record again."""
-        pool = self.token_to_kv_pool
-        state = (*pool.get_kv_buffer(layer.kv_cache_layer_id), layer.k_scale, layer.v_scale)
-        if layer.kv_cache_layer_id != layer.layer_id:
-            state += pool.get_kv_buffer(layer.layer_id)
-        return state
-
     def is_swa_layer(self, layer) -> bool:
         """Whether ``layer``'s KV lives in the sliding-window pool of a hybrid SWA pool.
 
@@ -342,21 +309,14 @@ class XPUAttentionBackend(GraphMetadataMixin):
             return layer.bound_kv_is_swa
         return self.token_to_kv_pool.is_swa_layer(layer.layer_id)
 
-    def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata, *,
-                eager: Optional[bool] = None, record: Optional[list] = None) -> None:
+    def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
         """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
 
-        Eager writes into a plain MHA pool go through one ``store_kv_cache`` plan per batch
-        (``meta.plans``): validated by the first layer, re-run by the others (``eager``: what
-        ``xpu_ops.plan.plans_enabled()`` says now, when the caller already asked). Traced writes
-        use the buffers bound on the layer when there are some (MHA and hybrid SWA pools; an
-        SWA layer writes the translated ``meta.write.swa_loc``). ``record``: gets the plan run
-        appended (``xpu_ops.plan.planned_run``), or ``None`` when the write was not one.
+        Traced writes use the buffers bound on the layer when there are some (MHA and hybrid
+        SWA pools; an SWA layer writes the translated ``meta.write.swa_loc``); otherwise the
+        pool's ``set_kv_buffer``, one ``store_kv_cache`` call.
         """
         pool = self.token_to_kv_pool
-        planned = type(pool) is MHATokenToKVPool and not layer.is_cross_attention
-        if record is not None and not (planned and _plans_apply(k, eager)):
-            record.append(None)
         if layer.is_cross_attention:
             pool.set_kv_buffer(layer, meta.write.encoder_loc, k, v, layer.k_scale, layer.v_scale)
         elif reads_bound_kv(layer):  # traced: no layer_id look-up (reusable)
@@ -366,15 +326,6 @@ class XPUAttentionBackend(GraphMetadataMixin):
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)
-        elif type(pool) is MHATokenToKVPool and _plans_apply(k, eager):
-            k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-            ks, vs, loc = layer.k_scale, layer.v_scale, meta.write.loc
-            tensors = (k_buf, v_buf, k, v)
-            if ks is not None or vs is not None:
-                tensors += tuple(s for s in (ks, vs) if s is not None)
-            planned_run(meta.plans, ("store_kv_cache", id(loc), ks is None, vs is None), tensors,
-                        lambda: ("store_kv_cache", (k_buf, v_buf, loc, k, v, ks, vs), {},
-                                 _STORE_SLOTS[ks is None, vs is None]), record)
         else:
             pool.set_kv_buffer(layer, meta.write.loc, k, v, layer.k_scale, layer.v_scale)
 
@@ -439,24 +390,13 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
-               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None,
-               eager: Optional[bool] = None, record: Optional[list] = None) -> None:
-        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``
-        (``eager``: what ``xpu_ops.plan.plans_enabled()`` says now, when the caller asked;
-        ``record``: gets the plan run appended, or ``None`` for any other work)."""
+               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None
+               ) -> None:
+        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        planned = expand is None and _plans_apply(q3, eager)
-        if record is not None and (not planned or k_descale is not None):
-            record.append(None)  # descales are refilled by copies each call
-        if planned:
-            # Eager hot path (piecewise attention, eager decode): one validated plan per call
-            # kind and batch, re-run by every layer with its own q, cache and out.
-            self._planned_attend(q3, k_cache, v_cache, call, layer, out, causal, window[0],
-                                 window[1], qv, (k_descale, v_descale), sinks, record)
-            return
-        if expand is None:  # traced: the public op, keywords spelled out
+        if expand is None:
             xpu_ops.flash_attn_with_kvcache(
                 q3, k_cache, v_cache, qv=qv, causal=causal, sinks=sinks, out=out,
                 cache_seqlens=call.cache_seqlens, page_table=call.page_table,
@@ -481,29 +421,6 @@ class XPUAttentionBackend(GraphMetadataMixin):
             cu_seqlens_q=expand.cu_seqlens_q, max_seqlen_q=1, k_descale=kd, v_descale=vd, **kw)
         xpu_ops.merge_state_v2(o_a, lse_a.transpose(0, 1).contiguous(), o_b,
                                lse_b.transpose(0, 1).contiguous(), v_merged=out)
-
-    def _planned_attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor,
-                        call: PagedAttnMetadata, layer, out: Tensor, causal: bool, left: int,
-                        right: int, qv: Optional[Tensor], descale: tuple, sinks: Optional[Tensor],
-                        record: Optional[list] = None) -> None:
-        """``attend``'s eager call through the batch's plan of its call kind: a re-run reads
-        only the slot tensors (``_ATTEND_SLOTS`` order); the full call is built for a new plan."""
-        right = 0 if causal else right
-        scale, cap = layer.scaling, layer.logit_cap
-        no_qv, no_sinks, no_descale = qv is None, sinks is None, descale[0] is None
-        tensors = (q3, k_cache, v_cache, out)
-        if not (no_qv and no_sinks and no_descale):
-            tensors += ((() if no_qv else (qv,)) + (() if no_descale else descale)
-                        + (() if no_sinks else (sinks,)))
-        key = ("flash_attn_with_kvcache", id(call), causal, scale, cap, left, no_qv, no_sinks,
-               no_descale)
-        planned_run(self._metadata().plans, key, tensors, lambda: (
-            "flash_attn_with_kvcache",
-            (q3, k_cache, v_cache, call.cache_seqlens, call.page_table, call.cu_seqlens_q, out,
-             qv, None, *descale, sinks),
-            dict(max_seqlen_q=call.max_seqlen_q, softmax_scale=scale, causal=causal,
-                 window_size_left=left, window_size_right=right, softcap=cap),
-            _ATTEND_SLOTS[no_qv, no_sinks, no_descale]), record)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value of padded graph rows (sglang: 1, so no request is empty)."""

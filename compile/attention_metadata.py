@@ -71,11 +71,6 @@ class AttentionMetadata:
         causal: whether ``main`` is causal (False for the cascade prefix pass).
         cascade: True when ``expand`` must be merged into ``main``'s result.
         mla_workspace: uint8 scratch of ``flash_mla_decode`` (MLA decode only).
-        plans: eager op plans of this batch (``xpu_ops.plan.planned_call``): validated once,
-            re-run by every layer with its own tensors.
-        replays: ``layer_id -> LayerReplay`` of the split op (``compile/layer_replay.py``),
-            only for metadata kept in fixed buffers across steps
-            (``persist_forward_metadata``); None otherwise.
     """
 
     main: PagedAttnMetadata
@@ -88,8 +83,6 @@ class AttentionMetadata:
     local: Optional[LocalAttentionMetadata] = None
     encoder: Optional[PagedAttnMetadata] = None
     mla_workspace: Optional[Tensor] = None
-    plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    replays: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor field as ``("part.field", tensor)`` (graph buffers bind these)."""

@@ -20,7 +20,7 @@ topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -30,7 +30,6 @@ import xpu_ops
 from .local_attention import local_chunks_per_request
 
 _EXTERNAL = ("write.loc", "write.encoder_loc")  # the graph runner's own static buffers
-_PERSISTENT_EXTERNAL = ("write.encoder_loc",)  # persistent eager steps copy write.loc too
 
 
 def _set_path(obj: Any, path: str, value: Tensor) -> None:
@@ -40,16 +39,13 @@ def _set_path(obj: Any, path: str, value: Tensor) -> None:
     setattr(obj, leaf, value)
 
 
-def metadata_buffers(backend, max_bs: int, max_num_tokens: int, *, write_loc: bool = False
-                     ) -> dict[str, Tensor]:
+def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Tensor]:
     """Fixed buffers for the metadata of ``backend``'s batches up to ``max_bs`` requests and
     ``max_num_tokens`` query tokens, keyed by ``AttentionMetadata.tensors()`` names.
 
     Page tables are as wide as ``context_len`` (in pages); the SWA table and translated write
     slots exist only for hybrid SWA pools, the local-attention tables only with an
-    ``attention_chunk_size``, the MLA workspace only for MLA. ``write_loc``: also a buffer for
-    ``write.loc`` (int64 ``[max_num_tokens]``) for callers whose batches do not already keep
-    ``out_cache_loc`` in a static buffer.
+    ``attention_chunk_size``, the MLA workspace only for MLA.
     """
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
@@ -60,8 +56,6 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int, *, write_loc: bo
     if hasattr(backend.token_to_kv_pool, "translate_loc_from_full_to_swa"):
         buf["swa.page_table"] = torch.zeros(max_bs, max_pages, **i32)
         buf["write.swa_loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
-    if write_loc:
-        buf["write.loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
     if backend.attention_chunk_size:
         chunk = int(backend.attention_chunk_size)
         max_v = max_bs * local_chunks_per_request(q_per_req, chunk)
@@ -77,8 +71,7 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int, *, write_loc: bo
 
 def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = _EXTERNAL):
     """Move every tensor of ``meta`` (but the ``external`` ones) into a leading slice of its
-    buffer, in place, and return ``meta``. Its op plans are dropped: they read the tensors it had
-    before (an eager run of the step may have planned calls already).
+    buffer, in place, and return ``meta``.
 
     Raises:
         NotImplementedError: ``meta`` has a tensor without a buffer (a layer kind that cannot
@@ -98,7 +91,6 @@ def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = 
                 bound[..., :t.shape[-1] if t.dim() > 1 else None].copy_(t)
             seen[id(t)] = bound
         _set_path(meta, name, seen[id(t)])
-    meta.plans = {}
     return meta
 
 
@@ -124,14 +116,6 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
             b.copy_(f)
 
 
-class _PersistentState(NamedTuple):
-    """Buffers of ``persist_forward_metadata`` and the metadata bound to them, per key."""
-    max_bs: int
-    max_num_tokens: int
-    buffers: dict[str, Tensor]
-    bound: dict[tuple, Any]
-
-
 class GraphMetadataMixin:
     """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
 
@@ -141,8 +125,6 @@ class GraphMetadataMixin:
         self.graph_buffers = metadata_buffers(self, max_bs, max_num_tokens)
         self.graph_max_bs, self.graph_max_num_tokens = max_bs, max_num_tokens
         self._graph_metadata = {}
-
-    _persistent: Optional[_PersistentState] = None  # persist_forward_metadata's
 
     def _graph_key(self, fb) -> tuple:
         return (fb.forward_mode, fb.batch_size, fb.spec_info is not None)
@@ -181,50 +163,6 @@ class GraphMetadataMixin:
         else:
             refill_metadata(self._graph_metadata[key], fresh)
         self.forward_metadata = self._graph_metadata[key]
-
-    def persist_forward_metadata(self, forward_batch, max_bs: int, max_num_tokens: int):
-        """Move the step's ``forward_metadata`` (built by ``init_forward_metadata``) into fixed
-        buffers kept across eager steps, and make that the current metadata.
-
-        For eager steps that should look the same to the ops every time, as piecewise decode
-        does (``PiecewiseModel``): the first step of each ``(mode, batch size)`` binds its
-        metadata to leading slices of buffers allocated once (for up to ``max_bs`` requests
-        and ``max_num_tokens`` tokens, ``write.loc`` included); later steps of that key copy
-        their values into the same slices and reuse the same ``AttentionMetadata`` object, so
-        its op plans (``plans``) and the split op's recorded layer calls (``replays``) stay
-        valid: every tensor they read keeps its address, only values change, as in a captured
-        graph. Separate from the graph runner's buffers (``init_cuda_graph_state``). Copies are
-        ordered on the current stream after the previous step's kernels.
-
-        Returns:
-            the current (persistent) ``AttentionMetadata``, or None when the step keeps its own
-            metadata: a mode without graph metadata (extend, topk > 1, idle), chunked-local or
-            cross attention (per-step shapes), or a batch past ``max_bs``/``max_num_tokens``.
-        """
-        fresh = self.forward_metadata
-        if (fresh is None or forward_batch.forward_mode.is_idle()
-                or self.graph_mode_unsupported(forward_batch) is not None
-                or fresh.local is not None or fresh.encoder is not None
-                or forward_batch.batch_size > max_bs
-                or fresh.write.loc.shape[0] > max_num_tokens):
-            return None
-        state = self._persistent
-        if state is None or state.max_bs < max_bs or state.max_num_tokens < max_num_tokens:
-            with torch.inference_mode(False):  # normal tensors: refilled in and out of it
-                buffers = metadata_buffers(self, max_bs, max_num_tokens, write_loc=True)
-            state = self._persistent = _PersistentState(max_bs, max_num_tokens, buffers, {})
-        # Per token count too (verify steps of another draft length), and per inference mode:
-        # slices made under it may only be written under it.
-        key = self._graph_key(forward_batch) + (fresh.write.loc.shape[0],
-                                                torch.is_inference_mode_enabled())
-        bound = state.bound.get(key)
-        if bound is None:
-            bound = state.bound[key] = bind_metadata(fresh, state.buffers, _PERSISTENT_EXTERNAL)
-            bound.replays = {}
-        else:
-            refill_metadata(bound, fresh, _PERSISTENT_EXTERNAL)
-        self.forward_metadata = bound
-        return bound
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Inside the captured region: use the bound metadata of this batch shape."""

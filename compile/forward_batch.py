@@ -118,8 +118,6 @@ class ForwardBatch:
             tokens causally.
         attn_backend, token_to_kv_pool, req_to_token_pool: set by the engine/model runner.
         _attn_output: optional [total_q, Hq * Dv] buffer the backend writes into.
-        _attn_record: a list while the split op records a layer call
-            (``compile/layer_replay.py``): the backend appends its plan runs to it.
     """
 
     forward_mode: ForwardMode
@@ -148,7 +146,6 @@ class ForwardBatch:
     token_to_kv_pool: Any = None
     req_to_token_pool: Any = None
     _attn_output: Optional[Tensor] = None
-    _attn_record: Optional[list] = None
 
     def __post_init__(self) -> None:
         if self.seq_lens_cpu is None:

@@ -37,17 +37,12 @@ class ForwardContext:
         graph_size: the token-count bucket the pieces are padded to and captured at, or None to
             run the compiled pieces without capture (CPU, extend batches, sizes past the largest
             bucket).
-        replays: ``layer_id -> LayerReplay`` of the step's metadata when it is kept in fixed
-            buffers across steps (``AttentionMetadata.replays``) and plans apply
-            (``xpu_ops.plan.plans_enabled()``, asked once per step); None: every split-op call
-            runs the backend (``compile/layer_replay.py``).
     """
 
     layers: Mapping[int, Any]
     forward_batch: Any
     num_tokens: int
     graph_size: Optional[int] = None
-    replays: Optional[dict] = None
 
 
 _CONTEXT: Optional[ForwardContext] = None
@@ -55,8 +50,7 @@ _CONTEXT: Optional[ForwardContext] = None
 
 @contextlib.contextmanager
 def set_forward_context(layers: Mapping[int, Any], forward_batch: Any, num_tokens: int,
-                        graph_size: Optional[int] = None, replays: Optional[dict] = None
-                        ) -> Iterator[ForwardContext]:
+                        graph_size: Optional[int] = None) -> Iterator[ForwardContext]:
     """Make a ``ForwardContext`` current for the duration of the block (nesting restores).
 
     Args:
@@ -64,13 +58,11 @@ def set_forward_context(layers: Mapping[int, Any], forward_batch: Any, num_token
         forward_batch: ``ForwardBatch`` of the step (None is allowed for tests without attention).
         num_tokens: real tokens of the step (before padding).
         graph_size: bucket the step is padded to and replayed at; None runs without capture.
-        replays: the recorded layer calls to replay (``ForwardContext.replays``), or None.
     """
     global _CONTEXT
     previous = _CONTEXT
     _CONTEXT = ForwardContext(layers=layers, forward_batch=forward_batch,
-                              num_tokens=int(num_tokens), graph_size=graph_size,
-                              replays=replays)
+                              num_tokens=int(num_tokens), graph_size=graph_size)
     try:
         yield _CONTEXT
     finally:

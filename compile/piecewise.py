@@ -31,9 +31,7 @@ How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
    into a device graph and replays it, later calls only replay and return the same output
    tensors (fixed buffers of the shared graph pool).
 5. Attention runs eagerly between pieces with the step's metadata and writes the fixed
-   ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero). Steps whose metadata
-   fits fixed buffers (decode, verify) keep it there across steps, and each layer's attention
-   replays the plan runs recorded at its first call (``persistent_metadata``).
+   ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero).
 
 What it does not do: capture attention itself (``compile/graph_runner.py`` captures whole decode
 steps; ``graph_runner.full_and_piecewise`` composes the two: full graphs for decode, pieces for
@@ -54,8 +52,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_map
-
-from xpu_ops.plan import plans_enabled
 
 from . import device as dev
 from .forward_context import set_forward_context
@@ -199,13 +195,6 @@ class PiecewiseModel(nn.Module):
             identical graph inputs, call its graph directly, skipping Dynamo's guards and
             input loading (``compile/direct_dispatch.py`` gives the rule and its assumptions).
             Off with ``debug``.
-        persistent_metadata: bucketed steps whose metadata can live in fixed buffers (DECODE,
-            TARGET_VERIFY and draft decode with topk 1, without chunked-local or cross
-            attention) move it there (``attn_backend.persist_forward_metadata``), so every
-            layer's attention call looks the same from step to step and the split op replays
-            its recorded plan runs (``compile/layer_replay.py``). Like a full decode graph, the
-            split count of the attention kernel is then planned for the page table's capacity
-            (``context_len``), not the step's longest request. Off with ``debug``.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
@@ -222,7 +211,7 @@ class PiecewiseModel(nn.Module):
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
                  device: torch.device | str | None = None, emulate_graphs: bool = False,
                  full_graph_steps: Optional[Callable[[Any], bool]] = None,
-                 direct_dispatch: bool = True, persistent_metadata: bool = True):
+                 direct_dispatch: bool = True):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -235,7 +224,6 @@ class PiecewiseModel(nn.Module):
         self.capture = capture
         self.full_graph_steps = full_graph_steps
         self.direct_dispatch = direct_dispatch and not debug
-        self.persistent_metadata = persistent_metadata and not debug
         self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
                                         static_inputs=_first_two_args(model),
                                         emulate_graphs=emulate_graphs)
@@ -304,12 +292,9 @@ class PiecewiseModel(nn.Module):
         if size is not None and self.direct_dispatch:
             key = backend.dispatch.fingerprint(size, forward_batch, kwargs)
             direct = None if key is None else backend.dispatch.lookup(key)
-        replays = None
-        if size is not None and self.persistent_metadata:
-            replays = self._persist_metadata(forward_batch)
         backend.graph_size = size
         try:
-            with set_forward_context(self.layers, forward_batch, n, size, replays):
+            with set_forward_context(self.layers, forward_batch, n, size):
                 if direct is not None:
                     graph, args = direct
                     out = graph(*args)[0]
@@ -325,20 +310,6 @@ class PiecewiseModel(nn.Module):
         # Rows [:T] of every padded output (a tensor, or tensors in a tuple/list/dict), cloned.
         return tree_map(lambda t: (t[:n] if t.dim() and t.shape[0] == size else t).clone()
                         if isinstance(t, Tensor) else t, out)
-
-
-    def _persist_metadata(self, forward_batch) -> Optional[dict]:
-        """Move the step's metadata into the attention backend's fixed buffers (sized for
-        this model's largest bucket); the replays of the kept metadata, or None when the
-        backend cannot keep it (``persist_forward_metadata``)."""
-        persist = getattr(getattr(forward_batch, "attn_backend", None),
-                          "persist_forward_metadata", None)
-        if persist is None:
-            return None
-        meta = persist(forward_batch, self.max_graph_size, self.max_graph_size)
-        # Replays run plans: asked once per step rather than per layer (debug value checks or a
-        # dispatch mode turn them off, as for the plans themselves).
-        return None if meta is None or not plans_enabled() else meta.replays
 
 
 # Each PiecewiseModel has its own backend, so Dynamo cannot reuse one model's graphs for another

@@ -17,11 +17,6 @@ layers (facts of the layer), attention sinks (``sinks``, GPT-OSS), absorbed MLA 
 Rows past ``forward_context.num_tokens`` are padding: they are not attended and their output rows
 are zeroed, so the padded tail of a captured piece always reads zeros.
 
-When the step's metadata lives in fixed buffers across steps (``forward_context.replays`` is a
-dict: ``PiecewiseModel`` bucketed DECODE / TARGET_VERIFY steps), a layer's first call records the
-plan runs the backend made and later calls with the very same tensors replay them
-(``compile/layer_replay.py``), skipping this op's checks and the backend's Python path.
-
 A ``PagedAttention`` layer uses the op when ``layer.use_split_op`` is True
 (``enable_split_op(model)`` sets it); its forward then returns
 ``unified_attention(self, q, k, v, sinks=..., q_rope=..., k_rope=...)``.
@@ -36,10 +31,7 @@ from torch import Tensor, nn
 
 from xpu_ops._registration import define_op
 
-from xpu_ops.plan import plans_enabled
-
-from .forward_context import current_forward_context, get_forward_context
-from .layer_replay import LayerReplay
+from .forward_context import get_forward_context
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
 _FN = "unified_attention_with_output"
@@ -116,16 +108,6 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
             float32.
         NotImplementedError: the backend returned ``(out, lse)`` (MLA's MHA prefill path).
     """
-    ctx = current_forward_context()
-    replays = None if ctx is None else ctx.replays
-    if replays is not None:  # metadata in fixed buffers: replay this layer's recorded call
-        inputs = (q, k, v, output, sinks, q_rope, k_rope, save_kv_cache)
-        replay = replays.get(layer_id)
-        if (replay is not None and replay.matches(inputs, ctx.num_tokens)
-                and replay.same_state(ctx.forward_batch.attn_backend.replay_state(
-                    ctx.layers[layer_id]))):
-            replay.replay()
-            return
     _check(q, k, v, output, sinks, q_rope, k_rope)
     ctx = get_forward_context()
     n = ctx.num_tokens
@@ -146,15 +128,12 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
     if sinks is not None or q_rope is not None or k_rope is not None:
         extras = {name: x for name, x in (("sinks", sinks), ("q_rope", q_rope),
                                           ("k_rope", k_rope)) if x is not None}
-    # The backend writes straight into the op's output (ForwardBatch._attn_output) and, when
-    # this call may be replayed, lists its plan runs in ForwardBatch._attn_record.
-    record = [] if replays is not None and plans_enabled() else None
+    # The backend writes straight into the op's output (ForwardBatch._attn_output).
     previous, batch._attn_output = batch._attn_output, out
-    batch._attn_record = record
     try:
         result = batch.attn_backend.forward(q, k, v, layer, batch, save_kv_cache, **extras)
     finally:
-        batch._attn_output, batch._attn_record = previous, None
+        batch._attn_output = previous
     if not isinstance(result, Tensor):
         raise NotImplementedError(f"{_FN}: layer {layer_id}'s backend returned "
                                   f"{type(result).__name__} (out, lse), which the split op cannot "
@@ -162,14 +141,8 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
                                   "mode. Use --mode compile for it.")
     if result.data_ptr() != out.data_ptr():
         out.copy_(result.reshape(out.shape))
-        record = None
-    tail = None
     if padded:
-        tail = output[n:]
-        tail.zero_()
-    if LayerReplay.recordable(record):
-        state = batch.attn_backend.replay_state(layer)
-        replays[layer_id] = LayerReplay(inputs, n, record, tail, state)
+        output[n:].zero_()
 
 
 @unified_attention_with_output.register_fake

@@ -9,6 +9,7 @@ and devices (never tensor values), so they run unchanged on fake tensors with sy
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -167,16 +168,49 @@ def check_gqa(fn: str, num_heads_q: int, num_heads_kv: int) -> None:
              f"Hq={num_heads_q}, Hkv={num_heads_kv}")
 
 
+def int_scalar(fn: str, arg: str, value: object, rule: str = "an int") -> int:
+    """Accept a Python/NumPy integer (or a symbolic one while tracing) for an int argument.
+
+    Raises:
+        TypeError: ``value`` is a float, a bool, a string or another non-integer object, naming
+            ``arg`` and the value (a float such as ``3.0`` is not rounded silently).
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, torch.SymInt):
+        return value  # a traced size: already an integer
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    fail(fn, arg, "is not an integer", rule, f"{value!r} ({type(value).__name__})",
+         f"Pass int({arg}).", exc=TypeError)
+
+
 def check_window(fn: str, window_size: object) -> tuple[int, int]:
-    """Validate ``window_size=(left, right)``; -1 means unbounded on that side."""
+    """Validate ``window_size=(left, right)``; -1 means unbounded on that side.
+
+    Raises:
+        TypeError: not a pair, or a side that is not an integer (``None`` included: unbounded
+            is -1). ValueError: a side below -1.
+    """
     if type(window_size) is tuple and len(window_size) == 2:
         left, right = window_size
         if type(left) is int and type(right) is int and left >= -1 and right >= -1:
-            return left, right  # the common case, without the int() conversions below
+            return left, right  # the common case, without the conversions below
+    if isinstance(window_size, torch.Tensor) and window_size.shape == (2,):
+        window_size = window_size.tolist()  # FlashAttention's tests pass torch.randint(..., (2,))
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         fail(fn, "window_size", "is not a pair", "(left, right) with -1 for unbounded",
              repr(window_size), exc=TypeError)
-    left, right = (int(w) for w in window_size)
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, (int, torch.SymInt)) and not hasattr(
+                side, "__index__"):
+            fail(fn, "window_size", "has a side that is not an integer",
+                 "(left, right) of ints, -1 for unbounded", repr(tuple(window_size)),
+                 "Pass -1 (not None) for an unbounded side.", exc=TypeError)
+    left, right = (operator.index(side) for side in window_size)
     if left < -1 or right < -1:
         fail(fn, "window_size", "has a negative bound", "each side >= 0 or -1 (unbounded)",
              (left, right))

@@ -1,18 +1,31 @@
 """Operator registration with a short eager path: ``define_op``.
 
 ``torch.library.custom_op`` wraps a mutating op in Python kernels for the Autograd and
-ADInplaceOrView keys; the latter re-binds every argument against the schema on each call, which
-measured 250-350 us per call of ``flash_attn_with_kvcache`` (18 arguments) on a 2-core CPU,
-more than the attention kernel of a decode step. ``define_op`` registers the same thing through
-``torch.library.Library`` directly (as vLLM's ``direct_register_custom_op`` does): the schema
-(inferred from type hints like ``custom_op``, or given), one ``CompositeExplicitAutograd`` kernel
-that serves every device, and a fake. A call then costs one C++ dispatch into the Python
-function (about 5 us).
+ADInplaceOrView keys; the latter re-binds every argument against the schema on each call, a
+large part of an eager call of ``flash_attn_with_kvcache`` (18 arguments). ``define_op``
+registers the same thing through ``torch.library.Library`` directly (as vLLM's
+``direct_register_custom_op`` does): the schema (inferred from type hints like ``custom_op``, or
+given), the kernels and a fake. A call then costs one C++ dispatch into the Python kernel.
+
+Kernels: ``define_op(..., by_device=True)`` (the ``xpu_ops`` ops) registers one kernel per
+dispatch key of ``providers.DISPATCH_KEYS`` (CPU, CUDA, XPU), as
+``torch.library.register_kernel`` does, so the dispatcher routes a call by device: the kernel of
+a device type runs the decorated function (the op's shape checks) and then that device type's
+``providers.Route``, which runs the provider resolved for it; other backend keys (sparse
+layouts, other devices) get a ``CompositeExplicitAutograd`` kernel that runs the checks (they
+name a non-dense argument) and otherwise raises ``RuntimeError`` naming the device. Without
+``by_device`` the decorated function is the kernel for every device
+(``CompositeExplicitAutograd``).
 
 What ``custom_op`` did that ``define_op`` keeps: mutated arguments get their version counter
 bumped after the kernel ran (``torch.autograd.graph.increment_version``), so autograd notices
-the in-place write. What it drops: the Python autograd kernel (these ops have no backward; a
-backward through them fails in PyTorch's autograd fallback).
+the in-place write. What it drops: the Python autograd kernel. These ops are not differentiable, and say so the
+way PyTorch asks non-differentiable ops to: a fallthrough kernel at the ``Autograd`` key (no
+autograd node, no per-call Python), and the kernel body runs under ``torch.no_grad()`` when grad
+mode is on, so a provider's own PyTorch code records no graph either. Under grad mode every op
+runs on every provider (sgl-kernel's tests call the ops with inputs that require grad) and its
+outputs never require grad; a backward through them raises autograd's own "does not require
+grad" error.
 ``torch.compile`` treats the result like any op with a mutable schema (``auto_functionalized``),
 and ``torch.library.opcheck`` runs on it unchanged.
 """
@@ -24,6 +37,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import providers
+
 _LIBRARIES: dict[str, torch.library.Library] = {}
 DEFINED: dict[str, "OpDef"] = {}
 
@@ -33,7 +48,7 @@ class OpDef:
 
     Attributes:
         qualname: ``"namespace::name"``.
-        fn: the Python kernel (validated arguments in, results out).
+        fn: the decorated function: the kernel, or with ``by_device`` the op's checks.
         fake: the registered fake (output metadata and shape checks), None until registered.
         op: ``torch.ops.<namespace>.<name>`` (the ``OpOverloadPacket``).
     Calling the ``OpDef`` calls ``op``.
@@ -59,8 +74,8 @@ class OpDef:
         return f"OpDef({self.qualname})"
 
 
-def define_op(qualname: str, *, mutates_args: Sequence[str],
-              schema: Optional[str] = None) -> Callable[[Callable], OpDef]:
+def define_op(qualname: str, *, mutates_args: Sequence[str], schema: Optional[str] = None,
+              by_device: bool = False) -> Callable[[Callable], OpDef]:
     """Decorator: define operator ``qualname`` with the decorated function as its kernel.
 
     Args:
@@ -69,6 +84,10 @@ def define_op(qualname: str, *, mutates_args: Sequence[str],
             arguments only; their version counters are bumped after each call).
         schema: the schema after the name, e.g. ``"(Tensor q, Tensor(a!) out) -> ()"``; default:
             inferred from the type hints (``torch.library.infer_schema``).
+        by_device: register one kernel per dispatch key of ``providers.DISPATCH_KEYS``; each
+            runs the decorated function (the checks; it returns None, or a dict of keyword
+            arguments whose normalised values the provider gets instead) and then returns what
+            the provider resolved for ``(name, device type)`` returns (``providers.Route``).
     Returns:
         an ``OpDef`` (register the fake with ``@opdef.register_fake``).
     Raises:
@@ -96,19 +115,71 @@ def define_op(qualname: str, *, mutates_args: Sequence[str],
             lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
         lib.define(name + (schema or torch.library.infer_schema(fn, mutates_args=mutates_args)))
 
-        def kernel(*args, **kwargs):
-            result = fn(*args, **kwargs)
-            written = [args[i] for i in mutated if i < len(args) and args[i] is not None]
-            if written:
-                torch.autograd.graph.increment_version(written)
-            return result
-
-        kernel.__name__ = kernel.__qualname__ = fn.__name__
-        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        if by_device:
+            for device_type, key in providers.DISPATCH_KEYS.items():
+                lib.impl(name, _device_kernel(fn, providers.route(name, device_type), mutated), key)
+            lib.impl(name, _other_backends_kernel(fn, qualname), "CompositeExplicitAutograd")
+        else:
+            lib.impl(name, _kernel(fn, name, mutated), "CompositeExplicitAutograd")
+        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")  # not differentiable
         opdef = DEFINED[qualname] = OpDef(qualname, fn, lib)
         return opdef
 
     return decorate
+
+
+def _bump_versions(args: tuple, mutated: tuple[int, ...]) -> None:
+    written = [args[i] for i in mutated if i < len(args) and args[i] is not None]
+    if written:
+        torch.autograd.graph.increment_version(written)
+
+
+def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
+    """``fn`` as a kernel for every device: its result, mutated arguments' versions bumped."""
+    def kernel(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        if mutated:
+            _bump_versions(args, mutated)
+        return result
+
+    kernel.__name__ = kernel.__qualname__ = fn.__name__
+    return kernel
+
+
+def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, ...]) -> Callable:
+    """The kernel of one device type: ``check``, then ``route``'s provider computes."""
+    def kernel(*args, **kwargs):
+        if torch.is_grad_enabled():  # not differentiable: no provider records a graph
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
+        replaced = check(*args, **kwargs)
+        if replaced:
+            kwargs = {**kwargs, **replaced}
+        result = route(*args, **kwargs)
+        if mutated:
+            _bump_versions(args, mutated)
+        return result
+
+    kernel.__name__ = kernel.__qualname__ = f"{check.__name__}_{route.device_type}"
+    return kernel
+
+
+def _other_backends_kernel(check: Callable, qualname: str) -> Callable:
+    """The kernel of every other backend key (sparse layouts, devices without providers): the
+    checks, which name a non-dense argument, else a ``RuntimeError`` naming the device."""
+    def kernel(*args, **kwargs):
+        check(*args, **kwargs)
+        kinds = sorted({f"{a.device.type} {a.layout}" for a in args
+                        if isinstance(a, torch.Tensor)})
+        raise RuntimeError(f"{qualname}: no provider runs on {', '.join(kinds)} tensors; "
+                           f"expected dense (torch.strided) tensors on one of "
+                           f"{sorted(providers.DISPATCH_KEYS)}.")
+
+    kernel.__name__ = kernel.__qualname__ = f"{check.__name__}_other_backends"
+    return kernel
 
 
 __all__ = ["OpDef", "DEFINED", "define_op"]

@@ -94,7 +94,7 @@ def _at(arg: str, t: Tensor, index: tuple[int, ...]) -> str:
 
 
 def check_loc(fn: str, loc, num_slots: int) -> None:
-    """Every ``loc`` entry is a token slot in ``[0, num_slots)``."""
+    """Every ``loc`` entry is a token slot in ``[0, num_slots)``, and no slot repeats."""
     if not _index_ok(loc, 1):
         return
     where = _first((loc < 0) | (loc >= num_slots))
@@ -103,6 +103,30 @@ def check_loc(fn: str, loc, num_slots: int) -> None:
              f"of the cache)", _at("loc", loc, where),
              "Allocate slots from the cache's pool; out-of-range slots are skipped (never "
              "written) when XPU_OPS_DEBUG_CHECKS is off.")
+    if loc.shape[0] < 2:
+        return
+    slots, order = loc.sort(stable=True)
+    repeat = torch.zeros_like(loc, dtype=torch.bool)
+    repeat[order[1:]] = slots[1:] == slots[:-1]          # a later entry of a repeated slot
+    where = _first(repeat)
+    if where is not None:
+        earlier = int(_first(loc[:where[0]] == loc[where])[0])
+        fail(fn, "loc", "has a repeated token slot", "distinct slots (one row per slot)",
+             f"{_at('loc', loc, where)} = loc[{earlier}]",
+             "Give each new token its own slot; which of two rows for one slot lands is "
+             "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
+
+
+def check_scale(fn: str, arg: str, scale) -> None:
+    """A per-tensor fp8 scale tensor is positive and finite (stored rows are divided by it)."""
+    if not isinstance(scale, Tensor) or not scale.is_floating_point() or scale.numel() == 0:
+        return
+    flat = scale.reshape(-1)
+    where = _first(~((flat > 0) & torch.isfinite(flat)))
+    if where is not None:
+        fail(fn, arg, "is not a positive finite number", "0 < scale < inf (the fp8 cache "
+             "stores rows / scale)", f"{float(flat[where[0]])}",
+             "Use the scale the cache was calibrated with (1.0 when unscaled).")
 
 
 def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None:
@@ -186,24 +210,30 @@ def check_prefix_lens(fn: str, prefix_lens, page_table) -> None:
 
 # One entry point per public wrapper (called right before its torch.ops.xpu_ops call).
 
-def check_store_kv_cache(loc, k_cache) -> None:
-    """Debug-switch value check of ``store_kv_cache``: ``loc`` within the cache's token slots."""
-    if _active(loc, k_cache) and isinstance(k_cache, Tensor) and k_cache.dim() in (3, 4):
+def check_store_kv_cache(loc, k_cache, k_scale=None, v_scale=None) -> None:
+    """Debug-switch value checks of ``store_kv_cache``: ``loc`` distinct slots of the cache,
+    fp8 scales positive and finite."""
+    if _active(loc, k_cache, k_scale, v_scale) and isinstance(k_cache, Tensor) \
+            and k_cache.dim() in (3, 4):
         check_loc("store_kv_cache", loc, k_cache.shape[:-2].numel())
+        check_scale("store_kv_cache", "k_scale", k_scale)
+        check_scale("store_kv_cache", "v_scale", v_scale)
 
 
 def check_store_mla_kv_cache(loc, kv_cache) -> None:
-    """Debug-switch value check of ``store_mla_kv_cache``: ``loc`` within the token slots."""
+    """Debug-switch value check of ``store_mla_kv_cache``: ``loc`` distinct token slots."""
     if _active(loc, kv_cache) and isinstance(kv_cache, Tensor) and kv_cache.dim() in (3, 4):
         slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 4 else 1)
         check_loc("store_mla_kv_cache", loc, slots)
 
 
 def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seqlens_q,
-                                  max_seqlen_q, contiguous: bool = False) -> None:
+                                  max_seqlen_q, contiguous: bool = False,
+                                  cache_leftpad: Optional[Tensor] = None) -> None:
     """Debug-switch value checks of ``flash_attn_with_kvcache``: ``cache_seqlens``/``page_table`` in
-    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound
-    (``contiguous``: no page_table was given, see ``check_paged``).
+    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound,
+    ``0 <= cache_leftpad[r] <= cache_seqlens[r]`` (``contiguous``: no page_table was given, see
+    ``check_paged``). ``cache_seqlens`` are the lengths attended (after any append).
     """
     fn = "flash_attn_with_kvcache"
     if not _active(q, k_cache, cache_seqlens, page_table, cu_seqlens_q) or k_cache.dim() != 4:
@@ -211,27 +241,48 @@ def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seql
     check_paged(fn, cache_seqlens, page_table, k_cache.shape[1], k_cache.shape[0], contiguous)
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
+    if _index_ok(cache_leftpad, 1, cache_seqlens.device) and _index_ok(cache_seqlens, 1) \
+            and cache_leftpad.shape == cache_seqlens.shape:
+        where = _first((cache_leftpad < 0) | (cache_leftpad > cache_seqlens))
+        if where is not None:
+            fail(fn, "cache_leftpad", "is out of range", "0 <= cache_leftpad[r] <= the "
+                 "request's keys", _at("cache_leftpad", cache_leftpad, where),
+                 "Pad at most the keys each request has.")
+
+
+def check_rotary_positions(fn: str, positions: Tensor, seqlen_ro: int, arg: str) -> None:
+    """Debug-switch value check of the rotary positions an append uses: inside the tables."""
+    if not (_active(positions) and _index_ok(positions, 1)):
+        return
+    where = _first((positions < 0) | (positions >= seqlen_ro))
+    if where is not None:
+        fail(fn, arg, "reaches past the rotary tables", f"positions in [0, rotary_cos.shape[0] "
+             f"= {seqlen_ro})", f"position {int(positions[where])} for token {where[0]}",
+             "Pass rotary_cos/rotary_sin with a row for every position (cache_seqlens + s_new).")
 
 
 def check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                 max_seqlen_k) -> None:
+                                 max_seqlen_k, seqused_q: Optional[Tensor] = None) -> None:
     """Debug-switch value checks of ``flash_attn_varlen_func``: both ``cu_seqlens`` valid prefix
-    sums, ``max_seqlen_q/k`` bounds, ``0 <= seqused_k[r] <=`` request ``r``'s keys.
+    sums, ``max_seqlen_q/k`` bounds, ``0 <= seqused_k[r] <=`` request ``r``'s keys and
+    ``0 <= seqused_q[r] <=`` its query rows.
     """
     fn = "flash_attn_varlen_func"
-    if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q):
         return
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)")
     check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
     check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, cu_seqlens_k, "cu_seqlens_k")
-    if _index_ok(seqused_k, 1) and _index_ok(cu_seqlens_k, 1, seqused_k.device) \
-            and cu_seqlens_k.shape[0] == seqused_k.shape[0] + 1:
-        where = _first((seqused_k < 0) | (seqused_k > cu_seqlens_k[1:] - cu_seqlens_k[:-1]))
-        if where is not None:
-            fail(fn, "seqused_k", "is out of range", "0 <= seqused_k[r] <= cu_seqlens_k[r + 1] "
-                 "- cu_seqlens_k[r]", _at("seqused_k", seqused_k, where),
-                 "Use at most the keys each request has.")
+    for arg, used, cu, what in (("seqused_k", seqused_k, cu_seqlens_k, "keys"),
+                                ("seqused_q", seqused_q, cu_seqlens_q, "query rows")):
+        if _index_ok(used, 1) and _index_ok(cu, 1, used.device) \
+                and cu.shape[0] == used.shape[0] + 1:
+            where = _first((used < 0) | (used > cu[1:] - cu[:-1]))
+            if where is not None:
+                name = arg.replace("seqused", "cu_seqlens")
+                fail(fn, arg, "is out of range", f"0 <= {arg}[r] <= {name}[r + 1] - {name}[r]",
+                     _at(arg, used, where), f"Use at most the {what} each request has.")
 
 
 def check_flash_mla_decode(kv_cache, cache_seqlens, page_table) -> None:

@@ -10,13 +10,17 @@ swapped silently.
 
 Providers only compute: they receive the op's already-validated, fully defaulted arguments.
 
-Selection runs on every op call, so its host cost counts (piecewise decode calls two ops per layer
-eagerly). ``XPU_OPS_PROVIDER`` and ``use_provider`` are read on every call. What each provider's
-``available(device_type)`` says is cached per ``(op, device_type)`` and the current values of the
-functions declared with ``availability_depends_on`` (Triton's ``TRITON_INTERPRET`` flag, the
-``sgl_kernel`` binding); registering an implementation clears the cache. ``supports`` runs on
-every call. ``selection_state()`` is everything besides the call's own arguments that a
-selection depends on, for callers that cache what they derived from one (``xpu_ops.plan``).
+Routing: every op is registered per dispatch key (``xpu_ops/_registration.py``), so the
+dispatcher picks the device type and the kernel of that key calls its ``Route``, one per
+``(op, device type)``. A route resolves its chain of available implementations once, at its
+first call, and again only when what the chain depends on differs from the previous call's:
+the forced provider (``use_provider``'s context variable, then ``XPU_OPS_PROVIDER``) and the
+values of the functions declared with ``availability_depends_on`` for that device type
+(Triton's ``TRITON_INTERPRET`` flag on ``cpu``, the ``sgl_kernel`` binding). Resolutions are
+kept per such state, so a state seen before is not resolved again; registering an
+implementation or ``refresh()`` forgets them. Per call a route then reads the state (a few
+comparisons) and runs the first implementation of the chain whose ``supports`` accepts the
+call's shapes (an implementation without ``supports`` accepts every call).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import threading
 import warnings
 from typing import Callable, Iterator, Optional
 
 import torch
 
 PROVIDER_ORDER = ("sgl_kernel", "triton", "reference")
+#: The dispatch key whose kernels serve each device type.
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
 
 # Returns None when the provider can run on a device type, else the reason it cannot.
 AvailableFn = Callable[[str], Optional[str]]
@@ -41,27 +48,23 @@ SupportsFn = Callable[..., Optional[str]]
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One registered implementation: ``fn`` is ``provider``'s code for ``op``; ``available``
-    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call;
-    the optional ``plan(args, kwargs, slots)`` returns a function of the slot tensors that runs
-    ``fn(*args, **kwargs)`` with those tensors in the slots (``xpu_ops.plan.OpPlan`` uses it to
-    do the per-call work of the provider once).
+    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call.
     """
     op: str
     provider: str
     fn: Callable
     available: AvailableFn
     supports: Optional[SupportsFn] = None
-    plan: Optional[Callable] = None
 
 
 _registry: dict[str, dict[str, Implementation]] = {}
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("xpu_ops_provider",
                                                                        default=None)
 _fallbacks: dict[tuple[str, str, str], int] = {}
-# (op, device_type, *availability state) -> ((provider, Implementation | None, reason), ...)
-_rows_cache: dict[tuple, tuple[tuple[str, Optional[Implementation], Optional[str]], ...]] = {}
-_state_fns: list[Callable[[], object]] = []
-_generation = 0  # bumped by invalidate_cache: part of selection_state()
+_routes: dict[tuple[str, str], "Route"] = {}
+# device type (None: every device type) -> zero-argument state functions
+_state_fns: dict[Optional[str], list[Callable[[], object]]] = {}
+_load_lock = threading.Lock()
 _loaded = False
 
 
@@ -70,18 +73,16 @@ def _always(device_type: str) -> Optional[str]:
 
 
 def register(op: str, provider: str, *, available: AvailableFn = _always,
-             supports: Optional[SupportsFn] = None,
-             plan: Optional[Callable] = None) -> Callable[[Callable], Callable]:
+             supports: Optional[SupportsFn] = None) -> Callable[[Callable], Callable]:
     """Decorator registering ``fn`` as ``provider``'s implementation of ``op``.
 
     Args:
         op: op name without namespace, e.g. ``"flash_attn_with_kvcache"``.
         provider: one of ``PROVIDER_ORDER``.
-        available: ``available(device_type) -> None | reason`` (reason why it cannot run there).
+        available: ``available(device_type) -> None | reason`` (reason why it cannot run there);
+            asked when a route resolves, not per call.
         supports: ``supports(*args, **kwargs) -> None | reason`` for one call's arguments;
-            must read only shapes, dtypes and Python scalars (it runs per call).
-        plan: ``plan(args, kwargs, slots) -> run(*slot_tensors)``, optional (see
-            ``Implementation``).
+            must read only shapes, strides, dtypes and Python scalars (it runs per call).
     Raises:
         ValueError: unknown provider name.
     """
@@ -91,47 +92,37 @@ def register(op: str, provider: str, *, available: AvailableFn = _always,
 
     def decorate(fn: Callable) -> Callable:
         _registry.setdefault(op, {})[provider] = Implementation(op, provider, fn, available,
-                                                                supports, plan)
-        invalidate_cache()
+                                                                supports)
+        refresh()
         return fn
 
     return decorate
 
 
-def availability_depends_on(state: Callable[[], object]) -> Callable[[], object]:
-    """Declare that some provider's ``available`` answer changes with ``state()``.
+def availability_depends_on(state: Callable[[], object],
+                            device_types: Optional[tuple[str, ...]] = None
+                            ) -> Callable[[], object]:
+    """Declare that some provider's ``available`` answer on ``device_types`` (default: every
+    device type) changes with ``state()``.
 
-    ``state`` is a cheap zero-argument function returning a hashable value (an environment flag,
-    a context variable); ``select`` keys its availability cache on the values of all of them, so
-    a change (``TRITON_INTERPRET`` set by a test, ``sgl_kernel.native.bound_to``) is seen by the
-    next call. Returns ``state`` (usable as a decorator).
+    ``state`` is a cheap zero-argument function returning a value comparable with ``==`` and
+    hashable (an environment flag, a context variable); the routes of those device types read
+    it on every call and resolve again when it changes. Returns ``state`` (usable as a
+    decorator).
     """
-    if state not in _state_fns:
-        _state_fns.append(state)
-        invalidate_cache()
+    for device_type in device_types or (None,):
+        fns = _state_fns.setdefault(device_type, [])
+        if state not in fns:
+            fns.append(state)
+    refresh()
     return state
 
 
-def invalidate_cache() -> None:
-    """Forget the cached availability answers (after changing what ``available`` depends on in a
-    way no ``availability_depends_on`` function reports); also changes ``selection_state()``."""
-    global _generation
-    _rows_cache.clear()
-    _generation += 1
-
-
-def selection_state() -> tuple:
-    """Hashable snapshot of what ``select`` depends on besides the call's arguments: the forced
-    provider, the registry's generation (every ``register``/``invalidate_cache`` changes it)
-    and the ``availability_depends_on`` values. Equal snapshots and equal call signatures
-    (shapes, strides, dtypes, devices, scalars: all that ``supports`` may read) select the same
-    implementation.
-
-    Raises:
-        ValueError: as ``forced_provider``.
-    """
-    _load_providers()
-    return (forced_provider(), _generation, *[state() for state in _state_fns])
+def refresh() -> None:
+    """Forget every route's resolutions (after changing what some ``available`` reads in a way
+    no ``availability_depends_on`` function reports); the next call of each op resolves again."""
+    for route in list(_routes.values()):
+        route.forget()
 
 
 def getenv(name: str) -> Optional[str]:
@@ -139,13 +130,25 @@ def getenv(name: str) -> Optional[str]:
     return os.environ.get(name)
 
 
-def forced_provider() -> Optional[str]:
-    """The provider forced by ``use_provider`` (innermost) or ``XPU_OPS_PROVIDER``, if any."""
-    name = _forced.get() or getenv("XPU_OPS_PROVIDER") or None
+def _check_provider_name(name: Optional[str]) -> Optional[str]:
     if name is not None and name not in PROVIDER_ORDER:
         raise ValueError(f"XPU_OPS_PROVIDER/use_provider: {name!r} is not a provider; expected "
                          f"one of {PROVIDER_ORDER}, got {name!r}.")
     return name
+
+
+def _forced_name() -> Optional[str]:
+    """The forced provider's name as set, unchecked (``forced_provider`` checks it)."""
+    return _forced.get() or getenv("XPU_OPS_PROVIDER") or None
+
+
+def forced_provider() -> Optional[str]:
+    """The provider forced by ``use_provider`` (innermost) or ``XPU_OPS_PROVIDER``, if any.
+
+    Raises:
+        ValueError: the name is not one of ``PROVIDER_ORDER``.
+    """
+    return _check_provider_name(_forced_name())
 
 
 @contextlib.contextmanager
@@ -177,44 +180,28 @@ def _load_providers() -> None:
     global _loaded
     if _loaded:
         return
-    from . import reference  # noqa: F401
-    from . import triton as _triton  # noqa: F401
-    from . import sgl_kernel as _sgl
-    availability_depends_on(_sgl.native.binding)  # bound_to() switches the native library
-    _loaded = True
-
-
-def _rows(op: str, device_type: str
-          ) -> tuple[tuple[str, Optional[Implementation], Optional[str]], ...]:
-    """``(provider, implementation or None, None or why it cannot run)`` in priority order,
-    cached per op, device type and availability state (see the module docstring)."""
-    _load_providers()
-    key = (op, device_type, *[state() for state in _state_fns])
-    rows = _rows_cache.get(key)
-    if rows is None:
-        impls = _registry.get(op, {})
-        rows = tuple((name, impls.get(name), "no implementation of this op" if name not in impls
-                      else impls[name].available(device_type)) for name in PROVIDER_ORDER)
-        _rows_cache[key] = rows
-    return rows
+    with _load_lock:
+        if _loaded:
+            return
+        from . import reference  # noqa: F401
+        from . import triton as _triton  # noqa: F401
+        from . import sgl_kernel as _sgl
+        availability_depends_on(_sgl.native.binding)  # bound_to() switches the native library
+        _loaded = True
 
 
 def candidates(op: str, device_type: str) -> list[tuple[str, Optional[str]]]:
-    """Every provider of ``op`` in priority order with ``None`` or the reason it cannot run."""
+    """Every provider of ``op`` in priority order with ``None`` or the reason it cannot run
+    (asked afresh: ``python -m xpu_ops info`` reports what a call would resolve to now)."""
     _load_providers()
     impls = _registry.get(op, {})
-    rows = []
-    for name in PROVIDER_ORDER:
-        impl = impls.get(name)
-        rows.append((name, "no implementation of this op" if impl is None
-                     else impl.available(device_type)))
-    return rows
+    return [(name, "no implementation of this op" if name not in impls
+             else impls[name].available(device_type)) for name in PROVIDER_ORDER]
 
 
 def record_fallback(op: str, provider: str, reason: str) -> None:
     """Count one call of ``op`` that ``provider`` declined for ``reason`` (warns the first
-    time). ``select`` calls it; a caller reusing an earlier selection for a new call repeats
-    that selection's ``declined`` entries, so ``fallbacks()`` keeps counting calls."""
+    time)."""
     key = (op, provider, reason)
     if key not in _fallbacks:
         warnings.warn(f"xpu_ops.{op}: provider {provider} declined this call ({reason}); "
@@ -227,45 +214,104 @@ def fallbacks() -> dict[tuple[str, str, str], int]:
     return dict(_fallbacks)
 
 
-def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
-    """Pick the implementation of ``op`` for a call on ``device`` (see the module docstring).
+class Route:
+    """The implementations of ``op`` on ``device_type``, resolved once per state.
 
-    Raises:
-        RuntimeError: the forced provider cannot run on this device, or no provider can.
+    Calling a route with the op's arguments runs the implementation that serves them (see the
+    module docstring); ``select`` returns it without running it.
+    Raises (both):
+        ValueError: the forced provider's name is not a provider.
+        RuntimeError: the forced provider cannot run on this device type, or no provider can.
         NotImplementedError: the forced provider declines this call's arguments.
     """
-    return select_declined(op, device, *args, **kwargs)[0]
+
+    __slots__ = ("op", "device_type", "_fns", "_current", "_chains")
+
+    def __init__(self, op: str, device_type: str):
+        self.op, self.device_type = op, device_type
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every resolution (the next call resolves again) and re-read which state
+        functions apply to this device type."""
+        self._fns = tuple(_state_fns.get(None, ())) + tuple(_state_fns.get(self.device_type, ()))
+        self._chains: dict[tuple, tuple[Implementation, ...]] = {}
+        self._current: tuple = (object(), ())  # (state, chain): never equal to a real state
+
+    def _state(self) -> tuple:
+        return (_forced_name(), *[f() for f in self._fns])
+
+    def _resolve(self, state: tuple) -> tuple[Implementation, ...]:
+        chain = self._chains.get(state)
+        if chain is None:
+            _load_providers()
+            state = self._state()  # loading providers may have declared state functions
+            forced = _check_provider_name(state[0])
+            impls = _registry.get(self.op, {})
+            rows = [(name, impls[name], impls[name].available(self.device_type))
+                    for name in PROVIDER_ORDER if name in impls]
+            if forced is not None:
+                reason = next((why for name, _, why in rows if name == forced),
+                              "no implementation of this op")
+                if reason is not None:
+                    raise RuntimeError(f"xpu_ops.{self.op}: provider {forced!r} was requested "
+                                       f"(use_provider or XPU_OPS_PROVIDER) but cannot run on "
+                                       f"{self.device_type}: {reason}.")
+                chain = (impls[forced],)
+            else:
+                chain = tuple(impl for _, impl, why in rows if why is None)
+                if not chain:
+                    raise RuntimeError(f"xpu_ops.{self.op}: no provider can run on "
+                                       f"{self.device_type}; tried {list(impls)}. See `python "
+                                       f"-m xpu_ops info`.")
+            self._chains[state] = chain
+        self._current = (state, chain)
+        return chain
+
+    def select(self, *args, **kwargs) -> Implementation:
+        """The implementation that serves this call (fallbacks recorded); raises as above."""
+        state = self._state()
+        current = self._current
+        chain = current[1] if state == current[0] else self._resolve(state)
+        impl = chain[0]
+        if impl.supports is None:
+            return impl
+        for impl in chain:
+            declined = impl.supports(*args, **kwargs) if impl.supports is not None else None
+            if declined is None:
+                return impl
+            if len(chain) == 1 and state[0] is not None:
+                raise NotImplementedError(f"xpu_ops.{self.op}: provider {impl.provider!r} was "
+                                          f"requested but does not support this call: "
+                                          f"{declined}.")
+            record_fallback(self.op, impl.provider, declined)
+        raise RuntimeError(f"xpu_ops.{self.op}: every provider that runs on {self.device_type} "
+                           f"declined this call. See `python -m xpu_ops info`.")
+
+    def __call__(self, *args, **kwargs):
+        return self.select(*args, **kwargs).fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Route({self.op!r}, {self.device_type!r})"
 
 
-def select_declined(op: str, device: torch.device, *args, **kwargs
-                    ) -> tuple[Implementation, tuple[tuple[str, str], ...]]:
-    """``select``, plus the ``(provider, reason)`` of every provider that declined the call on
-    the way (already counted by ``record_fallback``). Raises as ``select``."""
-    rows = _rows(op, device.type)
-    forced = forced_provider()
-    if forced is not None:
-        _, impl, reason = rows[PROVIDER_ORDER.index(forced)]
-        if reason is not None:
-            raise RuntimeError(f"xpu_ops.{op}: provider {forced!r} was requested (use_provider or "
-                               f"XPU_OPS_PROVIDER) but cannot run on {device.type}: {reason}.")
-        declined = impl.supports(*args, **kwargs) if impl.supports else None
-        if declined is not None:
-            raise NotImplementedError(f"xpu_ops.{op}: provider {forced!r} was requested but does "
-                                      f"not support this call: {declined}.")
-        return impl, ()
-    declines: list[tuple[str, str]] = []
-    for name, impl, reason in rows:
-        if reason is not None:
-            continue
-        declined = impl.supports(*args, **kwargs) if impl.supports is not None else None
-        if declined is None:
-            return impl, tuple(declines)
-        record_fallback(op, name, declined)
-        declines.append((name, declined))
-    raise RuntimeError(f"xpu_ops.{op}: no provider can run on {device.type}; tried "
-                       f"{list(_registry.get(op, {}))}. See `python -m xpu_ops info`.")
+def route(op: str, device_type: str) -> Route:
+    """The ``Route`` of ``op`` on ``device_type`` (one per pair, made on first request)."""
+    found = _routes.get((op, device_type))
+    if found is None:
+        found = _routes.setdefault((op, device_type), Route(op, device_type))
+    return found
 
 
-def dispatch(op: str, device: torch.device, *args, **kwargs):
-    """Run ``op``'s selected implementation with the op's own arguments."""
-    return select(op, device, *args, **kwargs).fn(*args, **kwargs)
+def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
+    """The implementation of ``op`` that a call with these arguments on ``device`` runs.
+
+    Raises:
+        ValueError, RuntimeError, NotImplementedError: as ``Route``.
+    """
+    return route(op, device.type).select(*args, **kwargs)
+
+
+__all__ = ["PROVIDER_ORDER", "DISPATCH_KEYS", "Implementation", "Route", "register",
+           "availability_depends_on", "refresh", "getenv", "forced_provider", "use_provider",
+           "candidates", "record_fallback", "fallbacks", "route", "select"]

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops  # noqa: F401  (registers the ops)
+from .testing_layouts import LAYOUTS, relayout
 
 __all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "sample_inputs",
            "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name"]
@@ -48,8 +49,8 @@ def op_name(op) -> str:
     return op._qualified_op_name.split("::")[-1]
 
 
-def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
-                  seed: int = 0) -> Iterator[tuple[tuple, dict]]:
+def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *, seed: int = 0,
+                  layout: str = "contiguous") -> Iterator[tuple[tuple, dict]]:
     """Yield ``(args, kwargs)`` pairs that call ``op`` directly: small, varied, adversarial.
 
     Args:
@@ -58,6 +59,9 @@ def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
         dtype: floating dtype of queries/keys/values; ``None`` mixes float32, bfloat16 and
             float16 across samples. fp8 KV caches stay fp8 (their queries take ``dtype``).
         seed: seed of the random values (the shapes and flags do not depend on it).
+        layout: ``"contiguous"``, or ``"strided"``: every tensor argument as a view with other
+            strides (expanded scales and sinks, column-sliced tables, strided index vectors,
+            padded rows; ``xpu_ops.testing_layouts``) whose padding holds garbage.
     Returns:
         An iterator of ``(args, kwargs)``; each pair is freshly allocated, so the caller may
         run the op on it (mutated ``out`` buffers start as NaN).
@@ -73,7 +77,9 @@ def sample_inputs(op, device, dtype: Optional[torch.dtype] = None, *,
         raise KeyError(f"sample_inputs: op {name!r} has no sampler; expected one of "
                        f"{sorted(_SAMPLERS)}, got {name!r}. Add one in xpu_ops/testing.py.")
     gen = torch.Generator().manual_seed(seed)
-    yield from _SAMPLERS[name](torch.device(device), dtype, gen)
+    arg_names = [a.name for a in getattr(torch.ops.xpu_ops, name).default._schema.arguments]
+    for args, kwargs in _SAMPLERS[name](torch.device(device), dtype, gen):
+        yield relayout(arg_names, args, layout), kwargs
 
 
 def _sampler(name: str):
@@ -163,6 +169,9 @@ class AttentionCase:
     sinks: bool = False
     qv: bool = False
     softmax_scale: Optional[float] = None     # None: 1/sqrt(D) (1/sqrt(D + Dv) with qv)
+    leftpad: tuple[int, ...] = ()             # cache_leftpad per request (() : none)
+    blocks: tuple[tuple[int, int, int], ...] = ()  # (request, first row, last row) id spans
+    num_splits: int = 0
 
     @property
     def head_dim_v(self) -> int:
@@ -226,6 +235,15 @@ ATTENTION_CASES = (
     AttentionCase(((4, 2), (2, 0), (1, 3)), page_size=1, hq=2, hkv=2, causal=True),
     # window (0, 0): each row sees only its own position
     AttentionCase(((3, 6),), page_size=4, hq=2, hkv=1, window=(0, 0)),
+    # cache_leftpad (one request all padding), causal, GQA 2, one pass over the keys
+    AttentionCase(((3, 9), (1, 6), (2, 4)), page_size=4, hq=4, hkv=2, causal=True,
+                  leftpad=(2, 6, 0), num_splits=1),
+    # bidirectional blocks (Gemma-3 image tokens): full prefill, a block per request, GQA 2
+    AttentionCase(((6, 6), (5, 5)), page_size=4, hq=4, hkv=2, causal=True,
+                  blocks=((0, 1, 3), (1, 0, 1), (1, 3, 4))),
+    # bidirectional block after a cached prefix, with a left window, at most 2 KV splits
+    AttentionCase(((4, 9),), page_size=1, hq=2, hkv=1, causal=True, window=(5, 0),
+                  blocks=((0, 0, 2),), num_splits=2),
 )
 
 
@@ -257,12 +275,42 @@ def attention_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dty
     out_dtype = torch.bfloat16 if case.q_fp8 else dtype
     out = _nan_poisoned((total_q, case.hq, dv), out_dtype, device)
     left, right = case.window
+    leftpad = None
+    if case.leftpad:
+        leftpad = torch.tensor(case.leftpad, dtype=torch.int32, device=device)
+        _poison_slots(k_cache, v_cache, page_table, case.leftpad)
     args = (q, k_cache, v_cache, cache_seqlens, page_table, _cu_seqlens(q_lens, device), out, qv,
-            q_descale, k_descale, v_descale, sinks)
+            q_descale, k_descale, v_descale, sinks, leftpad, _block_ids(case, device))
     kwargs = dict(max_seqlen_q=max(q_lens, default=0), softmax_scale=case.scale,
                   causal=case.causal, window_size_left=left,
-                  window_size_right=0 if case.causal else right, softcap=case.softcap)
+                  window_size_right=0 if case.causal else right, softcap=case.softcap,
+                  num_splits=case.num_splits)
     return args, kwargs
+
+
+def _poison_slots(k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                  leftpad: Sequence[int]) -> None:
+    """NaN into the first ``leftpad[r]`` key slots of request ``r`` (never to be read)."""
+    page_size = k_cache.shape[1]
+    for r, n in enumerate(leftpad):
+        for j in range(n):
+            page = int(page_table[r, j // page_size])
+            k_cache[page, j % page_size] = float("nan")
+            v_cache[page, j % page_size] = float("nan")
+
+
+def _block_ids(case: AttentionCase, device) -> Optional[Tensor]:
+    """``bidirectional_block_ids [total_q]`` int32 of ``case.blocks`` (span k gets id k, other
+    tokens -1), or None without blocks."""
+    if not case.blocks:
+        return None
+    starts = [0]
+    for lq, _ in case.reqs:
+        starts.append(starts[-1] + lq)
+    ids = torch.full((starts[-1],), -1, dtype=torch.int32)
+    for block, (req, first, last) in enumerate(case.blocks):
+        ids[starts[req] + first:starts[req] + last + 1] = block
+    return ids.to(device)
 
 
 @_sampler("flash_attn_with_kvcache")
@@ -274,15 +322,16 @@ def _flash_attn_with_kvcache_samples(device, dtype, gen):
 
 
 def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
-                       gen: Optional[torch.Generator] = None, *, seqused: bool = False
-                       ) -> tuple[tuple, dict]:
+                       gen: Optional[torch.Generator] = None, *, seqused: bool = False,
+                       seqused_q: bool = False) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``torch.ops.xpu_ops.flash_attn_varlen_func`` for ``case``.
 
     Request ``r``'s keys are packed contiguously (``case.page_size`` is unused). With ``seqused``
     every request gets 2 extra NaN keys past ``seqused_k[r]`` inside its ``cu_seqlens_k`` range.
+    With ``seqused_q`` the last query row of every request with one is unused (output 0).
     """
     args, kwargs = attention_case_inputs(case, device, dtype, gen)
-    q, k_cache, v_cache, _, _, cu_q, out, qv, q_descale, k_descale, v_descale, sinks = args
+    q, k_cache, v_cache, _, _, cu_q, out, qv, q_descale, k_descale, v_descale, sinks = args[:12]
     gen = gen if gen is not None else torch.Generator().manual_seed(1)
     pad = 2 if seqused else 0
     k_lens = [lk for _, lk in case.reqs]
@@ -300,8 +349,10 @@ def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype]
     cu_k = _cu_seqlens([n + pad for n in k_lens], device)
     seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device) if seqused else None
     kwargs = dict(kwargs, max_seqlen_k=max(k_lens, default=0) + pad)
-    return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks),
-            kwargs)
+    used_q = (torch.tensor([max(lq - 1, 0) for lq, _ in case.reqs], dtype=torch.int32,
+                           device=device) if seqused_q else None)
+    return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks,
+             used_q), kwargs)
 
 
 @_sampler("flash_attn_varlen_func")
@@ -309,7 +360,8 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
     for i, case in enumerate(ATTENTION_CASES):
         if dtype is not None and case.q_fp8:
             continue
-        yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1)
+        yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1,
+                                 seqused_q=i % 4 == 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +400,16 @@ def _merge_state_v2_samples(device, dtype, gen):
                 _nan_poisoned((n, h), torch.float32, device)), {})
 
 
+def _mla_inputs(gen, k_lens, rows, page_size, h, latent, rope, dtype, device):
+    """``(q_nope [rows, H, R], q_rope [rows, H, r], kv_cache [num_pages, page_size, R + r],
+    page_table, seq_lens)`` of an MLA sample, the cache with garbage past each request's keys."""
+    (kv_cache,), page_table, seq_lens = paged_kv_cache(
+        gen, k_lens, page_size, [(latent + rope,)], dtype=dtype, device=device)
+    q_nope = _randn(gen, rows, h, latent, dtype=dtype, device=device)
+    q_rope = _randn(gen, rows, h, rope, dtype=dtype, device=device)
+    return q_nope, q_rope, kv_cache, page_table, seq_lens
+
+
 @_sampler("flash_mla_decode")
 def _flash_mla_decode_samples(device, dtype, gen):
     from .ops.mla_decode import flash_mla_get_workspace_size
@@ -359,11 +421,9 @@ def _flash_mla_decode_samples(device, dtype, gen):
             ((4, 8, 12), 4, 3, 64, 16, torch.float16, 2),
             ((33, 2), 16, 8, 128, 64, torch.float32, 4)):
         dt = dtype or dt
-        (kv_cache,), page_table, cache_seqlens = paged_kv_cache(
-            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
         b = len(k_lens)
-        q_nope = _randn(gen, b, h, latent, dtype=dt, device=device)
-        q_rope = _randn(gen, b, h, rope, dtype=dt, device=device)
+        q_nope, q_rope, kv_cache, page_table, cache_seqlens = _mla_inputs(
+            gen, k_lens, b, page_size, h, latent, rope, dt, device)
         size = flash_mla_get_workspace_size(max(k_lens), b, h, page_size, splits)
         workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         yield ((q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
@@ -382,11 +442,8 @@ def _flash_mla_prefill_samples(device, dtype, gen):
             ((3, 5), (8, 12), 4, 3, 64, 16, torch.float16, False, 1, False),
             ((2, 7), (33, 7), 16, 8, 128, 64, torch.float32, True, 4, False)):
         dt = dtype or dt
-        (kv_cache,), page_table, seq_lens_k = paged_kv_cache(
-            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
-        total_q = sum(q_lens)
-        q_nope = _randn(gen, total_q, h, latent, dtype=dt, device=device)
-        q_pe = _randn(gen, total_q, h, rope, dtype=dt, device=device)
+        q_nope, q_pe, kv_cache, page_table, seq_lens_k = _mla_inputs(
+            gen, k_lens, sum(q_lens), page_size, h, latent, rope, dt, device)
         if sliced:                       # sglang splits one [total_q, H, R + r] query tensor
             q_pe = torch.cat([q_nope, q_pe], dim=-1)[..., latent:]
         cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32,
@@ -455,3 +512,23 @@ def _prepare_swa_spec_page_table_samples(device, dtype, gen):
         draft_slots = torch.randint(1000, 2000, (b, num_draft), generator=gen, dtype=torch.int32)
         yield ((page_table.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device),
                 draft_slots.to(device), mask.expand(b, -1, -1).contiguous().to(device)), {})
+
+
+@_sampler("apply_rotary_emb")
+def _apply_rotary_emb_samples(device, dtype, gen):
+    # (N, H, D, rotary_dim, seqlen_ro, interleaved, dtype, strided x)
+    for n, h, d, rot, seqlen_ro, interleaved, dt, strided in (
+            (5, 3, 64, 64, 16, False, torch.float32, False),
+            (4, 2, 64, 32, 9, True, torch.float32, True),        # partial rotary, x a view
+            (3, 4, 80, 48, 5, False, torch.bfloat16, False),
+            (2, 1, 128, 128, 300, True, torch.float16, False),
+            (0, 2, 32, 16, 4, False, torch.float32, False)):     # no token
+        dt = dtype or dt
+        base = _randn(gen, n, h, 2 * d if strided else d, dtype=dt, device=device)
+        x = base[..., ::2] if strided else base
+        angle = torch.rand(seqlen_ro, rot // 2, generator=gen) * 6.283
+        positions = torch.randint(0, seqlen_ro, (n,), generator=gen, dtype=torch.int32)
+        if n:
+            positions[0] = seqlen_ro - 1
+        yield ((x, angle.cos().to(dt).to(device), angle.sin().to(dt).to(device),
+                positions.to(device)), dict(interleaved=interleaved))

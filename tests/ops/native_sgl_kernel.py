@@ -61,6 +61,9 @@ def _fwd(names, convention):
         q, k, v, page_table = a["q"], a["k"], a["v"], a["page_table"]
         for arg in ("q", "k", "v"):
             _require(a[arg].stride(-1) == 1, f"{arg} must have a contiguous last dimension")
+        for arg in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "q_descale",
+                    "k_descale", "v_descale", "sinks", "leftpad_k"):
+            _require(a.get(arg) is None or a[arg].is_contiguous(), f"{arg} must be contiguous")
         _require(q.dtype in (torch.float16, torch.bfloat16), f"q must be fp16/bf16, got {q.dtype}")
         out = a.get("out")
         if out is None:
@@ -70,16 +73,17 @@ def _fwd(names, convention):
                        causal=a["is_causal"], window_size_left=a["window_size_left"],
                        window_size_right=right, softcap=a["softcap"])
         extras = (a["q_v"], a["q_descale"], a["k_descale"], a["v_descale"], a["sinks"])
+        scalars["num_splits"] = a["num_kv_splits"]
         if page_table is not None:
             # sgl-kernel-xpu: a paged call carries per-request cache lengths in cu_seqlens_k.
             _require(a["cu_seqlens_k"].shape == (page_table.shape[0],),
                      "paged fwd takes per-request cache_seqlens [b] in cu_seqlens_k")
             lse = ref_paged.flash_attn_with_kvcache(
                 q, k, v, a["cu_seqlens_k"], page_table, a["cu_seqlens_q"], out, *extras,
-                **scalars)
+                a["leftpad_k"], None, **scalars)
         else:
             lse = ref_varlen.flash_attn_varlen_func(
-                q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], out, None, *extras,
+                q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], out, None, *extras, None,
                 max_seqlen_k=a["max_seqlen_k"], **scalars)
         if convention == "writes":
             if a.get("softmax_lse") is not None:

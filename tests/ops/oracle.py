@@ -18,18 +18,29 @@ F64 = torch.float64
 
 
 def visible_mask(q_len: int, k_len: int, *, causal: bool, left: int = -1,
-                 right: int = -1) -> Tensor:
+                 right: int = -1, k_start: int = 0, q_used: Optional[int] = None,
+                 block_ids: Optional[list[int]] = None) -> Tensor:
     """``[q_len, k_len]`` bool: row ``i`` (at ``pos = k_len - q_len + i``) sees key ``j`` when
     ``j <= pos`` if causal, and ``pos - left <= j <= pos + right`` (inclusive, -1 unbounded;
-    causal forces ``right = 0``)."""
+    causal forces ``right = 0``).
+
+    FlashAttention-3 extras: keys ``j < k_start`` (``cache_leftpad``) are invisible; with
+    ``q_used`` (``seqused_q``) only rows ``i < q_used`` see keys and ``pos = k_len - q_used + i``;
+    with ``block_ids`` (one per row, < 0 none) key ``j`` has the id of row ``j - (k_len -
+    q_len)`` and a row sees a same-id key whatever the right bound (``bidirectional_block_ids``).
+    """
     if causal:
         right = 0
+    used = q_len if q_used is None else q_used
     mask = torch.zeros(q_len, k_len, dtype=torch.bool)
-    for i in range(q_len):
-        pos = k_len - q_len + i
-        for j in range(k_len):
-            ok = (left < 0 or j >= pos - left) and (right < 0 or j <= pos + right)
-            mask[i, j] = ok
+    for i in range(used):
+        pos = k_len - used + i
+        for j in range(k_start, k_len):
+            right_ok = right < 0 or j <= pos + right
+            if block_ids is not None and 0 <= j - (k_len - q_len) < q_len:
+                key_id = block_ids[j - (k_len - q_len)]
+                right_ok = right_ok or (block_ids[i] >= 0 and key_id == block_ids[i])
+            mask[i, j] = (left < 0 or j >= pos - left) and right_ok
     return mask
 
 
@@ -84,9 +95,11 @@ def _group_scale(descale: Optional[Tensor], r: int, heads: int) -> Tensor | floa
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
-                            q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                            softmax_scale, causal, window_size_left, window_size_right, softcap):
-    """Oracle of ``torch.ops.xpu_ops.flash_attn_with_kvcache`` (op arguments; ``out`` unused).
+                            q_descale, k_descale, v_descale, sinks, cache_leftpad=None,
+                            bidirectional_block_ids=None, *, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits=0):
+    """Oracle of ``torch.ops.xpu_ops.flash_attn_with_kvcache`` (op arguments; ``out`` unused;
+    ``num_splits`` cannot change the math).
 
     Returns:
         ``(out [total_q, Hq, Dv] float64, lse [Hq, total_q] float64)``.
@@ -99,8 +112,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         qr = q[q0:q1].to(F64) * _group_scale(q_descale, r, hq)
         kr = paged_keys(k_cache, page_table, r, k_len) * _group_scale(k_descale, r, hkv)
         vr = paged_keys(v_cache, page_table, r, k_len) * _group_scale(v_descale, r, hkv)
+        ids = (None if bidirectional_block_ids is None
+               else [int(x) for x in bidirectional_block_ids[q0:q1]])
+        k_start = 0 if cache_leftpad is None else min(int(cache_leftpad[r]), k_len)
+        kr[:k_start], vr[:k_start] = 0.0, 0.0        # slots before cache_leftpad: never read
         mask = visible_mask(q1 - q0, k_len, causal=causal, left=window_size_left,
-                            right=window_size_right)
+                            right=window_size_right, block_ids=ids, k_start=k_start)
         o, lse = attend(qr, kr, vr, mask, scale=softmax_scale, softcap=softcap, sinks=sinks,
                         qv=None if qv is None else qv[q0:q1])
         outs.append(o)
@@ -113,9 +130,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size_left=-1,
                            window_size_right=-1, softmax_scale, softcap=0.0, sinks=None, qv=None,
-                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None,
+                           seqused_q=None):
     """Oracle of ragged attention: request ``r`` has keys ``k[cu_k[r]:cu_k[r+1]]`` (its first
-    ``seqused_k[r]`` when given). Returns ``(out [total_q, Hq, Dv], lse [Hq, total_q])``."""
+    ``seqused_k[r]`` when given) and uses its first ``seqused_q[r]`` query rows when given
+    (the others: output 0, LSE -inf). Returns ``(out [total_q, Hq, Dv], lse [Hq, total_q])``."""
     hq, hkv = q.shape[1], k.shape[1]
     outs, lses = [], []
     for r in range(cu_seqlens_q.shape[0] - 1):
@@ -127,7 +146,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, windo
         kr = k[k0:k1].to(F64) * _group_scale(k_descale, r, hkv)
         vr = v[k0:k1].to(F64) * _group_scale(v_descale, r, hkv)
         mask = visible_mask(q1 - q0, k1 - k0, causal=causal, left=window_size_left,
-                            right=window_size_right)
+                            right=window_size_right,
+                            q_used=None if seqused_q is None else int(seqused_q[r]))
         o, lse = attend(qr, kr, vr, mask, scale=softmax_scale, softcap=softcap, sinks=sinks,
                         qv=None if qv is None else qv[q0:q1])
         outs.append(o)
@@ -205,3 +225,84 @@ def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] 
             row = row / scale
         flat[int(loc[i])] = row.to(torch.float32).to(cache.dtype)
     return flat.view(cache.shape)
+
+
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, *,
+                     interleaved: bool) -> Tensor:
+    """RoFormer rotation of each token's first ``2 * cos.shape[1]`` features, pair by pair:
+    ``(a, b) -> (a cos - b sin, a sin + b cos)`` at angle row ``positions[t]``; pairs are
+    ``(2i, 2i + 1)`` when ``interleaved``, else ``(i, i + rotary_dim / 2)``. Float64."""
+    out = x.to(F64).clone()
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        p = int(positions[t])
+        for i in range(half):
+            a_idx, b_idx = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            c, s = float(cos[p, i]), float(sin[p, i])
+            a, b = x[t, :, a_idx].to(F64), x[t, :, b_idx].to(F64)
+            out[t, :, a_idx] = a * c - b * s
+            out[t, :, b_idx] = a * s + b * c
+    return out
+
+
+# ---- inconsistent metadata (API.md "Writes": what every provider does with checks off) -------
+
+def _clamped(lo: int, value: int, hi: int) -> int:
+    return min(max(value, lo), hi)
+
+
+def described_rows(cu_seqlens_q, total_q: int, max_seqlen_q: int) -> list[tuple[int, int]]:
+    """``(start, q_len)`` of each request's rows: ``[cu[r], cu[r + 1])`` clamped into
+    ``[0, total_q]``, at most ``max_seqlen_q`` rows."""
+    rows = []
+    for r in range(cu_seqlens_q.shape[0] - 1):
+        start = _clamped(0, int(cu_seqlens_q[r]), total_q)
+        end = _clamped(start, int(cu_seqlens_q[r + 1]), total_q)
+        rows.append((start, min(end - start, max_seqlen_q)))
+    return rows
+
+
+def row_owners(rows: list[tuple[int, int]], total_q: int) -> list[int]:
+    """How many requests describe each packed row (0: kept as is; > 1: any one of them)."""
+    count = [0] * total_q
+    for start, q_len in rows:
+        for t in range(start, start + q_len):
+            count[t] += 1
+    return count
+
+
+def flash_attn_with_kvcache_unchecked(q, k_cache, v_cache, cache_seqlens, page_table,
+                                      cu_seqlens_q, *, max_seqlen_q, softmax_scale, causal,
+                                      window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                      sinks=None) -> tuple[Tensor, Tensor, list[int]]:
+    """Paged attention over possibly inconsistent metadata, as API.md's "Writes" states: rows
+    by ``described_rows``; keys ``min(max(cache_seqlens[r], 0), page_table.shape[1] *
+    page_size)``, each read through its page-table entry, hidden when that page id is outside
+    ``[0, num_pages)``.
+
+    Returns:
+        ``(out [total_q, Hq, Dv], lse [Hq, total_q], owners)`` float64; rows no request
+        describes are NaN, ``owners`` as ``row_owners`` (the last describing request wins here).
+    """
+    total_q, hq = q.shape[0], q.shape[1]
+    num_pages, page_size, hkv = k_cache.shape[:3]
+    capacity = page_table.shape[1] * page_size
+    out = torch.full((total_q, hq, v_cache.shape[-1]), math.nan, dtype=F64)
+    lse = torch.full((hq, total_q), math.nan, dtype=F64)
+    rows = described_rows(cu_seqlens_q, total_q, max_seqlen_q)
+    for r, (start, q_len) in enumerate(rows):
+        k_len = _clamped(0, int(cache_seqlens[r]), capacity)
+        pages = [int(page_table[r, j // page_size]) for j in range(k_len)]
+        exists = torch.tensor([0 <= p < num_pages for p in pages], dtype=torch.bool)
+        keys = [(k_cache[p, j % page_size], v_cache[p, j % page_size]) if 0 <= p < num_pages
+                else (k_cache.new_zeros(k_cache.shape[2:]), v_cache.new_zeros(v_cache.shape[2:]))
+                for j, p in enumerate(pages)]
+        k = torch.stack([kv[0] for kv in keys]) if keys else k_cache.new_zeros((0, hkv, q.shape[2]))
+        v = torch.stack([kv[1] for kv in keys]) if keys else v_cache.new_zeros(
+            (0, hkv, v_cache.shape[-1]))
+        mask = visible_mask(q_len, k_len, causal=causal, left=window_size_left,
+                            right=window_size_right) & exists.reshape(1, k_len)
+        o, l_ = attend(q[start:start + q_len], k, v, mask, scale=softmax_scale, softcap=softcap,
+                       sinks=sinks)
+        out[start:start + q_len], lse[:, start:start + q_len] = o, l_
+    return out, lse, row_owners(rows, total_q)

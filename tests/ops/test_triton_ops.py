@@ -12,14 +12,10 @@ ordering between concurrent programs is left to the gpu suite (``test_triton_gpu
 from __future__ import annotations
 
 import copy
-import inspect
-import os
-import subprocess
-import sys
 
 import pytest
 
-from .triton_mode import INTERPRETED, tl, triton  # noqa: F401  (first: sets the mode)
+from .triton_mode import INTERPRETED, rerun_in_subprocess, tl, triton  # noqa: F401  (first)
 
 import torch  # noqa: E402
 
@@ -27,13 +23,7 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
                                    "before this module; test_rerun_in_subprocess covers it")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="Triton is in interpreter mode in this process")
-def test_rerun_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p",
-                           "no:cacheprovider", __file__], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
 import xpu_ops  # noqa: E402
 import xpu_ops.testing as xt  # noqa: E402
@@ -42,7 +32,8 @@ from . import oracle  # noqa: E402
 from .utils import assert_matches_oracle  # noqa: E402
 
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
-       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table",
+       "apply_rotary_emb"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -134,8 +125,9 @@ def _split_inputs(case, mask, seed):
     sink = torch.randn(hq, generator=gen) if sinks else None
     out = torch.full((q.shape[0], hq, dv), float("nan"))
     kwargs = dict(max_seqlen_q=max(q_lens), softmax_scale=0.25, causal=False,
-                  window_size_left=window[0], window_size_right=window[1], softcap=softcap)
-    return [q, k, v, lens, table, cu, out, None, None, None, None, sink], kwargs
+                  window_size_left=window[0], window_size_right=window[1], softcap=softcap,
+                  num_splits=0)
+    return [q, k, v, lens, table, cu, out, None, None, None, None, sink, None, None], kwargs
 
 
 def _split_attention(args, kwargs, num_splits, **buffers):
@@ -197,23 +189,76 @@ def test_split_kv_rejects_unusable_counters(counters, problem):
         _split_attention(args, kwargs, 2, counters=counters)
 
 
+# FlashAttention-3 masks through the kernel: (q_lens, k_lens, leftpad, block spans per request as
+# (first, last) query rows, window). Block spans cross the BLOCK_N = 16 key tiles and a cached
+# prefix; leftpad skips whole tiles and part of one.
+FA3_CASES = [((20, 5), (20, 9), (3, 0), ((1, 17), ()), (-1, -1)),
+             ((6, 1, 4), (30, 5, 4), (18, 5, 0), ((0, 3), (), (1, 2)), (9, 0))]
+
+
 @in_subprocess
-def test_plan_reruns_split_kv_identically_with_its_counters_zero():
-    """The provider plan binds its counters once: re-runs with the same tensors give identical
-    bits, new tensors give the oracle's answer, and the counters are 0 after every run."""
-    from xpu_ops.triton.paged_attention import plan_flash_attn_with_kvcache
-    args, kwargs = _split_inputs(([1, 1], [150, 70], 4, 4, 2, 8), SPLIT_MASKS[1], seed=3)
-    slots = (0, 1, 2, 6)
-    run = plan_flash_attn_with_kvcache(tuple(args), kwargs, slots)
-    launch = inspect.getclosurevars(run).nonlocals["attention"]
-    counters = launch.args[8]
-    assert launch.meta["NUM_SPLITS"] == 3 and counters.dtype == torch.int32  # planned from shapes
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("case", FA3_CASES, ids=["prefill-blocks", "prefix-window-leftpad"])
+def test_fa3_masks_match_oracle(case, num_splits):
+    """cache_leftpad and bidirectional_block_ids (with NaN in the padded slots) under every split
+    mode, through the op (provider ``triton``), against the float64 oracle."""
+    q_lens, k_lens, leftpad, spans, window = case
+    args, kwargs = _split_inputs((list(q_lens), list(k_lens), 4, 4, 2, 16),
+                                 ((window[0], 0), 0.0, False), seed=7 + num_splits)
+    ids = torch.full((sum(q_lens),), -1, dtype=torch.int32)
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    for block, (r, span) in enumerate((r, s) for r, s in enumerate(spans) if s):
+        ids[starts[r] + span[0]:starts[r] + span[1] + 1] = block
+    args[12], args[13] = torch.tensor(leftpad, dtype=torch.int32), ids
+    xt._poison_slots(args[1], args[2], args[4], leftpad)
+    kwargs.update(causal=True, num_splits=num_splits)
+    with xpu_ops.use_provider("triton"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)
+
+
+@in_subprocess
+def test_one_split_results_do_not_depend_on_the_batch():
+    """num_splits=1: a request's output is bit-identical alone and inside a larger batch (the
+    automatic split count, planned from the batch shape, would split a lone long request)."""
+    gen = torch.Generator().manual_seed(11)
+    (k, v), table, lens = xt.paged_kv_cache(gen, [200, 3, 90], 8, [(2, 16), (2, 16)],
+                                            dtype=torch.float32, device="cpu")
+    q = torch.randn(3, 4, 16, generator=gen)
+
+    def run(rows):
+        idx = torch.tensor(rows)
+        cu = torch.arange(len(rows) + 1, dtype=torch.int32)
+        with xpu_ops.use_provider("triton"):
+            return xpu_ops.flash_attn_with_kvcache(
+                q[idx], k, v, cache_seqlens=lens[idx], page_table=table[idx], cu_seqlens_q=cu,
+                max_seqlen_q=1, causal=True, num_splits=1)
+    batch = run([0, 1, 2])
+    alone = run([0])
+    assert torch.equal(batch[:1], alone)
+    assert torch.equal(batch[2:], run([2, 1])[:1])
+
+
+@in_subprocess
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_append_with_rotary_matches_reference(interleaved):
+    """The public wrapper's append path (rotary op, store op, attention op) under the triton
+    provider: the same cache writes and output as the reference provider."""
+    gen = torch.Generator().manual_seed(21)
+    (k_cache, v_cache), table, _ = xt.paged_kv_cache(gen, [9, 12], 4, [(2, 32), (2, 32)],
+                                                     dtype=torch.float32, device="cpu")
+    lens = torch.tensor([6, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(2, 3, h, 32, generator=gen) for h in (4, 2, 2))
+    angle = torch.rand(16, 8, generator=gen) * 6.283
     results = []
-    for q in (args[0], args[0], torch.randn_like(args[0])):
-        args[0], args[6] = q, torch.full_like(args[6], float("nan"))
-        lse = run(*[args[i] for i in slots]).clone()
-        assert counters.eq(0).all(), counters
-        want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
-        assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)
-        results.append((args[6], lse))
-    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    for provider in ("reference", "triton"):
+        caches = (k_cache.clone(), v_cache.clone())
+        with xpu_ops.use_provider(provider):
+            out = xpu_ops.flash_attn_with_kvcache(
+                q, *caches, k, v, rotary_cos=angle.cos(), rotary_sin=angle.sin(),
+                cache_seqlens=lens, page_table=table, causal=True,
+                rotary_interleaved=interleaved)
+        results.append((out, *caches))
+    for got, want in zip(results[1], results[0]):
+        _compare(got.nan_to_num(7.0), want.nan_to_num(7.0), "append + rotary")

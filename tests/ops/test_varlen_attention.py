@@ -57,13 +57,11 @@ def test_wrapper_defaults_and_dv_differs():
     given = torch.full_like(out, float("nan"))
     assert xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, out=given) is given
     torch.testing.assert_close(given, out, rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match="keyword seqused_q is accepted"):
-        xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_q=cu_q[1:])
 
 
-def test_wrapper_num_splits_hint_and_unimplemented_keywords():
-    """num_splits is a hint (any int >= 0, result unchanged); pack_gqa and sm_margin are not
-    implemented and raise unless None/default (API.md)."""
+def test_wrapper_num_splits_and_speed_hints_keep_the_result():
+    """num_splits (any int >= 0), pack_gqa and sm_margin change speed only (API.md); bad kinds
+    and negative counts raise naming the keyword."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for n, h in ((5, 4), (9, 2), (9, 2)))
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 9]))
@@ -75,7 +73,13 @@ def test_wrapper_num_splits_hint_and_unimplemented_keywords():
     with pytest.raises(ValueError, match="flash_attn_varlen_func: num_splits is negative"):
         xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, num_splits=-1)
     for keyword, value in (("pack_gqa", True), ("pack_gqa", False), ("sm_margin", 1)):
-        with pytest.raises(NotImplementedError, match=f"keyword {keyword} is accepted"):
+        out = xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, **{keyword: value})
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for keyword, value, exc, match in (
+            ("pack_gqa", 1, TypeError, "pack_gqa is not a bool; expected None, True or False"),
+            ("sm_margin", -1, ValueError, "sm_margin is negative; expected sm_margin >= 0"),
+            ("sm_margin", 0.5, TypeError, "sm_margin is not an integer; expected an int >= 0")):
+        with pytest.raises(exc, match=f"^flash_attn_varlen_func: {match}, got "):
             xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **{keyword: value})
 
 

@@ -12,7 +12,9 @@ on a machine with a CUDA/XPU device, where Triton must compile (the GPU tests ne
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -36,4 +38,43 @@ finally:
 # True when Triton's language library was decorated for the interpreter.
 INTERPRETED = type(tl.zeros_like).__name__ == "InterpretedFunction"
 
-__all__ = ["INTERPRETED", "tl", "triton"]
+
+def provider_params() -> list:
+    """``pytest.param`` of the providers to compare on the CPU: ``reference`` and ``triton``
+    (the latter skipped when Triton is in compile mode here; ``rerun_in_subprocess`` covers it)."""
+    skip = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported in compile mode "
+                              "before this module; its test_rerun_in_subprocess covers it")
+    return [pytest.param("reference", id="reference"),
+            pytest.param("triton", id="triton", marks=skip)]
+
+
+@contextlib.contextmanager
+def running(provider: str):
+    """Run ``xpu_ops`` ops with ``provider`` (Triton kernels through the interpreter)."""
+    import xpu_ops
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with xpu_ops.use_provider(provider):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def rerun_in_subprocess(path: str):
+    """A test that reruns the module at ``path`` in a fresh interpreter-mode process when Triton
+    is in compile mode here (then the module's Triton tests skip); skipped otherwise."""
+    @pytest.mark.skipif(INTERPRETED, reason="Triton is in interpreter mode in this process")
+    def test_rerun_in_subprocess():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p",
+                               "no:cacheprovider", path], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return test_rerun_in_subprocess
+
+
+__all__ = ["INTERPRETED", "tl", "triton", "provider_params", "running", "rerun_in_subprocess"]

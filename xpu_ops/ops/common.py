@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_gqa, check_optional,
-                       check_shape, check_size, check_tensor, check_window, fail)
+                       check_shape, check_size, check_tensor, check_window, fail, int_scalar)
 
 
 def output_dtype(q: torch.Tensor) -> torch.dtype:
@@ -42,8 +42,17 @@ def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.
 
 
 def check_query(fn: str, q, device: Optional[torch.device] = None) -> torch.Tensor:
-    """``q [total_q, Hq, D]`` in a float or fp8 dtype."""
-    return check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+    """``q [total_q, Hq, D]`` in a float or fp8 dtype, with ``D >= 1``."""
+    check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+    check_head_dim(fn, "q", q)
+    return q
+
+
+def check_head_dim(fn: str, arg: str, t: torch.Tensor) -> None:
+    """A head dimension (the last one) of 0 has no dot product to scale: reject it by name."""
+    if t.shape[-1] == 0:
+        fail(fn, arg, "has head dimension 0", "D >= 1 (the last dimension)",
+             f"shape {tuple(t.shape)}", "Pass the heads' features in the last dimension.")
 
 
 def check_kv_dtype(fn: str, arg: str, kv: torch.Tensor, q: torch.Tensor) -> None:
@@ -88,7 +97,8 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
         check_tensor(fn, "sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
         check_size(fn, "sinks", sinks, 0, num_heads_q, "Hq")
     if not softcap >= 0.0:
-        fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it)", softcap)
+        fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it, inf is no cap)",
+             softcap)
     if max_seqlen_q < 0:
         fail(fn, "max_seqlen_q", "is negative", "max_seqlen_q >= 0", max_seqlen_q)
     # Plain ints only (eager calls): comparing symbolic sizes here would add guards when traced.
@@ -114,8 +124,8 @@ def check_cu_seqlens(fn: str, arg: str, t, batch: int, device: torch.device) -> 
 
 
 def check_num_splits(fn: str, num_splits) -> None:
-    """``num_splits`` is a performance hint (0: automatic, n >= 1: n KV splits): any
-    non-negative integer is accepted and ignored, since results do not depend on it.
+    """``num_splits`` (0: the provider chooses, 1: one pass over the keys, n > 1: at most n KV
+    splits) is a non-negative integer.
 
     Raises:
         TypeError: not an integer. ValueError: negative.
@@ -128,6 +138,60 @@ def check_num_splits(fn: str, num_splits) -> None:
                  type(num_splits).__name__, exc=TypeError)
     if num_splits < 0:
         fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
+
+
+def no_cap_if_infinite(softcap: float) -> float:
+    """``softcap = inf`` is the limit of ``softcap * tanh(s / softcap)`` as the cap grows: no
+    cap, which the providers spell 0 (``inf * tanh(s / inf)`` would be ``inf * 0 = NaN``)."""
+    return 0.0 if softcap == math.inf else softcap
+
+
+def max_seqlen(fn: str, arg: str, value, default: int) -> int:
+    """``max_seqlen_q``/``max_seqlen_k`` of a public call: ``default`` when None, else an int
+    (a float such as ``3.0`` raises ``TypeError`` naming the argument, never a dispatcher error).
+    """
+    if value is None:
+        return default
+    return int_scalar(fn, arg, value, "an int number of tokens (or None)")
+def check_speed_hints(fn: str, *, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
+                      max_seqlen_k=None) -> None:
+    """FlashAttention-3's speed-only keywords: accepted, never change results, but typed.
+
+    ``pack_gqa`` None or a bool; ``sm_margin`` an int >= 0 (None allowed); ``scheduler_metadata``
+    None or a tensor (a precomputed FA3 schedule, unused here); ``max_seqlen_k`` None or an
+    int >= 0 (a bound of keys per request).
+
+    Raises:
+        TypeError: a value of the wrong kind. ValueError: a negative count.
+    """
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        fail(fn, "pack_gqa", "is not a bool", "None, True or False", type(pack_gqa).__name__,
+             exc=TypeError)
+    for arg, value in (("sm_margin", sm_margin), ("max_seqlen_k", max_seqlen_k)):
+        if value is None or type(value) is int and value >= 0:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(fn, arg, "is not an integer", "an int >= 0", type(value).__name__,
+                 exc=TypeError)
+        fail(fn, arg, "is negative", f"{arg} >= 0", value)
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        fail(fn, "scheduler_metadata", "is not a tensor", "None or a torch.Tensor",
+             type(scheduler_metadata).__name__, exc=TypeError)
+
+
+def check_mla_inputs(fn: str, q_nope, rope_arg: str, q_rope, cache_arg: str, kv_cache,
+                     rows: str) -> None:
+    """Absorbed-MLA queries and latent cache: ``q_nope [rows, H, R]`` float, ``<rope_arg> [rows, H,
+    r]`` and ``<cache_arg> [num_pages, page_size, R + r]`` in q_nope's dtype and device.
+    ``rows`` names q_nope's first dimension in messages (``b`` or ``total_q``)."""
+    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    num_rows, num_heads, latent_dim = q_nope.shape
+    check_tensor(fn, rope_arg, q_rope, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, rope_arg, q_rope, 0, num_rows, f"q_nope.shape[0] ({rows})")
+    check_size(fn, rope_arg, q_rope, 1, num_heads, "q_nope.shape[1] (H)")
+    check_tensor(fn, cache_arg, kv_cache, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, cache_arg, kv_cache, 2, latent_dim + q_rope.shape[2], "R + r")
 
 
 def check_workspace_size_args(fn: str, **sizes) -> None:
@@ -148,6 +212,9 @@ def float_scalar(fn: str, arg: str, value) -> float:
     """Accept a Python/NumPy real number (not a tensor) for a float argument."""
     if type(value) is float:
         return value
+    if isinstance(value, (str, bytes)):
+        fail(fn, arg, "is not a real number", "a float", f"{value!r} (str)",
+             f"Pass float({arg}) yourself if the string holds a number.", exc=TypeError)
     if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
         try:
             return float(value)
@@ -157,6 +224,6 @@ def float_scalar(fn: str, arg: str, value) -> float:
 
 
 __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
-           "check_query", "check_kv_dtype", "check_attention_extras", "check_out",
-           "check_cu_seqlens", "check_num_splits", "check_workspace_size_args", "float_scalar",
-           "check_optional"]
+           "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
+           "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
+           "check_speed_hints", "check_workspace_size_args", "float_scalar", "check_optional"]

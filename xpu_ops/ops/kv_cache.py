@@ -7,15 +7,17 @@ Both ops mutate only the addressed token slots of the caches they declare in ``m
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_same_size, check_size,
                        check_store_dtypes, check_tensor, check_tensor_args, fail, tensors_or_none)
+from .common import float_scalar
 
 STORE_KV = "store_kv_cache"
 STORE_MLA = "store_mla_kv_cache"
@@ -70,12 +72,11 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
         _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
-@define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"))
+@define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"), by_device=True)
 def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Op form of ``store_kv_cache`` (all arguments explicit)."""
     _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
-    providers.dispatch(STORE_KV, k.device, k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
 @store_kv_cache_op.register_fake
@@ -83,10 +84,22 @@ def _(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
-def _scale_tensor(scale, device) -> Optional[Tensor]:
+def _scale_tensor(arg: str, scale, device) -> Optional[Tensor]:
+    """A per-tensor fp8 scale given as a number becomes a 1-element float32 tensor.
+
+    Raises:
+        TypeError: not a number or tensor (a string included).
+        ValueError: 0, negative, infinite or NaN (rows are divided by it). A tensor scale is
+            checked for the same values only under the debug checks (a host sync).
+    """
     if scale is None or isinstance(scale, Tensor):
         return scale
-    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+    value = float_scalar(STORE_KV, arg, scale)
+    if not 0.0 < value < math.inf:
+        fail(STORE_KV, arg, "is not a positive finite number",
+             "0 < scale < inf (the fp8 cache stores rows / scale)", value,
+             "Use the scale the cache was calibrated with (1.0 when unscaled).")
+    return torch.tensor([value], dtype=torch.float32, device=device)
 
 
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
@@ -94,20 +107,26 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
 
     Args:
         k_cache: [slots, Hkv, D] or paged [num_pages, page_size, Hkv, D] (slot = page *
-            page_size + offset), k's dtype or fp8.
+            page_size + offset), k's dtype or fp8; any strides (pages need not be adjacent).
         v_cache: same layout with Dv, same number of slots.
-        loc: [N] int64 (or int32) token slot of each new token; slots must be distinct.
-            Slots outside ``[0, slots)`` are never written (skipped, without a host sync);
-            with ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise.
+        loc: [N] int64 (or int32) token slot of each new token; slots must be distinct
+            (which of two rows for one slot lands is unspecified). Slots outside
+            ``[0, slots)`` are never written (skipped, without a host sync); with
+            ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise, and so do
+            duplicate slots.
         k: [N, Hkv, D], v: [N, Hkv, Dv] fp16|bf16|fp32; never modified.
-        k_scale, v_scale: per-tensor scale (float or 1-element float32 tensor) for fp8 caches:
-            the cache stores ``k / k_scale`` (read back with ``k_descale = k_scale``).
+        k_scale, v_scale: per-tensor scale (positive finite float or 1-element float32
+            tensor) for fp8 caches: the cache stores ``k / k_scale`` (read back with
+            ``k_descale = k_scale``). Values beyond the fp8 range saturate to its largest
+            finite value (448 for e4m3fn, 57344 for e5m2), with their sign; NaN stays NaN.
     Returns:
         None. Only the slots in ``loc`` of the two caches change.
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
-        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)`` (the message
-            names the valid range and the first bad value).
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument; a
+            scale that is not a positive finite number.
+        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)`` or repeated,
+            or a tensor scale that is not positive and finite (the message names the rule and
+            the first bad value).
     Source: sglang ``MHATokenToKVPool.set_kv_buffer`` semantics.
 
     >>> import torch, xpu_ops
@@ -120,10 +139,10 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     if not tensors_or_none((k_cache, v_cache, loc, k, v)):
         check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
     check_tensor(STORE_KV, "k", k, ndim=3)
-    _value_checks.check_store_kv_cache(loc, k_cache)
-    torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v,
-                                     _scale_tensor(k_scale, k.device),
-                                     _scale_tensor(v_scale, k.device))
+    k_scale = _scale_tensor("k_scale", k_scale, k.device)
+    v_scale = _scale_tensor("v_scale", v_scale, k.device)
+    _value_checks.check_store_kv_cache(loc, k_cache, k_scale, v_scale)
+    torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
 def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
@@ -148,11 +167,10 @@ def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
                f"k_nope.shape[2] + k_rope.shape[2] (R + r) = {latent_dim} + {rope_dim}")
 
 
-@define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",))
+@define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",), by_device=True)
 def store_mla_kv_cache_op(kv_cache: Tensor, loc: Tensor, k_nope: Tensor, k_rope: Tensor) -> None:
     """Op form of ``store_mla_kv_cache``."""
     _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
-    providers.dispatch(STORE_MLA, k_nope.device, kv_cache, loc, k_nope, k_rope)
 
 
 @store_mla_kv_cache_op.register_fake
@@ -165,15 +183,17 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
 
     Args:
         kv_cache: [slots, 1, R + r] (or [num_pages, page_size, R + r], or
-            [num_pages, page_size, 1, R + r]); latent part first, then the rope part.
-        loc: [N] int64 (or int32) token slots. Slots outside ``[0, slots)`` are never written
-            (skipped); with ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise.
+            [num_pages, page_size, 1, R + r]); latent part first, then the rope part; any
+            strides. An fp8 cache saturates out-of-range values (see ``store_kv_cache``).
+        loc: [N] int64 (or int32) distinct token slots. Slots outside ``[0, slots)`` are never
+            written (skipped); with ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``)
+            they raise, and so do duplicates.
         k_nope: [N, 1, R] (or [N, R]) compressed latent; k_rope: [N, 1, r] (or [N, r]).
     Returns:
         None. Only the slots in ``loc`` change.
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
-        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)``.
+        ValueError: with debug checks on, a ``loc`` entry outside ``[0, slots)`` or repeated.
     Source: DeepSeek-V2 (arXiv 2405.04434) latent cache; sglang ``MLATokenToKVPool``.
 
     >>> import torch, xpu_ops

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
 from .._registration import define_op
 from .._checks import FLOAT_DTYPES, check_shape, check_tensor, check_tensor_args
 
@@ -32,12 +31,11 @@ def _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
         check_shape(fn, arg, s, (num_tokens, num_heads), "[N, H]")
 
 
-@define_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"))
+@define_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"), by_device=True)
 def merge_state_v2_op(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, v_merged: Tensor,
                       s_merged: Tensor) -> None:
     """Op form of ``merge_state_v2``: writes ``v_merged`` and ``s_merged`` in place."""
     _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
-    providers.dispatch(NAME, v_a.device, v_a, s_a, v_b, s_b, v_merged, s_merged)
 
 
 @merge_state_v2_op.register_fake

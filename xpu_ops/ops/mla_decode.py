@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
-from .common import check_index, check_workspace_size_args, float_scalar
+from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
+                       int_scalar)
+from .common import check_index, check_mla_inputs, check_workspace_size_args, float_scalar
 
 NAME = "flash_mla_decode"
 MAX_KV_SPLITS = 16
@@ -87,14 +88,9 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
                             num_kv_splits) -> None:
     """Validate shapes/dtypes/devices (runs in the fake too)."""
     fn = NAME
-    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    check_mla_inputs(fn, q_nope, "q_rope", q_rope, "kv_cache", kv_cache, "b")
     device = q_nope.device
     batch, num_heads, latent_dim = q_nope.shape
-    check_tensor(fn, "q_rope", q_rope, ndim=3, dtypes=(q_nope.dtype,), device=device)
-    check_size(fn, "q_rope", q_rope, 0, batch, "q_nope.shape[0] (b)")
-    check_size(fn, "q_rope", q_rope, 1, num_heads, "q_nope.shape[1] (H)")
-    check_tensor(fn, "kv_cache", kv_cache, ndim=3, dtypes=(q_nope.dtype,), device=device)
-    check_size(fn, "kv_cache", kv_cache, 2, latent_dim + q_rope.shape[2], "R + r")
     check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
     check_size(fn, "cache_seqlens", cache_seqlens, 0, batch, "q_nope.shape[0] (b)")
     check_index(fn, "page_table", page_table, 2, device)
@@ -110,7 +106,7 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
              "Size it with flash_mla_get_workspace_size.")
 
 
-@define_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",))
+@define_op("xpu_ops::flash_mla_decode", mutates_args=("workspace",), by_device=True)
 def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_seqlens: Tensor,
                         page_table: Tensor, workspace: Tensor, softmax_scale: float,
                         num_kv_splits: int) -> Tensor:
@@ -118,7 +114,6 @@ def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_
     as scratch (declared mutated)."""
     args = (q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace)
     _check_flash_mla_decode(*args, num_kv_splits)
-    return providers.dispatch(NAME, q_nope.device, *args, softmax_scale, num_kv_splits)
 
 
 @flash_mla_decode_op.register_fake
@@ -150,7 +145,8 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     Returns:
         [b, H, R], dtype of q_nope.
     Raises:
-        TypeError/ValueError: shape, dtype or device mismatch, naming the argument.
+        TypeError/ValueError: shape, dtype or device mismatch, naming the argument; a
+            num_kv_splits or softmax_scale that is not an int / a real number.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, ``cache_seqlens`` or a page id that is read
             out of range.
     Source: DeepSeek-V2 (arXiv 2405.04434) weight absorption; FlashAttention-2 online softmax;
@@ -171,4 +167,5 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
                                               float_scalar(NAME, "softmax_scale", softmax_scale),
-                                              int(num_kv_splits))
+                                              int_scalar(NAME, "num_kv_splits", num_kv_splits,
+                                                         "an int split count (-1: derived)"))

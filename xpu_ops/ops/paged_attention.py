@@ -8,23 +8,25 @@ gives none, so the functional form traces and the ``out=`` form writes a fixed b
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
+from . import kvcache_append, kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, default_softmax_scale,
-                     float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+                     default_softmax_scale, float_scalar, no_cap_if_infinite, normalize_window,
+                     output_dtype)
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
-_KVCACHE_DEFAULTS = {"attention_chunk": 0, "rotary_interleaved": True, "sm_margin": 0,
-                     "pack_gqa": None}
+_KVCACHE_DEFAULTS = {"attention_chunk": 0}
 _LAYOUTS = ("4-D: [num_pages, page_size, Hkv, D] with page_table, or [b, seqlen_k, Hkv, D] "
             "without page_table")
 
@@ -39,8 +41,9 @@ def _check_cache_rank(fn: str, arg: str, cache) -> None:
 
 
 def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                                   out, qv, q_descale, k_descale, v_descale, sinks, *,
-                                   max_seqlen_q, softcap) -> None:
+                                   out, qv, q_descale, k_descale, v_descale, sinks,
+                                   cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
+                                   softcap, num_splits) -> None:
     """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
     fn = NAME
     check_query(fn, q)
@@ -73,88 +76,57 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
                            num_heads_kv=num_heads_kv, head_dim_v=head_dim_v, batch=batch, qv=qv,
                            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                            sinks=sinks, softcap=softcap, max_seqlen_q=max_seqlen_q)
+    if cache_leftpad is not None:
+        check_index(fn, "cache_leftpad", cache_leftpad, 1, device)
+        check_size(fn, "cache_leftpad", cache_leftpad, 0, batch, "cache_seqlens.shape[0] (b)")
+    if bidirectional_block_ids is not None:
+        check_index(fn, "bidirectional_block_ids", bidirectional_block_ids, 1, device)
+        check_size(fn, "bidirectional_block_ids", bidirectional_block_ids, 0, total_q,
+                   "q.shape[0] (total_q)")
+    if num_splits < 0:
+        check_num_splits(fn, num_splits)
 
 
-@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",), by_device=True)
 def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
-    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor], *,
+    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor],
+    cache_leftpad: Optional[Tensor], bidirectional_block_ids: Optional[Tensor], *,
     max_seqlen_q: int, softmax_scale: float, causal: bool, window_size_left: int,
-    window_size_right: int, softcap: float,
+    window_size_right: int, softcap: float, num_splits: int,
 ) -> Tensor:
     """Op form of ``flash_attn_with_kvcache``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
 
     All arguments are explicit (no defaults); see the public wrapper for their meaning.
-    ``window_size_right`` is already 0 when ``causal``. ``max_seqlen_q`` bounds the queries of
-    one request (kernels size their grid with it; it is never read from tensor values).
+    ``cache_seqlens`` is the total key count (any append already done). ``window_size_right``
+    is already 0 when ``causal``. ``max_seqlen_q`` bounds the queries of one request (kernels
+    size their grid with it; it is never read from tensor values).
+
+    Masks beyond the public wrapper's: keys ``j < cache_leftpad[r]`` are invisible; with
+    ``bidirectional_block_ids [total_q]`` (int32, ``< 0``: no block), key ``j`` of request ``r``
+    carries the id of the query at the same absolute position (``j - (Lk - Lq)``; keys of the
+    cached prefix carry none), and a key whose id equals the query's is visible past the right
+    bound (never past the left bound, ``Lk`` or ``cache_leftpad``). ``num_splits``: 0 lets the
+    provider choose the KV split count, 1 is one pass over the keys, n > 1 at most n splits.
     """
     args = (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-            k_descale, v_descale, sinks)
-    _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              softmax_scale=softmax_scale, causal=causal,
-                              window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap)
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids)
+    _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap,
+                                   num_splits=num_splits)
+    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+        return {"softcap": no_cap_if_infinite(softcap)}
 
 
 @flash_attn_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-      k_descale, v_descale, sinks, *, max_seqlen_q, softmax_scale, causal, window_size_left,
-      window_size_right, softcap):
+      k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
+      softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits):
     _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                                   out, qv, q_descale, k_descale, v_descale, sinks,
-                                   max_seqlen_q=max_seqlen_q, softcap=softcap)
+                                   out, qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                                   bidirectional_block_ids, max_seqlen_q=max_seqlen_q,
+                                   softcap=softcap, num_splits=num_splits)
     return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-def _as_packed(fn, q, cu_seqlens_q, max_seqlen_q):
-    """Turn a 4-D ``q [b, s, Hq, D]`` into packed ``[b*s, Hq, D]`` with its ``cu_seqlens_q``."""
-    if q.dim() not in (3, 4):
-        fail(fn, "q", "has the wrong number of dimensions",
-             "3-D [total_q, Hq, D] (with cu_seqlens_q) or 4-D [b, s, Hq, D]",
-             f"{q.dim()}-D with shape {tuple(q.shape)}")
-    if q.dim() == 3:
-        if cu_seqlens_q is None:
-            fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
-                 "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
-        return q, cu_seqlens_q, (q.shape[0] if max_seqlen_q is None else max_seqlen_q), None
-    if cu_seqlens_q is not None:
-        fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
-             "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
-    batch, seqlen = q.shape[:2]
-    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
-    return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
-
-
-def _contiguous_tables(fn, k_cache, cache_seqlens, cu_seqlens_q, batch_shape):
-    """``(page_table, cache_seqlens)`` of a contiguous cache ``[b, seqlen_k, Hkv, D]`` (no
-    ``page_table`` given): one page of ``seqlen_k`` tokens per request.
-
-    Raises:
-        ValueError: ``k_cache.shape[0]`` is not the batch size of the call (a paged cache
-            passed without its page_table, usually), naming k_cache and both layouts.
-    """
-    batch, seqlen_k = k_cache.shape[:2]
-    if isinstance(cache_seqlens, Tensor) and cache_seqlens.dim() == 1:
-        want, rule = cache_seqlens.shape[0], "cache_seqlens.shape[0]"
-    elif batch_shape is not None:
-        want, rule = batch_shape[0], "q.shape[0]"
-    elif isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1:
-        want, rule = cu_seqlens_q.shape[0] - 1, "cu_seqlens_q.shape[0] - 1"
-    else:
-        want = batch  # a malformed cache_seqlens/cu_seqlens_q: the op's checks name it
-    if batch != want:
-        fail(fn, "k_cache", f"has {batch} rows in dimension 0 for a batch of {want} requests "
-             "and page_table is None", f"a contiguous cache [b, seqlen_k, Hkv, D] (the layout "
-             f"without page_table) with b = {rule} = {want}", f"shape {tuple(k_cache.shape)}",
-             "For a paged cache [num_pages, page_size, Hkv, D], pass page_table "
-             "[b, max_pages_per_seq] int32 and cache_seqlens.")
-    device = k_cache.device
-    page_table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    return page_table, cache_seqlens
 
 
 def flash_attn_with_kvcache(
@@ -165,11 +137,12 @@ def flash_attn_with_kvcache(
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
     scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
     return_softmax_lse=False, sinks=None, out=None, bidirectional_block_ids=None,
+    max_seqlen_k=None,
 ):
-    """Attention of new query tokens over a paged KV cache (sgl-kernel ``flash_attn`` compatible).
+    """Attention of new query tokens over a KV cache (sgl-kernel / FlashAttention-3 compatible).
 
-    Query row ``i`` of a request with ``Lq`` new tokens and ``Lk = cache_seqlens[r]`` keys sits at
-    position ``Lk - Lq + i`` (bottom-right); ``causal`` allows keys ``j <= pos``; ``window_size
+    Query row ``i`` of a request with ``Lq`` new tokens and ``Lk`` keys sits at position
+    ``Lk - Lq + i`` (bottom-right); ``causal`` allows keys ``j <= pos``; ``window_size
     = (left, right)`` allows ``pos - left <= j <= pos + right`` (inclusive, -1 unbounded,
     ``causal`` forces ``right = 0``). Scores are ``softmax_scale * q.k`` (plus ``qv.v`` when
     ``qv`` is given), then ``softcap * tanh(s / softcap)`` when ``softcap > 0``; ``sinks`` adds
@@ -177,31 +150,50 @@ def flash_attn_with_kvcache(
 
     Args:
         q: [total_q, Hq, D] packed (with ``cu_seqlens_q``) or [b, s, Hq, D]; fp16|bf16|fp32|fp8.
-        k_cache: [num_pages, page_size, Hkv, D] with ``page_table``; without it, a contiguous
-            cache [b, seqlen_k, Hkv, D] (row r holds request r's keys, so ``k_cache.shape[0]``
-            must equal the batch size). q's dtype or fp8 (then ``k_descale``).
+        k_cache: paged [num_pages, page_size, Hkv, D] with ``page_table``; without it, a dense
+            cache [b_cache, s_cache, Hkv, D] (request r reads row ``cache_batch_idx[r]``, or row
+            r, when ``b_cache`` must equal b). q's dtype or fp8 (then ``k_descale``).
         v_cache: same layout with Dv, same dtype as ``k_cache``.
-        cache_seqlens: [b] int32, total keys per request in tokens (prefix + new), not a prefix
-            sum. Optional only without ``page_table`` (then every request has seqlen_k keys).
+        cache_seqlens: [b] int32 (or an int for every request): keys per request in tokens, not
+            a prefix sum. Optional only for a dense cache (then ``s_cache``).
+        cache_batch_idx: [b] int32, the dense-cache row (or page-table row) of each request.
+        cache_leftpad: [b] int32: keys before it are ignored (positions stay absolute).
         page_table: [b, max_pages_per_seq] int32 physical page ids; entries past a request's
-            last page are never read. None: ``k_cache``/``v_cache`` are contiguous (above).
+            last page are never read. None: the cache is dense (above).
         cu_seqlens_q: [b + 1] int32 prefix sums of new tokens per request (packed q only).
         max_seqlen_q: upper bound of new tokens in one request (int); default total_q.
-        qv: [total_q, Hq, Dv], extra query part dotted with V (absorbed MLA extend).
+        qv: [total_q, Hq, Dv] ([b, s, Hq, Dv] for a 4-D q), extra query part dotted with V
+            (absorbed MLA extend).
         q_descale/k_descale/v_descale: [b, Hkv] float32 dequantisation scales of fp8 inputs.
         softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
         causal, window_size, softcap: see above. sinks: [Hq] float32 logits.
+        bidirectional_block_ids: [total_q] int32 block id of each query token (< 0: none), for
+            Gemma-3 image tokens: the mask is causal (whatever ``causal`` says; sgl-kernel-xpu
+            passes ``causal=False``) except that a query and a key with the same id >= 0 see
+            each other in both directions (key j carries the id of the query at position j, so
+            ``Lq == Lk`` gives every key an id; cached-prefix keys have none). The left window
+            bound still applies.
         return_softmax_lse: also return ``softmax_lse`` float32 [Hq, total_q] ([b, Hq, s] for
             a 4-D q), natural log.
         out: optional output tensor of the result's shape; written in place and returned.
-        num_splits: performance hint, accepted and ignored: any int >= 0 (0: automatic; n: n
-            KV splits; sglang's FA3 backend passes 1 for deterministic inference). The result
-            does not depend on it; providers choose their own split counts.
-        k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_k_new,
-        rotary_seqlens, scheduler_metadata, attention_chunk, rotary_interleaved, pack_gqa,
-        sm_margin, bidirectional_block_ids: not implemented; accepted only as None or their
-            defaults (0 for attention_chunk and sm_margin, True for rotary_interleaved). Append
-            new K/V with ``store_kv_cache`` and apply rotary embedding before the call instead.
+        num_splits: KV splits: 1 is one pass over the keys, so a row's result does not depend
+            on the other requests of the batch; 0 (default) lets the provider choose; n > 1 at
+            most n splits. Results agree to rounding whatever the value.
+        k, v: new keys/values to append first (FA3): [b, s_new, Hkv, D|Dv], or packed
+            [total_new, Hkv, D|Dv] with ``cu_seqlens_k_new [b + 1]`` int32, in the cache's
+            dtype. Then ``cache_seqlens`` is the length *before* the append: new key j of
+            request r is written at position ``cache_seqlens[r] + j`` (paged or dense; a
+            position past the cache's capacity is skipped) and attention runs over
+            ``cache_seqlens[r] + s_new[r]`` keys. The caches are modified in place.
+        rotary_cos, rotary_sin: [seqlen_ro, rotary_dim / 2] tables, only with k/v: the new
+            keys are rotated at positions ``base[r] + j`` and the queries at ``base[r] + i``
+            when causal or local (a window), else all at ``base[r]``, with ``base =
+            rotary_seqlens`` ([b] int32) or ``cache_seqlens``; the first rotary_dim features
+            turn, GPT-J pairs when ``rotary_interleaved`` (default), NeoX halves otherwise.
+        pack_gqa, sm_margin, scheduler_metadata, max_seqlen_k: FlashAttention-3 speed hints,
+            accepted (typed) and never changing the result.
+        attention_chunk: not implemented; only 0 (chunked-local attention: use window_size on
+            the virtual batches instead).
     Returns:
         ``out`` [total_q, Hq, Dv] (or [b, s, Hq, Dv]) in q's dtype (bf16 for an fp8 q), or
         ``(out, softmax_lse)``.
@@ -209,14 +201,15 @@ def flash_attn_with_kvcache(
         TypeError: an argument is not a tensor (or number) where one is required; num_splits
             is not an int.
         ValueError: a shape, dtype or device mismatch, naming the argument and both values
-            (without page_table, a ``k_cache.shape[0]`` other than b names k_cache and both
-            layouts); a negative num_splits.
-        NotImplementedError: an unimplemented keyword (listed above) with a non-default
-            value.
+            (a dense cache whose row count is not b without ``cache_batch_idx`` names k_cache
+            and both layouts); a negative num_splits.
+        NotImplementedError: ``attention_chunk`` other than 0; k/v appended into an fp8
+            cache.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
             ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read (unchecked otherwise).
     Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
-    PagedAttention (arXiv 2309.06180); semantics of sgl-kernel's ``flash_attn_with_kvcache``.
+    PagedAttention (arXiv 2309.06180); semantics of FlashAttention-3's
+    ``hopper/flash_attn_interface.py`` and sgl-kernel(-xpu)'s ``flash_attn_with_kvcache``.
 
     >>> import torch, xpu_ops
     >>> q = torch.randn(3, 4, 64); kc = torch.randn(2, 16, 2, 64); vc = torch.randn(2, 16, 2, 64)
@@ -231,67 +224,53 @@ def flash_attn_with_kvcache(
     True
     """
     fn = NAME
-    # The usual call passes none of the compatibility keywords and only tensors: test that
-    # without building keyword dicts; otherwise the full checks name the culprit.
-    if not (k is None and v is None and rotary_cos is None and rotary_sin is None
-            and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
-            and rotary_seqlens is None and scheduler_metadata is None and pack_gqa is None
-            and bidirectional_block_ids is None
-            and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)
-            and (sm_margin is None or type(sm_margin) is int and sm_margin == 0)
-            and (rotary_interleaved is None or rotary_interleaved is True)):
-        check_not_implemented(fn, _KVCACHE_DEFAULTS, k=k, v=v, rotary_cos=rotary_cos,
-                              rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                              cache_leftpad=cache_leftpad, cu_seqlens_k_new=cu_seqlens_k_new,
-                              rotary_seqlens=rotary_seqlens,
-                              scheduler_metadata=scheduler_metadata,
-                              attention_chunk=attention_chunk,
-                              rotary_interleaved=rotary_interleaved, pack_gqa=pack_gqa,
-                              sm_margin=sm_margin,
-                              bidirectional_block_ids=bidirectional_block_ids)
-    if not (type(num_splits) is int and num_splits >= 0):
-        check_num_splits(fn, num_splits)
-    if not tensors_or_none((q, k_cache, v_cache), (cache_seqlens, page_table, cu_seqlens_q, qv,
-                                                   q_descale, k_descale, v_descale, sinks, out)):
-        check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
-                               "k_descale", "v_descale", "sinks", "out"),
-                          q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                          page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv,
-                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                          sinks=sinks, out=out)
-    q3, cu_seqlens_q, max_seqlen_q, batch_shape = _as_packed(fn, q, cu_seqlens_q, max_seqlen_q)
+    _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
+                    scheduler_metadata, max_seqlen_k)
+    optional = dict(cache_seqlens=None if type(cache_seqlens) is int else cache_seqlens,
+                    page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv, q_descale=q_descale,
+                    k_descale=k_descale, v_descale=v_descale, sinks=sinks, out=out,
+                    cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                    rotary_seqlens=rotary_seqlens, k=k, v=v, rotary_cos=rotary_cos,
+                    rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new,
+                    bidirectional_block_ids=bidirectional_block_ids)
+    if not tensors_or_none((q, k_cache, v_cache), optional.values()):
+        check_tensor_args(fn, optional, q=q, k_cache=k_cache, v_cache=v_cache, **optional)
+    kvcache_append.check_rotary_needs_new_kv(fn, k, rotary_cos, rotary_sin)
+    q3, cu_seqlens_q, max_seqlen_q, batch_shape = kvcache_layout.as_packed(
+        fn, q, cu_seqlens_q, max_seqlen_q)
+    qv = kvcache_layout.pack_rows(fn, "qv", qv, batch_shape)
     _check_cache_rank(fn, "k_cache", k_cache)
-    contiguous = page_table is None
-    if contiguous:
-        page_table, cache_seqlens = _contiguous_tables(fn, k_cache, cache_seqlens, cu_seqlens_q,
-                                                       batch_shape)
-    elif cache_seqlens is None:
-        fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table", None)
+    page_table, cache_seqlens, dense = kvcache_layout.cache_tables(
+        fn, k_cache, cache_seqlens, page_table, cache_batch_idx, cu_seqlens_q, batch_shape)
     head_dim_v = v_cache.shape[-1]
     if softmax_scale is None:
+        check_head_dim(fn, "q", q3)
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
+    causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)
-    out3 = out
-    if out is None:
-        out3 = q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=output_dtype(q3))
-    elif batch_shape is not None:
-        check_out(fn, out, (*batch_shape, q3.shape[1], head_dim_v), output_dtype(q3), q3.device,
-                  "[b, s, Hq, Dv] for a 4-D q")
-        # [b, s] merge into one token dimension when out's strides allow it; otherwise the op
-        # writes a contiguous buffer that is copied into the caller's out afterwards.
-        mergeable = out.shape[0] <= 1 or out.shape[1] <= 1 or out.stride(0) == (
-            out.shape[1] * out.stride(1))
-        out3 = (out.view(q3.shape[0], q3.shape[1], head_dim_v) if mergeable
-                else q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=out.dtype))
-    _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
-                                                cu_seqlens_q, max_seqlen_q,
-                                                contiguous=contiguous)
+    def check_values(lens):  # debug value checks, before anything is written
+        _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
+                                                    max_seqlen_q, contiguous=dense,
+                                                    cache_leftpad=cache_leftpad)
+    if k is not None or v is not None:
+        q3, cache_seqlens = kvcache_append.append_new_kv(
+            fn, q=q3, cu_seqlens_q=cu_seqlens_q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+            page_table=page_table, cache_seqlens=cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens,
+            rotary_interleaved=bool(rotary_interleaved), local=causal or (left, right) != (-1, -1),
+            check_values=check_values)
+    else:
+        if cu_seqlens_k_new is not None:
+            fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
+                 "values v are appended", "a tensor")
+        check_values(cache_seqlens)
+    out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
-        k_descale, v_descale, sinks, max_seqlen_q=max_seqlen_q,
-        softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
-        window_size_left=left, window_size_right=right,
-        softcap=float_scalar(fn, "softcap", softcap))
+        k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
+        max_seqlen_q=max_seqlen_q, softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale),
+        causal=causal, window_size_left=left, window_size_right=right,
+        softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
     if batch_shape is not None:
         result = out3.view(*batch_shape, *out3.shape[1:])
         if out is not None and not mergeable:
@@ -301,3 +280,40 @@ def flash_attn_with_kvcache(
     else:
         result = out3
     return (result, lse) if return_softmax_lse else result
+
+
+def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
+                    scheduler_metadata, max_seqlen_k) -> None:
+    """The scalar keywords (the usual call passes none of them, and is tested without building
+    keyword dicts)."""
+    fn = NAME
+    if not (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0):
+        check_not_implemented(fn, _KVCACHE_DEFAULTS, attention_chunk=attention_chunk)
+    if not isinstance(rotary_interleaved, bool):
+        fail(fn, "rotary_interleaved", "is not a bool", "True (GPT-J pairs) or False (NeoX)",
+             type(rotary_interleaved).__name__, exc=TypeError)
+    if not (type(num_splits) is int and num_splits >= 0):
+        check_num_splits(fn, num_splits)
+    if not (pack_gqa is None and sm_margin == 0 and scheduler_metadata is None
+            and max_seqlen_k is None):
+        check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin,
+                          scheduler_metadata=scheduler_metadata, max_seqlen_k=max_seqlen_k)
+
+
+def _packed_out(fn, out, q3, head_dim_v, batch_shape):
+    """``(out3 [total_q, Hq, Dv], mergeable)``: the op's output buffer for the caller's ``out``.
+
+    For a 4-D q, ``out [b, s, Hq, Dv]`` is used as one token dimension when its strides allow
+    (``mergeable``); otherwise the op writes a new contiguous buffer that is copied into ``out``.
+    """
+    if out is None:
+        return q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=output_dtype(q3)), True
+    if batch_shape is None:
+        return out, True
+    check_out(fn, out, (*batch_shape, q3.shape[1], head_dim_v), output_dtype(q3), q3.device,
+              "[b, s, Hq, Dv] for a 4-D q")
+    mergeable = out.shape[0] <= 1 or out.shape[1] <= 1 or out.stride(0) == (
+        out.shape[1] * out.stride(1))
+    out3 = (out.view(q3.shape[0], q3.shape[1], head_dim_v) if mergeable
+            else q3.new_empty((q3.shape[0], q3.shape[1], head_dim_v), dtype=out.dtype))
+    return out3, mergeable

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import check_shape, check_size, check_tensor, check_tensor_args
 from .common import check_index
@@ -36,13 +36,11 @@ def _check_prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, cus
                 "[b, num_draft_tokens, num_draft_tokens]")
 
 
-@define_op("xpu_ops::prepare_swa_spec_page_table", mutates_args=())
+@define_op("xpu_ops::prepare_swa_spec_page_table", mutates_args=(), by_device=True)
 def prepare_swa_spec_page_table_op(page_table: Tensor, prefix_lens: Tensor, draft_slots: Tensor,
                                    custom_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Op form of ``prepare_swa_spec_page_table``; returns two new tensors."""
     _check_prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask)
-    return providers.dispatch(NAME, page_table.device, page_table, prefix_lens, draft_slots,
-                              custom_mask)
 
 
 @prepare_swa_spec_page_table_op.register_fake

@@ -6,25 +6,27 @@ returns ``softmax_lse [Hq, total_q]``; the public wrapper allocates ``out`` when
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _value_checks, providers
+from .. import _value_checks
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
                        check_tensor_args, fail)
-from .common import (check_attention_extras, check_cu_seqlens, check_index, check_kv_dtype,
-                     check_num_splits, check_out, check_query, default_softmax_scale,
-                     float_scalar, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
+                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+                     default_softmax_scale, float_scalar, max_seqlen, no_cap_if_infinite,
+                     normalize_window, output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
 
 def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
-                                  q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                                  max_seqlen_k, softcap) -> None:
+                                  q_descale, k_descale, v_descale, sinks, seqused_q, *,
+                                  max_seqlen_q, max_seqlen_k, softcap, num_splits) -> None:
     """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
     fn = NAME
     check_query(fn, q)
@@ -40,9 +42,10 @@ def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sequ
     check_index(fn, "cu_seqlens_q", cu_seqlens_q, 1, device)
     batch = cu_seqlens_q.shape[0] - 1
     check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, batch, device)
-    if seqused_k is not None:
-        check_index(fn, "seqused_k", seqused_k, 1, device)
-        check_size(fn, "seqused_k", seqused_k, 0, batch, "cu_seqlens_q.shape[0] - 1 (b)")
+    for arg, seqused in (("seqused_k", seqused_k), ("seqused_q", seqused_q)):
+        if seqused is not None:
+            check_index(fn, arg, seqused, 1, device)
+            check_size(fn, arg, seqused, 0, batch, "cu_seqlens_q.shape[0] - 1 (b)")
     total_q, num_heads_q, _ = q.shape
     head_dim_v = v.shape[2]
     check_out(fn, out, (total_q, num_heads_q, head_dim_v), output_dtype(q), device,
@@ -53,39 +56,43 @@ def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sequ
                            head_dim_v=head_dim_v, batch=batch, qv=qv, q_descale=q_descale,
                            k_descale=k_descale, v_descale=v_descale, sinks=sinks,
                            softcap=softcap, max_seqlen_q=max_seqlen_q)
+    if num_splits < 0:
+        check_num_splits(fn, num_splits)
 
 
-@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",))
+@define_op("xpu_ops::flash_attn_varlen_func", mutates_args=("out",), by_device=True)
 def flash_attn_varlen_func_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
     seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
-    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor], *,
-    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-    window_size_left: int, window_size_right: int, softcap: float,
+    k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor],
+    seqused_q: Optional[Tensor], *, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+    causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+    num_splits: int,
 ) -> Tensor:
     """Op form of ``flash_attn_varlen_func``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
 
     ``max_seqlen_q``/``max_seqlen_k`` bound one request's query/key count (grid sizes; never read
-    from tensor values). ``window_size_right`` is already 0 when ``causal``.
+    from tensor values). ``window_size_right`` is already 0 when ``causal``. ``seqused_q``:
+    request ``r`` uses its first ``seqused_q[r]`` query rows (alignment ``pos = Lk -
+    seqused_q[r] + i``); its other rows get output 0 and LSE ``-inf``. ``num_splits`` as in
+    ``flash_attn_with_kvcache``'s op (0 auto, 1 one pass, n > 1 at most n KV splits).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale,
-            v_descale, sinks)
+            v_descale, sinks, seqused_q)
     _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softcap=softcap)
-    return providers.dispatch(NAME, q.device, *args, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                              causal=causal, window_size_left=window_size_left,
-                              window_size_right=window_size_right, softcap=softcap)
+                                  softcap=softcap, num_splits=num_splits)
+    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+        return {"softcap": no_cap_if_infinite(softcap)}
 
 
 @flash_attn_varlen_func_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-      sinks, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
-      window_size_right, softcap):
+      sinks, seqused_q, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, num_splits):
     _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
-                                  q_descale, k_descale, v_descale, sinks,
+                                  q_descale, k_descale, v_descale, sinks, seqused_q,
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softcap=softcap)
+                                  softcap=softcap, num_splits=num_splits)
     return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -108,18 +115,23 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: [b + 1] int32 prefix sums (tokens).
         max_seqlen_q, max_seqlen_k: upper bounds of one request's lengths (default total_q and
             total_k; pass the true maxima for speed).
+        seqused_q: [b] int32 query rows used per request (<= the cu_seqlens_q difference):
+            rows past it are not attended and their output is 0 (LSE ``-inf``); the alignment
+            is ``pos(i) = Lk - seqused_q[r] + i``.
         seqused_k: [b] int32 keys used per request (<= the cu_seqlens_k difference).
         softmax_scale: default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
         causal, window_size, softcap, sinks, qv, return_softmax_lse, out: as in
             ``flash_attn_with_kvcache``.
-        num_splits: performance hint, accepted and ignored: any int >= 0 (default 1).
-        seqused_q, pack_gqa, sm_margin: not implemented; accepted only as None (sm_margin: 0).
+        num_splits: KV splits: 1 (default) one pass over the keys, so a row's result does not
+            depend on the other requests of the batch; 0 lets the provider choose; n > 1 at
+            most n splits. Results agree to rounding whatever the value.
+        pack_gqa, sm_margin: speed hints (None/bool, int >= 0), accepted; results never
+            depend on them.
     Returns:
         ``out [total_q, Hq, Dv]`` or ``(out, softmax_lse [Hq, total_q] float32)``.
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument; a
-            num_splits that is not an int >= 0.
-        NotImplementedError: ``seqused_q`` or ``pack_gqa`` given, or ``sm_margin`` not 0.
+            num_splits or sm_margin that is not an int >= 0, a pack_gqa that is not a bool.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
             ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` or ``seqused_k``.
     Source: FlashAttention-2 (arXiv 2307.08691) varlen forward; sgl-kernel's semantics.
@@ -133,32 +145,31 @@ def flash_attn_varlen_func(
     True
     """
     fn = NAME
-    if not (seqused_q is None and pack_gqa is None
-            and (sm_margin is None or type(sm_margin) is int and sm_margin == 0)):
-        check_not_implemented(fn, {"sm_margin": 0, "pack_gqa": None}, seqused_q=seqused_q,
-                              pack_gqa=pack_gqa, sm_margin=sm_margin)
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
-    check_tensor_args(fn, ("seqused_k", "qv", "q_descale", "k_descale", "v_descale", "sinks",
-                           "out"),
+    check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    check_tensor_args(fn, ("seqused_q", "seqused_k", "qv", "q_descale", "k_descale",
+                           "v_descale", "sinks", "out"),
                       q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
-                      v_descale=v_descale, sinks=sinks, out=out)
+                      seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale,
+                      k_descale=k_descale, v_descale=v_descale, sinks=sinks, out=out)
     check_tensor(fn, "q", q, ndim=3)
     check_tensor(fn, "k", k, ndim=3)
     check_tensor(fn, "v", v, ndim=3)
     if softmax_scale is None:
+        check_head_dim(fn, "q", q)
         softmax_scale = default_softmax_scale(q.shape[-1], v.shape[-1] if qv is not None else 0)
     left, right = normalize_window(fn, window_size, causal)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q))
+    max_seqlen_q = max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0])
+    max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                               max_seqlen_q, max_seqlen_k)
+                                               max_seqlen_q, max_seqlen_k, seqused_q)
     lse = torch.ops.xpu_ops.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-        sinks, max_seqlen_q=q.shape[0] if max_seqlen_q is None else max_seqlen_q,
-        max_seqlen_k=k.shape[0] if max_seqlen_k is None else max_seqlen_k,
+        sinks, seqused_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
         window_size_left=left, window_size_right=right,
-        softcap=float_scalar(fn, "softcap", softcap))
+        softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out

@@ -9,47 +9,68 @@ from .. import providers
 from .._checks import FP8_DTYPES
 
 
-def write_slots(cache_rows: Tensor, loc: Tensor, values: Tensor) -> None:
-    """``cache_rows[loc] = values`` cast to the cache dtype, skipping slots outside
-    ``[0, slots)``; fp8 caches are written as bytes (index_put has no fp8 kernel on every device).
+def to_cache_dtype(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """``values`` cast to a cache dtype; into fp8, values beyond the range saturate to its
+    largest finite value with their sign (infinities included), NaN stays NaN."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        values = values.float().clamp(-limit, limit)
+    return values.to(dtype)
+
+
+def paged_view(cache: Tensor, feature_dims: int) -> Tensor:
+    """``cache`` as ``[num_pages, page_size, *features]`` (a view for any strides): a flat
+    ``[slots, *features]`` cache is pages of one slot. Slot ``s`` is ``[s // page_size,
+    s % page_size]``."""
+    return cache.unsqueeze(1) if cache.dim() == feature_dims + 1 else cache
+
+
+def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
+    """``cache[slot loc[i]] = values[i]`` cast to the cache dtype (``to_cache_dtype``), skipping
+    slots outside ``[0, slots)``; ``cache`` is ``[num_pages, page_size, ...]`` with any strides.
+    fp8 caches are written as bytes (index_put has no fp8 kernel on every device).
 
     No host sync (so it also runs in a captured graph): an out-of-range entry is redirected to
     repeat the first in-range write (same slot, same value), or, when no entry is in range, to
     rewrite slot 0 with its own contents; either way no slot outside ``loc`` changes.
     """
-    num_slots = cache_rows.shape[0]
+    page_size = cache.shape[1]
+    num_slots = cache.shape[0] * page_size
     if num_slots == 0 or loc.shape[0] == 0:
         return
-    values = values.to(cache_rows.dtype)
-    if cache_rows.dtype in FP8_DTYPES:
-        cache_rows, values = cache_rows.view(torch.uint8), values.view(torch.uint8)
+    values = to_cache_dtype(values, cache.dtype)
+    if cache.dtype in FP8_DTYPES:
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     loc = loc.long()
     in_range = (loc >= 0) & (loc < num_slots)                                  # [N]
     first = in_range.to(torch.uint8).argmax()                  # first in-range entry (0 if none)
     any_in_range = in_range[first]
     fill_slot = torch.where(any_in_range, loc[first], 0)
-    fill_value = torch.where(any_in_range, values[first], cache_rows[0])
+    fill_value = torch.where(any_in_range, values[first], cache[0, 0])
     row_mask = in_range.view(-1, *([1] * (values.dim() - 1)))
-    cache_rows[torch.where(in_range, loc, fill_slot)] = torch.where(row_mask, values, fill_value)
+    slot = torch.where(in_range, loc, fill_slot)
+    cache[slot // page_size, slot % page_size] = torch.where(row_mask, values, fill_value)
 
 
 @providers.register("store_kv_cache", "reference")
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Reference ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
-    Writes K and V rows ``[N, Hkv, D]`` into token slots ``loc`` of the flat caches with
-    ``write_slots`` (index_put), dividing by ``k_scale``/``v_scale`` first when given (fp8).
+    Writes K and V rows ``[N, Hkv, D]`` into token slots ``loc`` of the caches (flat or paged,
+    any strides) with ``write_slots`` (index_put), dividing by ``k_scale``/``v_scale`` first
+    when given (fp8).
     """
     for cache, src, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
-        rows = cache.view(-1, *cache.shape[-2:])
-        write_slots(rows, loc, src if scale is None else src.float() / scale.float())
+        write_slots(paged_view(cache, 2), loc,
+                    src if scale is None else src.float() / scale.float().reshape(()))
 
 
 @providers.register("store_mla_kv_cache", "reference")
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     """Reference ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
-    Writes ``cat(k_nope, k_rope)`` rows ``[N, R + r]`` into token slots ``loc`` (``write_slots``).
+    Writes ``cat(k_nope, k_rope)`` rows ``[N, R + r]`` into token slots ``loc``
+    (``write_slots``); a 4-D cache's latent head dimension is dropped first.
     """
-    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    rows = kv_cache.select(2, 0) if kv_cache.dim() == 4 else kv_cache   # [a, b, R + r]
     write_slots(rows, loc, torch.cat([k_nope, k_rope], dim=-1).view(loc.shape[0], rows.shape[-1]))

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import providers
 from .attention import attend_packed
-from .paged_attention import gather_pages
+from .paged_attention import gather_pages, paged_lengths
 
 
 def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q: Tensor,
@@ -18,11 +18,13 @@ def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q
     R entries. Returns ``[total_q, H, R]`` in ``q_nope``'s dtype."""
     latent_dim = q_nope.shape[-1]
     q = torch.cat([q_nope, q_rope], dim=-1)                                # [total_q, H, R + r]
-    kv = gather_pages(kv_cache.unsqueeze(2), page_table, seq_lens_k)      # [b, L, 1, R + r]
+    k_lens = paged_lengths(page_table, seq_lens_k, kv_cache.shape[1])
+    kv, valid = gather_pages(kv_cache.unsqueeze(2), page_table, k_lens)   # [b, L, 1, R + r]
     out = q_nope.new_empty(q_nope.shape)
-    attend_packed(q, cu_seqlens_q, max_seqlen_q, kv, kv[..., :latent_dim], seq_lens_k, out,
+    attend_packed(q, cu_seqlens_q, max_seqlen_q, kv, kv[..., :latent_dim], k_lens, out,
                   qv=None, q_descale=None, sinks=None, softmax_scale=softmax_scale,
-                  window_size_left=-1, window_size_right=0 if causal else -1, softcap=0.0)
+                  window_size_left=-1, window_size_right=0 if causal else -1, softcap=0.0,
+                  key_valid=valid)
     return out
 
 

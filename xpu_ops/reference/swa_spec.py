@@ -18,7 +18,7 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     batch, width = page_table.shape
     num_draft = draft_slots.shape[1]
     device = page_table.device
-    lens = prefix_lens.long()
+    lens = prefix_lens.long().clamp(0, width)   # clamped into range, as the Triton kernel does
     cols = torch.arange(width + num_draft + 1, device=device)       # last column: discard bin
     prefix = torch.where(cols[None, :width] < lens[:, None], page_table, 0)
     table = torch.zeros((batch, num_draft, width + num_draft + 1), dtype=torch.int32,

@@ -48,8 +48,19 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+# Arguments of native ``fwd`` that are not small metadata (their layouts are handled apart).
+_LARGE = frozenset({"q", "k", "v", "q_v", "out", "softmax_lse"})
+
+
 def _run_fwd(out: torch.Tensor, values: dict) -> torch.Tensor:
-    """Run native ``fwd``; write its output into ``out``; return the LSE ``[Hq, total_q]``."""
+    """Run native ``fwd``; write its output into ``out``; return the LSE ``[Hq, total_q]``.
+
+    The one place where the small tensors (lengths, prefix sums, page table, descales, sinks,
+    leftpad) become contiguous: native kernels index them densely, and API.md allows any view
+    (a column slice of a page table, an expanded per-tensor descale)."""
+    for name, value in values.items():
+        if name not in _LARGE and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            values[name] = value.contiguous()
     q = values["q"]
     staging = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     values["out"] = staging
@@ -64,28 +75,35 @@ def _run_fwd(out: torch.Tensor, values: dict) -> torch.Tensor:
 
 
 def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                      softmax_scale, causal, window_size_left, window_size_right, softcap):
+                      softmax_scale, causal, window_size_left, window_size_right, softcap,
+                      num_splits):
+    # num_splits: FlashAttention-3's name; sgl-kernel-xpu calls it num_kv_splits.
     return dict(q=_contiguous(q), k=_contiguous(k), v=_contiguous(v), q_v=qv, q_descale=q_descale,
                 k_descale=k_descale, v_descale=v_descale, sinks=sinks, max_seqlen_q=max_seqlen_q,
                 softmax_scale=softmax_scale, is_causal=causal, window_size_left=window_size_left,
-                window_size_right=window_size_right, softcap=softcap)
+                window_size_right=window_size_right, softcap=softcap, num_splits=num_splits,
+                num_kv_splits=num_splits)
 
 
 @providers.register("flash_attn_with_kvcache", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_with_kvcache)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+                            qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits):
     """sgl_kernel ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     Native ``fwd`` with the paged cache (``cache_seqlens`` as ``cu_seqlens_k`` on sgl-kernel-xpu,
-    ``seqused_k`` on FlashAttention-3). Writes ``out``, returns the LSE ``[Hq, total_q]`` float32.
+    ``seqused_k`` on FlashAttention-3; ``cache_leftpad`` as ``leftpad_k``). Writes ``out``,
+    returns the LSE ``[Hq, total_q]`` float32. ``bidirectional_block_ids`` is declined
+    (``limits``).
     """
     values = _attention_values(q, k_cache, v_cache, qv, q_descale, k_descale, v_descale, sinks,
                                max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
                                causal=causal, window_size_left=window_size_left,
-                               window_size_right=window_size_right, softcap=softcap)
-    values.update(cu_seqlens_q=cu_seqlens_q, page_table=page_table,
+                               window_size_right=window_size_right, softcap=softcap,
+                               num_splits=num_splits)
+    values.update(cu_seqlens_q=cu_seqlens_q, page_table=page_table, leftpad_k=cache_leftpad,
                   max_seqlen_k=page_table.shape[1] * k_cache.shape[1])
     if native.fwd_flavour(native.schema("fwd")) == "xpu":
         values["cu_seqlens_k"] = cache_seqlens          # per-request lengths, not prefix sums
@@ -97,8 +115,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 @providers.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_varlen_func)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, *, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_size_left, window_size_right, softcap):
+                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size_left, window_size_right, softcap,
+                           num_splits):
     """sgl_kernel ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).
 
     Native ``fwd`` without a page table. Writes ``out``, returns the LSE ``[Hq, total_q]`` float32.
@@ -106,9 +125,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     values = _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks,
                                max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
                                causal=causal, window_size_left=window_size_left,
-                               window_size_right=window_size_right, softcap=softcap)
+                               window_size_right=window_size_right, softcap=softcap,
+                               num_splits=num_splits)
     values.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=None,
-                  max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                  max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, seqused_q=seqused_q)
     return _run_fwd(out, values)
 
 

@@ -53,11 +53,14 @@ def _common(q, k_dtype, head_dim, head_dim_v, qv, sinks, flavour) -> Optional[st
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                            **_) -> Optional[str]:
+                            qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                            bidirectional_block_ids, *, max_seqlen_q, **_) -> Optional[str]:
     """``supports=`` hook of ``flash_attn_with_kvcache``: ``None``, or why native ``fwd`` cannot
-    serve it (on ``"xpu"``: listed head dims; decode also listed page sizes and Hq/Hkv).
+    serve it (``bidirectional_block_ids``: not mapped; on ``"xpu"``: listed head dims; decode
+    also listed page sizes and Hq/Hkv, no ``cache_leftpad``).
     """
+    if bidirectional_block_ids is not None:
+        return "bidirectional_block_ids is not mapped onto native fwd (no verified argument)"
     flavour = native.fwd_flavour(native.schema("fwd"))
     _, page_size, num_heads_kv, head_dim = k_cache.shape
     reason = _common(q, k_cache.dtype, head_dim, v_cache.shape[-1], qv, sinks, flavour)
@@ -65,6 +68,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         return reason
     if max_seqlen_q == 1:   # decode kernels
         group = q.shape[1] // num_heads_kv
+        if cache_leftpad is not None:
+            return "cache_leftpad is not supported by the native decode kernels"
         if page_size not in XPU_DECODE_PAGE_SIZES:
             return f"decode needs page_size in {XPU_DECODE_PAGE_SIZES}, got {page_size}"
         if head_dim not in XPU_DECODE_HEAD_DIMS:
@@ -77,17 +82,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, **_) -> Optional[str]:
+                           k_descale, v_descale, sinks, seqused_q, **_) -> Optional[str]:
     """``supports=`` hook of ``flash_attn_varlen_func``: ``None``, or why native ``fwd`` cannot
-    serve it (on ``"xpu"``: no ``seqused_k``, listed head dims only).
+    serve it (on ``"xpu"``: no ``seqused_k``/``seqused_q``, listed head dims only).
     """
     flavour = native.fwd_flavour(native.schema("fwd"))
     head_dim = k.shape[-1]
     reason = _common(q, k.dtype, head_dim, v.shape[-1], qv, sinks, flavour)
     if reason is not None or flavour != "xpu":
         return reason
-    if seqused_k is not None:
-        return "seqused_k has no slot in sgl-kernel-xpu's fwd"
+    if seqused_k is not None or seqused_q is not None:
+        return "seqused_k/seqused_q have no slot in sgl-kernel-xpu's fwd"
     if head_dim not in XPU_VARLEN_HEAD_DIMS:
         return f"varlen needs head dim in {XPU_VARLEN_HEAD_DIMS}, got {head_dim}"
     return None

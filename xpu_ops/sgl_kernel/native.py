@@ -27,8 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-#: torch dispatch key of the kernels that serve each device type.
-DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
+from ..providers import DISPATCH_KEYS  # torch dispatch key of the kernels of each device type
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,8 @@ Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled o
 always decorated for compilation; a launch on CPU tensors instead runs an ``InterpretedFunction``
 built from the same Python function, so tests can turn the interpreter on with the environment
 variable at any time, whatever imported this package first: ``interpreting()`` reads it on every
-call and is declared to the registry (``providers.availability_depends_on``), so a change is seen
-by the next op call.
+call and is declared to the registry for ``cpu`` (``providers.availability_depends_on``), so a
+change is seen by the next op call on the CPU.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ if HAS_TRITON:
     import triton.language as tl  # noqa: F401
 
 
-@providers.availability_depends_on
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels may run on CPU tensors (slowly)."""
     return providers.getenv("TRITON_INTERPRET") == "1"
+
+
+providers.availability_depends_on(interpreting, device_types=("cpu",))
 
 
 def available(device_type: str) -> Optional[str]:

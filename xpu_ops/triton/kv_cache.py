@@ -2,9 +2,10 @@
 
 One program per written token copies its ``[Hkv, D]`` rows into slot ``loc[i]`` of the flat
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
-Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off.
-``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), re-launched through a
-``BoundLaunch`` cached per call shape (decode writes the same shape in every layer).
+Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off. ``loc``
+may have any stride; values stored into an fp8 cache saturate to its largest finite value.
+``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), whose scalar arguments
+are computed once per call shape (decode writes the same shape in every layer).
 """
 
 from __future__ import annotations
@@ -16,21 +17,31 @@ import triton
 import triton.language as tl
 
 from .. import providers
+from .._checks import FP8_DTYPES
 from ._common import available, launch, next_pow2
-from .launcher import BoundLaunch
+
+
+@triton.jit
+def _saturate(x, limit, SATURATE: tl.constexpr):
+    # Into fp8: clamp to the largest finite value (comparisons keep NaN, as the reference does).
+    if SATURATE:
+        x = x.to(tl.float32)
+        x = tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
+    return x
 
 
 @triton.jit
 def _store_rows_kernel(
     SRC, DST, LOC, SCALE,
-    stride_src_t, stride_src_h, stride_dst_t, stride_dst_h, num_heads, head_dim, col_offset,
-    num_slots,
+    stride_src_t, stride_src_h, stride_dst_p, stride_dst_s, stride_dst_h, stride_loc, page_size,
+    num_heads, head_dim, col_offset, num_slots, fp8_max,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SATURATE: tl.constexpr,
 ):
     # dst[loc[i], h, col_offset + d] = src[i, h, d] (/ scale); slots outside [0, num_slots)
     # are skipped (the store is masked off), never written.
     tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(LOC + tok).to(tl.int64)
+    slot = tl.load(LOC + tok * stride_loc).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
@@ -43,22 +54,26 @@ def _store_rows_kernel(
                 mask=mask, other=0.0)
     if HAS_SCALE:
         x = x.to(tl.float32) / tl.load(SCALE)
-    tl.store(DST + slot * stride_dst_t + offs_h[:, None] * stride_dst_h + col_offset
+    x = _saturate(x, fp8_max, SATURATE)
+    row = (slot // page_size) * stride_dst_p + (slot % page_size) * stride_dst_s
+    tl.store(DST + row + offs_h[:, None] * stride_dst_h + col_offset
              + offs_d[None, :], x.to(DST.dtype.element_ty), mask=mask_store)
 
 
 @triton.jit
 def _store_kv_kernel(
     K, V, K_CACHE, V_CACHE, LOC, K_SCALE, V_SCALE,
-    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_kc_t, stride_kc_h, stride_vc_t,
-    stride_vc_h, num_heads, head_dim, head_dim_v, num_slots_k, num_slots_v,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_kc_p, stride_kc_s, stride_kc_h,
+    stride_vc_p, stride_vc_s, stride_vc_h, stride_loc, page_size_k, page_size_v, num_heads,
+    head_dim, head_dim_v, num_slots_k, num_slots_v, fp8_max_k, fp8_max_v,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, SATURATE_K: tl.constexpr,
+    SATURATE_V: tl.constexpr,
 ):
     # k_cache[loc[i], h, d] = k[i, h, d] (/ k_scale) and v_cache[loc[i], h, e] = v[i, h, e]
     # (/ v_scale) in one program per token; slots outside a cache's [0, slots) are skipped.
     tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(LOC + tok).to(tl.int64)
+    slot = tl.load(LOC + tok * stride_loc).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
@@ -74,89 +89,83 @@ def _store_kv_kernel(
         k = k.to(tl.float32) / tl.load(K_SCALE)
     if HAS_V_SCALE:
         v = v.to(tl.float32) / tl.load(V_SCALE)
-    tl.store(K_CACHE + slot * stride_kc_t + offs_h[:, None] * stride_kc_h + offs_d[None, :],
+    k = _saturate(k, fp8_max_k, SATURATE_K)
+    v = _saturate(v, fp8_max_v, SATURATE_V)
+    # Slot -> (page, offset): caches may be paged with any page stride (int64 offsets).
+    k_row = (slot // page_size_k) * stride_kc_p + (slot % page_size_k) * stride_kc_s
+    v_row = (slot // page_size_v) * stride_vc_p + (slot % page_size_v) * stride_vc_s
+    tl.store(K_CACHE + k_row + offs_h[:, None] * stride_kc_h + offs_d[None, :],
              k.to(K_CACHE.dtype.element_ty), mask=mask_k)
-    tl.store(V_CACHE + slot * stride_vc_t + offs_h[:, None] * stride_vc_h + offs_e[None, :],
+    tl.store(V_CACHE + v_row + offs_h[:, None] * stride_vc_h + offs_e[None, :],
              v.to(V_CACHE.dtype.element_ty), mask=mask_v)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 cache dtype (stores saturate to it), 0.0 otherwise."""
+    return torch.finfo(dtype).max if dtype in FP8_DTYPES else 0.0
+
+
+def cache_geometry(cache, feature_dims: int) -> tuple[int, int, int, int]:
+    """``(page stride, slot stride, page_size, slots)`` of a flat ``[slots, *features]`` or
+    paged ``[num_pages, page_size, *features]`` cache, any strides (slot = page * page_size +
+    offset; a flat cache is pages of one slot)."""
+    if cache.dim() == feature_dims + 1:
+        return cache.stride(0), 0, 1, cache.shape[0]
+    return cache.stride(0), cache.stride(1), cache.shape[1], cache.shape[0] * cache.shape[1]
 
 
 @functools.lru_cache(maxsize=256)
 def _store_kv_launch(device: torch.device, num_tokens: int, k_shape, k_strides, v_shape,
-                     v_strides, kc_shape, kc_strides, vc_shape, vc_strides, has_k_scale: bool,
-                     has_v_scale: bool) -> BoundLaunch:
-    """The ``_store_kv_kernel`` launch of one call shape (flat caches ``[slots, Hkv, D]``)."""
+                     v_strides, kc_geometry, kc_head_stride: int, vc_geometry,
+                     vc_head_stride: int, loc_stride: int, has_k_scale: bool, has_v_scale: bool,
+                     kc_dtype: torch.dtype, vc_dtype: torch.dtype) -> tuple[tuple, dict]:
+    """``(scalar arguments, meta)`` of the ``_store_kv_kernel`` launch of one call shape
+    (``cache_geometry`` of each cache)."""
     _, num_heads, head_dim = k_shape
-    args = [None] * 7 + [k_strides[0], k_strides[1], v_strides[0], v_strides[1], kc_strides[0],
-                         kc_strides[1], vc_strides[0], vc_strides[1], num_heads, head_dim,
-                         v_shape[2], kc_shape[0], vc_shape[0]]
+    max_k, max_v = fp8_max(kc_dtype), fp8_max(vc_dtype)
+    (kp, ks, kps, k_slots), (vp, vs, vps, v_slots) = kc_geometry, vc_geometry
+    scalars = (k_strides[0], k_strides[1], v_strides[0], v_strides[1], kp, ks, kc_head_stride,
+               vp, vs, vc_head_stride, loc_stride, kps, vps, num_heads, head_dim, v_shape[2],
+               k_slots, v_slots, max_k, max_v)
     meta = dict(BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
                 BLOCK_DV=next_pow2(v_shape[2]), HAS_K_SCALE=has_k_scale,
-                HAS_V_SCALE=has_v_scale, num_warps=4)
-    return BoundLaunch(_store_kv_kernel, (num_tokens,), device, args, meta, tuple(range(7)))
+                HAS_V_SCALE=has_v_scale, SATURATE_K=max_k > 0, SATURATE_V=max_v > 0,
+                num_warps=4)
+    return scalars, meta
+
+
+def _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> tuple[tuple, dict]:
+    return _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
+                            cache_geometry(k_cache, 2), k_cache.stride(-2),
+                            cache_geometry(v_cache, 2), v_cache.stride(-2), loc.stride(0),
+                            k_scale is not None, v_scale is not None, k_cache.dtype,
+                            v_cache.dtype)
 
 
 def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
-    """Launch ``_store_rows_kernel``: ``src [N, H, D]`` into ``dst [slots, H, >= D]``; entries
-    of ``loc`` outside ``[0, slots)`` are skipped."""
+    """Launch ``_store_rows_kernel``: ``src [N, 1, D]`` into the one-head cache ``dst``
+    (``[slots, >= D]`` or ``[num_pages, page_size, >= D]``, any strides); entries of ``loc``
+    outside ``[0, slots)`` are skipped."""
     num_tokens, num_heads, head_dim = src.shape
     if num_tokens == 0:
         return
+    limit = fp8_max(dst.dtype)
+    stride_p, stride_s, page_size, num_slots = cache_geometry(dst, 1)
     launch(_store_rows_kernel, (num_tokens,), src.device, src, dst, loc,
-           scale if scale is not None else loc, src.stride(0), src.stride(1), dst.stride(0),
-           dst.stride(1), num_heads, head_dim, col_offset, dst.shape[0],
-           BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), HAS_SCALE=scale is not None,
-           num_warps=4)
-
-
-def _flat(cache):
-    return cache if cache.dim() == 3 else cache.flatten(0, 1)
+           scale if scale is not None else loc, src.stride(0), src.stride(1), stride_p,
+           stride_s, 0, loc.stride(0), page_size, num_heads, head_dim, col_offset, num_slots,
+           limit, BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+           HAS_SCALE=scale is not None, SATURATE=limit > 0, num_warps=4)
 
 
 def _supports_store(k_cache, v_cache, loc, k, v, *args):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             return f"{name} has a non-unit stride in its last dimension"
-    if k_cache.dim() == 4 and k_cache.stride(0) != k_cache.stride(1) * k_cache.shape[1]:
-        return "k_cache pages are not contiguous slots"
-    if v_cache.dim() == 4 and v_cache.stride(0) != v_cache.stride(1) * v_cache.shape[1]:
-        return "v_cache pages are not contiguous slots"
     return None
 
 
-# store_kv_cache's argument index -> _store_kv_kernel's argument index.
-_OP_TO_KERNEL = {0: 2, 1: 3, 2: 4, 3: 0, 4: 1, 5: 5, 6: 6}
-
-
-def plan_store_kv_cache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``store_kv_cache``: the launch with
-    the non-slot arguments (``loc``, typically) fixed. Returns ``run(*slot_tensors)``; 4-D
-    caches in the slots are viewed flat per run."""
-    k_cache, v_cache, loc, k, v, k_scale, v_scale = args
-    if k.shape[0] == 0:
-        return lambda *tensors: None
-    kc, vc = _flat(k_cache), _flat(v_cache)
-    launch = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
-                              kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
-                              v_scale is not None)
-    values = (k, v, kc, vc, loc, loc if k_scale is None else k_scale,
-              loc if v_scale is None else v_scale)
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    bound = launch.bind({i: t for i, t in enumerate(values) if i not in kernel_slots},
-                        kernel_slots)
-    flatten = tuple(j for j, i in enumerate(slots) if i in (0, 1) and args[i].dim() == 4)
-    if not flatten:
-        return bound
-
-    def run(*tensors):
-        tensors = list(tensors)
-        for j in flatten:
-            tensors[j] = tensors[j].flatten(0, 1)
-        bound(*tensors)
-    return run
-
-
-@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store,
-                    plan=plan_store_kv_cache)
+@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
@@ -165,17 +174,15 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """
     if k.shape[0] == 0:
         return
-    kc, vc = _flat(k_cache), _flat(v_cache)
-    run = _store_kv_launch(k.device, k.shape[0], k.shape, k.stride(), v.shape, v.stride(),
-                           kc.shape, kc.stride(), vc.shape, vc.stride(), k_scale is not None,
-                           v_scale is not None)
-    run(k, v, kc, vc, loc, loc if k_scale is None else k_scale,
-        loc if v_scale is None else v_scale)
+    scalars, meta = _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    launch(_store_kv_kernel, (k.shape[0],), k.device, k, v, k_cache, v_cache, loc,
+           loc if k_scale is None else k_scale, loc if v_scale is None else v_scale, *scalars,
+           **meta)
 
 
 def _supports_mla(kv_cache, loc, k_nope, k_rope):
-    if not kv_cache.is_contiguous():
-        return "kv_cache is not contiguous (it is written through a flat view)"
+    if kv_cache.stride(-1) != 1:
+        return "kv_cache has a non-unit stride in its last dimension"
     if k_nope.stride(-1) != 1 or k_rope.stride(-1) != 1:
         return "k_nope/k_rope have a non-unit stride in their last dimension"
     return None
@@ -185,9 +192,9 @@ def _supports_mla(kv_cache, loc, k_nope, k_rope):
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     """Triton ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
-    Two launches of ``_store_rows_kernel`` into the flat ``[slots, 1, R + r]`` view: ``k_nope`` at
-    columns ``[0, R)``, ``k_rope`` at ``[R, R + r)``.
+    Two launches of ``_store_rows_kernel`` into the cache's token rows (any strides):
+    ``k_nope`` at columns ``[0, R)``, ``k_rope`` at ``[R, R + r)``.
     """
-    rows = kv_cache.view(-1, 1, kv_cache.shape[-1])              # [slots, 1, R + r]
+    rows = kv_cache.select(2, 0) if kv_cache.dim() == 4 else kv_cache   # [a, b, R + r]
     store_rows(k_nope, rows, loc, None)
     store_rows(k_rope, rows, loc, None, col_offset=k_nope.shape[-1])

@@ -13,7 +13,7 @@ from ._common import available, launch, next_pow2
 def _merge_state_kernel(
     V_A, S_A, V_B, S_B, V_OUT, S_OUT,
     stride_va_t, stride_va_h, stride_vb_t, stride_vb_h, stride_vo_t, stride_vo_h,
-    stride_sa_t, stride_sb_t, stride_so_t, head_dim,
+    stride_sa_t, stride_sa_h, stride_sb_t, stride_sb_h, stride_so_t, stride_so_h, head_dim,
     BLOCK_D: tl.constexpr,
 ):
     # One program per (token, head): m = max(s_a, s_b), w = e^{s - m}; an empty side (LSE -inf,
@@ -23,8 +23,8 @@ def _merge_state_kernel(
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    s_a = tl.load(S_A + tok * stride_sa_t + head)
-    s_b = tl.load(S_B + tok * stride_sb_t + head)
+    s_a = tl.load(S_A + tok * stride_sa_t + head * stride_sa_h)
+    s_b = tl.load(S_B + tok * stride_sb_t + head * stride_sb_h)
     s_a = tl.where(s_a == float("inf"), float("-inf"), s_a)
     s_b = tl.where(s_b == float("inf"), float("-inf"), s_b)
     m = tl.maximum(s_a, s_b)
@@ -40,19 +40,20 @@ def _merge_state_kernel(
     merged = (w_a * v_a + w_b * v_b) / tl.where(total > 0, total, 1.0)
     tl.store(V_OUT + tok * stride_vo_t + head * stride_vo_h + offs_d,
              merged.to(V_OUT.dtype.element_ty), mask=mask_d)
-    tl.store(S_OUT + tok * stride_so_t + head, m_safe + tl.log(total))
+    tl.store(S_OUT + tok * stride_so_t + head * stride_so_h, m_safe + tl.log(total))
 
 
 def merge_state(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
-    """Launch ``_merge_state_kernel`` over ``[N, H]``; ``v_* [N, H, D]``, ``s_* [N, H]`` float32
-    with unit stride over heads."""
+    """Launch ``_merge_state_kernel`` over ``[N, H]``; ``v_* [N, H, D]`` with unit stride in
+    ``D``, ``s_* [N, H]`` float32 with any strides (e.g. a transposed ``[H, N]`` LSE)."""
     num_tokens, num_heads, head_dim = v_a.shape
     if num_tokens == 0 or num_heads == 0:
         return
     launch(_merge_state_kernel, (num_tokens, num_heads), v_a.device,
            v_a, s_a, v_b, s_b, v_merged, s_merged,
            v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_merged.stride(0),
-           v_merged.stride(1), s_a.stride(0), s_b.stride(0), s_merged.stride(0), head_dim,
+           v_merged.stride(1), s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
+           s_merged.stride(0), s_merged.stride(1), head_dim,
            BLOCK_D=next_pow2(head_dim), num_warps=1 if head_dim <= 128 else 2)
 
 
@@ -60,9 +61,6 @@ def _supports(v_a, s_a, v_b, s_b, v_merged, s_merged):
     for name, t in (("v_a", v_a), ("v_b", v_b), ("v_merged", v_merged)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} has a non-unit stride in its last dimension"
-    for name, t in (("s_a", s_a), ("s_b", s_b), ("s_merged", s_merged)):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            return f"{name} has a non-unit stride over heads"
     return None
 
 

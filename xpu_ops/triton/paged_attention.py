@@ -20,11 +20,9 @@ loads all partials of its rows in split order 0..S-1 (the result does not depend
 merges), combines them LSE-weighted (sinks added once, empty splits weight 0, ``-inf`` LSE for
 rows with no visible key), writes ``out`` and the LSE, and stores 0 back to the counter. No
 program waits for another. The counters are zero before and after every launch, so their owner
-reuses them: ``plan_flash_attn_with_kvcache`` allocates one zeroed buffer per plan, next to its
-scratch, and binds it (runs of a plan are sequential on one stream, graph replays included);
-an unplanned ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for the
-call (inside a graph capture that comes from the graph's pool and its memset is replayed); never
-one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
+may reuse them: a ``paged_attention`` call takes ``counters=`` or allocates ``torch.zeros`` for
+the call (inside a graph capture that comes from the graph's pool and its memset is replayed);
+never one buffer shared by callers that may run concurrently. One-split launches skip all of it. The
 split count, scratch and counter sizes depend only on shapes and the device's multiprocessor
 count, never on tensor values, so the launch can be captured in a device graph.
 
@@ -44,8 +42,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import HAS_TRITON, available, cdiv, next_pow2, num_sms
-from .launcher import BoundLaunch
+from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
 
 if HAS_TRITON:
     import triton
@@ -56,18 +53,60 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _tanh(x):
+    # tanh from exp2 (portable: no libdevice), accurate for every |x|: (1 - e) / (1 + e) with
+    # e = exp(-2|x|) cancels for small |x|, where the odd Taylor series to x^9 is exact in
+    # float32 (|x| < 1/4: next term < 1e-8 relative), so a huge softcap tends to no cap.
+    LOG2E_C: tl.constexpr = 1.4426950408889634
+    a = tl.abs(x)
+    e = tl.exp2(-2.0 * LOG2E_C * a)
+    t_far = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    t_near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0
+                                                                  + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, t_near, t_far)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _request_geometry(CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_q, stride_cu_k,
+                      total_q, total_k, max_seqlen_q, max_kv_len, PAGED: tl.constexpr):
+    # (q_start, q_len, kv_start, kv_len) of request req, from strided metadata, clamped so that
+    # inconsistent values never address rows outside q/out (or ragged K/V): rows into
+    # [0, total_q], at most max_seqlen_q of them (the grid's bound); keys into [0, max_kv_len]
+    # (the page table's capacity, or max_seqlen_k), ragged rows into [0, total_k].
+    q_start = tl.minimum(tl.maximum(tl.load(CU_Q + req * stride_cu_q), 0), total_q)
+    q_end = tl.minimum(tl.maximum(tl.load(CU_Q + (req + 1) * stride_cu_q), q_start), total_q)
+    q_len = tl.minimum(q_end - q_start, max_seqlen_q)
+    kv_len = tl.load(CACHE_SEQLENS + req * stride_seqlens)
+    kv_start = 0
+    if not PAGED:
+        kv_start = tl.minimum(tl.maximum(tl.load(CU_K + req * stride_cu_k), 0), total_k)
+        kv_end = tl.minimum(tl.maximum(tl.load(CU_K + (req + 1) * stride_cu_k), kv_start),
+                            total_k)
+        kv_len = tl.minimum(kv_len, kv_end - kv_start)
+    kv_len = tl.minimum(tl.maximum(kv_len, 0), max_kv_len)
+    return q_start, q_len, kv_start, kv_len
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
     CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
+    K_START, BLOCK_IDS, Q_USED,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+    stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+    stride_block_ids, stride_q_used,
     softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
-    head_dim_v, split_tiles,
+    head_dim_v, split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_K_START: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
+    HAS_Q_USED: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -83,14 +122,9 @@ def _paged_attention_kernel(
     kv_head = pid_bh % num_heads_kv
 
     # ---- request geometry: queries, keys, rows of this program ----
-    q_start = tl.load(CU_Q + req)
-    q_len = tl.load(CU_Q + req + 1) - q_start
-    if PAGED:
-        kv_len = tl.load(CACHE_SEQLENS + req)
-        kv_start = 0
-    else:
-        kv_start = tl.load(CU_K + req)
-        kv_len = tl.load(CACHE_SEQLENS + req)
+    q_start, q_len, kv_start, kv_len = _request_geometry(
+        CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_q, stride_cu_k, total_q,
+        total_k, max_seqlen_q, max_kv_len, PAGED)
     row_first = (pid_m * BLOCK_M) // group
     if row_first >= q_len:
         return
@@ -106,21 +140,33 @@ def _paged_attention_kernel(
     mask_dv = offs_dv < head_dim_v
     tok = (q_start + q_row).to(tl.int64)
 
-    # Per-row visible key range [lo_row, hi_row] (bottom-right aligned position pos).
-    pos = kv_len - q_len + q_row
+    # Per-row visible key range [lo_row, hi_row] (bottom-right aligned position pos; with
+    # seqused_q the first q_used rows align, the others see nothing).
+    q_used = q_len
+    if HAS_Q_USED:
+        q_used = tl.load(Q_USED + req * stride_q_used)
+    k_start = 0
+    if HAS_K_START:
+        k_start = tl.load(K_START + req * stride_k_start)
+    pos = kv_len - q_used + q_row
     hi_row = kv_len - 1 + tl.zeros_like(pos)
-    lo_row = tl.zeros_like(pos)
+    lo_row = k_start + tl.zeros_like(pos)
     if window_right >= 0:
         hi_row = tl.minimum(hi_row, pos + window_right)
     if window_left >= 0:
         lo_row = tl.maximum(lo_row, pos - window_left)
+    if HAS_Q_USED:
+        hi_row = tl.where(q_row < q_used, hi_row, -1)
+    if HAS_BLOCK_IDS:  # query block ids; key j has the id of query row j - (kv_len - q_len)
+        q_block = tl.load(BLOCK_IDS + tok * stride_block_ids, mask=mask_m, other=-1)
     # Block range: the union over this program's rows (monotone in the row index).
     blk_hi = kv_len
-    blk_lo = 0
-    if window_right >= 0:
-        blk_hi = tl.minimum(kv_len, kv_len - q_len + row_last + window_right + 1)
+    blk_lo = k_start
+    if not HAS_BLOCK_IDS:  # same-block keys may sit past the right bound
+        if window_right >= 0:
+            blk_hi = tl.minimum(kv_len, kv_len - q_used + row_last + window_right + 1)
     if window_left >= 0:
-        blk_lo = tl.maximum(0, kv_len - q_len + row_first - window_left)
+        blk_lo = tl.maximum(blk_lo, kv_len - q_used + row_first - window_left)
     blk_lo = (blk_lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
         # Fixed-size chunks of split_tiles tiles (from shapes): a short request uses only its
@@ -130,10 +176,12 @@ def _paged_attention_kernel(
     # Keys every row of the program sees: tiles inside [full_lo, full_hi) need no mask.
     full_hi = blk_hi
     if window_right >= 0:
-        full_hi = tl.minimum(full_hi, kv_len - q_len + row_first + window_right + 1)
-    full_lo = blk_lo
+        full_hi = tl.minimum(full_hi, kv_len - q_used + row_first + window_right + 1)
+    full_lo = tl.maximum(blk_lo, k_start)
     if window_left >= 0:
-        full_lo = tl.maximum(full_lo, kv_len - q_len + row_last - window_left)
+        full_lo = tl.maximum(full_lo, kv_len - q_used + row_last - window_left)
+    if HAS_Q_USED | HAS_BLOCK_IDS:  # per-row or per-key masks: mask every tile
+        full_hi = full_lo
 
     # ---- load the query tile once; fold scales into one log2-domain multiplier ----
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -150,13 +198,13 @@ def _paged_attention_kernel(
         q = q.to(compute_dtype)
     qk_scale = softmax_scale
     if HAS_Q_DESCALE:
-        qk_scale = qk_scale * tl.load(Q_DESCALE + req * num_heads_kv + kv_head)
+        qk_scale = qk_scale * tl.load(Q_DESCALE + req * stride_qd_b + kv_head * stride_qd_h)
     v_descale = 1.0
     k_scale = qk_scale
     if HAS_K_DESCALE:
-        k_scale = qk_scale * tl.load(K_DESCALE + req * num_heads_kv + kv_head)
+        k_scale = qk_scale * tl.load(K_DESCALE + req * stride_kd_b + kv_head * stride_kd_h)
     if HAS_V_DESCALE:
-        v_descale = tl.load(V_DESCALE + req * num_heads_kv + kv_head)
+        v_descale = tl.load(V_DESCALE + req * stride_vd_b + kv_head * stride_vd_h)
     if not USE_SOFTCAP:
         k_scale = k_scale * LOG2E_C  # scores go straight to the exp2 domain
 
@@ -170,9 +218,16 @@ def _paged_attention_kernel(
     for start_n in range(blk_lo, blk_hi, BLOCK_N):
         # ---- gather one key tile: page id per key, int64 page x stride offsets ----
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < blk_hi
+        mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
+        pages_ok = 1
         if PAGED:
-            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            page = tl.load(pt_row + (offs_n // PAGE_SIZE) * stride_pt_p, mask=mask_n,
+                           other=0).to(tl.int64)
+            # A page id outside [0, num_pages) (inconsistent metadata) hides its keys.
+            page_ok = (page >= 0) & (page < num_pages)
+            pages_ok = tl.min(page_ok.to(tl.int32), 0)
+            mask_n = mask_n & page_ok
+            page = tl.where(page_ok, page, 0)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
             k_rows = page * stride_kp + slot * stride_ks
             v_rows = page * stride_vp + slot * stride_vs
@@ -190,14 +245,16 @@ def _paged_attention_kernel(
             s += tl.dot(qv.to(compute_dtype), tl.trans(v), input_precision=PRECISION) * (
                 qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C))
         if USE_SOFTCAP:
-            # softcap * tanh(s / softcap), tanh from exp2 (portable, stable for large |x|)
-            x = s / softcap
-            e = tl.exp2(-2.0 * LOG2E_C * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(x >= 0, t, -t) * LOG2E_C
-        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
-            visible = ((offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= hi_row[:, None])
-                       & mask_n[None, :])
+            s = softcap * _tanh(s / softcap) * LOG2E_C
+        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
+            right_ok = offs_n[None, :] <= hi_row[:, None]
+            if HAS_BLOCK_IDS:
+                key_row = offs_n - (kv_len - q_len)
+                k_block = tl.load(BLOCK_IDS + (q_start + key_row) * stride_block_ids,
+                                  mask=mask_n & (key_row >= 0) & (key_row < q_len), other=-1)
+                right_ok = right_ok | ((q_block[:, None] >= 0)
+                                       & (q_block[:, None] == k_block[None, :]))
+            visible = (offs_n[None, :] >= lo_row[:, None]) & right_ok & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
 
         # ---- online softmax; a row with no visible key so far keeps m = -inf, p = 0 ----
@@ -212,10 +269,11 @@ def _paged_attention_kernel(
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
     if NUM_SPLITS == 1:
         if HAS_SINKS:
-            sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
+            sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
             m_fin = tl.maximum(m_i, sink)
-            scale = tl.exp2(m_i - m_fin)
-            l_i = l_i * scale + tl.exp2(sink - m_fin)
+            m_fin_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)  # no key, sink -inf
+            scale = tl.exp2(m_i - m_fin_safe)
+            l_i = l_i * scale + tl.exp2(sink - m_fin_safe)
             acc = acc * scale[:, None]
             m_i = m_fin
         has_keys = l_i > 0
@@ -243,6 +301,7 @@ def _paged_attention_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
+                               stride_sinks,
                                stride_part_s, stride_part_t, stride_part_h,
                                stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
                                BLOCK_M, DV_PAD, NUM_SPLITS, HAS_SINKS)
@@ -251,7 +310,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_tile(
-    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, stride_sinks,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
     stride_ot, stride_oh, stride_lse_h,
     BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -272,7 +331,7 @@ def _merge_splits_tile(
                                   cache_modifier=".cg") * LOG2E_C)
         lse_s += stride_lsep_s
     if HAS_SINKS:
-        sink = tl.load(SINKS + head, mask=mask_m, other=0.0) * LOG2E_C
+        sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros([BLOCK_M], tl.float32)
@@ -354,32 +413,31 @@ def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchPlan:
+class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
-    attention: BoundLaunch
+    grid: tuple[int, int, int]
+    scalars: tuple  # the kernel's arguments after its 17 tensors (strides, sizes, scalars)
+    meta: dict      # constexprs and launch options
     num_splits: int
     dv_pad: int
     num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
 
 
-# Slots (positions of per-call tensors) in the kernel's argument list.
-_ATTENTION_SLOTS = tuple(range(17))      # Q .. SINKS
-
-
 @functools.lru_cache(maxsize=512)
-def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
-                 v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
-                 batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
-                 softmax_scale: float, softcap: float, window_left: int, window_right: int,
-                 num_splits: Optional[int], config: Optional[_Config], part_strides,
-                 lse_stride: int) -> _LaunchPlan:
+def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_strides,
+                   v_shape, v_strides, out_strides, qv_strides, pt_strides, paged: bool,
+                   batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
+                   softmax_scale: float, softcap: float, window_left: int, window_right: int,
+                   num_splits: Optional[int], config: Optional[_Config], part_strides,
+                   lse_stride: int, meta_strides: tuple) -> _LaunchParams:
     """Grid, tile config, split count and every scalar argument of one call shape (cached: a
-    decode step repeats the same shape in every layer, so this runs once per shape)."""
+    decode step repeats the same shape in every layer, so this runs once per shape).
+    ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured)."""
     total_q, num_heads_q, head_dim = q_shape
     head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
-    has_qv, has_qd, has_kd, has_vd, has_sinks = flags
+    has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     elem = torch.empty((), dtype=q_dtype).element_size()
     cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
@@ -404,19 +462,21 @@ def _launch_plan(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k_s
     upcast = device.type == "cpu" and q_dtype != torch.float32
     precision = "ieee" if q_dtype == torch.float32 or upcast else None
     qv_s = qv_strides if has_qv else q_strides
-    args = [None] * 17 + [
+    scalars = (
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
-        float(softmax_scale), float(softcap), int(window_left), int(window_right), group,
-        num_heads_kv, head_dim, head_dim_v, cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits)]
+        *meta_strides, float(softmax_scale), float(softcap), int(window_left),
+        int(window_right), group, num_heads_kv, head_dim, head_dim_v,
+        cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits), total_q, k_shape[0],
+        k_shape[0], max_seqlen_q, max_kv_len)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
+                HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attention = BoundLaunch(_paged_attention_kernel, (grid_m, batch * num_heads_kv, num_splits),
-                            device, args, meta, _ATTENTION_SLOTS)
-    return _LaunchPlan(attention, num_splits, dv_pad, grid_m * batch * num_heads_kv)
+    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
+                         dv_pad, grid_m * batch * num_heads_kv)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
@@ -428,7 +488,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                     window_right: int, softcap: float, num_splits: Optional[int] = None,
                     scratch: Optional[tuple[Tensor, Tensor]] = None,
                     counters: Optional[Tensor] = None, config: Optional[_Config] = None,
-                    lse: Optional[Tensor] = None) -> Tensor:
+                    lse: Optional[Tensor] = None, k_start: Optional[Tensor] = None,
+                    block_ids: Optional[Tensor] = None,
+                    q_used: Optional[Tensor] = None) -> Tensor:
     """Launch the attention kernel (splits merged inside it); write ``out``, return the LSE.
 
     Args:
@@ -438,9 +500,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             Only the last dimension needs unit stride.
         cache_seqlens: [b] int32 keys per request (tokens).
         cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
-        max_kv_len: bound on keys per request from shapes (tokens), used to plan splits.
+        max_kv_len: bound on keys per request from shapes (tokens), used to choose splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
-        num_splits: force the KV split count (tests, benchmarks); default planned from shapes.
+        num_splits: force the KV split count (tests, benchmarks); default chosen from shapes.
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
@@ -449,111 +511,88 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             one stream, never by concurrent ones. ``torch.zeros`` per call when None; unused
             with one split.
         config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
+        k_start: [b] int32 first visible key per request (``cache_leftpad``).
+        block_ids: [total_q] int32 bidirectional block id per query token (< 0: none): key j
+            has the id of query row ``j - (Lk - Lq)``; same-id keys pass the right bound.
+        q_used: [b] int32 used query rows (``seqused_q``): alignment ``Lk - q_used + i``, rows
+            past it see no key (output 0, LSE -inf).
     Returns:
         softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
     Raises:
         ValueError: ``counters`` is not int32, not contiguous or has fewer entries than tiles.
 
-    Host cost: the grid, tile config, split count and scalar arguments are computed once per call
-    shape (``_launch_plan``, cached) and the kernel re-launches through ``BoundLaunch``.
+    The grid, tile config, split count and scalar arguments depend only on shapes, strides and
+    scalars, so they are computed once per call shape (``_launch_params``, cached); the launch
+    itself is ``kernel[grid](...)``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if lse is None:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
-    plan = _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv,
-                     q_descale, k_descale, v_descale, sinks, softmax_scale, window_left,
-                     window_right, softcap, num_splits, config, scratch, lse)
-    o_part, lse_part, counters = _split_buffers(plan, q, scratch, counters, lse)
-    dummy = lse
-    plan.attention(q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-                   cache_seqlens, cache_seqlens if page_table is None else page_table,
-                   cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
-                   dummy if q_descale is None else q_descale,
-                   dummy if k_descale is None else k_descale,
-                   dummy if v_descale is None else v_descale, dummy if sinks is None else sinks)
-    return lse
-
-
-def _plan_for(q, k, v, out, cache_seqlens, page_table, max_seqlen_q, max_kv_len, qv, q_descale,
-              k_descale, v_descale, sinks, softmax_scale, window_left, window_right, softcap,
-              num_splits, config, scratch, lse) -> _LaunchPlan:
-    """``_launch_plan`` of these tensors' shapes, strides and flags."""
+    extras = (k_start, block_ids, q_used)
     paged = page_table is not None
-    return _launch_plan(
+    params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
         max_kv_len, (qv is not None, q_descale is not None, k_descale is not None,
-                     v_descale is not None, sinks is not None), softmax_scale, softcap,
+                     v_descale is not None, sinks is not None, *(t is not None for t in extras)),
+        softmax_scale, softcap,
         window_left, window_right, num_splits, config,
-        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0))
+        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0),
+        _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks,
+                          q_descale, k_descale, v_descale, *extras))
+    o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    launch(_paged_attention_kernel, params.grid, q.device,
+           q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
+           cache_seqlens, cache_seqlens if page_table is None else page_table,
+           cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+           *(lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks, *extras)),
+           *params.scalars, **params.meta)
+    return lse
 
 
-def _split_buffers(plan: _LaunchPlan, q: Tensor, scratch, counters,
+def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks, q_descale,
+                      k_descale, v_descale, k_start, block_ids, q_used) -> tuple[int, ...]:
+    """Strides of the small tensors, in the kernel's order: any view works (a column slice of
+    the page table, strided lengths, expanded per-tensor descales and sinks), no copy."""
+    def stride(t, dim):
+        return 0 if t is None else t.stride(dim)
+    return (stride(cache_seqlens, 0), stride(cu_seqlens_q, 0), stride(cu_seqlens_k, 0),
+            stride(page_table, 1), stride(sinks, 0), stride(q_descale, 0), stride(q_descale, 1),
+            stride(k_descale, 0), stride(k_descale, 1), stride(v_descale, 0),
+            stride(v_descale, 1), stride(k_start, 0), stride(block_ids, 0), stride(q_used, 0))
+
+
+def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                    dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(o_part, lse_part, counters)`` for the plan's splits: the given buffers, new ones
+    """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
     (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
-    splits = plan.num_splits
+    splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if scratch is None:
-        scratch = (torch.empty((splits, total_q, num_heads_q, plan.dv_pad), dtype=torch.float32,
-                               device=q.device),
+        scratch = (torch.empty((splits, total_q, num_heads_q, params.dv_pad),
+                               dtype=torch.float32, device=q.device),
                    torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,
                                device=q.device))
     if counters is None:
-        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=q.device)
+        counters = torch.zeros(params.num_tiles, dtype=torch.int32, device=q.device)
     elif (counters.dtype != torch.int32 or not counters.is_contiguous()
-          or counters.numel() < plan.num_tiles):
+          or counters.numel() < params.num_tiles):
         raise ValueError(f"paged_attention: counters is {counters.dtype}, "
                          f"{'' if counters.is_contiguous() else 'non-'}contiguous, with "
                          f"{counters.numel()} entries; expected contiguous torch.int32 with at "
-                         f"least {plan.num_tiles} (one per program tile). Allocate "
+                         f"least {params.num_tiles} (one per program tile). Allocate "
                          f"torch.zeros(n, dtype=torch.int32) once and reuse it.")
     return scratch[0], scratch[1], counters
 
 
-# flash_attn_with_kvcache's argument index -> _paged_attention_kernel's argument index.
-_OP_TO_KERNEL = {0: 0, 1: 1, 2: 2, 3: 9, 4: 10, 5: 11, 6: 4, 7: 3, 8: 13, 9: 14, 10: 15, 11: 16}
-
-
-def plan_flash_attn_with_kvcache(args, kwargs, slots):
-    """Provider plan (``providers.Implementation.plan``) of ``flash_attn_with_kvcache``.
-
-    Fixes everything but the slot tensors once: launch plan, LSE and split scratch buffers (kept
-    by the plan: the returned LSE is overwritten by the next run), the split-KV counters, the
-    metadata tensors in the kernel's arguments. Returns ``run(*slot_tensors) -> lse``.
-
-    The counters are allocated zeroed here, once, and bound as a fixed argument; every launch
-    leaves them zero. Runs of one plan share them, which is safe because they are sequential on
-    one stream (piecewise decode re-runs the plan layer after layer; a captured graph replays
-    them in order); concurrent runs of one plan on two streams would race. A plan made during a
-    graph capture has its zeroing recorded, not done: run it only through that graph's replays.
-    """
-    (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-     k_descale, v_descale, sinks) = args
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    if q.shape[0] == 0 or cache_seqlens.shape[0] == 0:
-        return lambda *tensors: lse
-    plan = _plan_for(q, k_cache, v_cache, out, cache_seqlens, page_table, kwargs["max_seqlen_q"],
-                     page_table.shape[1] * k_cache.shape[1], qv, q_descale, k_descale, v_descale,
-                     sinks, kwargs["softmax_scale"], kwargs["window_size_left"],
-                     kwargs["window_size_right"], kwargs["softcap"], None, None, None, lse)
-    o_part, lse_part, counters = _split_buffers(plan, q, None, None, lse)
-    values = [q, k_cache, v_cache, q if qv is None else qv, out, lse, o_part, lse_part, counters,
-              cache_seqlens, page_table, cu_seqlens_q, cu_seqlens_q]
-    values += [lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks)]
-    kernel_slots = tuple(_OP_TO_KERNEL[i] for i in slots)
-    attention = plan.attention.bind(
-        {i: t for i, t in enumerate(values) if i not in kernel_slots}, kernel_slots)
-
-    def run(*tensors):
-        attention(*tensors)
-        return lse
-    return run
+def requested_splits(num_splits: int) -> Optional[int]:
+    """The op's ``num_splits`` (0: automatic) as ``paged_attention``'s (None: planned)."""
+    return None if num_splits == 0 else num_splits
 
 
 def supports_attention(q, k, v, out, qv) -> Optional[str]:
@@ -569,11 +608,11 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 
 @providers.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv),
-                    plan=plan_flash_attn_with_kvcache)
+                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                            qv, q_descale, k_descale, v_descale, sinks, *, max_seqlen_q,
-                            softmax_scale, causal, window_size_left, window_size_right, softcap):
+                            qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits):
     """Triton ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
@@ -584,4 +623,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
         max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
-        window_left=window_size_left, window_right=window_size_right, softcap=softcap)
+        window_left=window_size_left, window_right=window_size_right, softcap=softcap,
+        num_splits=requested_splits(num_splits), k_start=cache_leftpad,
+        block_ids=bidirectional_block_ids)

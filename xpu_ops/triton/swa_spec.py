@@ -19,13 +19,15 @@ from ._common import available, launch, next_pow2
 @triton.jit
 def _swa_spec_page_table_kernel(
     PAGE_TABLE, PREFIX_LENS, DRAFT_SLOTS, MASK, TABLE, SEQLENS,
-    stride_pt_b, stride_ds_b, stride_mask_b, stride_mask_i, stride_tab_r, width, num_draft,
+    stride_pt_b, stride_prefix, stride_ds_b, stride_mask_b, stride_mask_i, stride_tab_r, width,
+    num_draft,
     BLOCK_C: tl.constexpr, DRAFT_PAD: tl.constexpr,
 ):
     req = tl.program_id(0)
     row = tl.program_id(1)
     out_row = (req * num_draft + row).to(tl.int64)
-    prefix = tl.load(PREFIX_LENS + req)
+    # Clamped into [0, width] (inconsistent prefix_lens never address outside the table).
+    prefix = tl.minimum(tl.maximum(tl.load(PREFIX_LENS + req * stride_prefix), 0), width)
     offs_j = tl.arange(0, DRAFT_PAD)
     mask_j = offs_j < num_draft
     allowed = tl.load(MASK + req.to(tl.int64) * stride_mask_b + row * stride_mask_i + offs_j,
@@ -66,7 +68,8 @@ def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mas
     ds = draft_slots if draft_slots.stride(-1) == 1 else draft_slots.contiguous()
     mask = custom_mask.contiguous().view(torch.uint8)
     launch(_swa_spec_page_table_kernel, (batch, num_draft), page_table.device,
-           pt, prefix_lens, ds, mask, table, seqlens, pt.stride(0), ds.stride(0),
+           pt, prefix_lens, ds, mask, table, seqlens, pt.stride(0), prefix_lens.stride(0),
+           ds.stride(0),
            mask.stride(0), mask.stride(1), table.stride(0), width, num_draft,
            BLOCK_C=min(256, next_pow2(width + num_draft)), DRAFT_PAD=next_pow2(num_draft),
            num_warps=4)

@@ -1,0 +1,119 @@
+"""Argument forms of ``flash_attn_with_kvcache`` turned into the op's one canonical form.
+
+FlashAttention-3 accepts a 4-D ``q [b, s, Hq, D]`` or packed queries, a dense cache
+``[b_cache, s_cache, Hkv, D]`` (rows picked by ``cache_batch_idx``) or a paged one, and an
+``int`` or per-request ``cache_seqlens``. The op takes only packed queries, a paged cache and a
+``[b]`` int32 ``cache_seqlens``: a dense cache is a paged cache whose pages are its rows
+(``page_size = s_cache``, request ``r`` owns the single page ``cache_batch_idx[r]``). Everything
+here is shape logic plus index arithmetic on tensors (no host synchronisation), so it traces.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._checks import fail
+from .common import check_index, max_seqlen
+
+
+def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
+    """``(q [total_q, Hq, D], cu_seqlens_q, max_seqlen_q, batch_shape)`` of a 3-D or 4-D ``q``.
+
+    A 4-D ``q [b, s, Hq, D]`` becomes ``[b*s, Hq, D]`` with ``cu_seqlens_q = arange(b+1) * s``
+    and ``batch_shape = (b, s)``; a 3-D ``q`` needs ``cu_seqlens_q`` (``batch_shape`` None).
+    """
+    if q.dim() not in (3, 4):
+        fail(fn, "q", "has the wrong number of dimensions",
+             "3-D [total_q, Hq, D] (with cu_seqlens_q) or 4-D [b, s, Hq, D]",
+             f"{q.dim()}-D with shape {tuple(q.shape)}")
+    if q.dim() == 3:
+        if cu_seqlens_q is None:
+            fail(fn, "cu_seqlens_q", "is missing for a packed 3-D q",
+                 "cu_seqlens_q [b + 1] int32 (or a 4-D q [b, s, Hq, D])", None)
+        return q, cu_seqlens_q, max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0]), None
+    if cu_seqlens_q is not None:
+        fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
+             "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
+    batch, seqlen = q.shape[:2]
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
+    return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
+
+
+def pack_rows(fn: str, arg: str, t, batch_shape):
+    """A per-query tensor (``qv``) in q's layout: ``[b, s, ...]`` flattened to ``[b*s, ...]``
+    when q was 4-D (``batch_shape = (b, s)``); left as it is otherwise."""
+    if batch_shape is None or not isinstance(t, Tensor):
+        return t
+    if t.dim() != 4 or tuple(t.shape[:2]) != tuple(batch_shape):
+        fail(fn, arg, "does not match the 4-D q", f"[b, s, Hq, Dv] with (b, s) = "
+             f"{tuple(batch_shape)}", f"shape {tuple(t.shape)}")
+    return t.reshape(batch_shape[0] * batch_shape[1], *t.shape[2:])
+
+
+def request_count(cache_seqlens, cu_seqlens_q, batch_shape) -> tuple[Optional[int], str]:
+    """``(b, where it comes from)``: the requests of the call, or ``(None, "")`` when no argument
+    gives it well-formed (the op's checks then name the malformed one)."""
+    if isinstance(cache_seqlens, Tensor) and cache_seqlens.dim() == 1:
+        return cache_seqlens.shape[0], "cache_seqlens.shape[0]"
+    if batch_shape is not None:
+        return batch_shape[0], "q.shape[0]"
+    if isinstance(cu_seqlens_q, Tensor) and cu_seqlens_q.dim() == 1:
+        return cu_seqlens_q.shape[0] - 1, "cu_seqlens_q.shape[0] - 1"
+    return None, ""
+
+
+def _check_dense_rows(fn: str, k_cache: Tensor, want: Optional[int], rule: str) -> None:
+    """Without ``cache_batch_idx``, a dense cache has one row per request."""
+    rows = k_cache.shape[0]
+    if want is not None and rows != want:
+        fail(fn, "k_cache", f"has {rows} rows in dimension 0 for a batch of {want} requests "
+             "and page_table is None", f"a contiguous cache [b, seqlen_k, Hkv, D] (the layout "
+             f"without page_table) with b = {rule} = {want}", f"shape {tuple(k_cache.shape)}",
+             "For a paged cache [num_pages, page_size, Hkv, D], pass page_table "
+             "[b, max_pages_per_seq] int32 and cache_seqlens; to pick rows of a larger dense "
+             "cache, pass cache_batch_idx [b] int32.")
+
+
+def cache_tables(fn: str, k_cache: Tensor, cache_seqlens, page_table: Optional[Tensor],
+                 cache_batch_idx: Optional[Tensor], cu_seqlens_q, batch_shape
+                 ) -> tuple[Tensor, Tensor, bool]:
+    """``(page_table [b, pages], cache_seqlens [b] int32, dense)`` for the op.
+
+    Args:
+        k_cache: paged [num_pages, page_size, Hkv, D] (with ``page_table``) or dense
+            [b_cache, s_cache, Hkv, D] (without).
+        cache_seqlens: [b] int32, an int (every request), or None (dense only: ``s_cache``).
+        cache_batch_idx: [b] int32 cache row (dense) or page-table row (paged) of each request;
+            None is ``arange(b)``.
+    Raises:
+        ValueError: a dense cache without ``cache_batch_idx`` whose row count is not b; a paged
+            cache without ``cache_seqlens``; ``cache_batch_idx`` not int32 ``[b]``.
+    """
+    device = k_cache.device
+    batch, rule = request_count(cache_seqlens if not isinstance(cache_seqlens, int) else None,
+                                cu_seqlens_q, batch_shape)
+    dense = page_table is None
+    if cache_batch_idx is not None:
+        check_index(fn, "cache_batch_idx", cache_batch_idx, 1, device)
+        batch, rule = cache_batch_idx.shape[0], "cache_batch_idx.shape[0]"
+        if dense:
+            page_table = cache_batch_idx.view(-1, 1)
+        else:
+            check_index(fn, "page_table", page_table, 2, device)
+            page_table = page_table.index_select(0, cache_batch_idx.long())
+    elif dense:
+        _check_dense_rows(fn, k_cache, batch, rule)
+        batch = k_cache.shape[0] if batch is None else batch
+        page_table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
+    if cache_seqlens is None:
+        if not dense:
+            fail(fn, "cache_seqlens", "is missing", "cache_seqlens [b] int32 with a page_table",
+                 None)
+        cache_seqlens = k_cache.shape[1]
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        count = page_table.shape[0] if batch is None else batch
+        cache_seqlens = torch.full((count,), cache_seqlens, dtype=torch.int32, device=device)
+    return page_table, cache_seqlens, dense
