@@ -139,26 +139,18 @@ def _assert_close(out, expected):
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("prefix,new", [([5, 0, 20], [4, 17, 1]), ([0, 0, 0], [5, 1, 33])],
+                         ids=["cached-prefix", "no-prefix"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_with_cached_prefix(page_size):
-    h = Harness(page_size, seed=1)
-    prefix, new = [5, 0, 20], [4, 17, 1]                 # one request without a prefix
+def test_extend(page_size, prefix, new):
+    # cached-prefix: one request without a prefix, one with a single new token.
+    h = Harness(page_size, seed=1 + sum(prefix))
     h.store_prefix(prefix)
     total = [p + n for p, n in zip(prefix, new)]
     out, q = h.forward(ForwardMode.EXTEND, total, new, extend_prefix_lens=torch.tensor(prefix),
                        extend_prefix_lens_cpu=prefix, extend_seq_lens=torch.tensor(new),
                        extend_seq_lens_cpu=new, extend_num_tokens=sum(new))
     _assert_close(out, h.expected(q, total, new))
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_without_prefix(page_size):
-    h = Harness(page_size, seed=2)
-    new = [5, 1, 33]
-    out, q = h.forward(ForwardMode.EXTEND, new, new, extend_prefix_lens=torch.zeros(3, dtype=int),
-                       extend_prefix_lens_cpu=[0, 0, 0], extend_seq_lens=torch.tensor(new),
-                       extend_seq_lens_cpu=new, extend_num_tokens=sum(new))
-    _assert_close(out, h.expected(q, new, new))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
 SGLANG_ENV = ROOT / ".venv-sglang"
 CASES = HERE / "sglang_backend_cases.py"
-# 4 tests x 2 page sizes x 2 providers (reference, Triton through its interpreter).
+# 4 cases (extend with and without a cached prefix, decode, target verify) x 2 page sizes x
+# 2 providers (reference, Triton through its interpreter).
 EXPECTED_PASSED = 4 * 2 * 2
 
 

@@ -227,6 +227,24 @@ def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] 
     return flat.view(cache.shape)
 
 
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, *,
+                     interleaved: bool) -> Tensor:
+    """RoFormer rotation of each token's first ``2 * cos.shape[1]`` features, pair by pair:
+    ``(a, b) -> (a cos - b sin, a sin + b cos)`` at angle row ``positions[t]``; pairs are
+    ``(2i, 2i + 1)`` when ``interleaved``, else ``(i, i + rotary_dim / 2)``. Float64."""
+    out = x.to(F64).clone()
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        p = int(positions[t])
+        for i in range(half):
+            a_idx, b_idx = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            c, s = float(cos[p, i]), float(sin[p, i])
+            a, b = x[t, :, a_idx].to(F64), x[t, :, b_idx].to(F64)
+            out[t, :, a_idx] = a * c - b * s
+            out[t, :, b_idx] = a * s + b * c
+    return out
+
+
 # ---- inconsistent metadata (API.md "Writes": what every provider does with checks off) -------
 
 def _clamped(lo: int, value: int, hi: int) -> int:
