@@ -29,11 +29,10 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def tiny_model(num_layers: int = 2, device="cpu", dtype=torch.float32, seed: int = 0,
                **overrides) -> LlamaForCausalLM:
-    """A zoo Llama with random weights (std 0.15), frozen: the attention ops are inference-only
-    (a grad-mode call with weights that require grad raises NotImplementedError)."""
+    """A zoo Llama with random weights (std 0.15)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**TINY, "num_hidden_layers": num_layers, **overrides})
-    model = LlamaForCausalLM(cfg, dtype=dtype, device=device).eval().requires_grad_(False)
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.15)
