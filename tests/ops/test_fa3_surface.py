@@ -312,7 +312,8 @@ def test_append_into_a_dense_cache_with_cache_batch_idx():
 
 def test_append_past_the_capacity_is_skipped():
     """A new token whose position has no page-table entry is never written anywhere."""
-    t = _paged(14, q_lens=(1,), k_lens=(8,), page_size=4)       # 2 pages: capacity 8
+    t = _paged(14, q_lens=(1,), k_lens=(8,), page_size=4)
+    t["page_table"] = t["page_table"][:, :2]                   # 2 pages: capacity 8 tokens
     before = [t["k_cache"].clone(), t["v_cache"].clone()]
     _call(t, causal=True, k=torch.randn(1, 1, 2, 32), v=torch.randn(1, 1, 2, 32))
     for got, want in zip((t["k_cache"], t["v_cache"]), before):
@@ -517,3 +518,54 @@ def test_append_with_rotary_traces_fullgraph():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name in ("k_cache", "v_cache"):
         assert torch.equal(compiled_t[name].nan_to_num(7.0), eager_t[name].nan_to_num(7.0))
+
+
+def test_debug_value_checks_of_the_new_arguments():
+    """With ``xpu_ops.debug_checks()``: leftpad past the keys, seqused_q past the rows, an append
+    past the cache's capacity (nothing written) and rotary positions past the tables raise."""
+    t = _paged(20, q_lens=(1,), k_lens=(8,), page_size=4)
+    t["page_table"] = t["page_table"][:, :2]                   # capacity 8 tokens
+    one = torch.randn(1, 1, 2, 32)
+    with xpu_ops.debug_checks():
+        with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_leftpad is out of "
+                                             r"range; .* got cache_leftpad\[0\] = 9"):
+            _call(t, cache_leftpad=torch.tensor([9], dtype=I32))
+        before = t["k_cache"].clone()
+        with pytest.raises(ValueError, match="^flash_attn_with_kvcache: cache_seqlens"):
+            _call(t, k=one, v=one)
+        assert torch.equal(t["k_cache"].nan_to_num(7.0), before.nan_to_num(7.0))
+        t2 = _paged(21, q_lens=(1,), k_lens=(8,), page_size=4, room=1)
+        angle = torch.rand(8, 4)
+        with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_seqlens reaches "
+                                             r"past the rotary tables; .* got position 8"):
+            _call(t2, k=one, v=one, rotary_cos=angle.cos(), rotary_sin=angle.sin())
+        q, k = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+        cu = torch.tensor([0, 2, 4], dtype=I32)
+        with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: seqused_q is out of "
+                                             r"range; .* got seqused_q\[1\] = 3"):
+            xpu_ops.flash_attn_varlen_func(q, k, k, cu, cu,
+                                           seqused_q=torch.tensor([2, 3], dtype=I32))
+
+
+def test_fake_trace_of_an_append_with_rotary_and_of_seqused_q():
+    """Symbolic token counts through the composed append (rotary, store, attention) and through
+    varlen with seqused_q: outputs keep the symbols, nothing reads tensor values."""
+    t = _paged(22, q_lens=(2, 3), k_lens=(4, 6), room=3)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    extra = dict(k=torch.randn(5, 2, 32), v=torch.randn(5, 2, 32),
+                 cu_seqlens_k_new=torch.tensor([0, 2, 5], dtype=I32),
+                 rotary_cos=torch.rand(16, 8), rotary_sin=torch.rand(16, 8))
+    dynamic = dict(q=(0,), k=(0,), v=(0,), cu_seqlens_q=(0,), cu_seqlens_k_new=(0,),
+                   cache_seqlens=(0,), page_table=(0, 1), rotary_cos=(0,), rotary_sin=(0,))
+    f = {k: fake_like(mode, v, dynamic.get(k, ())) if isinstance(v, torch.Tensor) else v
+         for k, v in dict(t, **extra).items()}
+    with mode:
+        out = xpu_ops.flash_attn_with_kvcache(**f, causal=True)
+        q = fake_like(mode, torch.randn(7, 4, 32), (0,))
+        k = fake_like(mode, torch.randn(9, 2, 32), (0,))
+        cu_q, cu_k = (fake_like(mode, torch.zeros(3, dtype=I32)) for _ in range(2))
+        used = fake_like(mode, torch.zeros(2, dtype=I32))
+        varlen = xpu_ops.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 4, 5, seqused_q=used,
+                                                causal=True)
+    assert str(out.shape[0]) == str(f["q"].shape[0]) and out.shape[1:] == (4, 32)
+    assert str(varlen.shape[0]) == str(q.shape[0])

@@ -14,11 +14,12 @@ s_cache``); a position past the table's capacity gets slot -1, which ``store_kv_
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import FP8_DTYPES, check_size, check_tensor, fail
 from .common import check_cu_seqlens, check_index
 from .kv_cache import store_kv_cache
@@ -98,7 +99,8 @@ def _slots(page_table: Tensor, page_size: int, owner: Tensor, positions: Tensor)
 def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Tensor,
                   v_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor,
                   cu_seqlens_k_new: Optional[Tensor], rotary_cos, rotary_sin, rotary_seqlens,
-                  rotary_interleaved: bool, local: bool) -> tuple[Tensor, Tensor]:
+                  rotary_interleaved: bool, local: bool,
+                  check_values: Callable[[Tensor], None]) -> tuple[Tensor, Tensor]:
     """Rotate and store the new keys/values; return ``(q, cache_seqlens after the append)``.
 
     Args:
@@ -111,6 +113,8 @@ def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Te
             is rotated at ``base[r] + j`` and stored at position ``cache_seqlens[r] + j``.
         page_table, cache_seqlens: the op's canonical [b, pages] table and [b] lengths before
             the append (``kvcache_layout.cache_tables``).
+        check_values: the call's debug value checks, run on the lengths after the append
+            before anything is written (with them on, rotary positions are checked too).
     Raises:
         ValueError: a missing partner (``k``/``v``, ``rotary_cos``/``rotary_sin``), a shape or
             dtype that does not match the cache, a bad ``cu_seqlens_k_new``/``rotary_seqlens``.
@@ -119,18 +123,22 @@ def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Te
     batch = cache_seqlens.shape[0]
     k, v, cu_new = _new_tokens(fn, k, v, cu_seqlens_k_new, k_cache, v_cache, batch)
     owner, row = _owner_and_row(cu_new, k.shape[0])
+    total_lens = (cache_seqlens + (cu_new[1:] - cu_new[:-1])).to(torch.int32)
+    check_values(total_lens)
     if rotary_cos is not None or rotary_sin is not None:
         _check_rotary(fn, rotary_cos, rotary_sin, rotary_seqlens, k.shape[-1], batch, q.device)
         base = (cache_seqlens if rotary_seqlens is None else rotary_seqlens).long()
-        k = apply_rotary_emb(k, rotary_cos, rotary_sin, (base[owner] + row).int(),
-                             interleaved=rotary_interleaved)
         q_owner, q_row = _owner_and_row(cu_seqlens_q, q.shape[0])
-        q_pos = base[q_owner] + q_row if local else base[q_owner]
-        q = apply_rotary_emb(q, rotary_cos, rotary_sin, q_pos.int(),
-                             interleaved=rotary_interleaved)
+        k_pos = (base[owner] + row).int()
+        q_pos = (base[q_owner] + q_row if local else base[q_owner]).int()
+        where = "rotary_seqlens" if rotary_seqlens is not None else "cache_seqlens"
+        for positions in (k_pos, q_pos):
+            _value_checks.check_rotary_positions(fn, positions, rotary_cos.shape[0], where)
+        k = apply_rotary_emb(k, rotary_cos, rotary_sin, k_pos, interleaved=rotary_interleaved)
+        q = apply_rotary_emb(q, rotary_cos, rotary_sin, q_pos, interleaved=rotary_interleaved)
     loc = _slots(page_table, k_cache.shape[1], owner, cache_seqlens.long()[owner] + row)
     store_kv_cache(k_cache, v_cache, loc, k, v)
-    return q, (cache_seqlens + (cu_new[1:] - cu_new[:-1])).to(torch.int32)
+    return q, total_lens
 
 
 def check_rotary_needs_new_kv(fn: str, k, rotary_cos, rotary_sin) -> None:

@@ -248,18 +248,23 @@ def flash_attn_with_kvcache(
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)
+    def check_values(lens):  # debug value checks, before anything is written
+        _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
+                                                    max_seqlen_q, contiguous=dense,
+                                                    cache_leftpad=cache_leftpad)
     if k is not None or v is not None:
         q3, cache_seqlens = kvcache_append.append_new_kv(
             fn, q=q3, cu_seqlens_q=cu_seqlens_q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
             page_table=page_table, cache_seqlens=cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens,
-            rotary_interleaved=bool(rotary_interleaved), local=causal or (left, right) != (-1, -1))
-    elif cu_seqlens_k_new is not None:
-        fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
-             "values v are appended", "a tensor")
+            rotary_interleaved=bool(rotary_interleaved), local=causal or (left, right) != (-1, -1),
+            check_values=check_values)
+    else:
+        if cu_seqlens_k_new is not None:
+            fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
+                 "values v are appended", "a tensor")
+        check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
-                                                cu_seqlens_q, max_seqlen_q, contiguous=dense)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
