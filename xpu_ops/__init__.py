@@ -31,6 +31,7 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.store_kv_cache,
     torch.ops.xpu_ops.store_mla_kv_cache,
     torch.ops.xpu_ops.prepare_swa_spec_page_table,
+    torch.ops.xpu_ops.apply_rotary_emb,
 ]
 
 __all__ = [

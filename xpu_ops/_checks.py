@@ -217,26 +217,6 @@ def check_window(fn: str, window_size: object) -> tuple[int, int]:
     return left, right
 
 
-def check_no_grad(fn: str, args: Sequence[object]) -> None:
-    """The ops are inference-only (no backward): with grad mode on, an input that requires grad
-    raises instead of returning an output that silently has (or lacks) a graph.
-
-    Raises:
-        NotImplementedError: grad mode is on and a tensor in ``args`` requires grad, naming
-            ``fn``; run the call under ``torch.no_grad()`` or ``torch.inference_mode()``.
-    """
-    if not torch.is_grad_enabled():
-        return
-    for value in args:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise NotImplementedError(
-                f"{fn}: an input requires grad but the op has no backward; expected inputs "
-                f"without requires_grad, or grad mode off, got a tensor of shape "
-                f"{tuple(value.shape)} with requires_grad=True. xpu-ops ops are inference-only: "
-                f"call them under torch.no_grad() or torch.inference_mode(), or pass "
-                f"tensor.detach().")
-
-
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"

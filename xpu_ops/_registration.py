@@ -19,10 +19,13 @@ name a non-dense argument) and otherwise raises ``RuntimeError`` naming the devi
 
 What ``custom_op`` did that ``define_op`` keeps: mutated arguments get their version counter
 bumped after the kernel ran (``torch.autograd.graph.increment_version``), so autograd notices
-the in-place write. What it drops: the Python autograd kernel. These ops have no backward:
-the kernel and the fake raise ``NotImplementedError`` naming the op when grad mode is on and an
-input requires grad (``_checks.check_no_grad``), so every provider, eager or traced, refuses
-the same calls instead of returning an output whose graph depends on the provider.
+the in-place write. What it drops: the Python autograd kernel. These ops are not differentiable, and say so the
+way PyTorch asks non-differentiable ops to: a fallthrough kernel at the ``Autograd`` key (no
+autograd node, no per-call Python), and the kernel body runs under ``torch.no_grad()`` when grad
+mode is on, so a provider's own PyTorch code records no graph either. Under grad mode every op
+runs on every provider (sgl-kernel's tests call the ops with inputs that require grad) and its
+outputs never require grad; a backward through them raises autograd's own "does not require
+grad" error.
 ``torch.compile`` treats the result like any op with a mutable schema (``auto_functionalized``),
 and ``torch.library.opcheck`` runs on it unchanged.
 """
@@ -35,7 +38,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import providers
-from ._checks import check_no_grad
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
 DEFINED: dict[str, "OpDef"] = {}
@@ -61,13 +63,7 @@ class OpDef:
     def register_fake(self, fake: Callable) -> Callable:
         """Decorator: ``fake`` computes output metadata (and runs the shape checks) for fake
         tensors, meta tensors and tracing."""
-        name = self.qualname.split("::")[1]
-
-        def checked_fake(*args, **kwargs):
-            check_no_grad(name, args)
-            return fake(*args, **kwargs)
-
-        torch.library.register_fake(self.qualname, checked_fake, lib=self._lib)
+        torch.library.register_fake(self.qualname, fake, lib=self._lib)
         self.fake = fake
         return fake
 
@@ -125,6 +121,7 @@ def define_op(qualname: str, *, mutates_args: Sequence[str], schema: Optional[st
             lib.impl(name, _other_backends_kernel(fn, qualname), "CompositeExplicitAutograd")
         else:
             lib.impl(name, _kernel(fn, name, mutated), "CompositeExplicitAutograd")
+        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")  # not differentiable
         opdef = DEFINED[qualname] = OpDef(qualname, fn, lib)
         return opdef
 
@@ -140,7 +137,9 @@ def _bump_versions(args: tuple, mutated: tuple[int, ...]) -> None:
 def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
     """``fn`` as a kernel for every device: its result, mutated arguments' versions bumped."""
     def kernel(*args, **kwargs):
-        check_no_grad(name, args)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
         result = fn(*args, **kwargs)
         if mutated:
             _bump_versions(args, mutated)
@@ -153,7 +152,9 @@ def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
 def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, ...]) -> Callable:
     """The kernel of one device type: ``check``, then ``route``'s provider computes."""
     def kernel(*args, **kwargs):
-        check_no_grad(route.op, args)
+        if torch.is_grad_enabled():  # not differentiable: no provider records a graph
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
         replaced = check(*args, **kwargs)
         if replaced:
             kwargs = {**kwargs, **replaced}
@@ -170,7 +171,6 @@ def _other_backends_kernel(check: Callable, qualname: str) -> Callable:
     """The kernel of every other backend key (sparse layouts, devices without providers): the
     checks, which name a non-dense argument, else a ``RuntimeError`` naming the device."""
     def kernel(*args, **kwargs):
-        check_no_grad(qualname, args)
         check(*args, **kwargs)
         kinds = sorted({f"{a.device.type} {a.layout}" for a in args
                         if isinstance(a, torch.Tensor)})

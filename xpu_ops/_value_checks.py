@@ -228,10 +228,12 @@ def check_store_mla_kv_cache(loc, kv_cache) -> None:
 
 
 def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seqlens_q,
-                                  max_seqlen_q, contiguous: bool = False) -> None:
+                                  max_seqlen_q, contiguous: bool = False,
+                                  cache_leftpad: Optional[Tensor] = None) -> None:
     """Debug-switch value checks of ``flash_attn_with_kvcache``: ``cache_seqlens``/``page_table`` in
-    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound
-    (``contiguous``: no page_table was given, see ``check_paged``).
+    range, ``cu_seqlens_q`` prefix sums of ``total_q`` tokens, ``max_seqlen_q`` a bound,
+    ``0 <= cache_leftpad[r] <= cache_seqlens[r]`` (``contiguous``: no page_table was given, see
+    ``check_paged``). ``cache_seqlens`` are the lengths attended (after any append).
     """
     fn = "flash_attn_with_kvcache"
     if not _active(q, k_cache, cache_seqlens, page_table, cu_seqlens_q) or k_cache.dim() != 4:
@@ -239,27 +241,48 @@ def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seql
     check_paged(fn, cache_seqlens, page_table, k_cache.shape[1], k_cache.shape[0], contiguous)
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
+    if _index_ok(cache_leftpad, 1, cache_seqlens.device) and _index_ok(cache_seqlens, 1) \
+            and cache_leftpad.shape == cache_seqlens.shape:
+        where = _first((cache_leftpad < 0) | (cache_leftpad > cache_seqlens))
+        if where is not None:
+            fail(fn, "cache_leftpad", "is out of range", "0 <= cache_leftpad[r] <= the "
+                 "request's keys", _at("cache_leftpad", cache_leftpad, where),
+                 "Pad at most the keys each request has.")
+
+
+def check_rotary_positions(fn: str, positions: Tensor, seqlen_ro: int, arg: str) -> None:
+    """Debug-switch value check of the rotary positions an append uses: inside the tables."""
+    if not (_active(positions) and _index_ok(positions, 1)):
+        return
+    where = _first((positions < 0) | (positions >= seqlen_ro))
+    if where is not None:
+        fail(fn, arg, "reaches past the rotary tables", f"positions in [0, rotary_cos.shape[0] "
+             f"= {seqlen_ro})", f"position {int(positions[where])} for token {where[0]}",
+             "Pass rotary_cos/rotary_sin with a row for every position (cache_seqlens + s_new).")
 
 
 def check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                 max_seqlen_k) -> None:
+                                 max_seqlen_k, seqused_q: Optional[Tensor] = None) -> None:
     """Debug-switch value checks of ``flash_attn_varlen_func``: both ``cu_seqlens`` valid prefix
-    sums, ``max_seqlen_q/k`` bounds, ``0 <= seqused_k[r] <=`` request ``r``'s keys.
+    sums, ``max_seqlen_q/k`` bounds, ``0 <= seqused_k[r] <=`` request ``r``'s keys and
+    ``0 <= seqused_q[r] <=`` its query rows.
     """
     fn = "flash_attn_varlen_func"
-    if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    if not _active(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q):
         return
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)")
     check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
     check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, cu_seqlens_k, "cu_seqlens_k")
-    if _index_ok(seqused_k, 1) and _index_ok(cu_seqlens_k, 1, seqused_k.device) \
-            and cu_seqlens_k.shape[0] == seqused_k.shape[0] + 1:
-        where = _first((seqused_k < 0) | (seqused_k > cu_seqlens_k[1:] - cu_seqlens_k[:-1]))
-        if where is not None:
-            fail(fn, "seqused_k", "is out of range", "0 <= seqused_k[r] <= cu_seqlens_k[r + 1] "
-                 "- cu_seqlens_k[r]", _at("seqused_k", seqused_k, where),
-                 "Use at most the keys each request has.")
+    for arg, used, cu, what in (("seqused_k", seqused_k, cu_seqlens_k, "keys"),
+                                ("seqused_q", seqused_q, cu_seqlens_q, "query rows")):
+        if _index_ok(used, 1) and _index_ok(cu, 1, used.device) \
+                and cu.shape[0] == used.shape[0] + 1:
+            where = _first((used < 0) | (used > cu[1:] - cu[:-1]))
+            if where is not None:
+                name = arg.replace("seqused", "cu_seqlens")
+                fail(fn, arg, "is out of range", f"0 <= {arg}[r] <= {name}[r + 1] - {name}[r]",
+                     _at(arg, used, where), f"Use at most the {what} each request has.")
 
 
 def check_flash_mla_decode(kv_cache, cache_seqlens, page_table) -> None:

@@ -400,6 +400,16 @@ def _merge_state_v2_samples(device, dtype, gen):
                 _nan_poisoned((n, h), torch.float32, device)), {})
 
 
+def _mla_inputs(gen, k_lens, rows, page_size, h, latent, rope, dtype, device):
+    """``(q_nope [rows, H, R], q_rope [rows, H, r], kv_cache [num_pages, page_size, R + r],
+    page_table, seq_lens)`` of an MLA sample, the cache with garbage past each request's keys."""
+    (kv_cache,), page_table, seq_lens = paged_kv_cache(
+        gen, k_lens, page_size, [(latent + rope,)], dtype=dtype, device=device)
+    q_nope = _randn(gen, rows, h, latent, dtype=dtype, device=device)
+    q_rope = _randn(gen, rows, h, rope, dtype=dtype, device=device)
+    return q_nope, q_rope, kv_cache, page_table, seq_lens
+
+
 @_sampler("flash_mla_decode")
 def _flash_mla_decode_samples(device, dtype, gen):
     from .ops.mla_decode import flash_mla_get_workspace_size
@@ -411,11 +421,9 @@ def _flash_mla_decode_samples(device, dtype, gen):
             ((4, 8, 12), 4, 3, 64, 16, torch.float16, 2),
             ((33, 2), 16, 8, 128, 64, torch.float32, 4)):
         dt = dtype or dt
-        (kv_cache,), page_table, cache_seqlens = paged_kv_cache(
-            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
         b = len(k_lens)
-        q_nope = _randn(gen, b, h, latent, dtype=dt, device=device)
-        q_rope = _randn(gen, b, h, rope, dtype=dt, device=device)
+        q_nope, q_rope, kv_cache, page_table, cache_seqlens = _mla_inputs(
+            gen, k_lens, b, page_size, h, latent, rope, dt, device)
         size = flash_mla_get_workspace_size(max(k_lens), b, h, page_size, splits)
         workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         yield ((q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
@@ -434,11 +442,8 @@ def _flash_mla_prefill_samples(device, dtype, gen):
             ((3, 5), (8, 12), 4, 3, 64, 16, torch.float16, False, 1, False),
             ((2, 7), (33, 7), 16, 8, 128, 64, torch.float32, True, 4, False)):
         dt = dtype or dt
-        (kv_cache,), page_table, seq_lens_k = paged_kv_cache(
-            gen, k_lens, page_size, [(latent + rope,)], dtype=dt, device=device)
-        total_q = sum(q_lens)
-        q_nope = _randn(gen, total_q, h, latent, dtype=dt, device=device)
-        q_pe = _randn(gen, total_q, h, rope, dtype=dt, device=device)
+        q_nope, q_pe, kv_cache, page_table, seq_lens_k = _mla_inputs(
+            gen, k_lens, sum(q_lens), page_size, h, latent, rope, dt, device)
         if sliced:                       # sglang splits one [total_q, H, R + r] query tensor
             q_pe = torch.cat([q_nope, q_pe], dim=-1)[..., latent:]
         cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32,
@@ -507,3 +512,23 @@ def _prepare_swa_spec_page_table_samples(device, dtype, gen):
         draft_slots = torch.randint(1000, 2000, (b, num_draft), generator=gen, dtype=torch.int32)
         yield ((page_table.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device),
                 draft_slots.to(device), mask.expand(b, -1, -1).contiguous().to(device)), {})
+
+
+@_sampler("apply_rotary_emb")
+def _apply_rotary_emb_samples(device, dtype, gen):
+    # (N, H, D, rotary_dim, seqlen_ro, interleaved, dtype, strided x)
+    for n, h, d, rot, seqlen_ro, interleaved, dt, strided in (
+            (5, 3, 64, 64, 16, False, torch.float32, False),
+            (4, 2, 64, 32, 9, True, torch.float32, True),        # partial rotary, x a view
+            (3, 4, 80, 48, 5, False, torch.bfloat16, False),
+            (2, 1, 128, 128, 300, True, torch.float16, False),
+            (0, 2, 32, 16, 4, False, torch.float32, False)):     # no token
+        dt = dtype or dt
+        base = _randn(gen, n, h, 2 * d if strided else d, dtype=dt, device=device)
+        x = base[..., ::2] if strided else base
+        angle = torch.rand(seqlen_ro, rot // 2, generator=gen) * 6.283
+        positions = torch.randint(0, seqlen_ro, (n,), generator=gen, dtype=torch.int32)
+        if n:
+            positions[0] = seqlen_ro - 1
+        yield ((x, angle.cos().to(dt).to(device), angle.sin().to(dt).to(device),
+                positions.to(device)), dict(interleaved=interleaved))

@@ -61,6 +61,9 @@ def _fwd(names, convention):
         q, k, v, page_table = a["q"], a["k"], a["v"], a["page_table"]
         for arg in ("q", "k", "v"):
             _require(a[arg].stride(-1) == 1, f"{arg} must have a contiguous last dimension")
+        for arg in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "q_descale",
+                    "k_descale", "v_descale", "sinks", "leftpad_k"):
+            _require(a.get(arg) is None or a[arg].is_contiguous(), f"{arg} must be contiguous")
         _require(q.dtype in (torch.float16, torch.bfloat16), f"q must be fp16/bf16, got {q.dtype}")
         out = a.get("out")
         if out is None:

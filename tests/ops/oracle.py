@@ -225,3 +225,84 @@ def store_kv(cache: Tensor, loc: Tensor, values: Tensor, scale: Optional[float] 
             row = row / scale
         flat[int(loc[i])] = row.to(torch.float32).to(cache.dtype)
     return flat.view(cache.shape)
+
+
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, *,
+                     interleaved: bool) -> Tensor:
+    """RoFormer rotation of each token's first ``2 * cos.shape[1]`` features, pair by pair:
+    ``(a, b) -> (a cos - b sin, a sin + b cos)`` at angle row ``positions[t]``; pairs are
+    ``(2i, 2i + 1)`` when ``interleaved``, else ``(i, i + rotary_dim / 2)``. Float64."""
+    out = x.to(F64).clone()
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        p = int(positions[t])
+        for i in range(half):
+            a_idx, b_idx = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            c, s = float(cos[p, i]), float(sin[p, i])
+            a, b = x[t, :, a_idx].to(F64), x[t, :, b_idx].to(F64)
+            out[t, :, a_idx] = a * c - b * s
+            out[t, :, b_idx] = a * s + b * c
+    return out
+
+
+# ---- inconsistent metadata (API.md "Writes": what every provider does with checks off) -------
+
+def _clamped(lo: int, value: int, hi: int) -> int:
+    return min(max(value, lo), hi)
+
+
+def described_rows(cu_seqlens_q, total_q: int, max_seqlen_q: int) -> list[tuple[int, int]]:
+    """``(start, q_len)`` of each request's rows: ``[cu[r], cu[r + 1])`` clamped into
+    ``[0, total_q]``, at most ``max_seqlen_q`` rows."""
+    rows = []
+    for r in range(cu_seqlens_q.shape[0] - 1):
+        start = _clamped(0, int(cu_seqlens_q[r]), total_q)
+        end = _clamped(start, int(cu_seqlens_q[r + 1]), total_q)
+        rows.append((start, min(end - start, max_seqlen_q)))
+    return rows
+
+
+def row_owners(rows: list[tuple[int, int]], total_q: int) -> list[int]:
+    """How many requests describe each packed row (0: kept as is; > 1: any one of them)."""
+    count = [0] * total_q
+    for start, q_len in rows:
+        for t in range(start, start + q_len):
+            count[t] += 1
+    return count
+
+
+def flash_attn_with_kvcache_unchecked(q, k_cache, v_cache, cache_seqlens, page_table,
+                                      cu_seqlens_q, *, max_seqlen_q, softmax_scale, causal,
+                                      window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                      sinks=None) -> tuple[Tensor, Tensor, list[int]]:
+    """Paged attention over possibly inconsistent metadata, as API.md's "Writes" states: rows
+    by ``described_rows``; keys ``min(max(cache_seqlens[r], 0), page_table.shape[1] *
+    page_size)``, each read through its page-table entry, hidden when that page id is outside
+    ``[0, num_pages)``.
+
+    Returns:
+        ``(out [total_q, Hq, Dv], lse [Hq, total_q], owners)`` float64; rows no request
+        describes are NaN, ``owners`` as ``row_owners`` (the last describing request wins here).
+    """
+    total_q, hq = q.shape[0], q.shape[1]
+    num_pages, page_size, hkv = k_cache.shape[:3]
+    capacity = page_table.shape[1] * page_size
+    out = torch.full((total_q, hq, v_cache.shape[-1]), math.nan, dtype=F64)
+    lse = torch.full((hq, total_q), math.nan, dtype=F64)
+    rows = described_rows(cu_seqlens_q, total_q, max_seqlen_q)
+    for r, (start, q_len) in enumerate(rows):
+        k_len = _clamped(0, int(cache_seqlens[r]), capacity)
+        pages = [int(page_table[r, j // page_size]) for j in range(k_len)]
+        exists = torch.tensor([0 <= p < num_pages for p in pages], dtype=torch.bool)
+        keys = [(k_cache[p, j % page_size], v_cache[p, j % page_size]) if 0 <= p < num_pages
+                else (k_cache.new_zeros(k_cache.shape[2:]), v_cache.new_zeros(v_cache.shape[2:]))
+                for j, p in enumerate(pages)]
+        k = torch.stack([kv[0] for kv in keys]) if keys else k_cache.new_zeros((0, hkv, q.shape[2]))
+        v = torch.stack([kv[1] for kv in keys]) if keys else v_cache.new_zeros(
+            (0, hkv, v_cache.shape[-1]))
+        mask = visible_mask(q_len, k_len, causal=causal, left=window_size_left,
+                            right=window_size_right) & exists.reshape(1, k_len)
+        o, l_ = attend(q[start:start + q_len], k, v, mask, scale=softmax_scale, softcap=softcap,
+                       sinks=sinks)
+        out[start:start + q_len], lse[:, start:start + q_len] = o, l_
+    return out, lse, row_owners(rows, total_q)

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import xpu_ops
+from xpu_ops.ops.rotary import apply_rotary_emb
 from xpu_ops.testing import paged_kv_cache
 
 from . import oracle
@@ -24,16 +25,29 @@ I32 = torch.int32
 NAN = float("nan")
 
 
-def _paged(seed, q_lens, k_lens, *, page_size=4, hq=4, hkv=2, d=32, dv=None):
-    """Packed q, a shuffled paged cache (NaN past every length) and the call's metadata."""
+def _paged(seed, q_lens, k_lens, *, page_size=4, hq=4, hkv=2, d=32, dv=None, room=0):
+    """Packed q, a shuffled paged cache (NaN past every length, ``room`` more slots per
+    request for appends) and the call's metadata."""
     gen = torch.Generator().manual_seed(seed)
     (k_cache, v_cache), page_table, cache_seqlens = paged_kv_cache(
-        gen, list(k_lens), page_size, [(hkv, d), (hkv, dv or d)], dtype=torch.float32,
-        device="cpu")
+        gen, [n + room for n in k_lens], page_size, [(hkv, d), (hkv, dv or d)],
+        dtype=torch.float32, device="cpu")
+    cache_seqlens = torch.tensor(k_lens, dtype=I32)
+    if room:  # the appended slots hold NaN until written
+        _poison_tail(k_cache, v_cache, page_table, k_lens, room)
     q = torch.randn(sum(q_lens), hq, d, generator=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                 page_table=page_table, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
+
+
+def _poison_tail(k_cache, v_cache, page_table, k_lens, room):
+    page_size = k_cache.shape[1]
+    for r, n in enumerate(k_lens):
+        for p in range(n, n + room):
+            page = int(page_table[r, p // page_size])
+            k_cache[page, p % page_size] = NAN
+            v_cache[page, p % page_size] = NAN
 
 
 def _oracle(t, *, causal, window=(-1, -1), **extra):
@@ -235,12 +249,131 @@ def test_num_splits_and_speed_hints_never_change_the_result():
 
 
 # ----------------------------------------------------------------------------------------------
+# Appending k/v (cache_seqlens before the append) and rotary embedding
+# ----------------------------------------------------------------------------------------------
+
+def _append_expected(k_cache, v_cache, page_table, lens, new_k, new_v):
+    """The caches after writing request r's new token j at position lens[r] + j, slot by slot."""
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    page_size = k_cache.shape[1]
+    for r, (ks, vs) in enumerate(zip(new_k, new_v)):
+        for j in range(ks.shape[0]):
+            p = int(lens[r]) + j
+            page = int(page_table[r, p // page_size])
+            k_want[page, p % page_size], v_want[page, p % page_size] = ks[j], vs[j]
+    return k_want, v_want
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["4d-k", "cu_seqlens_k_new"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_append_writes_the_cache_then_attends_over_it(packed, page_size):
+    t = _paged(11, q_lens=(2, 2, 2), k_lens=(5, 0, 8), page_size=page_size, room=2)
+    gen = torch.Generator().manual_seed(12)
+    s_new = (2, 1, 0) if packed else (2, 2, 2)
+    new_k = [torch.randn(n, 2, 32, generator=gen) for n in s_new]
+    new_v = [torch.randn(n, 2, 32, generator=gen) for n in s_new]
+    lens = t["cache_seqlens"].clone()
+    k_want, v_want = _append_expected(t["k_cache"], t["v_cache"], t["page_table"], lens, new_k,
+                                      new_v)
+    if packed:
+        extra = dict(k=torch.cat(new_k), v=torch.cat(new_v),
+                     cu_seqlens_k_new=torch.tensor([0, 2, 3, 3], dtype=I32))
+    else:
+        extra = dict(k=torch.stack(new_k), v=torch.stack(new_v))
+    out, lse = _call(t, causal=True, **extra)
+    for got, want in ((t["k_cache"], k_want), (t["v_cache"], v_want)):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))   # only the new slots
+    total = dict(t, cache_seqlens=lens + torch.tensor(s_new, dtype=I32))
+    want_out, want_lse = _oracle(total, causal=True)
+    assert_matches_oracle(out, want_out, torch.float32, lse, want_lse)
+    assert torch.equal(t["cache_seqlens"], lens)      # the caller's lengths are not advanced
+
+
+def test_append_into_a_dense_cache_with_cache_batch_idx():
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache = torch.randn(4, 10, 2, 32, generator=gen), torch.randn(4, 10, 2, 32,
+                                                                               generator=gen)
+    rows, lens = torch.tensor([3, 1], dtype=I32), torch.tensor([4, 8], dtype=I32)
+    k, v = torch.randn(2, 2, 2, 32, generator=gen), torch.randn(2, 2, 2, 32, generator=gen)
+    q = torch.randn(2, 1, 4, 32, generator=gen)
+    before = k_cache.clone()
+    out = xpu_ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                          cache_batch_idx=rows)
+    want_k = before.clone()
+    want_k[3, 4:6], want_k[1, 8:10] = k[0], k[1]
+    assert torch.equal(k_cache, want_k)
+    want, _ = oracle.flash_attn_with_kvcache(
+        q.flatten(0, 1), k_cache, v_cache, lens + 2, rows.view(2, 1),
+        torch.tensor([0, 1, 2], dtype=I32), None, None, None, None, None, None, max_seqlen_q=1,
+        softmax_scale=32 ** -0.5, causal=False, window_size_left=-1, window_size_right=-1,
+        softcap=0.0)
+    assert_matches_oracle(out.flatten(0, 1), want, torch.float32)
+
+
+def test_append_past_the_capacity_is_skipped():
+    """A new token whose position has no page-table entry is never written anywhere."""
+    t = _paged(14, q_lens=(1,), k_lens=(8,), page_size=4)
+    t["page_table"] = t["page_table"][:, :2]                   # 2 pages: capacity 8 tokens
+    before = [t["k_cache"].clone(), t["v_cache"].clone()]
+    _call(t, causal=True, k=torch.randn(1, 1, 2, 32), v=torch.randn(1, 1, 2, 32))
+    for got, want in zip((t["k_cache"], t["v_cache"]), before):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("causal, rotary_seqlens", [(True, None), (False, None), (True, (1, 6))])
+def test_rotary_on_appended_keys_and_queries(interleaved, causal, rotary_seqlens):
+    """FA3: new key j rotated at base + j; queries at base + i when causal or local, else all at
+    base (base = rotary_seqlens or cache_seqlens); rotary_dim 16 of D 32."""
+    t = _paged(15, q_lens=(3, 2), k_lens=(4, 6), page_size=4, room=3)
+    gen = torch.Generator().manual_seed(16)
+    k, v = torch.randn(2, 3, 2, 32, generator=gen), torch.randn(2, 3, 2, 32, generator=gen)
+    angle = torch.rand(16, 8, generator=gen) * 6.283
+    cos, sin = angle.cos(), angle.sin()
+    lens = t["cache_seqlens"].clone()
+    base = lens if rotary_seqlens is None else torch.tensor(rotary_seqlens, dtype=I32)
+    q_before = t["q"].clone()
+    kw = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+              rotary_seqlens=None if rotary_seqlens is None else base)
+    out, lse = _call(t, causal=causal, **kw)
+    assert torch.equal(t["q"], q_before)                 # the caller's q is not rotated in place
+    k_rot = [oracle.apply_rotary_emb(k[r], cos, sin, base[r] + torch.arange(3),
+                                     interleaved=interleaved) for r in range(2)]
+    q_pos = torch.cat([base[r] + (torch.arange(n) if causal else torch.zeros(n, dtype=torch.long))
+                       for r, n in enumerate((3, 2))])
+    q_rot = oracle.apply_rotary_emb(q_before, cos, sin, q_pos, interleaved=interleaved)
+    for r in range(2):
+        for j in range(3):
+            p = int(lens[r]) + j
+            slot = t["k_cache"][int(t["page_table"][r, p // 4]), p % 4]
+            torch.testing.assert_close(slot.double(), k_rot[r][j], rtol=1e-6, atol=1e-6)
+    total = dict(t, q=q_rot.float(), cache_seqlens=lens + 3)
+    want, want_lse = _oracle(total, causal=causal)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+
+
+def test_rotary_op_matches_oracle_and_leaves_the_tail():
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(6, 2, 24, generator=gen)
+    angle = torch.rand(10, 4, generator=gen)
+    pos = torch.tensor([0, 9, 3, 3, 5, 1], dtype=I32)
+    for interleaved in (False, True):
+        y = apply_rotary_emb(x, angle.cos(), angle.sin(), pos, interleaved=interleaved)
+        want = oracle.apply_rotary_emb(x, angle.cos(), angle.sin(), pos, interleaved=interleaved)
+        torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(y[..., 8:], x[..., 8:])
+
+
+# ----------------------------------------------------------------------------------------------
 # Checks (one per new branch) and fake tensors
 # ----------------------------------------------------------------------------------------------
 
 def _bad_calls(t):
     n = t["cache_seqlens"].shape[0]
     total_q = t["q"].shape[0]
+    k4 = torch.randn(n, 1, 2, 32)                       # one new token per request
+    cu_new = torch.arange(n + 1, dtype=I32)
+    cos, wide = torch.rand(8, 4), torch.rand(8, 17)
     return {
         "cache_leftpad int64": (dict(cache_leftpad=torch.zeros(n, dtype=torch.int64)),
                                 ValueError, "cache_leftpad has dtype torch.int64"),
@@ -264,6 +397,36 @@ def _bad_calls(t):
                                     "scheduler_metadata is not a tensor"),
         "window tensor of 3": (dict(window_size=torch.tensor([1, 2, 3])), TypeError,
                                "window_size is not a pair"),
+        "k without v": (dict(k=k4), ValueError, "v is missing; expected k and v together"),
+        "v without k": (dict(v=k4), ValueError, "k is missing; expected k and v together"),
+        "k dtype": (dict(k=k4.half(), v=k4.half()), ValueError, "k has dtype torch.float16"),
+        "k batch": (dict(k=k4[:1].expand(n + 1, 1, 2, 32), v=k4[:1].expand(n + 1, 1, 2, 32)),
+                    ValueError, r"k has the wrong size in dimension 0; expected "
+                    r"cache_seqlens.shape\[0\] \(b\)"),
+        "k heads": (dict(k=k4[:, :, :1], v=k4[:, :, :1]), ValueError,
+                    r"k has the wrong size in dimension -2; expected k_cache.shape\[2\]"),
+        "v head dim": (dict(k=k4, v=k4[..., :16]), ValueError,
+                       r"v has the wrong size in dimension -1; expected v_cache.shape\[3\]"),
+        "cu_seqlens_k_new with 4-D k": (dict(k=k4, v=k4, cu_seqlens_k_new=cu_new), ValueError,
+                                        "cu_seqlens_k_new is given with a 4-D k"),
+        "packed k without cu_seqlens_k_new": (dict(k=k4[0], v=k4[0]), ValueError,
+                                              "cu_seqlens_k_new is missing for a packed 3-D k"),
+        "cu_seqlens_k_new without k": (dict(cu_seqlens_k_new=cu_new), ValueError,
+                                       "cu_seqlens_k_new is given without k/v"),
+        "rotary without k": (dict(rotary_cos=cos, rotary_sin=cos), ValueError,
+                             "rotary_cos is given without k/v"),
+        "rotary_sin missing": (dict(k=k4, v=k4, rotary_cos=cos), ValueError,
+                               "rotary_sin is missing; expected rotary_cos and rotary_sin"),
+        "rotary too wide": (dict(k=k4, v=k4, rotary_cos=wide, rotary_sin=wide), ValueError,
+                            "rotary_cos has more columns than half the head dim"),
+        "rotary_sin shape": (dict(k=k4, v=k4, rotary_cos=cos, rotary_sin=cos[:3]), ValueError,
+                             r"rotary_sin has the wrong size in dimension 0; expected "
+                             r"rotary_cos.shape\[0\]"),
+        "rotary_seqlens size": (dict(k=k4, v=k4, rotary_cos=cos, rotary_sin=cos,
+                                     rotary_seqlens=torch.zeros(n + 2, dtype=I32)), ValueError,
+                                "rotary_seqlens has the wrong size in dimension 0"),
+        "rotary_interleaved int": (dict(rotary_interleaved=1), TypeError,
+                                   "rotary_interleaved is not a bool"),
     }
 
 
@@ -282,6 +445,32 @@ def test_new_checks_name_the_argument(name, fake):
     else:
         with pytest.raises(exc, match=f"^flash_attn_with_kvcache: {match}"):
             xpu_ops.flash_attn_with_kvcache(**kwargs)
+
+
+def test_append_into_an_fp8_cache_is_not_implemented():
+    t = _paged(0, (1,), (5,), room=1)
+    t["k_cache"], t["v_cache"] = (c.to(torch.float8_e4m3fn) for c in (t["k_cache"], t["v_cache"]))
+    k = torch.randn(1, 1, 2, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="^flash_attn_with_kvcache: appending k/v into "
+                                                  "an fp8 cache is not implemented"):
+        xpu_ops.flash_attn_with_kvcache(**t, k=k, v=k, k_descale=torch.ones(1, 2),
+                                        v_descale=torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(3, 32)), "x has the wrong number of dimensions"),
+    (dict(sin=torch.zeros(5, 4)), r"sin has the wrong size in dimension 0; expected cos.shape"),
+    (dict(cos=torch.zeros(8, 17), sin=torch.zeros(8, 17)),
+     "cos has more columns than half the head dim"),
+    (dict(positions=torch.zeros(2, dtype=I32)), r"positions has the wrong size in dimension 0"),
+    (dict(positions=torch.zeros(3)), "positions has dtype torch.float32"),
+])
+def test_rotary_op_checks(change, match):
+    kwargs = dict(x=torch.zeros(3, 2, 32), cos=torch.zeros(8, 4), sin=torch.zeros(8, 4),
+                  positions=torch.zeros(3, dtype=I32), **{})
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=f"^apply_rotary_emb: {match}"):
+        apply_rotary_emb(**kwargs)
 
 
 def test_varlen_seqused_q_check():
@@ -308,3 +497,75 @@ def test_fake_trace_with_the_new_arguments_keeps_symbolic_sizes():
     total_q = f["q"].shape[0]
     assert isinstance(out.shape[0], torch.SymInt) and str(out.shape[0]) == str(total_q)
     assert str(lse.shape[1]) == str(total_q) and lse.dtype == torch.float32
+
+
+def test_append_with_rotary_traces_fullgraph():
+    """The composed append (rotary, store, attention ops) compiles with fullgraph=True, writes
+    the caller's caches and gives the eager result."""
+    def run(t, k, v, cos, sin):
+        return xpu_ops.flash_attn_with_kvcache(**t, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+                                               causal=True)
+    gen = torch.Generator().manual_seed(18)
+    k, v = torch.randn(2, 2, 2, 32, generator=gen), torch.randn(2, 2, 2, 32, generator=gen)
+    angle = torch.rand(12, 8, generator=gen)
+    eager_t = _paged(19, q_lens=(2, 2), k_lens=(3, 5), room=2)
+    compiled_t = {name: x.clone() if isinstance(x, torch.Tensor) else x
+                  for name, x in eager_t.items()}
+    want = run(eager_t, k, v, angle.cos(), angle.sin())
+    torch._dynamo.reset()
+    got = torch.compile(run, fullgraph=True, backend="aot_eager")(compiled_t, k, v, angle.cos(),
+                                                                  angle.sin())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(compiled_t[name].nan_to_num(7.0), eager_t[name].nan_to_num(7.0))
+
+
+def test_debug_value_checks_of_the_new_arguments():
+    """With ``xpu_ops.debug_checks()``: leftpad past the keys, seqused_q past the rows, an append
+    past the cache's capacity (nothing written) and rotary positions past the tables raise."""
+    t = _paged(20, q_lens=(1,), k_lens=(8,), page_size=4)
+    t["page_table"] = t["page_table"][:, :2]                   # capacity 8 tokens
+    one = torch.randn(1, 1, 2, 32)
+    with xpu_ops.debug_checks():
+        with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_leftpad is out of "
+                                             r"range; .* got cache_leftpad\[0\] = 9"):
+            _call(t, cache_leftpad=torch.tensor([9], dtype=I32))
+        before = t["k_cache"].clone()
+        with pytest.raises(ValueError, match="^flash_attn_with_kvcache: cache_seqlens"):
+            _call(t, k=one, v=one)
+        assert torch.equal(t["k_cache"].nan_to_num(7.0), before.nan_to_num(7.0))
+        t2 = _paged(21, q_lens=(1,), k_lens=(8,), page_size=4, room=1)
+        angle = torch.rand(8, 4)
+        with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_seqlens reaches "
+                                             r"past the rotary tables; .* got position 8"):
+            _call(t2, k=one, v=one, rotary_cos=angle.cos(), rotary_sin=angle.sin())
+        q, k = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+        cu = torch.tensor([0, 2, 4], dtype=I32)
+        with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: seqused_q is out of "
+                                             r"range; .* got seqused_q\[1\] = 3"):
+            xpu_ops.flash_attn_varlen_func(q, k, k, cu, cu,
+                                           seqused_q=torch.tensor([2, 3], dtype=I32))
+
+
+def test_fake_trace_of_an_append_with_rotary_and_of_seqused_q():
+    """Symbolic token counts through the composed append (rotary, store, attention) and through
+    varlen with seqused_q: outputs keep the symbols, nothing reads tensor values."""
+    t = _paged(22, q_lens=(2, 3), k_lens=(4, 6), room=3)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    extra = dict(k=torch.randn(5, 2, 32), v=torch.randn(5, 2, 32),
+                 cu_seqlens_k_new=torch.tensor([0, 2, 5], dtype=I32),
+                 rotary_cos=torch.rand(16, 8), rotary_sin=torch.rand(16, 8))
+    dynamic = dict(q=(0,), k=(0,), v=(0,), cu_seqlens_q=(0,), cu_seqlens_k_new=(0,),
+                   cache_seqlens=(0,), page_table=(0, 1), rotary_cos=(0,), rotary_sin=(0,))
+    f = {k: fake_like(mode, v, dynamic.get(k, ())) if isinstance(v, torch.Tensor) else v
+         for k, v in dict(t, **extra).items()}
+    with mode:
+        out = xpu_ops.flash_attn_with_kvcache(**f, causal=True)
+        q = fake_like(mode, torch.randn(7, 4, 32), (0,))
+        k = fake_like(mode, torch.randn(9, 2, 32), (0,))
+        cu_q, cu_k = (fake_like(mode, torch.zeros(3, dtype=I32)) for _ in range(2))
+        used = fake_like(mode, torch.zeros(2, dtype=I32))
+        varlen = xpu_ops.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 4, 5, seqused_q=used,
+                                                causal=True)
+    assert str(out.shape[0]) == str(f["q"].shape[0]) and out.shape[1:] == (4, 32)
+    assert str(varlen.shape[0]) == str(q.shape[0])

@@ -53,12 +53,12 @@ def _check(name, args, kwargs, result, inputs):
         _close(args[6], out64, args[6].dtype)
         _close(result, lse64, args[6].dtype, GPU_LSE_TOL)
     elif name == "flash_attn_varlen_func":
-        q, k, v, cu_q, cu_k, out, seqused_k, qv, qd, kd, vd, sinks = inputs
+        q, k, v, cu_q, cu_k, out, seqused_k, qv, qd, kd, vd, sinks, seqused_q = inputs
         out64, lse64 = oracle.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, causal=kwargs["causal"], window_size_left=kwargs[
                 "window_size_left"], window_size_right=kwargs["window_size_right"],
             softmax_scale=kwargs["softmax_scale"], softcap=kwargs["softcap"], sinks=sinks, qv=qv,
-            seqused_k=seqused_k, q_descale=qd, k_descale=kd, v_descale=vd)
+            seqused_k=seqused_k, q_descale=qd, k_descale=kd, v_descale=vd, seqused_q=seqused_q)
         _close(args[5], out64, args[5].dtype)
         _close(result, lse64, args[5].dtype, GPU_LSE_TOL)
     elif name == "merge_state_v2":
@@ -86,6 +86,8 @@ def _check(name, args, kwargs, result, inputs):
                     int(draft_slots[r, j]) for j in range(draft_slots.shape[1]) if mask[r, i, j]]
                 assert int(lens[row]) == len(want) and table[row, :len(want)].tolist() == want
                 row += 1
+    elif name == "apply_rotary_emb":
+        _close(result, oracle.apply_rotary_emb(*inputs, **kwargs), result.dtype)
     else:
         raise AssertionError(f"no oracle for {name}")
 

@@ -82,6 +82,24 @@ def test_glue_paged_attention_equals_reference(native, case):
     assert lse.shape == (kwargs["q"].shape[1], kwargs["q"].shape[0])      # [Hq, total_q]
 
 
+def test_glue_strided_metadata_made_contiguous(native):
+    """API.md "Layouts": a column-sliced page table, strided lengths and prefix sums and an
+    expanded sink reach the native kernel dense (it indexes them so)."""
+    gen = torch.Generator().manual_seed(2)
+    kwargs = _paged_call(gen, k_lens=(40, 9), q_lens=(3, 1))
+    table = kwargs["page_table"]
+    wide = torch.full((table.shape[0], 2 * table.shape[1]), 2 ** 30 - 1, dtype=table.dtype)
+    wide[:, ::2] = table
+    kwargs.update(page_table=wide[:, ::2],
+                  cache_seqlens=kwargs["cache_seqlens"].repeat_interleave(2)[::2],
+                  cu_seqlens_q=kwargs["cu_seqlens_q"].repeat_interleave(2)[::2],
+                  sinks=torch.tensor([0.5]).expand(kwargs["q"].shape[1]), causal=True,
+                  return_softmax_lse=True)
+    (out, lse), (ref_out, ref_lse) = _both(xpu_ops.flash_attn_with_kvcache, **kwargs)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
 def test_glue_out_buffer_written_in_place(native):
     gen = torch.Generator().manual_seed(1)
     kwargs = _paged_call(gen, k_lens=(65, 7), q_lens=(1, 1))

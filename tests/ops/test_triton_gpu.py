@@ -22,7 +22,8 @@ from ..markers import GPU_DEVICE, requires_gpu
 DEVICE = GPU_DEVICE
 pytestmark = requires_gpu
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
-       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table",
+       "apply_rotary_emb"]
 
 
 def _rel(got, want):
@@ -257,3 +258,99 @@ def test_samples_match_reference_and_opcheck(op):
         with xpu_ops.use_provider("triton"):
             torch.library.opcheck(getattr(torch.ops.xpu_ops, op).default, args, kwargs,
                                   test_utils=utils)
+
+
+# ---- FlashAttention-3 surface (API.md): masks, splits, appends and rotary on the device ----
+
+def _block_ids(q_lens, spans):
+    """Packed bidirectional_block_ids: span (request, first row, last row) k gets id k."""
+    ids = torch.full((sum(q_lens),), -1, dtype=torch.int32)
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    for block, (r, first, last) in enumerate(spans):
+        ids[starts[r] + first:starts[r] + last + 1] = block
+    return ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
+def test_fa3_leftpad_and_bidirectional_blocks(window):
+    """A full prefill with image blocks crossing key tiles, and an extend after a prefix, with
+    cache_leftpad skipping tiles (sglang 0.5.23 passes causal=False with the ids)."""
+    q_lens = [1000, 200]
+    q, k, v, lens, table, cu = paged_case([1000, 600], q_lens, 64, hq=16, hkv=4)
+    kw = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1000,
+              window_size=window, causal=False,
+              cache_leftpad=torch.tensor([130, 0], dtype=torch.int32, device=DEVICE),
+              bidirectional_block_ids=_block_ids(q_lens, [(0, 100, 400), (0, 700, 705),
+                                                          (1, 10, 150)]))
+    assert _both(q, k, v, **kw) < 1e-2
+
+
+def test_fa3_one_split_is_batch_invariant():
+    """num_splits=1: a long decode request gives the same bits alone and in a batch (the
+    automatic count would split it differently); num_splits=0 and 3 agree to rounding."""
+    q, k, v, lens, table, cu = paged_case([70001, 1, 9000, 33333], [1, 1, 1, 1], 64)
+
+    def run(rows, num_splits):
+        idx = torch.tensor(rows, device=DEVICE)
+        cu_r = torch.arange(len(rows) + 1, dtype=torch.int32, device=DEVICE)
+        with xpu_ops.use_provider("triton"):
+            return xpu_ops.flash_attn_with_kvcache(
+                q[idx], k, v, cache_seqlens=lens[idx], page_table=table[idx], cu_seqlens_q=cu_r,
+                max_seqlen_q=1, num_splits=num_splits)
+    alone, batch = run([0], 1), run([0, 1, 2, 3], 1)
+    assert torch.equal(alone, batch[:1])
+    assert _rel(run([0, 1, 2, 3], 0), batch) < 1e-2 and _rel(run([0, 1, 2, 3], 3), batch) < 1e-2
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "dense"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_fa3_append_with_rotary(paged, interleaved):
+    """k/v appended at cache_seqlens (the length before), keys and queries rotated (rotary_dim
+    64 of 128): caches and outputs of the triton provider equal the reference's."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    b, s_new, hq, hkv, d = 3, 16, 16, 4, 128
+    lens = torch.tensor([1000, 0, 4000], dtype=torch.int32, device=DEVICE)
+    if paged:
+        _, k_cache, v_cache, _, table, _ = paged_case([1016, 16, 4016], [1, 1, 1], 64, hq=hq,
+                                                      hkv=hkv, d=d)
+        layout = dict(page_table=table)
+    else:
+        k_cache = torch.randn(4, 4100, hkv, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        layout = dict(cache_batch_idx=torch.tensor([2, 0, 3], dtype=torch.int32, device=DEVICE))
+    q = torch.randn(b, s_new, hq, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(b, s_new, hkv, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    angle = torch.rand(8192, 32, device=DEVICE, generator=gen) * 6.283
+    results = []
+    for provider in ("reference", "triton"):
+        caches = (k_cache.clone(), v_cache.clone())
+        with xpu_ops.use_provider(provider):
+            out = xpu_ops.flash_attn_with_kvcache(
+                q, *caches, k, v, rotary_cos=angle.cos().bfloat16(),
+                rotary_sin=angle.sin().bfloat16(), cache_seqlens=lens, causal=True,
+                rotary_interleaved=interleaved, **layout)
+        results.append((out, *caches))
+    assert _rel(results[1][0], results[0][0]) < 1e-2
+    for got, want in zip(results[1][1:], results[0][1:]):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_fa3_varlen_seqused_q_and_k():
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    q_lens, k_lens = [300, 5, 700], [900, 0, 700]
+    used_q, used_k = [200, 5, 1], [850, 0, 300]
+    q = torch.randn(sum(q_lens), 16, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(sum(k_lens), 4, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device=DEVICE) for n in (q_lens, k_lens))
+    kw = dict(max_seqlen_q=700, max_seqlen_k=900, causal=True,
+              seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
+              seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
+    outs = []
+    for provider in ("reference", "triton"):
+        with xpu_ops.use_provider(provider):
+            outs.append(xpu_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kw))
+    assert _rel(outs[1], outs[0]) < 1e-2
+    assert outs[1][200:300].eq(0).all() and outs[1][306:].eq(0).all()

@@ -32,7 +32,8 @@ from . import oracle  # noqa: E402
 from .utils import assert_matches_oracle  # noqa: E402
 
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
-       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table"]
+       "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table",
+       "apply_rotary_emb"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -237,3 +238,27 @@ def test_one_split_results_do_not_depend_on_the_batch():
     alone = run([0])
     assert torch.equal(batch[:1], alone)
     assert torch.equal(batch[2:], run([2, 1])[:1])
+
+
+@in_subprocess
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_append_with_rotary_matches_reference(interleaved):
+    """The public wrapper's append path (rotary op, store op, attention op) under the triton
+    provider: the same cache writes and output as the reference provider."""
+    gen = torch.Generator().manual_seed(21)
+    (k_cache, v_cache), table, _ = xt.paged_kv_cache(gen, [9, 12], 4, [(2, 32), (2, 32)],
+                                                     dtype=torch.float32, device="cpu")
+    lens = torch.tensor([6, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(2, 3, h, 32, generator=gen) for h in (4, 2, 2))
+    angle = torch.rand(16, 8, generator=gen) * 6.283
+    results = []
+    for provider in ("reference", "triton"):
+        caches = (k_cache.clone(), v_cache.clone())
+        with xpu_ops.use_provider(provider):
+            out = xpu_ops.flash_attn_with_kvcache(
+                q, *caches, k, v, rotary_cos=angle.cos(), rotary_sin=angle.sin(),
+                cache_seqlens=lens, page_table=table, causal=True,
+                rotary_interleaved=interleaved)
+        results.append((out, *caches))
+    for got, want in zip(results[1], results[0]):
+        _compare(got.nan_to_num(7.0), want.nan_to_num(7.0), "append + rotary")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Optional
 
 import pytest
@@ -133,6 +134,15 @@ def case_id(case) -> str:
         flags.append("kv_" + str(case.kv_dtype).split(".")[1])
     flags += ["q_fp8"] * case.q_fp8
     return "-".join(flags)
+
+
+def assert_named_error(call, kwargs, fake, fn: str, exc: type, match: str) -> None:
+    """``call(**kwargs)`` raises ``exc`` whose message starts ``"<fn>: "`` and matches ``match``;
+    with ``fake``, on fake tensors, and then exactly as the eager call does (same checks)."""
+    msg = error_message(call, kwargs, fake)
+    assert msg.startswith(f"{exc.__name__}: {fn}: ") and re.search(match, msg), msg
+    if fake:
+        assert msg == error_message(call, kwargs, False)
 
 
 def error_message(call, kwargs, fake) -> str:

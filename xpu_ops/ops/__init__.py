@@ -1,4 +1,4 @@
 """One module per op family: schema, fake, argument checks and public wrapper side by side."""
 
 from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention, swa_spec  # noqa: F401
-from . import varlen_attention  # noqa: F401
+from . import rotary, varlen_attention  # noqa: F401

@@ -179,6 +179,21 @@ def check_speed_hints(fn: str, *, pack_gqa=None, sm_margin=0, scheduler_metadata
              type(scheduler_metadata).__name__, exc=TypeError)
 
 
+def check_mla_inputs(fn: str, q_nope, rope_arg: str, q_rope, cache_arg: str, kv_cache,
+                     rows: str) -> None:
+    """Absorbed-MLA queries and latent cache: ``q_nope [rows, H, R]`` float, ``<rope_arg> [rows, H,
+    r]`` and ``<cache_arg> [num_pages, page_size, R + r]`` in q_nope's dtype and device.
+    ``rows`` names q_nope's first dimension in messages (``b`` or ``total_q``)."""
+    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    num_rows, num_heads, latent_dim = q_nope.shape
+    check_tensor(fn, rope_arg, q_rope, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, rope_arg, q_rope, 0, num_rows, f"q_nope.shape[0] ({rows})")
+    check_size(fn, rope_arg, q_rope, 1, num_heads, "q_nope.shape[1] (H)")
+    check_tensor(fn, cache_arg, kv_cache, ndim=3, dtypes=(q_nope.dtype,), device=device)
+    check_size(fn, cache_arg, kv_cache, 2, latent_dim + q_rope.shape[2], "R + r")
+
+
 def check_workspace_size_args(fn: str, **sizes) -> None:
     """Arguments of a ``flash_mla_*_get_workspace_size`` function: integers, the sizes
     non-negative (``num_kv_splits`` may be -1: automatic).

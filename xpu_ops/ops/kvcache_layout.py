@@ -42,6 +42,17 @@ def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
     return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
 
 
+def pack_rows(fn: str, arg: str, t, batch_shape):
+    """A per-query tensor (``qv``) in q's layout: ``[b, s, ...]`` flattened to ``[b*s, ...]``
+    when q was 4-D (``batch_shape = (b, s)``); left as it is otherwise."""
+    if batch_shape is None or not isinstance(t, Tensor):
+        return t
+    if t.dim() != 4 or tuple(t.shape[:2]) != tuple(batch_shape):
+        fail(fn, arg, "does not match the 4-D q", f"[b, s, Hq, Dv] with (b, s) = "
+             f"{tuple(batch_shape)}", f"shape {tuple(t.shape)}")
+    return t.reshape(batch_shape[0] * batch_shape[1], *t.shape[2:])
+
+
 def request_count(cache_seqlens, cu_seqlens_q, batch_shape) -> tuple[Optional[int], str]:
     """``(b, where it comes from)``: the requests of the call, or ``(None, "")`` when no argument
     gives it well-formed (the op's checks then name the malformed one)."""

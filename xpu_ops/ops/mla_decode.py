@@ -12,9 +12,9 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
-                       int_scalar)
-from .common import check_index, check_workspace_size_args, float_scalar
+from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
+                       check_tensor_args, fail, int_scalar)
+from .common import check_index, check_mla_inputs, check_workspace_size_args, float_scalar
 
 NAME = "flash_mla_decode"
 MAX_KV_SPLITS = 16
@@ -88,14 +88,9 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
                             num_kv_splits) -> None:
     """Validate shapes/dtypes/devices (runs in the fake too)."""
     fn = NAME
-    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    check_mla_inputs(fn, q_nope, "q_rope", q_rope, "kv_cache", kv_cache, "b")
     device = q_nope.device
     batch, num_heads, latent_dim = q_nope.shape
-    check_tensor(fn, "q_rope", q_rope, ndim=3, dtypes=(q_nope.dtype,), device=device)
-    check_size(fn, "q_rope", q_rope, 0, batch, "q_nope.shape[0] (b)")
-    check_size(fn, "q_rope", q_rope, 1, num_heads, "q_nope.shape[1] (H)")
-    check_tensor(fn, "kv_cache", kv_cache, ndim=3, dtypes=(q_nope.dtype,), device=device)
-    check_size(fn, "kv_cache", kv_cache, 2, latent_dim + q_rope.shape[2], "R + r")
     check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
     check_size(fn, "cache_seqlens", cache_seqlens, 0, batch, "q_nope.shape[0] (b)")
     check_index(fn, "page_table", page_table, 2, device)
@@ -103,6 +98,7 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
     check_tensor(fn, "workspace", workspace, ndim=1, dtypes=(torch.uint8,), device=device,
                  fix="Allocate it with torch.empty(flash_mla_get_workspace_size(...), "
                      "dtype=torch.uint8).")
+    check_contiguous_last(fn, "workspace", workspace)  # reinterpreted as float32 partials
     need = mla_split_bytes(batch, num_heads, latent_dim) * max(num_kv_splits, 1)
     if workspace.shape[0] < need:
         fail(fn, "workspace", "is too small",

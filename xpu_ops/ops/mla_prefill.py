@@ -10,15 +10,14 @@ convention; the op makes one pass over each request's keys and needs no scratch.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
 from .. import _value_checks
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
-from .common import check_cu_seqlens, check_index, check_workspace_size_args, float_scalar
+from .._checks import check_size, check_tensor, check_tensor_args, fail, int_scalar
+from .common import (check_cu_seqlens, check_index, check_mla_inputs, check_workspace_size_args,
+                     float_scalar)
 
 NAME = "flash_mla_prefill"
 
@@ -50,16 +49,10 @@ def _check_flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, se
                              page_table, workspace, max_seqlen_q) -> None:
     """Validate shapes/dtypes/devices (runs in the fake too)."""
     fn = NAME
-    check_tensor(fn, "q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    check_mla_inputs(fn, q_nope, "q_pe", q_pe, "kv_c_and_k_pe_cache", kv_c_and_k_pe_cache,
+                     "total_q")
     device = q_nope.device
-    total_q, num_heads, latent_dim = q_nope.shape
-    check_tensor(fn, "q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), device=device)
-    check_size(fn, "q_pe", q_pe, 0, total_q, "q_nope.shape[0] (total_q)")
-    check_size(fn, "q_pe", q_pe, 1, num_heads, "q_nope.shape[1] (H)")
-    check_tensor(fn, "kv_c_and_k_pe_cache", kv_c_and_k_pe_cache, ndim=3, dtypes=(q_nope.dtype,),
-                 device=device)
-    check_size(fn, "kv_c_and_k_pe_cache", kv_c_and_k_pe_cache, 2, latent_dim + q_pe.shape[2],
-               "R + r (q_nope.shape[2] + q_pe.shape[2])")
+    total_q = q_nope.shape[0]
     check_index(fn, "seq_lens_k", seq_lens_k, 1, device)
     batch = seq_lens_k.shape[0]
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, batch, device)
@@ -92,12 +85,6 @@ def _(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, w
     _check_flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k,
                              page_table, workspace, max_seqlen_q)
     return q_nope.new_empty(q_nope.shape)
-
-
-def _int_arg(arg: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        fail(NAME, arg, "is not an integer", "an int", repr(value), exc=TypeError)
-    return int(value)
 
 
 def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, max_seqlen_q,
@@ -149,10 +136,10 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
     check_tensor_args(NAME, q_nope=q_nope, q_pe=q_pe, kv_c_and_k_pe_cache=kv_c_and_k_pe_cache,
                       cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, page_table=page_table,
                       workspace=workspace)
-    max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_q = int_scalar(NAME, "max_seqlen_q", max_seqlen_q)
     _value_checks.check_flash_mla_prefill(q_nope, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k,
                                           page_table, max_seqlen_q)
     return torch.ops.xpu_ops.flash_mla_prefill(
         q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace,
         max_seqlen_q=max_seqlen_q, sm_scale=float_scalar(NAME, "sm_scale", sm_scale),
-        causal=bool(causal), num_kv_splits=_int_arg("num_kv_splits", num_kv_splits))
+        causal=bool(causal), num_kv_splits=int_scalar(NAME, "num_kv_splits", num_kv_splits))

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks
-from . import kvcache_layout
+from . import kvcache_append, kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
                        check_tensor_args, fail, tensors_or_none)
@@ -26,7 +26,7 @@ from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, c
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
-_KVCACHE_DEFAULTS = {"attention_chunk": 0, "rotary_interleaved": True}
+_KVCACHE_DEFAULTS = {"attention_chunk": 0}
 _LAYOUTS = ("4-D: [num_pages, page_size, Hkv, D] with page_table, or [b, seqlen_k, Hkv, D] "
             "without page_table")
 
@@ -162,7 +162,8 @@ def flash_attn_with_kvcache(
             last page are never read. None: the cache is dense (above).
         cu_seqlens_q: [b + 1] int32 prefix sums of new tokens per request (packed q only).
         max_seqlen_q: upper bound of new tokens in one request (int); default total_q.
-        qv: [total_q, Hq, Dv], extra query part dotted with V (absorbed MLA extend).
+        qv: [total_q, Hq, Dv] ([b, s, Hq, Dv] for a 4-D q), extra query part dotted with V
+            (absorbed MLA extend).
         q_descale/k_descale/v_descale: [b, Hkv] float32 dequantisation scales of fp8 inputs.
         softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
         causal, window_size, softcap: see above. sinks: [Hq] float32 logits.
@@ -178,10 +179,19 @@ def flash_attn_with_kvcache(
         num_splits: KV splits: 1 is one pass over the keys, so a row's result does not depend
             on the other requests of the batch; 0 (default) lets the provider choose; n > 1 at
             most n splits. Results agree to rounding whatever the value.
+        k, v: new keys/values to append first (FA3): [b, s_new, Hkv, D|Dv], or packed
+            [total_new, Hkv, D|Dv] with ``cu_seqlens_k_new [b + 1]`` int32, in the cache's
+            dtype. Then ``cache_seqlens`` is the length *before* the append: new key j of
+            request r is written at position ``cache_seqlens[r] + j`` (paged or dense; a
+            position past the cache's capacity is skipped) and attention runs over
+            ``cache_seqlens[r] + s_new[r]`` keys. The caches are modified in place.
+        rotary_cos, rotary_sin: [seqlen_ro, rotary_dim / 2] tables, only with k/v: the new
+            keys are rotated at positions ``base[r] + j`` and the queries at ``base[r] + i``
+            when causal or local (a window), else all at ``base[r]``, with ``base =
+            rotary_seqlens`` ([b] int32) or ``cache_seqlens``; the first rotary_dim features
+            turn, GPT-J pairs when ``rotary_interleaved`` (default), NeoX halves otherwise.
         pack_gqa, sm_margin, scheduler_metadata, max_seqlen_k: FlashAttention-3 speed hints,
-            accepted (typed) and never changing the result. rotary_seqlens: used with rotary.
-        k, v, rotary_cos, rotary_sin, cu_seqlens_k_new, rotary_interleaved: not implemented
-            yet (accepted only as None / True).
+            accepted (typed) and never changing the result.
         attention_chunk: not implemented; only 0 (chunked-local attention: use window_size on
             the virtual batches instead).
     Returns:
@@ -193,8 +203,8 @@ def flash_attn_with_kvcache(
         ValueError: a shape, dtype or device mismatch, naming the argument and both values
             (a dense cache whose row count is not b without ``cache_batch_idx`` names k_cache
             and both layouts); a negative num_splits.
-        NotImplementedError: an unimplemented keyword (listed above) with a non-default
-            value.
+        NotImplementedError: ``attention_chunk`` other than 0; k/v appended into an fp8
+            cache.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
             ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read (unchecked otherwise).
     Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
@@ -214,24 +224,21 @@ def flash_attn_with_kvcache(
     True
     """
     fn = NAME
-    _check_keywords(k, v, rotary_cos, rotary_sin, cu_seqlens_k_new, attention_chunk,
-                    rotary_interleaved, num_splits, pack_gqa, sm_margin, scheduler_metadata,
-                    max_seqlen_k)
-    if not tensors_or_none((q, k_cache, v_cache), (
-            cache_seqlens, page_table, cu_seqlens_q, qv, q_descale, k_descale, v_descale, sinks,
-            out, cache_batch_idx, cache_leftpad, rotary_seqlens, bidirectional_block_ids)):
-        check_tensor_args(fn, ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale",
-                               "k_descale", "v_descale", "sinks", "out", "cache_batch_idx",
-                               "cache_leftpad", "rotary_seqlens", "bidirectional_block_ids"),
-                          q=q, k_cache=k_cache, v_cache=v_cache,
-                          cache_seqlens=None if type(cache_seqlens) is int else cache_seqlens,
-                          page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv,
-                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                          sinks=sinks, out=out, cache_batch_idx=cache_batch_idx,
-                          cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens,
-                          bidirectional_block_ids=bidirectional_block_ids)
+    _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
+                    scheduler_metadata, max_seqlen_k)
+    optional = dict(cache_seqlens=None if type(cache_seqlens) is int else cache_seqlens,
+                    page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv, q_descale=q_descale,
+                    k_descale=k_descale, v_descale=v_descale, sinks=sinks, out=out,
+                    cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                    rotary_seqlens=rotary_seqlens, k=k, v=v, rotary_cos=rotary_cos,
+                    rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new,
+                    bidirectional_block_ids=bidirectional_block_ids)
+    if not tensors_or_none((q, k_cache, v_cache), optional.values()):
+        check_tensor_args(fn, optional, q=q, k_cache=k_cache, v_cache=v_cache, **optional)
+    kvcache_append.check_rotary_needs_new_kv(fn, k, rotary_cos, rotary_sin)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = kvcache_layout.as_packed(
         fn, q, cu_seqlens_q, max_seqlen_q)
+    qv = kvcache_layout.pack_rows(fn, "qv", qv, batch_shape)
     _check_cache_rank(fn, "k_cache", k_cache)
     page_table, cache_seqlens, dense = kvcache_layout.cache_tables(
         fn, k_cache, cache_seqlens, page_table, cache_batch_idx, cu_seqlens_q, batch_shape)
@@ -241,9 +248,23 @@ def flash_attn_with_kvcache(
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)
+    def check_values(lens):  # debug value checks, before anything is written
+        _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
+                                                    max_seqlen_q, contiguous=dense,
+                                                    cache_leftpad=cache_leftpad)
+    if k is not None or v is not None:
+        q3, cache_seqlens = kvcache_append.append_new_kv(
+            fn, q=q3, cu_seqlens_q=cu_seqlens_q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+            page_table=page_table, cache_seqlens=cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens,
+            rotary_interleaved=bool(rotary_interleaved), local=causal or (left, right) != (-1, -1),
+            check_values=check_values)
+    else:
+        if cu_seqlens_k_new is not None:
+            fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
+                 "values v are appended", "a tensor")
+        check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
-                                                cu_seqlens_q, max_seqlen_q, contiguous=dense)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
@@ -261,20 +282,16 @@ def flash_attn_with_kvcache(
     return (result, lse) if return_softmax_lse else result
 
 
-def _check_keywords(k, v, rotary_cos, rotary_sin, cu_seqlens_k_new, attention_chunk,
-                    rotary_interleaved, num_splits, pack_gqa, sm_margin, scheduler_metadata,
-                    max_seqlen_k) -> None:
-    """The scalar and not-yet-implemented keywords (the usual call passes none of them, and
-    is tested without building keyword dicts)."""
+def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
+                    scheduler_metadata, max_seqlen_k) -> None:
+    """The scalar keywords (the usual call passes none of them, and is tested without building
+    keyword dicts)."""
     fn = NAME
-    if not (k is None and v is None and rotary_cos is None and rotary_sin is None
-            and cu_seqlens_k_new is None
-            and (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0)
-            and (rotary_interleaved is None or rotary_interleaved is True)):
-        check_not_implemented(fn, _KVCACHE_DEFAULTS, k=k, v=v, rotary_cos=rotary_cos,
-                              rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new,
-                              attention_chunk=attention_chunk,
-                              rotary_interleaved=rotary_interleaved)
+    if not (attention_chunk is None or type(attention_chunk) is int and attention_chunk == 0):
+        check_not_implemented(fn, _KVCACHE_DEFAULTS, attention_chunk=attention_chunk)
+    if not isinstance(rotary_interleaved, bool):
+        fail(fn, "rotary_interleaved", "is not a bool", "True (GPT-J pairs) or False (NeoX)",
+             type(rotary_interleaved).__name__, exc=TypeError)
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
     if not (pack_gqa is None and sm_margin == 0 and scheduler_metadata is None

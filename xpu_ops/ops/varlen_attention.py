@@ -165,7 +165,7 @@ def flash_attn_varlen_func(
     max_seqlen_q = max_seqlen(fn, "max_seqlen_q", max_seqlen_q, q.shape[0])
     max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                               max_seqlen_q, max_seqlen_k)
+                                               max_seqlen_q, max_seqlen_k, seqused_q)
     lse = torch.ops.xpu_ops.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
         sinks, seqused_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -43,12 +43,12 @@ def request_rows(cu_seqlens: Tensor, max_len: int, total: int) -> tuple[Tensor, 
 
 def token_owner(start: Tensor, lens: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
     """For each packed token, ``(request id, row within the request, described)`` (``[total]``):
-    ``described`` is False for rows no request's ``[start, start + lens)`` covers."""
+    the first request whose ``[start, start + lens)`` covers it; ``described`` is False for
+    rows none covers (inconsistent metadata only: valid prefix sums cover every row once)."""
     tokens = torch.arange(total, device=start.device)
-    owner = torch.searchsorted(start + lens, tokens, right=True)
-    owner = owner.clamp(max=max(start.shape[0] - 1, 0))
-    row = tokens - start[owner]
-    return owner, row.clamp(min=0), (row >= 0) & (row < lens[owner])
+    covers = (tokens[None, :] >= start[:, None]) & (tokens[None, :] < (start + lens)[:, None])
+    owner = covers.to(torch.uint8).argmax(dim=0)                       # first covering request
+    return owner, tokens - start[owner], covers.any(dim=0)
 
 
 def gather_padded(x: Tensor, index: Tensor, valid: Tensor) -> Tensor:
@@ -178,7 +178,7 @@ def scatter_packed(out_pad: Tensor, lse_pad: Tensor, start: Tensor, lens: Tensor
     if total_q == 0 or out_pad.shape[0] == 0 or out_pad.shape[1] == 0:
         return
     owner, row, described = token_owner(start, lens, total_q)
-    row = row.clamp(max=out_pad.shape[1] - 1)
+    row = row.clamp(0, out_pad.shape[1] - 1)
     out.copy_(torch.where(described[:, None, None], out_pad[owner, row].to(out.dtype), out))
     lse.copy_(torch.where(described[None, :], lse_pad[owner, :, row].transpose(0, 1), lse))
 

@@ -48,8 +48,19 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+# Arguments of native ``fwd`` that are not small metadata (their layouts are handled apart).
+_LARGE = frozenset({"q", "k", "v", "q_v", "out", "softmax_lse"})
+
+
 def _run_fwd(out: torch.Tensor, values: dict) -> torch.Tensor:
-    """Run native ``fwd``; write its output into ``out``; return the LSE ``[Hq, total_q]``."""
+    """Run native ``fwd``; write its output into ``out``; return the LSE ``[Hq, total_q]``.
+
+    The one place where the small tensors (lengths, prefix sums, page table, descales, sinks,
+    leftpad) become contiguous: native kernels index them densely, and API.md allows any view
+    (a column slice of a page table, an expanded per-tensor descale)."""
+    for name, value in values.items():
+        if name not in _LARGE and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            values[name] = value.contiguous()
     q = values["q"]
     staging = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     values["out"] = staging

@@ -11,6 +11,6 @@ from ._common import HAS_TRITON, available
 if HAS_TRITON:
     from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention  # noqa: F401
     from . import swa_spec  # noqa: F401
-    from . import varlen_attention  # noqa: F401
+    from . import rotary, varlen_attention  # noqa: F401
 
 __all__ = ["HAS_TRITON", "available"]
