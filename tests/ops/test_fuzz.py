@@ -51,7 +51,11 @@ layouts = st.sampled_from(["contiguous", "strided"])
 
 
 def _lay(t, layout):
-    return t if t is None or layout == "contiguous" else strided_view(t)
+    """``t`` as drawn: itself, a strided view over garbage, or (``"heads"``) its first head
+    broadcast over the heads dimension (stride 0; the caller compares with a dense copy)."""
+    if t is None or layout == "contiguous":
+        return t
+    return t[:, :1].expand(t.shape) if layout == "heads" else strided_view(t)
 
 
 def _cu(lens):
@@ -65,7 +69,8 @@ def _cu(lens):
 @given(reqs=requests, page_size=st.sampled_from([1, 3, 16]), hq_hkv=heads,
        d=st.sampled_from([16, 40]), causal=st.booleans(), window=windows,
        softcap=st.sampled_from([0.0, 2.5]), sinks=st.booleans(), fp8=st.booleans(),
-       metadata=st.tuples(layouts, layouts, layouts), big=st.tuples(layouts, layouts, layouts),
+       metadata=st.tuples(layouts, layouts, layouts),
+       big=st.tuples(st.sampled_from(["contiguous", "strided", "heads"]), layouts, layouts),
        expand=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_valid_paged_inputs_in_odd_layouts_match_the_oracle(provider, reqs, page_size, hq_hkv, d,
                                                            causal, window, softcap, sinks, fp8,
@@ -85,9 +90,11 @@ def test_valid_paged_inputs_in_odd_layouts_match_the_oracle(provider, reqs, page
     cu = _cu(q_lens)
     lay_lens, lay_table, lay_cu = metadata
     lay_q, lay_k, lay_v = big
+    q_view = _lay(q, lay_q)
+    q = q_view.contiguous()                         # the values the oracle sees
     with running(provider):
         out, lse = xpu_ops.flash_attn_with_kvcache(
-            _lay(q, lay_q), _lay(k_cache, lay_k), _lay(v_cache, lay_v),
+            q_view, _lay(k_cache, lay_k), _lay(v_cache, lay_v),
             cache_seqlens=_lay(cache_seqlens, lay_lens), page_table=_lay(page_table, lay_table),
             cu_seqlens_q=_lay(cu, lay_cu), max_seqlen_q=max(q_lens), causal=causal,
             window_size=window, softcap=softcap, sinks=sink, k_descale=descale,

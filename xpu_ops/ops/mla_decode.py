@@ -12,8 +12,8 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
-                       int_scalar)
+from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
+                       check_tensor_args, fail, int_scalar)
 from .common import check_index, check_mla_inputs, check_workspace_size_args, float_scalar
 
 NAME = "flash_mla_decode"
@@ -98,6 +98,7 @@ def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table,
     check_tensor(fn, "workspace", workspace, ndim=1, dtypes=(torch.uint8,), device=device,
                  fix="Allocate it with torch.empty(flash_mla_get_workspace_size(...), "
                      "dtype=torch.uint8).")
+    check_contiguous_last(fn, "workspace", workspace)  # reinterpreted as float32 partials
     need = mla_split_bytes(batch, num_heads, latent_dim) * max(num_kv_splits, 1)
     if workspace.shape[0] < need:
         fail(fn, "workspace", "is too small",
