@@ -20,6 +20,8 @@ from xpu_ops import sgl_kernel as sk
 from xpu_ops._registration import define_op
 from xpu_ops.triton import _common as triton_common
 
+from tests.markers import GPU_DEVICE
+
 from .native_sgl_kernel import define_native_library
 
 OP = "flash_attn_with_kvcache"
@@ -133,6 +135,20 @@ def test_the_dispatcher_routes_by_device_type(test_op):
     assert seen == ["cpu"]
     fake = op(torch.empty(4, device="meta"))   # the fake: no provider runs
     assert fake.shape == (4,) and seen == ["cpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_DEVICE is None, reason="needs a CUDA or XPU device")
+def test_gpu_calls_run_the_kernel_of_their_dispatch_key(test_op):
+    """On the GPU machine: a CUDA/XPU tensor reaches that device type's route, the CPU route
+    stays unresolved, and a registered op's GPU default is its best available provider."""
+    name, op = test_op
+    seen = []
+    providers.register(name, "reference")(lambda x: seen.append(x.device.type) or x.clone())
+    op(torch.ones(2, device=GPU_DEVICE))
+    assert seen == [GPU_DEVICE] and providers.route(name, "cpu")._current[1] == ()
+    assert providers.select(TRITON_OP, torch.device(GPU_DEVICE)).provider == _uncached_choice(
+        TRITON_OP, GPU_DEVICE)
 
 
 def test_a_failed_resolution_is_not_kept(test_op, monkeypatch):
