@@ -3,8 +3,9 @@
 ``torch.compile(model)`` works on every zoo model (tests/compile/test_compile_model.py), but
 Dynamo traces all N decoder layers and Inductor compiles N copies of the same code: a 30-layer
 model takes ~60 s cold and ~10 s warm on a 2-core CPU. ``compile_model(model)`` returns a
-``CompiledModel``: the same ``torch.compile``, called so that Dynamo traces one layer per kind
-and stamps out the others (docs/regions_reuse.md):
+``CompiledModel``: the same ``torch.compile``, called so that for decode, verify and draft-decode
+steps Dynamo traces one layer per kind and stamps out the others (docs/regions_reuse.md; extend
+steps, whose query lengths vary, trace every layer: see ``CompiledModel``):
 
 1. each step runs inside ``compile.regions.layer_regions()`` (one nested compile region per
    decoder layer) and ``compile.forward_context.set_forward_context`` holding the step's
@@ -25,11 +26,13 @@ benchmarks/RESULTS.md, "Issue 5, session 4".
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
+from .forward_batch import ForwardMode
 from .forward_context import set_forward_context
 from .layer import attention_layers, reading_bound_kv
 from .regions import layer_regions, supported as regions_supported
@@ -48,6 +51,31 @@ def _specialize_floats():
     return torch._dynamo.config.patch(specialize_float=True)
 
 
+# How many graphs Dynamo compiles for a zoo model, and the budget that lets all of them compile
+# under fullgraph=True (the default recompile limit, 8, is one budget for every mode of the
+# model's forward, and a long schedule of three modes passes it). Per forward mode: one graph
+# per pattern of which of the step's four varying sizes (requests b, tokens T, page-table
+# width, max_seqlen_q) equal 1, since Dynamo specialises size 1 (2**4 at most), plus one whose
+# sizes are still static (the mode's first graph, before a recompile turns them dynamic).
+# sglang raises the global limit instead (cache_size_limit = 1024); tests/compile/
+# test_recompiles.py checks the count over long random schedules.
+GRAPHS_BOUND = (2 ** 4 + 1) * len(ForwardMode)
+_RECOMPILE_BUDGET = ({"recompile_limit": GRAPHS_BOUND}
+                     if "recompile_limit" in inspect.signature(torch.compile).parameters else {})
+
+
+def _fixed_query_lengths(forward_batch) -> bool:
+    """Whether the step's mode fixes ``max_seqlen_q`` (decode: 1; verify and draft decode: the
+    draft length). Reusable regions read the batch's metadata through the forward context, a
+    global to Dynamo, and Dynamo specialises every int it reads from a global: an extend, mixed
+    or draft-extend step (a new ``max_seqlen_q`` almost every step) would compile again for
+    each value until the recompile limit fails it. Those steps run as a plain
+    ``torch.compile``, where the batch is an argument and such ints turn dynamic after one
+    recompile."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    return mode is not None and not mode.is_extend_or_draft_extend_or_mixed()
+
+
 def _pool_of(forward_batch) -> Any:
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     if pool is None:
@@ -64,7 +92,8 @@ class CompiledModel:
         regions: trace one layer per kind (see the module docstring). None (default): when
             ``reusable_regions_supported()``. True on a torch without reuse raises.
         **compile_kwargs: passed to ``torch.compile`` (``backend``, ``fullgraph``, ``dynamic``,
-            ``mode``, ``options``).
+            ``mode``, ``options``); ``recompile_limit`` defaults to ``GRAPHS_BOUND`` where this
+            torch takes it (>= 2.13).
     Attributes:
         model: the model. compiled: the ``torch.compile``d model. regions: whether steps run
             with reusable regions. binds: how many times the layers were (re)bound to a pool.
@@ -75,10 +104,12 @@ class CompiledModel:
         RuntimeError: ``regions=True`` and this torch cannot reuse region traces.
 
     Steps run without regions (a plain ``torch.compile`` call) when the ``forward_batch`` has
-    no pool with ``bind_layers`` or grad mode is on (regions mutate the KV cache inside
+    no pool with ``bind_layers``, when grad mode is on (regions mutate the KV cache inside
     ``invoke_subgraph``, which autograd cannot train through; serving runs under
-    ``torch.inference_mode``). The binding stays on the layers after a call but is read only
-    inside ``CompiledModel`` calls (``compile.layer.reading_bound_kv``), so other compiled
+    ``torch.inference_mode``) and for extend, mixed and draft-extend steps, whose query lengths
+    change from step to step (``_fixed_query_lengths``): compiles stay bounded, at the price of
+    tracing every layer for those steps. The binding stays on the layers after a call but is
+    read only inside ``CompiledModel`` calls (``compile.layer.reading_bound_kv``), so other compiled
     functions of the same model keep their pool look-ups. Calls with regions patch two torch
     functions for their duration (``compile.regions.layer_regions`` says which and why).
 
@@ -95,7 +126,7 @@ class CompiledModel:
                                f"regions=None to fall back to a plain torch.compile.")
         self.model = model
         self.regions = reusable_regions_supported() if regions is None else bool(regions)
-        self.compiled = torch.compile(model, **compile_kwargs)
+        self.compiled = torch.compile(model, **{**_RECOMPILE_BUDGET, **compile_kwargs})
         self.binds = 0
         self._layers = attention_layers(model)  # per-step binding checks skip the module walk
 
@@ -113,8 +144,10 @@ class CompiledModel:
     def __call__(self, input_ids: Tensor, positions: Tensor, forward_batch, **kwargs):
         """The compiled model's output for this step (``model``'s contract)."""
         # Regions mutate the KV cache inside invoke_subgraph, which autograd cannot train
-        # through: with grad enabled this is a plain torch.compile.
-        if not (self.regions and not torch.is_grad_enabled() and self._bind(forward_batch)):
+        # through: with grad enabled this is a plain torch.compile. So is a step whose query
+        # lengths vary (see _fixed_query_lengths).
+        if not (self.regions and not torch.is_grad_enabled()
+                and _fixed_query_lengths(forward_batch) and self._bind(forward_batch)):
             return self.compiled(input_ids, positions, forward_batch, **kwargs)
         # specialize_float: layer regions are shared code, so a float module attribute that
         # differs between models (softmax scale of another head_dim) would otherwise turn into
@@ -134,4 +167,4 @@ def compile_model(model: nn.Module, *, regions: Optional[bool] = None,
     return CompiledModel(model, regions=regions, **compile_kwargs)
 
 
-__all__ = ["CompiledModel", "compile_model", "reusable_regions_supported"]
+__all__ = ["CompiledModel", "compile_model", "reusable_regions_supported", "GRAPHS_BOUND"]

@@ -228,7 +228,8 @@ class PiecewiseModel(nn.Module):
                                         static_inputs=_first_two_args(model),
                                         emulate_graphs=emulate_graphs)
         # Not a submodule (it would list the model's parameters twice).
-        self.__dict__["compiled"] = torch.compile(model, backend=self.backend, fullgraph=True)
+        self.__dict__["compiled"] = torch.compile(model, backend=self.backend, fullgraph=True,
+                                                  **_OWN_RECOMPILE_BUDGET)
         n = self.graph_sizes[-1] if self.graph_sizes else 0
         self.max_graph_size = n
         self.register_buffer("static_input_ids", torch.zeros(n, dtype=torch.long,
@@ -309,6 +310,17 @@ class PiecewiseModel(nn.Module):
         # Rows [:T] of every padded output (a tensor, or tensors in a tuple/list/dict), cloned.
         return tree_map(lambda t: (t[:n] if t.dim() and t.shape[0] == size else t).clone()
                         if isinstance(t, Tensor) else t, out)
+
+
+# Each PiecewiseModel has its own backend, so Dynamo cannot reuse one model's graphs for another
+# (a BACKEND_MATCH guard fails); all of them add cache entries to the model class's ``forward``
+# code object, and by default those count against one recompile limit: the ninth model of a
+# process failed with FailOnRecompileLimitHit (fullgraph) however few steps each ran.
+# ``isolate_recompiles`` (pytorch/pytorch pull request 178351) gives every torch.compile call
+# its own budget; on a torch without it the models share the limit, as before.
+_OWN_RECOMPILE_BUDGET = ({"isolate_recompiles": True}
+                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+                         else {})
 
 
 def _first_two_args(model: nn.Module) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """``compile.compiled_model``: ``compile_model(model)`` equals eager over extend and decode steps,
-traces one layer per kind (Dynamo stamps out the others), binds the pool once and again when its
-buffers change, and is a plain ``torch.compile`` where region reuse is unavailable.
+traces one layer per kind in decode steps (Dynamo stamps out the others; extend steps trace every
+layer), binds the pool once and again when its buffers change, and is a plain ``torch.compile``
+where region reuse is unavailable.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def test_compiled_model_equals_eager_and_traces_one_layer_per_kind(stamp_outs):
     forward = compile_model(model, backend=counter, fullgraph=True)
     assert forward.regions
     _run_pair(model, forward)
-    # each compiled frame traced a sliding and a full layer, and stamped out the other two
-    assert counter.frame_count >= 1 and stamp_outs[0] == 2 * counter.frame_count
+    # Each decode frame traced a sliding and a full layer and stamped out the other two;
+    # extend frames (two of the frames at least) trace every layer: their query lengths vary.
+    assert stamp_outs[0] >= 2 and stamp_outs[0] % 2 == 0, stamp_outs
+    assert stamp_outs[0] <= 2 * (counter.frame_count - 2), (stamp_outs, counter.frame_count)
     assert forward.binds == 1
 
 
@@ -68,12 +71,13 @@ def test_compiled_model_rebinds_when_the_pool_replaces_its_buffers():
     forward = compile_model(model, backend="aot_eager", fullgraph=True)
 
     def steps(h):
-        yield h.extend([0, 1], [4, 5])
+        yield h.extend([0, 1], [4, 5])  # extend steps run without regions: no binding
+        yield h.decode([0, 1])
         pool = h.kv_pool
         pool.k_buffer[1] = torch.randn_like(pool.k_buffer[1])  # e.g. a pool that re-allocates
         yield h.decode([0, 1])
 
-    _run_pair(model, forward, steps)  # the decode step read and wrote the new buffer
+    _run_pair(model, forward, steps)  # the last decode step read and wrote the new buffer
     assert forward.binds == 2
 
 
