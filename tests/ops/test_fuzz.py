@@ -140,7 +140,8 @@ corrupt_pages = st.sampled_from([-(2 ** 31), -1, 0, 1, 6, 7, 2 ** 31 - 1])
 
 def _guarded(t):
     """``t`` inside a NaN buffer with GUARD rows on each side: ``(buffer, view)``."""
-    buffer = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), float("nan"), dtype=t.dtype)
+    buffer = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), float("nan"), dtype=t.dtype,
+                        device=t.device)
     view = buffer[GUARD:GUARD + t.shape[0]]
     view.copy_(t)
     return buffer, view

@@ -67,6 +67,11 @@ def _check(name, args, kwargs, result, inputs):
         _close(args[5], s64, torch.float32, GPU_LSE_TOL)
     elif name == "flash_mla_decode":
         _close(result, oracle.flash_mla_decode(*inputs[:5], inputs[6]), result.dtype)
+    elif name == "flash_mla_prefill":
+        q_nope, q_pe, kv_cache, cu_q, seq_lens_k, page_table = inputs[:6]
+        _close(result, oracle.flash_mla_prefill(q_nope, q_pe, kv_cache, cu_q, seq_lens_k,
+                                                page_table, sm_scale=kwargs["sm_scale"],
+                                                causal=kwargs["causal"]), result.dtype)
     elif name == "store_kv_cache":
         k_cache, v_cache, loc, k, v, ks, vs = inputs
         for got, cache, src, scale in ((args[0], k_cache, k, ks), (args[1], v_cache, v, vs)):

@@ -193,7 +193,7 @@ def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
     with xpu_ops.use_provider("triton"):
         eager = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
                                                 cu_seqlens_q=cu, max_seqlen_q=1, causal=True,
-                                                sinks=sinks)
+                                                sinks=sinks, num_splits=4)  # as launch()
     counters = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
 
     def launch():

@@ -141,10 +141,17 @@ def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Te
     return q, total_lens
 
 
-def check_rotary_needs_new_kv(fn: str, k, rotary_cos, rotary_sin) -> None:
-    """FA3 rotates only together with an append: tables without ``k`` are an error."""
-    if k is None and (rotary_cos is not None or rotary_sin is not None):
+def check_no_append_keywords_without_k(fn: str, k, v, rotary_cos, rotary_sin,
+                                       cu_seqlens_k_new) -> None:
+    """FA3 rotates, and reads ``cu_seqlens_k_new``, only together with an append: those
+    without ``k``/``v`` are an error (a missing partner of k/v is ``append_new_kv``'s)."""
+    if k is not None or v is not None:
+        return
+    if rotary_cos is not None or rotary_sin is not None:
         fail(fn, "rotary_cos" if rotary_cos is not None else "rotary_sin",
              "is given without k/v", "rotary tables only with new keys k and values v "
              "(FlashAttention-3 rotates the appended keys and the queries)", "a tensor",
              "Rotate q and k yourself before the call, or pass k and v.")
+    if cu_seqlens_k_new is not None:
+        fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
+             "values v are appended", "a tensor")

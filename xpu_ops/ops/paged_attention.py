@@ -235,7 +235,8 @@ def flash_attn_with_kvcache(
                     bidirectional_block_ids=bidirectional_block_ids)
     if not tensors_or_none((q, k_cache, v_cache), optional.values()):
         check_tensor_args(fn, optional, q=q, k_cache=k_cache, v_cache=v_cache, **optional)
-    kvcache_append.check_rotary_needs_new_kv(fn, k, rotary_cos, rotary_sin)
+    kvcache_append.check_no_append_keywords_without_k(fn, k, v, rotary_cos, rotary_sin,
+                                                      cu_seqlens_k_new)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = kvcache_layout.as_packed(
         fn, q, cu_seqlens_q, max_seqlen_q)
     qv = kvcache_layout.pack_rows(fn, "qv", qv, batch_shape)
@@ -248,6 +249,7 @@ def flash_attn_with_kvcache(
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
     causal = bool(causal) or bidirectional_block_ids is not None
     left, right = normalize_window(fn, window_size, causal)
+
     def check_values(lens):  # debug value checks, before anything is written
         _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
                                                     max_seqlen_q, contiguous=dense,
@@ -260,9 +262,6 @@ def flash_attn_with_kvcache(
             rotary_interleaved=bool(rotary_interleaved), local=causal or (left, right) != (-1, -1),
             check_values=check_values)
     else:
-        if cu_seqlens_k_new is not None:
-            fail(fn, "cu_seqlens_k_new", "is given without k/v", "None unless new keys k and "
-                 "values v are appended", "a tensor")
         check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
@@ -271,14 +270,7 @@ def flash_attn_with_kvcache(
         max_seqlen_q=max_seqlen_q, softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale),
         causal=causal, window_size_left=left, window_size_right=right,
         softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
-    if batch_shape is not None:
-        result = out3.view(*batch_shape, *out3.shape[1:])
-        if out is not None and not mergeable:
-            out.copy_(result)
-        result = out if out is not None else result
-        lse = lse.view(lse.shape[0], *batch_shape).transpose(0, 1)
-    else:
-        result = out3
+    result, lse = _unpacked(out, out3, lse, batch_shape, mergeable)
     return (result, lse) if return_softmax_lse else result
 
 
@@ -298,6 +290,18 @@ def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, s
             and max_seqlen_k is None):
         check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin,
                           scheduler_metadata=scheduler_metadata, max_seqlen_k=max_seqlen_k)
+
+
+def _unpacked(out, out3, lse, batch_shape, mergeable):
+    """``(out, softmax_lse)`` in the caller's layout: for a 4-D q ``[b, s, Hq, Dv]`` (the
+    caller's ``out`` when given) and ``[b, Hq, s]``; packed results as they are."""
+    if batch_shape is None:
+        return out3, lse
+    result = out3.view(*batch_shape, *out3.shape[1:])
+    if out is not None and not mergeable:
+        out.copy_(result)
+    result = out if out is not None else result
+    return result, lse.view(lse.shape[0], *batch_shape).transpose(0, 1)
 
 
 def _packed_out(fn, out, q3, head_dim_v, batch_shape):

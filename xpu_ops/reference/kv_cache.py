@@ -32,7 +32,8 @@ def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
 
     No host sync (so it also runs in a captured graph): an out-of-range entry is redirected to
     repeat the first in-range write (same slot, same value), or, when no entry is in range, to
-    rewrite slot 0 with its own contents; either way no slot outside ``loc`` changes.
+    rewrite slot 0 with its own contents; either way no slot outside ``loc`` changes. On the CPU,
+    a cache whose pages are contiguous slots takes ``_write_slots_cpu`` (fewer ops).
     """
     page_size = cache.shape[1]
     num_slots = cache.shape[0] * page_size
@@ -42,6 +43,9 @@ def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
     if cache.dtype in FP8_DTYPES:
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     loc = loc.long()
+    if cache.device.type == "cpu" and cache.stride(0) == cache.stride(1) * page_size:
+        _write_slots_cpu(cache.flatten(0, 1), loc, values)
+        return
     in_range = (loc >= 0) & (loc < num_slots)                                  # [N]
     first = in_range.to(torch.uint8).argmax()                  # first in-range entry (0 if none)
     any_in_range = in_range[first]
@@ -50,6 +54,16 @@ def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
     row_mask = in_range.view(-1, *([1] * (values.dim() - 1)))
     slot = torch.where(in_range, loc, fill_slot)
     cache[slot // page_size, slot % page_size] = torch.where(row_mask, values, fill_value)
+
+
+def _write_slots_cpu(rows: Tensor, loc: Tensor, values: Tensor) -> None:
+    """``write_slots`` on the CPU, where reading ``loc`` costs no synchronisation: the in-range
+    entries are selected directly and copied with one ``index_copy_`` into ``rows [slots,
+    ...]`` (a view of the cache)."""
+    in_range = (loc >= 0) & (loc < rows.shape[0])
+    if not bool(in_range.all()):
+        loc, values = loc[in_range], values[in_range]
+    rows.index_copy_(0, loc, values)
 
 
 @providers.register("store_kv_cache", "reference")

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
+from . import cpu_decode
 from .attention import attend_packed, dequantize, gather_padded
 
 
@@ -55,8 +56,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
     Gathers the paged K/V into padded float32 blocks (``gather_pages``), dequantizes, then runs
     masked softmax attention per request (``attend_packed``); writes ``out`` and returns the LSE.
-    Always one pass over the keys (``num_splits`` does not apply).
+    Always one pass over the keys (``num_splits`` does not apply). Decode calls on the CPU take
+    ``cpu_decode``'s path (the same semantics in fewer ops).
     """
+    if cpu_decode.applies(q, k_cache, cu_seqlens_q, max_seqlen_q, qv, q_descale, k_descale,
+                          v_descale, cache_leftpad, bidirectional_block_ids):
+        return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,
+                                           sinks=sinks, softmax_scale=softmax_scale,
+                                           window_left=window_size_left, softcap=softcap)
     k_lens = paged_lengths(page_table, cache_seqlens, k_cache.shape[1])
     k_pad, valid = gather_pages(k_cache, page_table, k_lens, cache_leftpad)
     v_pad, _ = gather_pages(v_cache, page_table, k_lens, cache_leftpad)

@@ -1,0 +1,105 @@
+"""The main job's eager decode against ``transformers``' eager ``generate``, same prompts, one process.
+
+Both decode the main job's prompts (``python -m compile generate``'s defaults, chat template
+applied) with SmolLM2-135M-Instruct from the same weights, greedily, for ``--max-new-tokens``
+tokens each with the stop tokens ignored, so both run the same number of batch-``b`` decode
+steps (``b`` = the number of prompts):
+
+- engine: ``compile.engine.Engine`` in eager mode (the main job's path: paged KV cache, the
+  default provider of each op); per step ``EngineStats.decode_seconds`` over its decode steps
+  (model forward, host metadata and sampling, as the main job times them).
+- transformers: one left-padded batch through ``model.generate`` (its default dynamic cache and
+  attention implementation); per step ``(t(N) - t(1)) / (N - 1)`` with ``t(n)`` the time of a
+  ``generate`` of ``n`` new tokens (so the prefill cancels).
+
+Rounds alternate the two (``--rounds``); the table reports each side's median and the ratio
+engine tokens/s over transformers tokens/s (>= 1: the engine is at least as fast).
+
+    python benchmarks/bench_cpu_decode.py --threads 1            # the CPU figure in RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from compile.__main__ import DEFAULT_PROMPTS, encode_prompts
+from compile.cli_models import load_model
+from compile.engine import Engine, SamplingParams
+from compile.models import from_hf
+
+
+def engine_step_seconds(model, prompt_ids: list[list[int]], new_tokens: int,
+                        page_size: int) -> float:
+    """Seconds per decode step of the eager engine over ``prompt_ids`` (stops ignored)."""
+    longest = max(len(p) for p in prompt_ids) + new_tokens
+    total = sum(len(p) + new_tokens for p in prompt_ids)
+    engine = Engine(model, page_size=page_size, max_running=len(prompt_ids),
+                    max_context_len=longest,
+                    max_total_tokens=total + page_size * len(prompt_ids))
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
+    for p in prompt_ids:
+        engine.add_request(p, sampling)
+    while engine.has_work():
+        engine.step()
+    stats = engine.stats
+    return stats.decode_seconds / max(stats.decode_tokens // len(prompt_ids), 1)
+
+
+def hf_step_seconds(hf_model, prompt_ids: list[list[int]], new_tokens: int) -> float:
+    """Seconds per decode step of ``transformers``' ``generate`` on one left-padded batch."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.zeros(len(prompt_ids), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompt_ids):
+        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+
+    def generate(n: int) -> float:
+        t0 = time.perf_counter()
+        hf_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0)
+        return time.perf_counter() - t0
+    return (generate(new_tokens) - generate(1)) / (new_tokens - 1)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_model, tokenizer = load_model(None, dtype=torch.float32)
+    hf_model.eval()
+    model = from_hf(hf_model, dtype=torch.float32, device=torch.device("cpu"))
+    prompt_ids = encode_prompts(tokenizer, list(DEFAULT_PROMPTS))
+    engine_s, hf_s = [], []
+    with torch.inference_mode():
+        engine_step_seconds(model, prompt_ids, 4, args.page_size)  # warm-up
+        hf_step_seconds(hf_model, prompt_ids, 4)
+        for _ in range(args.rounds):
+            engine_s.append(engine_step_seconds(model, prompt_ids, args.max_new_tokens,
+                                                args.page_size))
+            hf_s.append(hf_step_seconds(hf_model, prompt_ids, args.max_new_tokens))
+    b = len(prompt_ids)
+    eng, hf = statistics.median(engine_s), statistics.median(hf_s)
+    from xpu_ops import providers
+    provider = providers.select("flash_attn_with_kvcache", torch.device("cpu")).provider
+    print(f"# bench_cpu_decode: SmolLM2-135M-Instruct, {b} prompts, {args.max_new_tokens} new "
+          f"tokens each, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+          f"provider {provider}\n")
+    print("| decode (batch {}) | ms/step | tokens/s |\n|---|---:|---:|".format(b))
+    print(f"| engine, eager | {eng * 1e3:.1f} | {b / eng:.1f} |")
+    print(f"| transformers generate, eager | {hf * 1e3:.1f} | {b / hf:.1f} |")
+    print(f"\nengine / transformers tokens/s: {hf / eng:.2f} (median of {args.rounds} rounds; "
+          f"engine {', '.join(f'{s * 1e3:.1f}' for s in engine_s)} ms, transformers "
+          f"{', '.join(f'{s * 1e3:.1f}' for s in hf_s)} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Whole-call latency of the eager op calls against their peers, and compiled decode host time.
+
+Three tables, every figure measured in this process (host plus device, medians):
+
+1. ``flash_attn_with_kvcache`` decode: ``b`` requests of ``--context`` cached tokens in a paged
+   cache (``--page-size``), one query token each, against torch SDPA's eager call on the same
+   keys stored contiguously (``[b, Hkv, context, D]``, ``enable_gqa=True``) and FlashInfer's
+   ``BatchDecodeWithPagedKVCacheWrapper.run`` on the same pages (planned once, outside the
+   timing, as a serving engine does; reported as missing where ``flashinfer`` does not import).
+2. ``store_kv_cache`` of one decode token per request against the two ``index_copy_`` calls that
+   write the same K and V rows into the flat caches.
+3. A decode step of the Llama-3.2-1B-shaped model (``--layers``, ``--hidden`` to shrink it):
+   eager against ``compile_model`` (``torch.compile`` through Inductor, no device graphs), step
+   time and host time per step (until ``forward`` returns), at each of ``--batches``.
+
+A call's latency is one call followed by a device synchronisation (``sync(); t0; fn(); sync();
+t1``), so it is host plus device time, the figure an eager decode layer pays; tables 1 and 2
+report the median over ``--iters`` such calls after ``--warmup`` calls, with the ratio to each
+peer. Shapes (Llama-3.2-1B: Hq 32, Hkv 8, D 64) are the same on every device; on the CPU use
+``--context 256`` or less and a shrunken model for a quick run.
+
+    python benchmarks/bench_op_call.py --device cuda                        # the H200 tables
+    python benchmarks/bench_op_call.py --device cpu --dtype float32 --context 256 \\
+        --layers 2 --hidden 256 --batches 1 8                               # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import xpu_ops
+from compile import device as dev
+from bench_model import build, decode_batch, make_forward, step_seconds  # benchmarks/ on sys.path
+
+RESULTS = Path(__file__).parent / "results"
+HQ, HKV, D = 32, 8, 64  # Llama-3.2-1B attention shape
+
+
+def latency_us(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median microseconds of one call plus a device synchronisation."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dev.synchronize(device)
+        t0 = time.perf_counter_ns()
+        fn()
+        dev.synchronize(device)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+def decode_inputs(b: int, context: int, page_size: int, dtype: torch.dtype,
+                  device: torch.device) -> dict:
+    """Random decode inputs: ``q [b, Hq, D]``, a paged cache with shuffled pages holding each
+    request's ``context`` keys, its page table and lengths, and the same keys contiguous."""
+    g = torch.Generator().manual_seed(0)
+    pages_per_req = -(-context // page_size)
+    num_pages = b * pages_per_req
+    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(device, dtype)
+    table = torch.randperm(num_pages, generator=g).view(b, pages_per_req).to(torch.int32)
+    keys = k_cache.cpu()[table.long()].flatten(1, 2)[:, :context]   # [b, context, Hkv, D]
+    vals = v_cache.cpu()[table.long()].flatten(1, 2)[:, :context]
+    return dict(
+        q=torch.randn(b, HQ, D, generator=g).to(device, dtype), k_cache=k_cache, v_cache=v_cache,
+        page_table=table.to(device), cache_seqlens=torch.full((b,), context, dtype=torch.int32,
+                                                              device=device),
+        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=device),
+        k_dense=keys.transpose(1, 2).contiguous().to(device),  # [b, Hkv, context, D]
+        v_dense=vals.transpose(1, 2).contiguous().to(device))
+
+
+def flashinfer_run(w: dict, context: int, page_size: int) -> Optional[Callable[[], object]]:
+    """FlashInfer's decode ``run`` on ``w``'s pages, planned here; None when it does not import
+    or cannot plan on this device."""
+    try:
+        import flashinfer
+    except Exception:
+        return None
+    b, pages = w["page_table"].shape
+    device = w["q"].device
+    indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32, device=device)
+    last = torch.full((b,), context - (pages - 1) * page_size, dtype=torch.int32, device=device)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    try:
+        wrapper.plan(indptr, w["page_table"].flatten(), last, HQ, HKV, D, page_size,
+                     data_type=w["q"].dtype, q_data_type=w["q"].dtype)
+    except Exception as e:  # e.g. no kernels for this device or dtype
+        print(f"flashinfer: plan failed ({type(e).__name__}: {e})")
+        return None
+    kv = (w["k_cache"], w["v_cache"])
+    return lambda: wrapper.run(w["q"], kv)
+
+
+def attention_row(args, device: torch.device) -> dict:
+    """Table 1 for ``b = args.attention_batch``."""
+    w = decode_inputs(args.attention_batch, args.context, args.page_size, args.dtype, device)
+    q4 = w["q"].unsqueeze(2)  # [b, Hq, 1, D]
+    calls = {
+        "xpu_ops": lambda: xpu_ops.flash_attn_with_kvcache(
+            w["q"], w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
+            page_table=w["page_table"], cu_seqlens_q=w["cu_seqlens_q"], max_seqlen_q=1,
+            causal=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(q4, w["k_dense"], w["v_dense"],
+                                                       enable_gqa=True),
+        "flashinfer": flashinfer_run(w, args.context, args.page_size),
+    }
+    return {name: None if fn is None else latency_us(fn, device, args.warmup, args.iters)
+            for name, fn in calls.items()}
+
+
+def store_row(args, device: torch.device) -> dict:
+    """Table 2: one new token per request into flat caches ``[slots, Hkv, D]``."""
+    b, slots = args.attention_batch, 64 * 1024
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(slots, HKV, D, generator=g).to(device, args.dtype)
+    v_cache = torch.randn(slots, HKV, D, generator=g).to(device, args.dtype)
+    loc = torch.randperm(slots, generator=g)[:b].to(device)
+    k = torch.randn(b, HKV, D, generator=g).to(device, args.dtype)
+    v = torch.randn(b, HKV, D, generator=g).to(device, args.dtype)
+    calls = {
+        "xpu_ops": lambda: xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v),
+        "index_copy_ x2": lambda: (k_cache.index_copy_(0, loc, k),
+                                   v_cache.index_copy_(0, loc, v)),
+    }
+    return {name: latency_us(fn, device, args.warmup, args.iters) for name, fn in calls.items()}
+
+
+def model_rows(args) -> list[dict]:
+    """Table 3: eager and ``compile_model`` decode steps (ms), with host ms per step."""
+    if not args.batches:
+        return []
+    model = build(argparse.Namespace(layers=args.layers, hidden=args.hidden, dtype=args.dtype,
+                                     device=str(args.device)))
+    rows = []
+    for b in args.batches:
+        ids, fb = decode_batch(model, b, args.context)
+        row = {"batch": b}
+        for mode in ("eager", "compiled"):
+            torch._dynamo.reset()
+            forward = make_forward(model, mode)
+            step, host = step_seconds(forward, ids, fb, args.model_warmup, args.steps)
+            row[mode], row[f"{mode}_host"] = step * 1e3, host * 1e3
+        rows.append(row)
+        print(f"b={b}: eager {row['eager']:.2f} ms (host {row['eager_host']:.2f}), "
+              f"compile_model {row['compiled']:.2f} ms (host {row['compiled_host']:.2f})",
+              flush=True)
+    return rows
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
+    return "missing" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def _us(x: Optional[float]) -> str:
+    return "missing (not importable here)" if x is None else f"{x:.1f}"
+
+
+def report(args, attention: dict, store: dict, models: list[dict]) -> str:
+    """The Markdown tables."""
+    name = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+            else platform.processor() or args.device.type)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    b = args.attention_batch
+    out = [f"# bench_op_call: {name}, torch {torch.__version__}, Triton {triton_version}, "
+           f"{args.dtype}, {torch.get_num_threads()} CPU threads, provider of "
+           f"flash_attn_with_kvcache: {_provider(args.device)}\n",
+           f"Decode b={b}, context {args.context}, page {args.page_size}, Hq {HQ}, Hkv {HKV}, "
+           f"D {D}; median us per call + sync over {args.iters} calls.\n",
+           "| call | us | xpu_ops / it |", "|---|---:|---:|"]
+    for peer in ("xpu_ops", "sdpa", "flashinfer"):
+        label = {"xpu_ops": "xpu_ops.flash_attn_with_kvcache", "sdpa": "torch SDPA (contiguous "
+                 "K/V)", "flashinfer": "FlashInfer BatchDecodeWithPagedKVCacheWrapper.run"}[peer]
+        out.append(f"| {label} | {_us(attention[peer])} | "
+                   f"{_ratio(attention['xpu_ops'], attention[peer])} |")
+    out += ["", f"store_kv_cache, {b} token(s) into [65536, {HKV}, {D}]:", "",
+            "| call | us | xpu_ops / it |", "|---|---:|---:|"]
+    for peer, us in store.items():
+        out.append(f"| {peer} | {us:.1f} | {_ratio(store['xpu_ops'], us)} |")
+    if models:
+        out += ["", f"Decode step, {args.layers} layers, hidden {args.hidden or 2048}, context "
+                f"{args.context} (ms per step, median of {args.steps}; host: until forward "
+                "returns):", "",
+                "| batch | eager ms | eager host ms | compile_model ms | compile_model host ms "
+                "| compile_model / eager |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in models:
+            out.append(f"| {r['batch']} | {r['eager']:.2f} | {r['eager_host']:.2f} | "
+                       f"{r['compiled']:.2f} | {r['compiled_host']:.2f} | "
+                       f"{r['compiled'] / r['eager']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def _provider(device: torch.device) -> str:
+    from xpu_ops.__main__ import describe_choice
+    from xpu_ops import providers
+    return describe_choice("flash_attn_with_kvcache", device.type,
+                           providers.forced_provider()).split()[1]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=str(dev.as_device()))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens per request")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention-batch", type=int, default=1, help="b of tables 1 and 2")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=0, help="shrink the model (CPU runs)")
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64],
+                   help="batch sizes of table 3 (none: skip it)")
+    p.add_argument("--model-warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out", default=None, help="write <out>.md and <out>.json")
+    args = p.parse_args(argv)
+    args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        attention = attention_row(args, args.device)
+        store = store_row(args, args.device)
+    models = model_rows(args)
+    text = report(args, attention, store, models)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(
+            {"attention_us": attention, "store_us": store, "model_ms": models,
+             "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The reference provider's CPU decode path (``xpu_ops/reference/cpu_decode.py``) against the
+float64 oracle: NaN garbage past ``cache_seqlens`` and in spare pages, out-of-range page ids,
+empty caches, GQA ratios, page sizes 1 and > 1, odd head dims, windows, softcap and sinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xpu_ops
+import xpu_ops.testing as xt
+from xpu_ops.reference import cpu_decode
+
+from . import oracle
+from .utils import assert_matches_oracle
+
+I32 = torch.int32
+# (k_lens, page_size, Hq, Hkv, D, Dv): page 1 and > 1, GQA 1/3/4, MQA, odd dims, empty caches
+CASES = [([5, 17, 0], 4, 8, 2, 16, 16), ([1, 33], 1, 6, 2, 8, 8), ([40, 7, 12, 1], 16, 4, 1, 80, 80),
+         ([9], 3, 3, 3, 24, 40), ([0, 0], 8, 4, 2, 16, 16)]
+# (window_left, softcap, sinks)
+MASKS = [(-1, 0.0, False), (3, 0.0, False), (-1, 2.5, True), (0, 0.0, True)]
+
+
+def _decode_call(case, mask, dtype, seed):
+    """Op arguments (``oracle.flash_attn_with_kvcache`` order) of one decode step, ``out``
+    poisoned with NaN."""
+    k_lens, page, hq, hkv, d, dv = case
+    window_left, softcap, sinks = mask
+    gen = torch.Generator().manual_seed(seed)
+    (k, v), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(hkv, d), (hkv, dv)],
+                                            dtype=dtype, device="cpu")
+    b = len(k_lens)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    sink = torch.randn(hq, generator=gen) if sinks else None
+    out = torch.full((b, hq, dv), float("nan"), dtype=dtype)
+    cu = torch.arange(b + 1, dtype=I32)
+    args = [q, k, v, lens, table, cu, out, None, None, None, None, sink, None, None]
+    kwargs = dict(max_seqlen_q=1, softmax_scale=d ** -0.5, causal=True,
+                  window_size_left=window_left, window_size_right=0, softcap=softcap,
+                  num_splits=0)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", MASKS, ids=["causal", "window3", "softcap-sinks", "window0-sinks"])
+@pytest.mark.parametrize("case", CASES, ids=["gqa4-ps4", "ps1", "mqa-d80", "mha-odd", "empty"])
+def test_decode_path_matches_oracle(case, mask, dtype):
+    args, kwargs = _decode_call(case, mask, dtype, seed=len(case[0]) + mask[0])
+    assert cpu_decode.applies(args[0], args[1], args[5], 1, *args[7:11], *args[12:])
+    with xpu_ops.use_provider("reference"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], want, dtype, lse, want_lse)
+
+
+def test_decode_path_equals_the_general_reference_path(monkeypatch):
+    """The fast path and the general path agree (both are the reference's semantics)."""
+    args, kwargs = _decode_call(CASES[2], MASKS[2], torch.float32, seed=5)
+    with xpu_ops.use_provider("reference"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+        fast = args[6].clone()
+        monkeypatch.setattr(cpu_decode, "applies", lambda *a: False)
+        args[6].fill_(float("nan"))
+        general_lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    torch.testing.assert_close(fast, args[6], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, general_lse, atol=1e-5, rtol=1e-5)
+
+
+def _applies(**changes) -> bool:
+    args, kwargs = _decode_call(CASES[0], MASKS[0], torch.float32, seed=0)
+    names = ["q", "k_cache", "v_cache", "cache_seqlens", "page_table", "cu_seqlens_q", "out",
+             "qv", "q_descale", "k_descale", "v_descale", "sinks", "cache_leftpad",
+             "bidirectional_block_ids"]
+    values = {**dict(zip(names, args)), "max_seqlen_q": 1, **changes}
+    return cpu_decode.applies(values["q"], values["k_cache"], values["cu_seqlens_q"],
+                              values["max_seqlen_q"], values["qv"], values["q_descale"],
+                              values["k_descale"], values["v_descale"], values["cache_leftpad"],
+                              values["bidirectional_block_ids"])
+
+
+def test_only_plain_cpu_decode_calls_take_the_path():
+    assert _applies()
+    assert not _applies(max_seqlen_q=2)                                       # extend
+    assert not _applies(cu_seqlens_q=torch.tensor([0, 1, 1, 3], dtype=I32))  # rows elsewhere
+    assert not _applies(cache_leftpad=torch.zeros(3, dtype=I32))
+    assert not _applies(k_descale=torch.ones(3, 2))
+    assert not _applies(k_cache=torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn))
+    assert not _applies(q=torch.zeros(3, 8, 16, device="meta"))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cpu_store_writes_in_range_slots_only(paged):
+    """The reference store's CPU path: in-range slots get the new rows, out-of-range ones are
+    skipped, nothing else changes (expected values written one slot at a time here)."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(12, 2, 8, generator=gen)
+    v_cache = torch.randn(12, 2, 8, generator=gen)
+    loc = torch.tensor([7, -1, 0, 12, 11])
+    k, v = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(loc.tolist()):
+        if 0 <= slot < 12:
+            want_k[slot], want_v[slot] = k[i], v[i]
+    caches = (k_cache.view(6, 2, 2, 8), v_cache.view(6, 2, 2, 8)) if paged else (k_cache, v_cache)
+    with xpu_ops.use_provider("reference"):
+        xpu_ops.store_kv_cache(*caches, loc, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
