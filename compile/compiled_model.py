@@ -25,6 +25,7 @@ benchmarks/RESULTS.md, "Issue 5, session 4".
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 from typing import Any, Optional
@@ -64,6 +65,14 @@ _RECOMPILE_BUDGET = ({"recompile_limit": GRAPHS_BOUND}
                      if "recompile_limit" in inspect.signature(torch.compile).parameters else {})
 
 
+def _budget_during_calls():
+    """Where ``torch.compile`` takes no ``recompile_limit`` (torch < 2.13), the same budget as
+    Dynamo's global limit for the duration of each call (compiles happen inside the call)."""
+    if _RECOMPILE_BUDGET:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(recompile_limit=GRAPHS_BOUND)
+
+
 def _fixed_query_lengths(forward_batch) -> bool:
     """Whether the step's mode fixes ``max_seqlen_q`` (decode: 1; verify and draft decode: the
     draft length). Reusable regions read the batch's metadata through the forward context, a
@@ -92,8 +101,8 @@ class CompiledModel:
         regions: trace one layer per kind (see the module docstring). None (default): when
             ``reusable_regions_supported()``. True on a torch without reuse raises.
         **compile_kwargs: passed to ``torch.compile`` (``backend``, ``fullgraph``, ``dynamic``,
-            ``mode``, ``options``); ``recompile_limit`` defaults to ``GRAPHS_BOUND`` where this
-            torch takes it (>= 2.13).
+            ``mode``, ``options``); ``recompile_limit`` defaults to ``GRAPHS_BOUND`` (older
+            torch without the argument: Dynamo's global limit during each call).
     Attributes:
         model: the model. compiled: the ``torch.compile``d model. regions: whether steps run
             with reusable regions. binds: how many times the layers were (re)bound to a pool.
@@ -148,7 +157,8 @@ class CompiledModel:
         # lengths vary (see _fixed_query_lengths).
         if not (self.regions and not torch.is_grad_enabled()
                 and _fixed_query_lengths(forward_batch) and self._bind(forward_batch)):
-            return self.compiled(input_ids, positions, forward_batch, **kwargs)
+            with _budget_during_calls():
+                return self.compiled(input_ids, positions, forward_batch, **kwargs)
         # specialize_float: layer regions are shared code, so a float module attribute that
         # differs between models (softmax scale of another head_dim) would otherwise turn into
         # a SymFloat the ops' float arguments reject.

@@ -8,6 +8,7 @@ op runs the best provider for its device (``reference``, ``triton`` or ``sgl_ker
 
 import torch
 
+from .ops.block_ids import build_bidirectional_block_ids
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
@@ -35,7 +36,8 @@ REGISTERED_OPS = [
 ]
 
 __all__ = [
-    "REGISTERED_OPS", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_mla_decode",
+    "REGISTERED_OPS", "build_bidirectional_block_ids", "flash_attn_varlen_func",
+    "flash_attn_with_kvcache", "flash_mla_decode",
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
     "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",

@@ -11,7 +11,8 @@ installs a small module under that name whose functions are xpu-ops' own, so the
                             flash_mla_prefill_get_workspace_size)
 
 These are every name that sglang 0.5.23's ``xpu_backend.py`` and ``flashattention_backend.py``
-import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``).
+import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``), plus
+``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which its Gemma-3 model imports on XPU.
 ``get_scheduler_metadata`` returns None: FA3's precomputed tile schedule is a speed hint that
 ``flash_attn_with_kvcache`` accepts as ``scheduler_metadata=None``.
 
@@ -34,7 +35,7 @@ SGL_KERNEL_NAMES = ("merge_state_v2", "flash_mla_decode", "flash_mla_decode_get_
                     "flash_mla_prefill_get_workspace_size")
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
-                               "get_scheduler_metadata")
+                               "get_scheduler_metadata", "build_bidirectional_block_ids")
 
 
 def get_scheduler_metadata(*args, **kwargs) -> None:

@@ -152,6 +152,25 @@ def test_compile_model_graphs_bounded_over_a_random_schedule():
                       seed=1)
 
 
+def test_compile_model_budget_without_the_recompile_limit_argument(monkeypatch):
+    """On a torch whose torch.compile takes no recompile_limit (2.11 on the GPU machine) the
+    budget is Dynamo's global limit for the duration of each call."""
+    from compile import compiled_model
+    monkeypatch.setattr(compiled_model, "_RECOMPILE_BUDGET", {})
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch._dynamo.config.recompile_limit)
+        return gm.forward
+
+    model = tiny_model(num_layers=1)
+    h = Harness(model)
+    default = torch._dynamo.config.recompile_limit
+    with torch.inference_mode():
+        compile_model(model, backend=backend, fullgraph=True)(*h.extend([0, 1], [3, 2]))
+    assert seen == [GRAPHS_BOUND] and torch._dynamo.config.recompile_limit == default
+
+
 def test_piecewise_graphs_compiles_and_captures_bounded_over_a_random_schedule():
     num_layers, graph_sizes = 1, (4, 8, 16)
     model = tiny_model(num_layers=num_layers)

@@ -98,6 +98,9 @@ def _merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b),
                     ("v_merged", v_merged), ("s_merged", s_merged)):
         _require(t.is_contiguous(), f"merge_state_v2 needs contiguous {name}")
+    # Not every native kernel is known to read +inf as an empty state; the glue passes -inf.
+    _require(not (torch.isposinf(s_a).any() or torch.isposinf(s_b).any()),
+             "merge_state_v2 got an LSE of +inf (map it to -inf first)")
     ref_merge.merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
 
 

@@ -569,3 +569,20 @@ def test_fake_trace_of_an_append_with_rotary_and_of_seqused_q():
                                                 causal=True)
     assert str(out.shape[0]) == str(f["q"].shape[0]) and out.shape[1:] == (4, 32)
     assert str(varlen.shape[0]) == str(q.shape[0])
+
+
+def test_build_bidirectional_block_ids():
+    """sgl-kernel-xpu's builder contract (Gemma-3 imports it from sgl_kernel.flash_attn): one id
+    per span over the batch, -1 elsewhere, None without spans; bad spans raise."""
+    from xpu_ops.compat import SGL_KERNEL_FLASH_ATTN_NAMES
+    assert "build_bidirectional_block_ids" in SGL_KERNEL_FLASH_ATTN_NAMES
+    build = xpu_ops.build_bidirectional_block_ids
+    assert build([5], [[(1, 2)]]).tolist() == [-1, 0, 0, -1, -1]
+    ids = build([4, 3, 2], [[(0, 1), (3, 3)], [], [(0, 1)]])
+    assert ids.dtype == I32 and ids.tolist() == [0, 0, -1, 1, -1, -1, -1, 2, 2]
+    assert build([4, 4], [[], []]) is None
+    for seq_lens, spans, match in (([4], [[], []], "block_spans has a different length"),
+                                   ([4], [[(2, 5)]], "block_spans has a span outside sequence 0"),
+                                   ([4], [[(3, 1)]], "block_spans has a span outside sequence 0")):
+        with pytest.raises(ValueError, match=f"^build_bidirectional_block_ids: {match}"):
+            build(seq_lens, spans)

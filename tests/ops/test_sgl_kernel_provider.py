@@ -145,6 +145,18 @@ def test_glue_merge_state_v2_transposed_lse(native):
     torch.testing.assert_close(s_merged, ref_s, rtol=0, atol=0)
 
 
+def test_glue_merge_state_v2_posinf_lse_is_empty(native):
+    # API.md: +inf (FlashAttention's LSE of an empty row) is an empty state on every provider.
+    gen = torch.Generator().manual_seed(4)
+    v_a, v_b = (torch.randn(5, 2, 32, generator=gen).half() for _ in range(2))
+    s_a, s_b = (torch.randn(5, 2, generator=gen) for _ in range(2))
+    s_a[0], s_b[1], s_a[2], s_b[2] = float("inf"), float("inf"), float("inf"), float("-inf")
+    (v, s), (ref_v, ref_s) = _both(xpu_ops.merge_state_v2, v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
+    torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+    assert torch.equal(v[0], v_b[0]) and torch.equal(s[0], s_b[0])
+
+
 def _mla_call(gen, *, heads=4, page_size=64, k_lens=(70, 5), native_sized=True):
     (kv_cache,), page_table, cache_seqlens = paged_kv_cache(
         gen, k_lens, page_size, [(576,)], dtype=torch.bfloat16, device="cpu", extra_columns=0)
