@@ -28,7 +28,7 @@ from compile.forward_batch import ForwardBatch, ForwardMode
 from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool)
 from compile.model_runner import ModelRunnerInfo
-from compile.sampling import SamplingParams, is_integer, sample
+from compile.sampling import SamplingParams, check_positive_int, is_integer, sample
 
 
 @dataclasses.dataclass
@@ -340,12 +340,7 @@ class Engine:
 def _check_sizes(**sizes: int) -> None:
     """Raise unless every keyword (an ``Engine`` size argument) is an integer >= 1."""
     for name, value in sizes.items():
-        if not is_integer(value):
-            raise TypeError(f"Engine: {name} has type {type(value).__name__}; expected an "
-                            f"integer >= 1, got {value!r}.")
-        if value < 1:
-            raise ValueError(f"Engine: {name} is below 1; expected an integer >= 1, got "
-                             f"{value}.")
+        check_positive_int("Engine", name, value)
 
 
 __all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "sample"]

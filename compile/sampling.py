@@ -48,13 +48,8 @@ class SamplingParams:
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise unless every field holds a valid value (``where`` names the caller in the
         message); the engine calls it again when a request is added, in case a field changed."""
-        n = self.max_new_tokens
-        if not is_integer(n):
-            raise TypeError(f"{where}: max_new_tokens has type {type(n).__name__}; expected an "
-                            f"integer >= 1 (tokens to generate), got {n!r}. Pass an int.")
-        if n < 1:
-            raise ValueError(f"{where}: max_new_tokens is below 1; expected an integer >= 1 "
-                             f"(tokens to generate), got {n}. Ask for at least one new token.")
+        check_positive_int(where, "max_new_tokens", self.max_new_tokens,
+                           unit=" (tokens to generate)", fix=" Ask for at least one new token.")
         t = self.temperature
         if not isinstance(t, numbers.Real) or isinstance(t, bool):
             raise TypeError(f"{where}: temperature has type {type(t).__name__}; expected a "
@@ -74,6 +69,21 @@ class SamplingParams:
 def is_integer(x) -> bool:
     """A Python or NumPy integer, not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_positive_int(where: str, name: str, value, *, unit: str = "", fix: str = "") -> None:
+    """Raise unless ``value`` is an integer >= 1.
+
+    Raises:
+        TypeError: not an integer (a bool is not one), naming ``where`` and ``name``.
+        ValueError: below 1.
+    """
+    if not is_integer(value):
+        raise TypeError(f"{where}: {name} has type {type(value).__name__}; expected an integer "
+                        f">= 1{unit}, got {value!r}. Pass an int.")
+    if value < 1:
+        raise ValueError(f"{where}: {name} is below 1; expected an integer >= 1{unit}, got "
+                         f"{value}.{fix}")
 
 
 def sample(logits: Tensor, temperatures: Tensor, generator: torch.Generator) -> Tensor:
