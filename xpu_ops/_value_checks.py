@@ -117,6 +117,19 @@ def check_loc(fn: str, loc, num_slots: int) -> None:
              "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
 
 
+def check_cache_batch_idx(fn: str, cache_batch_idx, rows: int, rows_rule: str) -> None:
+    """Every ``cache_batch_idx`` entry is a row in ``[0, rows)`` (of the dense cache or the
+    page table)."""
+    if not (_index_ok(cache_batch_idx, 1) and _active(cache_batch_idx)):
+        return
+    where = _first((cache_batch_idx < 0) | (cache_batch_idx >= rows))
+    if where is not None:
+        fail(fn, "cache_batch_idx", "has a row out of range", f"0 <= cache_batch_idx < "
+             f"{rows} ({rows_rule})", _at("cache_batch_idx", cache_batch_idx, where),
+             "Out-of-range rows read no keys and take no appended keys when "
+             "XPU_OPS_DEBUG_CHECKS is off.")
+
+
 def check_scale(fn: str, arg: str, scale) -> None:
     """A per-tensor fp8 scale tensor is positive and finite (stored rows are divided by it)."""
     if not isinstance(scale, Tensor) or not scale.is_floating_point() or scale.numel() == 0:

@@ -320,6 +320,65 @@ def test_append_past_the_capacity_is_skipped():
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
+def test_append_with_padding_past_cu_seqlens_k_new_stores_only_the_owned_rows():
+    """Packed new keys with trailing padding (``cu_seqlens_k_new[-1] < k.shape[0]``, as fixed
+    graph buffers have): the padding rows are never stored; the result is the unpadded call's
+    (it raised a bare RuntimeError from repeat_interleave)."""
+    t = _paged(21, q_lens=(2, 1), k_lens=(3, 6), page_size=4, room=2)
+    gen = torch.Generator().manual_seed(22)
+    new_k = [torch.randn(n, 2, 32, generator=gen) for n in (2, 1)]
+    new_v = [torch.randn(n, 2, 32, generator=gen) for n in (2, 1)]
+    lens = t["cache_seqlens"].clone()
+    k_want, v_want = _append_expected(t["k_cache"], t["v_cache"], t["page_table"], lens, new_k,
+                                      new_v)
+    pad = torch.randn(3, 2, 32, generator=gen)
+    out, lse = _call(t, causal=True, k=torch.cat([*new_k, pad]), v=torch.cat([*new_v, pad]),
+                     cu_seqlens_k_new=torch.tensor([0, 2, 3], dtype=I32))
+    for got, want in ((t["k_cache"], k_want), (t["v_cache"], v_want)):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    want_out, want_lse = _oracle(dict(t, cache_seqlens=lens + torch.tensor([2, 1], dtype=I32)),
+                                 causal=True)
+    assert_matches_oracle(out, want_out, torch.float32, lse, want_lse)
+
+
+def test_append_with_a_negative_cache_seqlens_writes_no_other_slot():
+    """Checks off: a negative length before the append stores nothing for that request (its
+    position -1 used to index the page table's last, unused entry: another request's page)."""
+    t = _paged(23, q_lens=(1, 1), k_lens=(2, 6), page_size=4, room=1)
+    shared = t["page_table"][1, 0].item()
+    t["page_table"] = torch.cat([t["page_table"][:, :2],
+                                 torch.tensor([[shared], [shared]], dtype=I32)], dim=1)
+    t["cache_seqlens"] = torch.tensor([-1, 6], dtype=I32)
+    gen = torch.Generator().manual_seed(24)
+    k, v = torch.randn(2, 1, 2, 32, generator=gen), torch.randn(2, 1, 2, 32, generator=gen)
+    k_want, v_want = _append_expected(t["k_cache"], t["v_cache"], t["page_table"],
+                                      torch.tensor([0, 6], dtype=I32), [k[0, :0], k[1]],
+                                      [v[0, :0], v[1]])
+    _call(t, causal=True, k=k, v=v)
+    for got, want in ((t["k_cache"], k_want), (t["v_cache"], v_want)):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_paged_cache_batch_idx_out_of_range_reads_no_keys_and_debug_names_it():
+    """Checks off: a ``cache_batch_idx`` past the page table's rows reads no keys (output 0,
+    LSE -inf) and leaves the other requests' results alone (it raised IndexError from
+    index_select); with debug checks it is a ValueError naming cache_batch_idx."""
+    t = _paged(25, q_lens=(1, 2), k_lens=(5, 7))
+    idx = torch.tensor([1, 9], dtype=I32)
+    picked = dict(t, cache_seqlens=t["cache_seqlens"][[1, 1]])
+    out, lse = _call(picked, cache_batch_idx=idx, causal=True)
+    one = dict(t, q=t["q"][:1], page_table=t["page_table"][1:2],
+               cache_seqlens=t["cache_seqlens"][1:2], cu_seqlens_q=torch.tensor([0, 1], dtype=I32))
+    want, want_lse = _oracle(one, causal=True)
+    assert_matches_oracle(out[:1], want, torch.float32, lse[:, :1], want_lse)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:])) and torch.isneginf(lse[:, 1:]).all()
+    with xpu_ops.debug_checks(), pytest.raises(
+            ValueError, match=r"cache_batch_idx has a row out of range; expected 0 <= "
+                              r"cache_batch_idx < 2 \(page_table.shape\[0\]\), got "
+                              r"cache_batch_idx\[1\] = 9"):
+        _call(picked, cache_batch_idx=idx, causal=True)
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("causal, rotary_seqlens", [(True, None), (False, None), (True, (1, 6))])
 def test_rotary_on_appended_keys_and_queries(interleaved, causal, rotary_seqlens):

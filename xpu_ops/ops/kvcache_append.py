@@ -22,16 +22,23 @@ from torch import Tensor
 from .. import _value_checks
 from .._checks import FP8_DTYPES, check_size, check_tensor, fail
 from .common import check_cu_seqlens, check_index
-from .kv_cache import store_kv_cache
 from .rotary import apply_rotary_emb
 
 
-def _owner_and_row(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """Request and row within it (int64 ``[total]`` each) of every packed token."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    requests = torch.arange(lens.shape[0], device=cu_seqlens.device)
-    owner = torch.repeat_interleave(requests, lens.long(), output_size=total)
-    return owner, torch.arange(total, device=cu_seqlens.device) - cu_seqlens.long()[owner]
+def _owner_and_row(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(owner, row, owned)``, int64/int64/bool ``[total]``: the request of every packed token
+    (the first whose range ``cu_seqlens[r]:[r + 1]`` covers it), its row within that request,
+    and whether any request covers it at all (padding past ``cu_seqlens[-1]``, or prefix sums
+    that are inconsistent with checks off, leave tokens unowned; their owner is clamped into
+    range so that indexing with it stays inside the tensors)."""
+    cu = cu_seqlens.long()
+    batch = cu.shape[0] - 1
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    ends = torch.cummax(cu[1:], 0).values if batch > 0 else cu[1:]
+    owner = torch.searchsorted(ends, tokens, right=True)
+    owner_in = owner.clamp(max=max(batch - 1, 0))
+    row = tokens - cu[owner_in]
+    return owner_in, row, (owner < batch) & (row >= 0)
 
 
 def _new_tokens(fn: str, k, v, cu_seqlens_k_new, k_cache: Tensor, v_cache: Tensor,
@@ -88,11 +95,12 @@ def _check_rotary(fn: str, rotary_cos, rotary_sin, rotary_seqlens, head_dim: int
 
 
 def _slots(page_table: Tensor, page_size: int, owner: Tensor, positions: Tensor) -> Tensor:
-    """int64 token slot of (request, position) pairs; -1 past the table's capacity."""
+    """int64 token slot of (request, position) pairs; -1 (skipped by the store) before
+    position 0 or past the table's capacity."""
     max_pages = page_table.shape[1]
     page_index = positions // page_size
-    in_table = page_index < max_pages
-    page = page_table.long()[owner, page_index.clamp(max=max(max_pages - 1, 0))]
+    in_table = (positions >= 0) & (page_index < max_pages)  # a negative length writes nothing
+    page = page_table.long()[owner, page_index.clamp(0, max(max_pages - 1, 0))]
     return torch.where(in_table, page * page_size + positions % page_size, -1)
 
 
@@ -122,13 +130,15 @@ def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Te
     """
     batch = cache_seqlens.shape[0]
     k, v, cu_new = _new_tokens(fn, k, v, cu_seqlens_k_new, k_cache, v_cache, batch)
-    owner, row = _owner_and_row(cu_new, k.shape[0])
+    if batch == 0 or page_table.shape[1] == 0:  # no request, or no page to write into
+        return q, (cache_seqlens + (cu_new[1:] - cu_new[:-1])).to(torch.int32)
+    owner, row, owned = _owner_and_row(cu_new, k.shape[0])
     total_lens = (cache_seqlens + (cu_new[1:] - cu_new[:-1])).to(torch.int32)
     check_values(total_lens)
     if rotary_cos is not None or rotary_sin is not None:
         _check_rotary(fn, rotary_cos, rotary_sin, rotary_seqlens, k.shape[-1], batch, q.device)
         base = (cache_seqlens if rotary_seqlens is None else rotary_seqlens).long()
-        q_owner, q_row = _owner_and_row(cu_seqlens_q, q.shape[0])
+        q_owner, q_row, _ = _owner_and_row(cu_seqlens_q, q.shape[0])
         k_pos = (base[owner] + row).int()
         q_pos = (base[q_owner] + q_row if local else base[q_owner]).int()
         where = "rotary_seqlens" if rotary_seqlens is not None else "cache_seqlens"
@@ -137,7 +147,9 @@ def append_new_kv(fn: str, *, q: Tensor, cu_seqlens_q: Tensor, k, v, k_cache: Te
         k = apply_rotary_emb(k, rotary_cos, rotary_sin, k_pos, interleaved=rotary_interleaved)
         q = apply_rotary_emb(q, rotary_cos, rotary_sin, q_pos, interleaved=rotary_interleaved)
     loc = _slots(page_table, k_cache.shape[1], owner, cache_seqlens.long()[owner] + row)
-    store_kv_cache(k_cache, v_cache, loc, k, v)
+    loc = torch.where(owned, loc, -1)  # padding and unowned tokens are not stored
+    # the op, not the public store: its debug checks would reject the skipped (-1) slots
+    torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, None, None)
     return q, total_lens
 
 

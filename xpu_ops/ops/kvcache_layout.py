@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import fail
 from .common import check_index, max_seqlen
 
@@ -77,6 +78,18 @@ def _check_dense_rows(fn: str, k_cache: Tensor, want: Optional[int], rule: str) 
              "cache, pass cache_batch_idx [b] int32.")
 
 
+def _select_rows(page_table: Tensor, rows: Tensor, num_pages: int) -> Tensor:
+    """``page_table[rows]``; a row out of range becomes a row of the out-of-range page id
+    ``num_pages`` (its keys are hidden and appends to it skipped, API.md "Writes")."""
+    rows = rows.long()
+    valid = (rows >= 0) & (rows < page_table.shape[0])
+    if page_table.shape[0] == 0:
+        return torch.full((rows.shape[0], page_table.shape[1]), num_pages,
+                          dtype=page_table.dtype, device=page_table.device)
+    picked = page_table.index_select(0, rows.clamp(0, page_table.shape[0] - 1))
+    return torch.where(valid.unsqueeze(1), picked, num_pages).to(page_table.dtype)
+
+
 def cache_tables(fn: str, k_cache: Tensor, cache_seqlens, page_table: Optional[Tensor],
                  cache_batch_idx: Optional[Tensor], cu_seqlens_q, batch_shape
                  ) -> tuple[Tensor, Tensor, bool]:
@@ -100,10 +113,14 @@ def cache_tables(fn: str, k_cache: Tensor, cache_seqlens, page_table: Optional[T
         check_index(fn, "cache_batch_idx", cache_batch_idx, 1, device)
         batch, rule = cache_batch_idx.shape[0], "cache_batch_idx.shape[0]"
         if dense:
+            _value_checks.check_cache_batch_idx(fn, cache_batch_idx, k_cache.shape[0],
+                                                "k_cache.shape[0], rows of the dense cache")
             page_table = cache_batch_idx.view(-1, 1)
         else:
             check_index(fn, "page_table", page_table, 2, device)
-            page_table = page_table.index_select(0, cache_batch_idx.long())
+            _value_checks.check_cache_batch_idx(fn, cache_batch_idx, page_table.shape[0],
+                                                "page_table.shape[0]")
+            page_table = _select_rows(page_table, cache_batch_idx, k_cache.shape[0])
     elif dense:
         _check_dense_rows(fn, k_cache, batch, rule)
         batch = k_cache.shape[0] if batch is None else batch
