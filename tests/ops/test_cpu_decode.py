@@ -106,3 +106,13 @@ def test_cpu_store_writes_in_range_slots_only(paged):
     with xpu_ops.use_provider("reference"):
         xpu_ops.store_kv_cache(*caches, loc, k, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_a_batch_of_no_request_returns_empty_results():
+    """b = 0 with a 4-D q ``[0, 1, Hq, D]`` (a decode step of no request) gives empty results;
+    the decode path's reshape of 0 elements raised a RuntimeError."""
+    k_cache, v_cache = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8)
+    out, lse = xpu_ops.flash_attn_with_kvcache(
+        torch.randn(0, 1, 4, 8), k_cache, v_cache, cache_seqlens=torch.zeros(0, dtype=I32),
+        page_table=torch.zeros(0, 2, dtype=I32), return_softmax_lse=True)
+    assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1)

@@ -31,11 +31,11 @@ from .._checks import FLOAT_DTYPES
 
 def applies(q: Tensor, k_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *extras
             ) -> bool:
-    """True when this path serves the call: CPU tensors, float caches, one query row per
-    request in order (``cu_seqlens_q == [0, 1, ..., b]``, ``max_seqlen_q == 1``) and every
+    """True when this path serves the call: CPU tensors, float caches, at least one request,
+    one query row per request in order (``cu_seqlens_q == [0, 1, ..., b]``, ``max_seqlen_q == 1``) and every
     tensor of ``extras`` (qv, descales, cache_leftpad, bidirectional_block_ids) None."""
     if (q.device.type != "cpu" or max_seqlen_q != 1 or q.dtype not in FLOAT_DTYPES
-            or k_cache.dtype != q.dtype):
+            or k_cache.dtype != q.dtype or q.shape[0] == 0):  # no row: the general path
         return False
     if any(t is not None for t in extras):
         return False
