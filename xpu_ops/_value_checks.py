@@ -93,16 +93,23 @@ def _at(arg: str, t: Tensor, index: tuple[int, ...]) -> str:
     return f"{arg}[{', '.join(map(str, index))}] = {int(t[index])}"
 
 
+def _check_in_range(fn: str, arg: str, t: Tensor, upper: int, what: str, unit: str,
+                    fix: str) -> None:
+    """Every entry of the index tensor ``t`` lies in ``[0, upper)``, else a ValueError naming
+    ``arg`` and its first entry out of range."""
+    where = _first((t < 0) | (t >= upper))
+    if where is not None:
+        fail(fn, arg, f"has a {what} out of range", f"0 <= {arg} < {upper} ({unit})",
+             _at(arg, t, where), fix)
+
+
 def check_loc(fn: str, loc, num_slots: int) -> None:
     """Every ``loc`` entry is a token slot in ``[0, num_slots)``, and no slot repeats."""
     if not _index_ok(loc, 1):
         return
-    where = _first((loc < 0) | (loc >= num_slots))
-    if where is not None:
-        fail(fn, "loc", "has a token slot out of range", f"0 <= loc < {num_slots} (token slots "
-             f"of the cache)", _at("loc", loc, where),
-             "Allocate slots from the cache's pool; out-of-range slots are skipped (never "
-             "written) when XPU_OPS_DEBUG_CHECKS is off.")
+    _check_in_range(fn, "loc", loc, num_slots, "token slot", "token slots of the cache",
+                    "Allocate slots from the cache's pool; out-of-range slots are skipped "
+                    "(never written) when XPU_OPS_DEBUG_CHECKS is off.")
     if loc.shape[0] < 2:
         return
     slots, order = loc.sort(stable=True)
@@ -122,12 +129,9 @@ def check_cache_batch_idx(fn: str, cache_batch_idx, rows: int, rows_rule: str) -
     page table)."""
     if not (_index_ok(cache_batch_idx, 1) and _active(cache_batch_idx)):
         return
-    where = _first((cache_batch_idx < 0) | (cache_batch_idx >= rows))
-    if where is not None:
-        fail(fn, "cache_batch_idx", "has a row out of range", f"0 <= cache_batch_idx < "
-             f"{rows} ({rows_rule})", _at("cache_batch_idx", cache_batch_idx, where),
-             "Out-of-range rows read no keys and take no appended keys when "
-             "XPU_OPS_DEBUG_CHECKS is off.")
+    _check_in_range(fn, "cache_batch_idx", cache_batch_idx, rows, "row", rows_rule,
+                    "Out-of-range rows read no keys and take no appended keys when "
+                    "XPU_OPS_DEBUG_CHECKS is off.")
 
 
 def check_scale(fn: str, arg: str, scale) -> None:
