@@ -645,3 +645,17 @@ def test_build_bidirectional_block_ids():
                                    ([4], [[(3, 1)]], "block_spans has a span outside sequence 0")):
         with pytest.raises(ValueError, match=f"^build_bidirectional_block_ids: {match}"):
             build(seq_lens, spans)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_cache_batch_idx_of_another_batch_names_itself(paged):
+    """A ``cache_batch_idx`` whose length is not the batch's was reported as a page_table of the
+    wrong size (a tensor the caller may not have passed)."""
+    t = _paged(27, q_lens=(1, 1), k_lens=(3, 4))
+    call = dict(t) if paged else dict(t, page_table=None, k_cache=torch.randn(4, 8, 2, 32),
+                                      v_cache=torch.randn(4, 8, 2, 32))
+    with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: cache_batch_idx has one "
+                                         r"row per request of another batch; expected \[b\] "
+                                         r"with b = cache_seqlens.shape\[0\] = 2, got shape "
+                                         r"\(3,\)"):
+        _call(call, cache_batch_idx=torch.tensor([0, 1, 2], dtype=I32), causal=True)

@@ -111,6 +111,10 @@ def cache_tables(fn: str, k_cache: Tensor, cache_seqlens, page_table: Optional[T
     dense = page_table is None
     if cache_batch_idx is not None:
         check_index(fn, "cache_batch_idx", cache_batch_idx, 1, device)
+        if batch is not None and cache_batch_idx.shape[0] != batch:
+            fail(fn, "cache_batch_idx", "has one row per request of another batch",
+                 f"[b] with b = {rule} = {batch}", f"shape {tuple(cache_batch_idx.shape)}",
+                 "Give one cache row per request.")
         batch, rule = cache_batch_idx.shape[0], "cache_batch_idx.shape[0]"
         if dense:
             _value_checks.check_cache_batch_idx(fn, cache_batch_idx, k_cache.shape[0],
