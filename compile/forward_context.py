@@ -85,15 +85,10 @@ def get_forward_context() -> ForwardContext:
     return _CONTEXT
 
 
-def current_forward_context() -> Optional[ForwardContext]:
-    """The current ``ForwardContext``, or None outside ``set_forward_context``."""
-    return _CONTEXT
-
-
 def has_forward_context() -> bool:
     """True inside ``set_forward_context``."""
     return _CONTEXT is not None
 
 
 __all__ = ["ForwardContext", "set_forward_context", "get_forward_context",
-           "current_forward_context", "has_forward_context"]
+           "has_forward_context"]
