@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from compile.engine import Engine, SamplingParams, sample  # noqa: E402
-from compile.forward_batch import ForwardMode  # noqa: E402
+from compile.engine.engine import Engine, SamplingParams, sample  # noqa: E402
+from compile.batch.forward_batch import ForwardMode  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 
 VOCAB = 61

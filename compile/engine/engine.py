@@ -24,11 +24,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.batch.forward_batch import ForwardBatch, ForwardMode
+from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool)
-from compile.model_runner import ModelRunnerInfo
-from compile.sampling import SamplingParams, check_positive_int, is_integer, sample
+from compile.engine.model_runner import ModelRunnerInfo
+from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
 
 
 @dataclasses.dataclass
@@ -121,7 +121,7 @@ class Engine:
                 None if window is None else window - 1),
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None))
         if backend_cls is None:
-            from compile.attention_backend import XPUAttentionBackend as backend_cls
+            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
         self.attn_backend = backend_cls(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
@@ -159,7 +159,7 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"{where}: sampling has type {type(sampling).__name__}; "
                             f"expected a SamplingParams, got {sampling!r}. Build one with "
-                            "compile.engine.SamplingParams(...).")
+                            "compile.engine.engine.SamplingParams(...).")
         sampling.validate(where)
         checked = [self._check_prompt(p, sampling, where, name.format(i))
                    for i, p in enumerate(prompts)]
