@@ -283,12 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_bench(args) -> int:
     """Run ``benchmarks/bench_model.py``'s ``main`` with the arguments ``bench`` did not parse.
 
-    ``benchmarks/`` is a folder of scripts, not a package, so the module is loaded by path.
+    ``benchmarks/`` is a folder of scripts, not a package, so the module is loaded by path, with
+    its folder on ``sys.path`` (as when it runs as a script) for the modules it imports.
     """
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_model.py"
     if not path.is_file():
         args.error(f"bench: expected benchmarks/bench_model.py beside the compile package, got "
                    f"no file at {path}. Run from a source checkout.")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("bench_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
