@@ -57,14 +57,43 @@ class Req:
 
 
 @dataclasses.dataclass
+class DecodeTotals:
+    """Tokens, wall seconds and steps of a set of decode steps."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds, self.steps = (self.tokens + tokens, self.seconds + seconds,
+                                                 self.steps + 1)
+
+
+@dataclasses.dataclass
 class EngineStats:
-    """Token counts and wall seconds of prefill and decode steps (for tokens/s)."""
+    """Token counts and wall seconds of prefill and decode steps (for tokens/s).
+
+    ``decode_step_log`` holds ``(batch size, seconds)`` of every decode step in order, so
+    ``decode_split`` can set the warm-up steps (compilation, recompiles, graph capture) apart.
+    """
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
+    decode_step_log: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+    def decode_split(self, warmup_steps: int = 2) -> tuple[DecodeTotals, DecodeTotals]:
+        """``(warm-up, steady state)`` totals of the decode steps: warm-up are the first
+        ``warmup_steps`` steps of each batch size (where a compiled mode compiles or recompiles
+        and a graph mode captures), steady state all the others."""
+        seen: dict[int, int] = {}
+        warm, steady = DecodeTotals(), DecodeTotals()
+        for b, seconds in self.decode_step_log:
+            seen[b] = seen.get(b, 0) + 1
+            (warm if seen[b] <= warmup_steps else steady).add(b, seconds)
+        return warm, steady
 
 
 class Engine:
@@ -297,8 +326,10 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._run(batch, ids, positions)
         finished = self._sample_and_finish(reqs, logits)
+        seconds = time.perf_counter() - t0
         self.stats.decode_tokens += len(reqs)
-        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_seconds += seconds
+        self.stats.decode_step_log.append((len(reqs), seconds))
         return finished
 
     def _batch(self, mode: ForwardMode, reqs: list[Req], out_cache_loc: Tensor,
@@ -372,4 +403,4 @@ def _check_sizes(**sizes: int) -> None:
         check_positive_int("Engine", name, value)
 
 
-__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "sample"]
+__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "DecodeTotals", "sample"]
