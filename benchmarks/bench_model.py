@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 
 from compile import device as dev
 from compile.cli_args import DTYPES, CliParser, non_negative_int, positive_int
@@ -145,11 +146,12 @@ def paged_step(forward, ids, fb) -> Callable[[], object]:
     return step
 
 
-def dense_step(model, b: int, context: int, gqa: str) -> Callable[[], object]:
-    """One decode step of the compiled dense peer of ``model``: ``b`` requests, the token at
-    position ``context`` (cache of ``context + 1`` positions, the same K/V bytes as the paged
-    step)."""
-    dense = compile_dense(DenseLlama.from_paged(model, b, context + 1, gqa))
+def dense_step(model, b: int, context: int, gqa: str,
+               compile_mode: str | None = "reduce-overhead") -> Callable[[], object]:
+    """One decode step of the dense peer of ``model`` compiled with ``compile_mode``: ``b``
+    requests, the token at position ``context`` (cache of ``context + 1`` positions, the same
+    K/V bytes as the paged step)."""
+    dense = compile_dense(DenseLlama.from_paged(model, b, context + 1, gqa), compile_mode)
     device = next(model.parameters()).device
     idx = torch.randint(0, model.config.vocab_size, (b, 1), device=device)
     input_pos = torch.tensor([context], device=device)
@@ -306,6 +308,7 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
     row = {"batch": b, "roofline": roofline_tokens_per_s(model, b, args.context, bandwidth)}
     for mode in args.modes:
         torch._dynamo.reset()
+        skips = counters["inductor"]["cudagraph_skips"]
         step = (dense_step(model, b, args.context, args.dense_gqa) if mode == "dense"
                 else paged_step(make_forward(model, mode), ids, fb))
         # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
@@ -313,6 +316,11 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
         seconds, host = min(step_seconds(step, fb.device, args.warmup, args.steps)
                             for _ in range(args.rounds))
         row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
+        if mode == "dense" and fb.device.type != "cpu":  # Inductor skips graphs silently
+            row["dense_graph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+            if row["dense_graph_skips"]:
+                print(f"b={b} dense: WARNING: Inductor did not capture the step as a device "
+                      "graph (counters['inductor']['cudagraph_skips']); its figure has none")
         print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {seconds * 1e3:.2f} ms, host "
               f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline)",
               flush=True)
