@@ -1,13 +1,14 @@
 """Kernel by kernel: where the device time of one decode step goes, against the bytes moved.
 
     python benchmarks/profile_decode.py --device cuda --batches 1 64 --out benchmarks/results
+    python benchmarks/profile_decode.py --device cuda --mode dense --batches 1 64 --out ...
     python benchmarks/profile_decode.py --device cpu --quick --out /tmp/profile   # CPU check
 
 Builds ``bench_model``'s random-weight Llama-3.2-1B-shaped model and DECODE batch (context
-``--context``), warms ``--mode`` up (compile, capture), then runs ``torch.profiler`` over
-``--steps`` steps (on a GPU, ``graphs`` steps are graph replays) and groups the device kernels
-by name: calls and microseconds per step, share of the step's kernel time. On the CPU the
-"kernels" are the leaf operators (self time).
+``--context``), warms ``--mode`` up (compile, capture; ``dense``: the gpt-fast-style peer), then
+runs ``torch.profiler`` over ``--steps`` steps (on a GPU, ``graphs`` and ``dense`` steps are
+graph replays) and groups the device kernels by name: calls and microseconds per step, share of
+the step's kernel time. On the CPU the "kernels" are the leaf operators (self time).
 
 Bytes: one more step of the same compiled model, uncaptured and profiled with shapes, links each
 kernel to the operator that launched it; the operator's tensors give the bytes (``op_bytes``):
@@ -31,9 +32,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from compile.graphs import device as dev
-from bench_model import MODES, build, decode_batch, make_forward, paged_step, step_seconds
+from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
+                         paged_step, step_seconds)
 from compile.engine.cli_args import positive_int
 from decode_roofline import copy_bandwidth
+from dense_baseline import GQA_LAYOUTS
 
 ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "long int": 8,
                  "int": 4, "short": 2, "bool": 1, "unsigned char": 1, "signed char": 1,
@@ -163,10 +166,15 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
     """Profile ``--mode`` at batch ``b``; write and return the Markdown."""
     ids, fb = decode_batch(model, b, args.context)
     torch._dynamo.reset()
-    step = paged_step(make_forward(model, args.mode), ids, fb)
+    if args.mode == "dense":  # bytes: the same Inductor kernels without the device graph
+        step = dense_step(model, b, args.context, args.dense_gqa)
+        uncaptured = dense_step(model, b, args.context, args.dense_gqa, compile_mode=None)
+    else:
+        step = paged_step(make_forward(model, args.mode), ids, fb)
+        uncaptured = paged_step(make_forward(model, "compiled"), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
-    nbytes = kernel_bytes(paged_step(make_forward(model, "compiled"), ids, fb), args.device)
+    nbytes = kernel_bytes(uncaptured, args.device)
     rows = profile_rows(times, nbytes, args.steps, bandwidth)
     kernel_us = sum(r["us"] for r in rows)
     known = [r for r in rows if r["bytes"] is not None]
@@ -192,7 +200,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=str(dev.as_device()), choices=("cpu", "cuda", "xpu"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--mode", default="graphs", choices=MODES)
+    ap.add_argument("--mode", default="graphs", choices=MODES + PEERS)
+    ap.add_argument("--dense-gqa", choices=GQA_LAYOUTS, default="pack",
+                    help="GQA layout of the dense peer (--mode dense; see bench_model)")
     ap.add_argument("--layers", type=positive_int, default=16)
     ap.add_argument("--hidden", type=int, default=0, help="0: the 1B shape (see bench_model)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 64])
