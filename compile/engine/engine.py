@@ -24,12 +24,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
-                                 ReqToTokenPool)
+from compile.backend import XPUAttentionBackend, kv_layout
+from compile.batch import (ForwardBatch, ForwardMode, KVLayout, PageAllocator, ReqToTokenPool,
+                           SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
-from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool
 
 
 @dataclasses.dataclass
@@ -137,20 +136,16 @@ class Engine:
         num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
         self.swa_pages: Optional[SWAPageAllocator] = None
-        if _use_swa_pool(cfg, swa_pool):
+        layout, kv_dtype = kv_layout(model), kv_dtype or weight.dtype
+        if _use_swa_pool(layout, swa_pool):
             self.token_to_kv_pool, self.swa_pages = hybrid_kv_pool(
-                cfg, size=num_pages * page_size, page_size=page_size,
-                dtype=kv_dtype or weight.dtype, device=self.device, max_running=max_running,
-                prefill_chunk=chunked_prefill_size, max_context_len=max_context_len)
-        elif getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
-            self.token_to_kv_pool = MLATokenToKVPool(
-                num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.kv_lora_rank,
-                cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
-        else:
-            self.token_to_kv_pool = MHATokenToKVPool(
-                num_pages * page_size, page_size, kv_dtype or weight.dtype,
-                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.device)
-        window = getattr(cfg, "sliding_window", None)
+                layout, size=num_pages * page_size, page_size=page_size, dtype=kv_dtype,
+                device=self.device, max_running=max_running, prefill_chunk=chunked_prefill_size,
+                max_context_len=max_context_len)
+        else:  # MHA, or one latent row per token (MLA)
+            self.token_to_kv_pool = make_kv_pool(layout, num_pages * page_size, page_size,
+                                                 kv_dtype, self.device)
+        window = layout.sliding_window
         self.allocator = PageAllocator(num_pages, page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
@@ -161,9 +156,7 @@ class Engine:
                 None if window is None else window - 1),
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
             is_hybrid_swa=self.swa_pages is not None)
-        if backend_cls is None:
-            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
-        self.attn_backend = backend_cls(self.model_runner)
+        self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling or decoding
@@ -387,13 +380,14 @@ class Engine:
         return [r.output_ids for r in reqs]
 
 
-def _use_swa_pool(cfg, swa_pool: Optional[bool]) -> bool:
-    """Whether the engine builds a hybrid SWA pool for ``cfg`` (see ``Engine``'s ``swa_pool``)."""
-    has_swa = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+def _use_swa_pool(layout: KVLayout, swa_pool: Optional[bool]) -> bool:
+    """Whether the engine builds a hybrid SWA pool for ``layout`` (see ``Engine``'s
+    ``swa_pool``)."""
+    has_swa = bool(layout.swa_layer_ids)
     if swa_pool and not has_swa:
         raise ValueError(f"Engine: swa_pool=True needs sliding_attention layers; expected a "
-                         f"model with some, got layer_types={getattr(cfg, 'layer_types', None)}."
-                         " Leave swa_pool=None.")
+                         f"model with some, got none of its {layout.num_layers} layers with a "
+                         "sliding window. Leave swa_pool=None.")
     return has_swa if swa_pool is None else swa_pool
 
 
