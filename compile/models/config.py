@@ -4,15 +4,17 @@ dataclass describing every Llama-family decoder the zoo builds.
 Field names follow Hugging Face ``transformers`` configs, so ``ModelConfig.from_hf(hf_config)``
 is mostly a copy. Per-layer attention options are lists indexed by layer id (``layer_types``,
 ``use_rope``); everything else is global. Supported ``model_type`` values: llama, mistral,
-qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings), gpt_oss (attention sinks,
-mixture of experts; default or llama3 RoPE only) and llama4_text (``Llama4Config``: the fields
-only ``compile.models.llama4`` reads). DeepSeek-V2's ``DeepseekV2Config`` (MLA) is a
+qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings), gemma3_text and the text part
+of gemma3 (``Gemma3Config``: a RoPE base of its own for the sliding-window layers), gpt_oss
+(attention sinks, mixture of experts; default or llama3 RoPE only) and llama4_text
+(``Llama4Config``: the fields only ``compile.models.llama4`` reads). DeepSeek-V2's ``DeepseekV2Config`` (MLA) is a
 ``DecoderConfig`` too (``compile.models.deepseek_v2``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any, Optional
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -59,7 +61,8 @@ class ModelConfig(DecoderConfig):
         norm_weight_offset: 1.0 when the norm multiplies by ``1 + weight`` (Gemma), else 0.0.
         rope_scaling: None or a dict with ``rope_type`` in {"default", "linear", "llama3"} and
             that type's keys (``factor``, ...).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3; Gemma 3, whose norms, like all
+            its norms, multiply by ``norm_weight_offset + weight``).
         layer_types: per layer, one of LAYER_TYPES (None: all full attention).
         sliding_window: W of "sliding_attention" layers, the Hugging Face meaning: a query sees
             itself and the W - 1 keys before it.
@@ -138,7 +141,7 @@ class ModelConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
         """Build from a ``transformers`` config (llama/mistral/qwen2/qwen3/gemma2/gpt_oss; a
-        llama4_text config gives a ``Llama4Config``).
+        llama4_text config gives a ``Llama4Config``, gemma3_text and gemma3 a ``Gemma3Config``).
 
         Raises:
             NotImplementedError: a model type or RoPE type this zoo does not implement.
@@ -146,10 +149,9 @@ class ModelConfig(DecoderConfig):
         model_type = getattr(hf_config, "model_type", "llama")
         if model_type == "llama4_text":
             return Llama4Config.from_hf(hf_config)
-        if model_type not in _HF_MODEL_TYPES:
-            raise NotImplementedError(f"ModelConfig.from_hf: model_type {model_type!r} is not "
-                                      f"supported; expected one of "
-                                      f"{sorted(_HF_MODEL_TYPES | {'llama4_text'})}.")
+        if model_type in ("gemma3_text", "gemma3"):
+            return Gemma3Config.from_hf(hf_config)
+        check_model_type("ModelConfig.from_hf", model_type, _HF_MODEL_TYPES)
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
         kw = _hf_common(hf_config, model_type)
         kw.update(_hf_layer_types(hf_config, model_type))
@@ -169,6 +171,19 @@ class ModelConfig(DecoderConfig):
 
 
 _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
+#: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``).
+SUPPORTED_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3",
+                                                        "deepseek_v2"}))
+
+
+def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:
+    """Raise ``NotImplementedError`` naming the supported types unless ``model_type`` is one.
+
+    The message is one line: ``python -m compile`` prints it as the argument error.
+    """
+    if model_type not in supported:
+        raise NotImplementedError(f"{where}: model_type {model_type!r} is not supported; "
+                                  f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
 
 
 @dataclasses.dataclass
@@ -241,6 +256,78 @@ class Llama4Config(ModelConfig):
         return cls(**kw)
 
 
+@dataclasses.dataclass
+class Gemma3Config(ModelConfig):
+    """A Gemma 3 text decoder (``compile.models.gemma3``): ``ModelConfig`` plus the RoPE of its
+    sliding-window layers.
+
+    Gemma 3 interleaves ``sliding_attention`` layers (window ``sliding_window``) with
+    ``full_attention`` ones (5:1 in the released models), normalises q and k per head, wraps
+    attention and MLP in sandwich norms, scales the embeddings by ``sqrt(hidden_size)`` and
+    uses ``query_pre_attn_scalar ** -0.5`` as the softmax scale; ``rope_theta`` and
+    ``rope_scaling`` are those of the full-attention (global) layers.
+
+    Attributes:
+        rope_local_base_freq: RoPE base of the sliding-window (local) layers.
+        rope_local_scaling: their RoPE scaling (None: default RoPE, as in every released model).
+    """
+
+    rope_local_base_freq: float = 10000.0
+    rope_local_scaling: Optional[dict[str, Any]] = None
+
+    def layer_rope(self, layer_id: int) -> tuple[float, Optional[dict[str, Any]]]:
+        """``(theta, scaling)`` of ``layer_id``'s RoPE: local for sliding layers, else global."""
+        if self.layer_types[layer_id] == "sliding_attention":
+            return self.rope_local_base_freq, self.rope_local_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "Gemma3Config":
+        """Build from a ``transformers`` ``Gemma3TextConfig``, or a multimodal ``Gemma3Config``
+        (its ``text_config``: the vision tower is not part of the zoo).
+
+        Raises:
+            NotImplementedError: another model type, an unsupported RoPE type, or
+                ``use_bidirectional_attention`` (EmbeddingGemma's encoder, not a decoder).
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type == "gemma3":
+            hf_config, model_type = hf_config.text_config, hf_config.text_config.model_type
+        if model_type != "gemma3_text":
+            raise NotImplementedError(f"Gemma3Config.from_hf: model_type {model_type!r} is not "
+                                      "supported; expected 'gemma3_text' or 'gemma3'.")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise NotImplementedError("Gemma3Config.from_hf: use_bidirectional_attention=True "
+                                      "is an encoder (EmbeddingGemma); expected a causal decoder.")
+        get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        (theta, scaling), (local_theta, local_scaling) = _gemma3_rope(hf_config)
+        kw = _hf_common(hf_config, model_type, rope=(theta, scaling))
+        kw.update(_hf_layer_types(hf_config, model_type))
+        kw.update(norm_weight_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5,
+                  sandwich_norm=True, qk_norm=True,
+                  query_pre_attn_scalar=get("query_pre_attn_scalar"),
+                  attn_logit_softcap=float(get("attn_logit_softcapping") or 0.0),
+                  final_logit_softcap=float(get("final_logit_softcapping") or 0.0),
+                  hidden_act=get("hidden_activation") or "gelu_pytorch_tanh",
+                  rope_local_base_freq=local_theta, rope_local_scaling=local_scaling)
+        return cls(**kw)
+
+
+def _gemma3_rope(hf_config) -> tuple[tuple[float, Optional[dict]], tuple[float, Optional[dict]]]:
+    """``((theta, scaling) of full layers, (theta, scaling) of sliding layers)`` from
+    transformers 5's per-layer-type ``rope_parameters`` or 4.x's ``rope_theta``,
+    ``rope_scaling`` and ``rope_local_base_freq``."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "full_attention" in params:
+        kinds = [dict(params["full_attention"]), dict(params["sliding_attention"])]
+    else:
+        kinds = [{**(getattr(hf_config, "rope_scaling", None) or {}),
+                  "rope_theta": getattr(hf_config, "rope_theta", 1_000_000.0)},
+                 {"rope_theta": getattr(hf_config, "rope_local_base_freq", 10_000.0)}]
+    full, local = (_hf_rope(SimpleNamespace(rope_parameters=p)) for p in kinds)
+    return full, local
+
+
 def hf_decoder_kwargs(hf_config) -> dict[str, Any]:
     """``DecoderConfig`` keyword arguments read alike from every supported ``transformers``
     config: all but ``rope_theta`` and ``attention_bias``, whose sources and defaults differ."""
@@ -257,10 +344,12 @@ def hf_decoder_kwargs(hf_config) -> dict[str, Any]:
         bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"))
 
 
-def _hf_common(hf_config, model_type: str) -> dict[str, Any]:
-    """``ModelConfig`` keyword arguments every supported ``transformers`` config shares."""
+def _hf_common(hf_config, model_type: str,
+               rope: Optional[tuple[float, Optional[dict[str, Any]]]] = None) -> dict[str, Any]:
+    """``ModelConfig`` keyword arguments every supported ``transformers`` config shares
+    (``rope``: ``(rope_theta, rope_scaling)`` when the caller read them, else ``_hf_rope``'s)."""
     get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
-    theta, scaling = _hf_rope(hf_config)
+    theta, scaling = rope or _hf_rope(hf_config)
     return dict(
         hf_decoder_kwargs(hf_config),
         num_key_value_heads=get("num_key_value_heads") or hf_config.num_attention_heads,
@@ -299,4 +388,5 @@ def _hf_layer_types(hf_config, model_type: str) -> dict[str, Any]:
                 sliding_window=window if "sliding_attention" in types else None)
 
 
-__all__ = ["DecoderConfig", "ModelConfig", "Llama4Config", "LAYER_TYPES", "hf_decoder_kwargs"]
+__all__ = ["DecoderConfig", "ModelConfig", "Llama4Config", "Gemma3Config", "LAYER_TYPES",
+           "SUPPORTED_MODEL_TYPES", "check_model_type", "hf_decoder_kwargs"]

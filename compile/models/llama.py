@@ -61,9 +61,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=config.o_proj_bias,
                                 dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
+        if config.qk_norm:  # Qwen3's plain weight; Gemma 3's 1 + weight
+            offset = config.norm_weight_offset
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, offset, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, offset, dtype=dtype, device=device)
         self.rotary_emb = rotary  # shared by all layers; None for NoPE layers
         self.sinks = None
         if config.attention_sinks:

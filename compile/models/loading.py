@@ -39,13 +39,17 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
         hf_model: a ``transformers`` causal LM of a type ``ModelConfig.from_hf`` supports
             (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...), or a
             ``DeepseekV2ForCausalLM`` (MLA; ``compile.models.deepseek_v2``) or a
-            ``Llama4ForCausalLM`` (text; ``compile.models.llama4``).
+            ``Llama4ForCausalLM`` (text; ``compile.models.llama4``), or a Gemma 3
+            ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
+            ``compile.models.gemma3``).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
     Raises:
         KeyError: a parameter of the zoo model has no source in ``hf_model``'s state dict.
         ValueError: a source tensor's shape differs from the zoo parameter's.
+        NotImplementedError: a ``model_type`` outside ``SUPPORTED_MODEL_TYPES`` (the message
+            names them) or an unsupported option of a supported one.
     """
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type == "deepseek_v2":
@@ -54,6 +58,9 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
     if model_type == "llama4_text":
         from compile.models import llama4   # imports this module: resolve at call time
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
+    if model_type in ("gemma3_text", "gemma3"):
+        from compile.models import gemma3   # imports this module: resolve at call time
+        return gemma3.from_hf(hf_model, dtype=dtype, device=device)
     return copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
                         device)
 

@@ -36,9 +36,24 @@ def generate(mode: str, capsys) -> tuple[int, str, list[str]]:
     return rc, out, texts
 
 
+def decode_lines(out: str) -> tuple[int, int, int, int, int, float]:
+    """(decode tokens, warm-up tokens, warm-up steps, steady tokens, steady steps, steady
+    tokens/s) from the report."""
+    total = int(re.search(r"^decode: (\d+) tokens", out, re.M)[1])
+    warm = re.search(r"^decode warm-up: (\d+) tokens in [\d.]+ s \((\d+) steps: the first 2 "
+                     r"of each batch size\)$", out, re.M)
+    steady = re.search(r"^decode steady state: (\d+) tokens in ([\d.]+) s = ([\d.]+) tokens/s "
+                       r"\((\d+) steps\)$", out, re.M)
+    assert warm and steady, out
+    return (total, int(warm[1]), int(warm[2]), int(steady[1]), int(steady[4]),
+            float(steady[3]))
+
+
 def test_generate_piecewise_and_graphs_equal_eager(capsys):
     rc, out, eager = generate("eager", capsys)
     assert rc == 0 and "verify: all prompts match" in out, out
+    total, warm, warm_steps, steady, steady_steps, _ = decode_lines(out)
+    assert warm + steady == total and warm_steps >= 2 and steady_steps >= 1, out
     assert len(eager) == len(PROMPTS)
     for mode, marker in (("piecewise", "piecewise: 6 pieces around 4 attention calls"),
                          ("graphs", "decode graphs: none (no capture on this device"),
@@ -149,7 +164,7 @@ BAD_ARGS = [
     # bench's own options: choices and ranges, one line under bench's name (were tracebacks).
     (["bench", "--modes", "eager", "compile"],
      r"^python -m compile bench: error: argument --modes: invalid choice: 'compile' \(choose "
-     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'full_and_piecewise'\)"),
+     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'full_and_piecewise', 'dense'\)"),
     (["bench", "--dtype", "fp32"],
      r"^python -m compile bench: error: argument --dtype: invalid choice: 'fp32' \(choose from "
      r"'float32', 'bfloat16', 'float16'\)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import types
 from typing import Optional
 
@@ -25,6 +26,37 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
+
+
+# Kernel paths that are not yet the default anywhere; ``XPU_OPS_TRITON_PATHS`` (a comma list,
+# read once at import) turns them on for a whole process, and benchmarks pass them per launch.
+OPTIONAL_PATHS = {
+    "page_tiles": "decode and extend: one page-table load per page of a key tile, int32 in-page "
+                  "offsets, unmasked head-dim columns (page sizes that are powers of two)",
+}
+
+
+def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]:
+    """The optional kernel paths named by ``spec`` (comma-separated, "" none, "all" every one).
+
+    Raises:
+        ValueError: a name that is not in ``OPTIONAL_PATHS``.
+
+    >>> sorted(parse_paths("page_tiles"))
+    ['page_tiles']
+    """
+    names = {p.strip() for p in spec.split(",") if p.strip()}
+    if names == {"all"}:
+        return frozenset(OPTIONAL_PATHS)
+    unknown = sorted(names - set(OPTIONAL_PATHS))
+    if unknown:
+        raise ValueError(f"{name}: {', '.join(unknown)} is not an optional kernel path; expected "
+                         f"a comma list of {sorted(OPTIONAL_PATHS)} or 'all', got {spec!r}. Fix "
+                         f"the spelling or leave it unset for today's kernels.")
+    return frozenset(names)
+
+
+ENABLED_PATHS = parse_paths(os.environ.get("XPU_OPS_TRITON_PATHS", ""))
 
 
 def interpreting() -> bool:

@@ -11,6 +11,13 @@ a 16-row tile), and one KV split. The key loop runs only over tiles that some ro
 see (causal and sliding window skip whole tiles); partial tiles are masked with ``tl.where``, and
 K/V loads past the request's length use ``other=0`` so NaN garbage never enters a product.
 
+Key-tile addressing: by default each key of a tile loads its page id and forms an int64 ``page x
+stride + slot x stride`` offset (any page size). With ``_Config.page_tiles`` (the optional path
+``page_tiles``; ``XPU_OPS_TRITON_PATHS``) and a power-of-two page size, a tile that starts on a
+``BLOCK_N`` boundary covers ``BLOCK_N / page_size`` whole pages or lies inside one page, so the
+kernel loads one page id per page, multiplies in int64 once per page and adds int32 in-page slot
+offsets (``_page_tile_rows``); with power-of-two head dims the K/V loads carry no column mask.
+
 Split-KV: with few (request, KV head) pairs for the machine, the visible key range is cut into
 ``num_splits`` pieces; each split program writes an fp32 partial output and its log-sum-exp, and
 the same launch merges them ("last program to finish reduces", no second kernel): after its
@@ -42,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
+from ._common import ENABLED_PATHS, HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
 
 if HAS_TRITON:
     import triton
@@ -66,6 +73,56 @@ def _tanh(x):
                                                                   + a2 * (62.0 / 2835.0)))))
     t = tl.where(a < 0.25, t_near, t_far)
     return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _key_rows(pt_row, offs_n, mask_n, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
+              stride_vs, PAGE_SIZE: tl.constexpr):
+    # K/V row offsets of keys offs_n, one page-table load and int64 page x stride per key (any
+    # page size). A page id outside [0, num_pages) (inconsistent metadata) hides its keys.
+    page = tl.load(pt_row + (offs_n // PAGE_SIZE) * stride_pt_p, mask=mask_n, other=0)
+    key_ok = (page >= 0) & (page < num_pages)
+    page = tl.where(key_ok, page, 0).to(tl.int64)
+    slot = (offs_n % PAGE_SIZE).to(tl.int64)
+    return page * stride_kp + slot * stride_ks, page * stride_vp + slot * stride_vs, key_ok
+
+
+@triton.jit
+def _page_tile_rows(pt_row, start_n, blk_hi, num_pages, stride_pt_p, stride_kp, stride_ks,
+                    stride_vp, stride_vs, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # The same offsets for a tile that starts on a BLOCK_N boundary, both powers of two: one
+    # page-table load per page (the tile covers PAGES whole pages, or lies inside one page),
+    # int64 only per page, in-page slot offsets in int32. Pages past blk_hi are not loaded.
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if BLOCK_N > PAGE_SIZE else 1
+    SLOTS: tl.constexpr = BLOCK_N // PAGES
+    slot = start_n % PAGE_SIZE + tl.arange(0, SLOTS)
+    if PAGES == 1:  # start_n < blk_hi <= the table's capacity: its entry exists
+        page = tl.load(pt_row + (start_n // PAGE_SIZE) * stride_pt_p)
+        # Compared after the broadcast (the interpreter stores a scalar's bool as int32).
+        page_v = tl.broadcast_to(page, [BLOCK_N])
+        key_ok = (page_v >= 0) & (page_v < num_pages)
+        page = tl.where((page >= 0) & (page < num_pages), page, 0).to(tl.int64)
+        k_rows = page * stride_kp + slot * stride_ks
+        v_rows = page * stride_vp + slot * stride_vs
+    else:
+        page_idx = start_n // PAGE_SIZE + tl.arange(0, PAGES)
+        page = tl.load(pt_row + page_idx * stride_pt_p, mask=page_idx * PAGE_SIZE < blk_hi,
+                       other=0)
+        page_ok = (page >= 0) & (page < num_pages)
+        page = tl.where(page_ok, page, 0).to(tl.int64)
+        k_rows = tl.reshape(page[:, None] * stride_kp + (slot * stride_ks)[None, :], [BLOCK_N])
+        v_rows = tl.reshape(page[:, None] * stride_vp + (slot * stride_vs)[None, :], [BLOCK_N])
+        key_ok = tl.reshape(page_ok[:, None] | (slot < 0)[None, :], [BLOCK_N])
+    return k_rows, v_rows, key_ok
+
+
+@triton.jit
+def _load_tile(ptrs, mask_rows, mask_cols, EVEN_COLS: tl.constexpr):
+    # [rows, cols] tile, rows masked (0 where false); columns masked only when the head dim is
+    # not the padded one (EVEN_COLS: every column exists, no per-column predicate).
+    if EVEN_COLS:
+        return tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+    return tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
 
 
 @triton.jit
@@ -108,7 +165,7 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr, HAS_K_START: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
     HAS_Q_USED: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -216,28 +273,28 @@ def _paged_attention_kernel(
     v_head = V + kv_head.to(tl.int64) * stride_vh
 
     for start_n in range(blk_lo, blk_hi, BLOCK_N):
-        # ---- gather one key tile: page id per key, int64 page x stride offsets ----
+        # ---- gather one key tile (row offsets per key), masked by length, leftpad, page ids ----
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
         pages_ok = 1
         if PAGED:
-            page = tl.load(pt_row + (offs_n // PAGE_SIZE) * stride_pt_p, mask=mask_n,
-                           other=0).to(tl.int64)
-            # A page id outside [0, num_pages) (inconsistent metadata) hides its keys.
-            page_ok = (page >= 0) & (page < num_pages)
-            pages_ok = tl.min(page_ok.to(tl.int32), 0)
-            mask_n = mask_n & page_ok
-            page = tl.where(page_ok, page, 0)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
-            k_rows = page * stride_kp + slot * stride_ks
-            v_rows = page * stride_vp + slot * stride_vs
+            if PAGE_TILES:
+                k_rows, v_rows, key_ok = _page_tile_rows(
+                    pt_row, start_n, blk_hi, num_pages, stride_pt_p, stride_kp, stride_ks,
+                    stride_vp, stride_vs, BLOCK_N, PAGE_SIZE)
+            else:
+                k_rows, v_rows, key_ok = _key_rows(
+                    pt_row, offs_n, mask_n, num_pages, stride_pt_p, stride_kp, stride_ks,
+                    stride_vp, stride_vs, PAGE_SIZE)
+            pages_ok = tl.min(key_ok.to(tl.int32), 0)
+            mask_n = mask_n & key_ok
         else:
             k_rows = (kv_start + offs_n).to(tl.int64) * stride_ks
             v_rows = (kv_start + offs_n).to(tl.int64) * stride_vs
-        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(compute_dtype)
-        v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(compute_dtype)
+        k = _load_tile(k_head + k_rows[:, None] + offs_d[None, :], mask_n, mask_d,
+                       EVEN_D).to(compute_dtype)
+        v = _load_tile(v_head + v_rows[:, None] + offs_dv[None, :], mask_n, mask_dv,
+                       EVEN_D).to(compute_dtype)
 
         # ---- scores in the log2 domain, masked by length, causal and window ----
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale
@@ -369,14 +426,34 @@ def _merge_splits_tile(
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
+    """Tile shape and kernel path of one launch. ``page_tiles``: address key tiles per page
+    (``_page_tile_rows``) where the page size is a power of two; else per key."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    page_tiles: bool = False
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int) -> _Config:
+                 elem_bytes: int, paths: frozenset = ENABLED_PATHS) -> _Config:
+    """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on."""
+    tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
+    return dataclasses.replace(tiles, page_tiles="page_tiles" in paths)
+
+
+def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
+                   paths: frozenset = ENABLED_PATHS) -> _Config:
+    """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
+    ``paged_attention(..., config=dataclasses.replace(default_config(...), ...))``)."""
+    group = q.shape[1] // num_heads_kv
+    d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
+    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths)
+
+
+def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
+                elem_bytes: int) -> _Config:
     """Tile shape from shapes only. ``rows_per_request = max_seqlen_q * G`` packed M rows."""
     if device.type == "cpu":  # interpreter: small tiles exercise the multi-tile paths
         return _Config(max(16, min(32, next_pow2(rows_per_request))), 16, 1, 1)
@@ -474,7 +551,9 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
                 HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
-                UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                UPCAST=upcast, PAGE_TILES=cfg.page_tiles and page_size == next_pow2(page_size),
+                EVEN_D=cfg.page_tiles and (d_pad, dv_pad) == (head_dim, head_dim_v),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
                          dv_pad, grid_m * batch * num_heads_kv)
 
