@@ -14,7 +14,8 @@ Bytes: one more step of the same compiled model, uncaptured and profiled with sh
 kernel to the operator that launched it; the operator's tensors give the bytes (``op_bytes``):
 exact for matrix products, the argument sizes otherwise (an upper bound for gathers; attention
 counts its whole KV pool, which ``bench_model``'s batch sizes to the tokens read plus under one
-page per request). Kernels Inductor launches outside any operator have no bytes ("-").
+page per request). Inductor's Triton kernels are launched under a record of their own name with
+their buffers as arguments, each read or written once. Kernels of neither kind show "-".
 Writes ``profile_decode_b{b}.md`` and ``.json`` per batch under ``--out``; prints the tables.
 """
 
@@ -104,28 +105,38 @@ def kernel_times(step, device: str, steps: int) -> dict[str, list]:
     return out
 
 
-def launching_op(event):
-    """The nearest enclosing operator (``ns::name``, profiled shapes) of a launch event."""
-    while event is not None and not ("::" in event.name and event.input_shapes):
+def launching_op(event, kernel: str):
+    """The nearest enclosing event with profiled shapes that launched ``kernel``: an operator
+    (``ns::name``) or Inductor's launch record of a Triton kernel (named like the kernel, its
+    buffers as arguments)."""
+    while event is not None and not (event.input_shapes and ("::" in event.name
+                                                             or event.name == kernel)):
         event = event.cpu_parent
     return event
 
 
 def kernel_bytes(step, device: str) -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
-    are known (``op_bytes``); one profiled step with shapes."""
+    are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
+    among them); one profiled step with shapes."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
-    out: dict[str, int] = defaultdict(int)
-    unknown = set()
     if device == "cpu":
-        launches = [(e, [e.name]) for e in cpu_leaves(p.events())]
+        launches = [(e, e.name) for e in cpu_leaves(p.events())]
     else:
-        launches = [(e, [k.name for k in e.kernels]) for e in p.events()
-                    if not is_device(e) and e.kernels]
-    for event, names in launches:
-        op = launching_op(event)
-        n = None if op is None else op_bytes(op.name, op.input_shapes, op.input_dtypes)
+        launches = [(e, k.name) for e in p.events() if not is_device(e) for k in e.kernels]
+    by_op: dict[tuple, tuple[object, list[str]]] = {}  # (thread, start, name) names an event
+    unknown = set()
+    for event, name in launches:
+        op = launching_op(event, name)
+        if op is None:
+            unknown.add(name)
+        else:
+            key = (op.thread, op.time_range.start, op.name)
+            by_op.setdefault(key, (op, []))[1].append(name)
+    out: dict[str, int] = defaultdict(int)
+    for op, names in by_op.values():
+        n = op_bytes(op.name, op.input_shapes, op.input_dtypes)
         for name in names:
             if n is None:
                 unknown.add(name)
