@@ -1,12 +1,12 @@
 """Decode throughput of a 1B-class Llama (random weights) in five modes, a dense-cache peer and
 the memory roofline, plus compile times.
 
-Modes: ``eager`` (the model as written), ``compiled`` (``compile.compiled_model.compile_model(
+Modes: ``eager`` (the model as written), ``compiled`` (``compile.graphs.compiled_model.compile_model(
 model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs; reusable layer regions where
-this torch has them), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
-device graph per token bucket, attention eager), ``graphs`` (``compile.graph_runner.
+this torch has them), ``piecewise`` (``compile.graphs.piecewise.PiecewiseModel``: Inductor pieces,
+device graph per token bucket, attention eager), ``graphs`` (``compile.graphs.graph_runner.
 DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
-``full_and_piecewise`` (``compile.graph_runner.full_and_piecewise``: the decode graphs recorded
+``full_and_piecewise`` (``compile.graphs.graph_runner.full_and_piecewise``: the decode graphs recorded
 through the piecewise model; the decode steps timed here replay those whole-step graphs).
 Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
 static ``[b, Hkv, max_len, D]`` cache, SDPA under a mask of the valid positions, compiled with
@@ -42,19 +42,19 @@ from typing import Callable
 import torch
 from torch._dynamo.utils import counters
 
-from compile import device as dev
-from compile.cli_args import DTYPES, CliParser, non_negative_int, positive_int
-from compile.cli_models import pick_device
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.compiled_model import compile_model, reusable_regions_supported
-from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
-from compile.model_runner import ModelRunnerInfo
-from compile.layer import PagedAttention
+from compile.graphs import device as dev
+from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
+from compile.engine.cli_models import pick_device
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardBatch, ForwardMode
+from compile.graphs.compiled_model import compile_model, reusable_regions_supported
+from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.engine.model_runner import ModelRunnerInfo
+from compile.backend.layer import PagedAttention
 from compile.models import LlamaForCausalLM, ModelConfig
-from compile.piecewise import PiecewiseModel
-from compile.split_op import enable_split_op
+from compile.graphs.piecewise import PiecewiseModel
+from compile.graphs.split_op import enable_split_op
 from bench_model_report import write_results
 from decode_roofline import copy_bandwidth, roofline_tokens_per_s
 from dense_baseline import GQA_LAYOUTS, DenseLlama, compile_dense

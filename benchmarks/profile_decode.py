@@ -32,10 +32,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile import device as dev
+from compile.graphs import device as dev
 from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
                          paged_step, step_seconds)
-from compile.cli_args import positive_int
+from compile.engine.cli_args import positive_int
 from decode_roofline import copy_bandwidth
 from dense_baseline import GQA_LAYOUTS
 
