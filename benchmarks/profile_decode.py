@@ -1,19 +1,21 @@
 """Kernel by kernel: where the device time of one decode step goes, against the bytes moved.
 
     python benchmarks/profile_decode.py --device cuda --batches 1 64 --out benchmarks/results
+    python benchmarks/profile_decode.py --device cuda --mode dense --batches 1 64 --out ...
     python benchmarks/profile_decode.py --device cpu --quick --out /tmp/profile   # CPU check
 
 Builds ``bench_model``'s random-weight Llama-3.2-1B-shaped model and DECODE batch (context
-``--context``), warms ``--mode`` up (compile, capture), then runs ``torch.profiler`` over
-``--steps`` steps (on a GPU, ``graphs`` steps are graph replays) and groups the device kernels
-by name: calls and microseconds per step, share of the step's kernel time. On the CPU the
-"kernels" are the leaf operators (self time).
+``--context``), warms ``--mode`` up (compile, capture; ``dense``: the gpt-fast-style peer), then
+runs ``torch.profiler`` over ``--steps`` steps (on a GPU, ``graphs`` and ``dense`` steps are
+graph replays) and groups the device kernels by name: calls and microseconds per step, share of
+the step's kernel time. On the CPU the "kernels" are the leaf operators (self time).
 
 Bytes: one more step of the same compiled model, uncaptured and profiled with shapes, links each
 kernel to the operator that launched it; the operator's tensors give the bytes (``op_bytes``):
 exact for matrix products, the argument sizes otherwise (an upper bound for gathers; attention
 counts its whole KV pool, which ``bench_model``'s batch sizes to the tokens read plus under one
-page per request). Kernels Inductor launches outside any operator have no bytes ("-").
+page per request). Inductor's Triton kernels are launched under a record of their own name with
+their buffers as arguments, each read or written once. Kernels of neither kind show "-".
 Writes ``profile_decode_b{b}.md`` and ``.json`` per batch under ``--out``; prints the tables.
 """
 
@@ -30,10 +32,12 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile import device as dev
-from bench_model import MODES, build, decode_batch, make_forward, paged_step, step_seconds
-from compile.cli_args import positive_int
+from compile.graphs import device as dev
+from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
+                         paged_step, step_seconds)
+from compile.engine.cli_args import positive_int
 from decode_roofline import copy_bandwidth
+from dense_baseline import GQA_LAYOUTS
 
 ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "long int": 8,
                  "int": 4, "short": 2, "bool": 1, "unsigned char": 1, "signed char": 1,
@@ -101,28 +105,38 @@ def kernel_times(step, device: str, steps: int) -> dict[str, list]:
     return out
 
 
-def launching_op(event):
-    """The nearest enclosing operator (``ns::name``, profiled shapes) of a launch event."""
-    while event is not None and not ("::" in event.name and event.input_shapes):
+def launching_op(event, kernel: str):
+    """The nearest enclosing event with profiled shapes that launched ``kernel``: an operator
+    (``ns::name``) or Inductor's launch record of a Triton kernel (named like the kernel, its
+    buffers as arguments)."""
+    while event is not None and not (event.input_shapes and ("::" in event.name
+                                                             or event.name == kernel)):
         event = event.cpu_parent
     return event
 
 
 def kernel_bytes(step, device: str) -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
-    are known (``op_bytes``); one profiled step with shapes."""
+    are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
+    among them); one profiled step with shapes."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
-    out: dict[str, int] = defaultdict(int)
-    unknown = set()
     if device == "cpu":
-        launches = [(e, [e.name]) for e in cpu_leaves(p.events())]
+        launches = [(e, e.name) for e in cpu_leaves(p.events())]
     else:
-        launches = [(e, [k.name for k in e.kernels]) for e in p.events()
-                    if not is_device(e) and e.kernels]
-    for event, names in launches:
-        op = launching_op(event)
-        n = None if op is None else op_bytes(op.name, op.input_shapes, op.input_dtypes)
+        launches = [(e, k.name) for e in p.events() if not is_device(e) for k in e.kernels]
+    by_op: dict[tuple, tuple[object, list[str]]] = {}  # (thread, start, name) names an event
+    unknown = set()
+    for event, name in launches:
+        op = launching_op(event, name)
+        if op is None:
+            unknown.add(name)
+        else:
+            key = (op.thread, op.time_range.start, op.name)
+            by_op.setdefault(key, (op, []))[1].append(name)
+    out: dict[str, int] = defaultdict(int)
+    for op, names in by_op.values():
+        n = op_bytes(op.name, op.input_shapes, op.input_dtypes)
         for name in names:
             if n is None:
                 unknown.add(name)
@@ -163,10 +177,15 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
     """Profile ``--mode`` at batch ``b``; write and return the Markdown."""
     ids, fb = decode_batch(model, b, args.context)
     torch._dynamo.reset()
-    step = paged_step(make_forward(model, args.mode), ids, fb)
+    if args.mode == "dense":  # bytes: the same Inductor kernels without the device graph
+        step = dense_step(model, b, args.context, args.dense_gqa)
+        uncaptured = dense_step(model, b, args.context, args.dense_gqa, compile_mode=None)
+    else:
+        step = paged_step(make_forward(model, args.mode), ids, fb)
+        uncaptured = paged_step(make_forward(model, "compiled"), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
-    nbytes = kernel_bytes(paged_step(make_forward(model, "compiled"), ids, fb), args.device)
+    nbytes = kernel_bytes(uncaptured, args.device)
     rows = profile_rows(times, nbytes, args.steps, bandwidth)
     kernel_us = sum(r["us"] for r in rows)
     known = [r for r in rows if r["bytes"] is not None]
@@ -192,7 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=str(dev.as_device()), choices=("cpu", "cuda", "xpu"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--mode", default="graphs", choices=MODES)
+    ap.add_argument("--mode", default="graphs", choices=MODES + PEERS)
+    ap.add_argument("--dense-gqa", choices=GQA_LAYOUTS, default="pack",
+                    help="GQA layout of the dense peer (--mode dense; see bench_model)")
     ap.add_argument("--layers", type=positive_int, default=16)
     ap.add_argument("--hidden", type=int, default=0, help="0: the 1B shape (see bench_model)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 64])

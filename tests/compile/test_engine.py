@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from compile.engine import Engine, SamplingParams, sample  # noqa: E402
-from compile.forward_batch import ForwardMode  # noqa: E402
+from compile.engine.engine import Engine, SamplingParams, sample  # noqa: E402
+from compile.batch.forward_batch import ForwardMode  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 
 VOCAB = 61
@@ -150,7 +150,7 @@ def test_decode_steps_are_logged_per_batch_size(models):
 
 
 def test_decode_split_leaves_the_first_steps_of_each_batch_size_out():
-    from compile.engine import EngineStats
+    from compile.engine.engine import EngineStats
     log = [(4, 1.0), (4, 0.5), (4, 0.125), (4, 0.125), (3, 0.75), (3, 0.25), (3, 0.125),
            (4, 0.125)]
     stats = EngineStats(decode_step_log=log)

@@ -1,4 +1,4 @@
-"""``compile.swa_pages``: the engine's hybrid sliding-window pool keeps only the window.
+"""``compile.batch.swa_pages``: the engine's hybrid sliding-window pool keeps only the window.
 
 The engine with the hybrid pool must give the same logits as with every layer in the full pool,
 while the SWA pages it frees are poisoned before every step (so a page freed too early, or a
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.engine import Engine, SamplingParams
-from compile.memory_pool import SWAKVPool
+from compile.engine.engine import Engine, SamplingParams
+from compile.batch.memory_pool import SWAKVPool
 from compile.models import Gemma3Config, Gemma3ForCausalLM
-from compile.swa_pages import SWAPageAllocator, kv_cache_bytes, swa_pages_per_request
+from compile.batch.swa_pages import SWAPageAllocator, kv_cache_bytes, swa_pages_per_request
 from tests.compile.compile_helpers import TINY, pool_buffers, tiny_model
 
 WINDOW = 4

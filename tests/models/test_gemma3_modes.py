@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.compiled_model import compile_model
-from compile.engine import Engine, SamplingParams
-from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.piecewise import PiecewiseModel
+from compile.graphs.compiled_model import compile_model
+from compile.engine.engine import Engine, SamplingParams
+from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.test_swa_pages import tiny_gemma3
 
 PROMPT_LENS = (21, 6)

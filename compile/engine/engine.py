@@ -24,12 +24,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.batch.forward_batch import ForwardBatch, ForwardMode
+from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool)
-from compile.model_runner import ModelRunnerInfo
-from compile.sampling import SamplingParams, check_positive_int, is_integer, sample
-from compile.swa_pages import SWAPageAllocator, hybrid_kv_pool
+from compile.engine.model_runner import ModelRunnerInfo
+from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
+from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ class Engine:
         kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
         swa_pool: keep the ``sliding_attention`` layers' KV in a hybrid pool that holds only
-            their window (``compile.swa_pages``); None: whenever the model has such layers.
+            their window (``compile.batch.swa_pages``); None: whenever the model has such layers.
     Attributes:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
@@ -162,7 +162,7 @@ class Engine:
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
             is_hybrid_swa=self.swa_pages is not None)
         if backend_cls is None:
-            from compile.attention_backend import XPUAttentionBackend as backend_cls
+            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
         self.attn_backend = backend_cls(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
@@ -200,7 +200,7 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"{where}: sampling has type {type(sampling).__name__}; "
                             f"expected a SamplingParams, got {sampling!r}. Build one with "
-                            "compile.engine.SamplingParams(...).")
+                            "compile.engine.engine.SamplingParams(...).")
         sampling.validate(where)
         checked = [self._check_prompt(p, sampling, where, name.format(i))
                    for i, p in enumerate(prompts)]

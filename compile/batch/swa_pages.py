@@ -132,7 +132,7 @@ class KVCacheBytes:
 
 def kv_cache_bytes(config, context_len: int, *, page_size: int = 16, prefill_chunk: int = 512,
                    num_requests: int = 1, dtype: torch.dtype = torch.bfloat16) -> KVCacheBytes:
-    """Bytes of the K and V buffers ``compile.engine.Engine`` allocates for ``num_requests``
+    """Bytes of the K and V buffers ``compile.engine.engine.Engine`` allocates for ``num_requests``
     requests of ``context_len`` tokens, with and without the hybrid SWA pool.
 
     Args:
