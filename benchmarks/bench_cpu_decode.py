@@ -5,7 +5,7 @@ applied) with SmolLM2-135M-Instruct from the same weights, greedily, for ``--max
 tokens each with the stop tokens ignored, so both run the same number of batch-``b`` decode
 steps (``b`` = the number of prompts):
 
-- engine: ``compile.engine.Engine`` in eager mode (the main job's path: paged KV cache, the
+- engine: ``compile.engine.engine.Engine`` in eager mode (the main job's path: paged KV cache, the
   default provider of each op); per step ``EngineStats.decode_seconds`` over its decode steps
   (model forward, host metadata and sampling, as the main job times them).
 - transformers: one left-padded batch through ``model.generate`` (its default dynamic cache and
@@ -27,8 +27,8 @@ import time
 import torch
 
 from compile.__main__ import DEFAULT_PROMPTS, encode_prompts
-from compile.cli_models import load_model
-from compile.engine import Engine, SamplingParams
+from compile.engine.cli_models import load_model
+from compile.engine.engine import Engine, SamplingParams
 from compile.models import from_hf
 
 

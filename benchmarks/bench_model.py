@@ -1,12 +1,12 @@
 """Decode throughput of a 1B-class Llama (random weights) in five modes, a dense-cache peer and
 the memory roofline, plus compile times.
 
-Modes: ``eager`` (the model as written), ``compiled`` (``compile.compiled_model.compile_model(
+Modes: ``eager`` (the model as written), ``compiled`` (``compile.graphs.compiled_model.compile_model(
 model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs; reusable layer regions where
-this torch has them), ``piecewise`` (``compile.piecewise.PiecewiseModel``: Inductor pieces,
-device graph per token bucket, attention eager), ``graphs`` (``compile.graph_runner.
+this torch has them), ``piecewise`` (``compile.graphs.piecewise.PiecewiseModel``: Inductor pieces,
+device graph per token bucket, attention eager), ``graphs`` (``compile.graphs.graph_runner.
 DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
-``full_and_piecewise`` (``compile.graph_runner.full_and_piecewise``: the decode graphs recorded
+``full_and_piecewise`` (``compile.graphs.graph_runner.full_and_piecewise``: the decode graphs recorded
 through the piecewise model; the decode steps timed here replay those whole-step graphs).
 Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
 static ``[b, Hkv, max_len, D]`` cache, SDPA under a mask of the valid positions, compiled with
@@ -31,7 +31,6 @@ Host time: per step, until ``forward`` returns (before the device sync).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -41,20 +40,22 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 
-from compile import device as dev
-from compile.cli_args import DTYPES, CliParser, non_negative_int, positive_int
-from compile.cli_models import pick_device
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.compiled_model import compile_model, reusable_regions_supported
-from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
-from compile.model_runner import ModelRunnerInfo
-from compile.layer import PagedAttention
+from compile.graphs import device as dev
+from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
+from compile.engine.cli_models import pick_device
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardBatch, ForwardMode
+from compile.graphs.compiled_model import compile_model, reusable_regions_supported
+from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.engine.model_runner import ModelRunnerInfo
+from compile.backend.layer import PagedAttention
 from compile.models import LlamaForCausalLM, ModelConfig
-from compile.piecewise import PiecewiseModel
-from compile.split_op import enable_split_op
+from compile.graphs.piecewise import PiecewiseModel
+from compile.graphs.split_op import enable_split_op
+from bench_model_report import write_results
 from decode_roofline import copy_bandwidth, roofline_tokens_per_s
 from dense_baseline import GQA_LAYOUTS, DenseLlama, compile_dense
 
@@ -145,11 +146,12 @@ def paged_step(forward, ids, fb) -> Callable[[], object]:
     return step
 
 
-def dense_step(model, b: int, context: int, gqa: str) -> Callable[[], object]:
-    """One decode step of the compiled dense peer of ``model``: ``b`` requests, the token at
-    position ``context`` (cache of ``context + 1`` positions, the same K/V bytes as the paged
-    step)."""
-    dense = compile_dense(DenseLlama.from_paged(model, b, context + 1, gqa))
+def dense_step(model, b: int, context: int, gqa: str,
+               compile_mode: str | None = "reduce-overhead") -> Callable[[], object]:
+    """One decode step of the dense peer of ``model`` compiled with ``compile_mode``: ``b``
+    requests, the token at position ``context`` (cache of ``context + 1`` positions, the same
+    K/V bytes as the paged step)."""
+    dense = compile_dense(DenseLlama.from_paged(model, b, context + 1, gqa), compile_mode)
     device = next(model.parameters()).device
     idx = torch.randint(0, model.config.vocab_size, (b, 1), device=device)
     input_pos = torch.tensor([context], device=device)
@@ -306,6 +308,7 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
     row = {"batch": b, "roofline": roofline_tokens_per_s(model, b, args.context, bandwidth)}
     for mode in args.modes:
         torch._dynamo.reset()
+        skips = counters["inductor"]["cudagraph_skips"]
         step = (dense_step(model, b, args.context, args.dense_gqa) if mode == "dense"
                 else paged_step(make_forward(model, mode), ids, fb))
         # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
@@ -313,91 +316,15 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
         seconds, host = min(step_seconds(step, fb.device, args.warmup, args.steps)
                             for _ in range(args.rounds))
         row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
+        if mode == "dense" and fb.device.type != "cpu":  # Inductor skips graphs silently
+            row["dense_graph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+            if row["dense_graph_skips"]:
+                print(f"b={b} dense: WARNING: Inductor did not capture the step as a device "
+                      "graph (counters['inductor']['cudagraph_skips']); its figure has none")
         print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {seconds * 1e3:.2f} ms, host "
               f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline)",
               flush=True)
     return row
-
-
-def compile_summary(args, compile_s) -> str:
-    """One Markdown line per compile configuration: cold and warm seconds."""
-    return "".join(f"\nCompile ({args.compile_layers} layers, {args.device}, {key}): cold "
-                   f"{cold:.1f} s, warm {warm:.1f} s\n"
-                   for key, (cold, warm) in (compile_s or {}).items())
-
-
-def speed_table(rows, cols) -> str:
-    """Markdown: tokens/s of every mode and the roofline, plus the historical mode ratios."""
-    ratios = (("graphs", "eager", "x"), ("piecewise", "graphs", ""),
-              ("full_and_piecewise", "graphs", ""))
-    table = ("| batch | " + " | ".join(cols) + " | roofline | "
-             + " | ".join(f"{a} / {b}" for a, b, _ in ratios) + " |\n")
-    table += "|---" * (len(cols) + 2 + len(ratios)) + "|\n"
-    for r in rows:
-        cells = [f"{r[a] / r[b]:.2f}{unit}" if a in r and b in r else "-"
-                 for a, b, unit in ratios]
-        table += (f"| {r['batch']} | " + " | ".join(f"{r[c]:.0f}" for c in cols)
-                  + f" | {r['roofline']:.0f} | " + " | ".join(cells) + " |\n")
-    return table
-
-
-def peer_table(rows, cols) -> str:
-    """Markdown: each mode as ``x of dense (fraction of the roofline)`` per batch."""
-    table = "| batch | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|\n"
-    for r in rows:
-        cells = [(f"{r[c] / r['dense']:.2f}x" if "dense" in r else "-")
-                 + f" ({r[c] / r['roofline']:.2f})" for c in cols]
-        table += f"| {r['batch']} | " + " | ".join(cells) + " |\n"
-    return table
-
-
-def write_results(args, rows, compile_s, bandwidth) -> None:
-    """``--out`` .md (tables), .json (rows, compile seconds, bandwidth) and .png (plot)."""
-    name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
-    try:
-        import triton
-        tv = triton.__version__
-    except ImportError:
-        tv = "absent"
-    head = (f"# bench_model: decode tokens/s, {args.layers} layers, context {args.context}\n\n"
-            f"{name}, torch {torch.__version__}, Triton {tv}, {args.dtype}; copy bandwidth "
-            f"{bandwidth / 1e9:.1f} GB/s; dense peer GQA layout {args.dense_gqa!r}\n\n")
-    cols = args.modes
-    table = speed_table(rows, cols)
-    table += ("\nEach mode against the dense peer (x) and as a fraction of the roofline "
-              "(weights + KV bytes per step / copy bandwidth):\n\n" + peer_table(rows, cols))
-    table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
-              + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
-                                                        for c in cols) for r in rows) + "\n")
-    table += compile_summary(args, compile_s)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(head + table)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"rows": rows, "compile_s": compile_s, "copy_bytes_per_s": bandwidth}))
-    print(head + table)
-    plot(rows, cols, out.with_suffix(".png"), f"{name}: {args.layers}-layer 1B-class Llama decode")
-
-
-def plot(rows, cols, path: Path, title: str) -> None:
-    """Tokens/s per batch, one line per mode and the roofline dashed (needs matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    batches = [r["batch"] for r in rows]
-    for c in cols:
-        ax.plot(batches, [r[c] for r in rows], marker="o", label=c)
-    ax.plot(batches, [r["roofline"] for r in rows], "k--", label="roofline")
-    ax.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
-           title=title)
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 if __name__ == "__main__":

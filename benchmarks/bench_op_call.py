@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import xpu_ops
-from compile import device as dev
+from compile.graphs import device as dev
 from bench_model import build, decode_batch, make_forward, step_seconds  # benchmarks/ on sys.path
 
 RESULTS = Path(__file__).parent / "results"

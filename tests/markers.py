@@ -29,8 +29,8 @@ requires_gpu = [pytest.mark.gpu,
 
 def requires_gpu_graphs(test):
     """Decorator: mark ``test`` (a function or class) ``gpu`` and skip it unless the current
-    device can capture and replay device graphs (``compile.device.supports_graphs``)."""
-    from compile import device as dev
+    device can capture and replay device graphs (``compile.graphs.device.supports_graphs``)."""
+    from compile.graphs import device as dev
     skip = pytest.mark.skipif(not dev.supports_graphs(dev.as_device()),
                               reason="needs CUDA/XPU graphs")
     return pytest.mark.gpu(skip(test))

@@ -7,7 +7,7 @@ reuse Llama's. Parameter names stay the checkpoint's (``embed_tokens``,
 ``compile.models.loading`` copies weights by name.
 
 Tokens are packed: every tensor is ``[T, ...]`` for the ``T`` new tokens of the batch;
-``forward_batch`` (a ``compile.forward_batch.ForwardBatch``) is only read by the attention.
+``forward_batch`` (a ``compile.batch.forward_batch.ForwardBatch``) is only read by the attention.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compile.regions import run_layers
+from compile.graphs.regions import run_layers
 
 
 class RMSNorm(nn.Module):
@@ -54,7 +54,7 @@ class PreNormDecoderLayer(nn.Module):
         ``positions [T]`` int64, ``h [T, hidden]``, ``forward_batch`` -> ``[T, hidden]``.
 
     The forward reads no per-layer Python value, so layers of one kind trace to one body
-    (``compile.regions``).
+    (``compile.graphs.regions``).
     """
 
     #: Attribute the MLP is registered under: the checkpoint's name (Llama 4: ``feed_forward``).
@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
         embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``; 1.0: none).
     Forward:
         ``input_ids [T]``, ``positions [T]`` int64, ``forward_batch`` -> normed hidden states
-        ``[T, hidden]``. The layers run through ``compile.regions.run_layers`` (one nested
+        ``[T, hidden]``. The layers run through ``compile.graphs.regions.run_layers`` (one nested
         compile region each inside ``layer_regions()``).
     """
 

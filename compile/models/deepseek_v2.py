@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile.layer import PagedAttention
+from compile.backend.layer import PagedAttention
 from compile.models.config import DecoderConfig, hf_decoder_kwargs
 from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
 from compile.models.llama import LlamaMLP
@@ -176,7 +176,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     ``compile.models.LlamaForCausalLM``.
 
     Runs on an ``MLATokenToKVPool`` (``kv_lora_rank`` R, ``qk_rope_head_dim`` r, one buffer per
-    layer); ``compile.engine.Engine`` builds one when the config has ``kv_lora_rank``.
+    layer); ``compile.engine.engine.Engine`` builds one when the config has ``kv_lora_rank``.
     Args:
         config: DeepseekV2Config. dtype/device: of the parameters (the RoPE table stays float32).
     Forward:

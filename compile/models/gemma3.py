@@ -7,7 +7,7 @@ weight dtype, softmax scale ``query_pre_attn_scalar ** -0.5``, tied LM head, opt
 logit softcap. Sliding-window (local) layers attend ``sliding_window`` tokens (the query and
 the ``W - 1`` before it) with RoPE base ``rope_local_base_freq``; full-attention (global) layers
 attend everything with ``rope_theta`` (and ``rope_scaling``). The engine keeps the local layers'
-KV in a hybrid sliding-window pool (``compile.memory_pool.SWAKVPool``) that holds only their
+KV in a hybrid sliding-window pool (``compile.batch.memory_pool.SWAKVPool``) that holds only their
 window.
 
 Source: Gemma 3 technical report (arXiv 2503.19786); layer structure as ``transformers``'

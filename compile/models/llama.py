@@ -1,7 +1,7 @@
 """Llama-family decoder over the paged KV cache, written the way sglang writes ``llama.py``.
 
 Tokens are packed: every tensor in the forward pass is ``[T, ...]`` for the ``T`` new tokens of
-the batch, whatever the requests; ``forward_batch`` (a ``compile.forward_batch.ForwardBatch``)
+the batch, whatever the requests; ``forward_batch`` (a ``compile.batch.forward_batch.ForwardBatch``)
 says which request each token belongs to and is only read by ``PagedAttention``. Attention is the
 only place that sees the cache, so the same module runs extend, decode and target verify.
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compile.layer import PagedAttention
+from compile.backend.layer import PagedAttention
 from compile.models.config import ModelConfig
 from compile.models.decoder import (DecoderForCausalLM, DecoderModel, PreNormDecoderLayer,
                                     RMSNorm)

@@ -7,7 +7,7 @@ and ``PagedAttention``); what Llama 4 changes (``Llama4Config``):
   only on the layers ``use_rope`` marks; the others are NoPE layers (every fourth by default).
 - iRoPE: RoPE layers are "chunked_attention" layers, where the token at position ``p`` sees
   only keys ``C * (p // C) .. p`` (``C = attention_chunk_size``); the backend runs them as
-  chunk-local virtual requests (``compile.local_attention``). NoPE layers attend globally.
+  chunk-local virtual requests (``compile.backend.local_attention``). NoPE layers attend globally.
 - RoPE layers L2-normalise q and k (weightless RMS norm) after RoPE (``qk_l2_norm``).
 - NoPE layers scale queries by an attention temperature that grows with the position
   (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``).
@@ -138,7 +138,7 @@ class Llama4Model(LlamaModel):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
         """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``.
 
-        The layers run as plain calls, never as ``compile.regions`` nested compile regions
+        The layers run as plain calls, never as ``compile.graphs.regions`` nested compile regions
         (not adopted for Llama 4: under ``layer_regions()`` torch inlines its MoE layers).
         """
         h = self.embed_tokens(input_ids)

@@ -125,3 +125,28 @@ def test_decode_step_bytes_counts_weights_once_and_the_whole_kv(tied):
     weights, kv = decode_step_bytes(model, b, context)
     assert weights == 2 * (embed + 2 * layer + h)  # bf16; + the final norm
     assert kv == 2 * 2 * b * (context + 1) * 2 * 2 * d  # layers * b * tokens * Hkv * (K + V) * D
+
+
+@pytest.mark.gpu
+def test_compiled_dense_replays_one_device_graph_and_matches_eager():
+    from torch._dynamo.utils import counters
+
+    from dense_baseline import compile_dense
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (torch.compile's reduce-overhead graphs)")
+    model, b, context = tiny_model().cuda(), 3, 40
+    dense = DenseLlama.from_paged(model, b, max_len=context + 1)
+    for block in dense.layers:
+        block.kv_cache.k_cache.normal_()
+        block.kv_cache.v_cache.normal_()
+    ids = torch.randint(0, TINY["vocab_size"], (b, 1), device="cuda")
+    pos = torch.tensor([context], device="cuda")
+    with torch.inference_mode():
+        want = dense(ids, pos).clone()
+        skips = counters["inductor"]["cudagraph_skips"]
+        compiled = compile_dense(dense)
+        for _ in range(4):  # warm-up, record, replays
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(ids, pos)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert counters["inductor"]["cudagraph_skips"] == skips  # the step ran as a CUDA graph

@@ -3,7 +3,7 @@
 a hybrid sliding-window pool).
 
 ``PagedAttention`` layers attend through the split op when ``use_split_op`` is set
-(``compile.split_op.enable_split_op``), which is how the piecewise tests use them.
+(``compile.graphs.split_op.enable_split_op``), which is how the piecewise tests use them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool, SWAKVPool)
-from compile.model_runner import ModelRunnerInfo
+from compile.engine.model_runner import ModelRunnerInfo
 from compile.models import ModelConfig
 from compile.models.llama import LlamaForCausalLM
 

@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.layer import PagedAttention
-from compile.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool, SWAKVPool
-from compile.model_runner import ModelRunnerInfo
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.backend.layer import PagedAttention
+from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool, SWAKVPool
+from compile.engine.model_runner import ModelRunnerInfo
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -1,4 +1,4 @@
-"""``compile/attention_metadata.py``: the page-table and ``cu_seqlens`` builders against a per-request
+"""``compile/backend/attention_metadata.py``: the page-table and ``cu_seqlens`` builders against a per-request
 Python loop written from their definitions (DESIGN.md: ``page_table = req_to_token[rows,
 :max_k][:, ::page_size] // page_size``; columns past the table's width read as slot 0)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.attention_metadata import (cu_seqlens, page_table_from_tokens, paged_metadata,
+from compile.backend.attention_metadata import (cu_seqlens, page_table_from_tokens, paged_metadata,
                                         token_table, uniform_cu_seqlens)
 
 WIDTH = 40

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.layer import PagedAttention
-from compile.memory_pool import MLATokenToKVPool, PageAllocator, ReqToTokenPool
-from compile.model_runner import ModelRunnerInfo
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.backend.layer import PagedAttention
+from compile.batch.memory_pool import MLATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.engine.model_runner import ModelRunnerInfo
 from tests.compile.oracle import assert_close, attention_oracle
 
 H, R, RP = 4, 32, 16          # heads, latent rank, rope dim

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("transformers")
 
 from compile.__main__ import main  # noqa: E402
-from compile.cli_check import check_model  # noqa: E402
-from compile.cli_models import tiny_hf_model  # noqa: E402
+from compile.engine.cli_check import check_model  # noqa: E402
+from compile.engine.cli_models import tiny_hf_model  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 
 PROMPTS = ["Hello there", "abc"]
@@ -36,9 +36,24 @@ def generate(mode: str, capsys) -> tuple[int, str, list[str]]:
     return rc, out, texts
 
 
+def decode_lines(out: str) -> tuple[int, int, int, int, int, float]:
+    """(decode tokens, warm-up tokens, warm-up steps, steady tokens, steady steps, steady
+    tokens/s) from the report."""
+    total = int(re.search(r"^decode: (\d+) tokens", out, re.M)[1])
+    warm = re.search(r"^decode warm-up: (\d+) tokens in [\d.]+ s \((\d+) steps: the first 2 "
+                     r"of each batch size\)$", out, re.M)
+    steady = re.search(r"^decode steady state: (\d+) tokens in ([\d.]+) s = ([\d.]+) tokens/s "
+                       r"\((\d+) steps\)$", out, re.M)
+    assert warm and steady, out
+    return (total, int(warm[1]), int(warm[2]), int(steady[1]), int(steady[4]),
+            float(steady[3]))
+
+
 def test_generate_piecewise_and_graphs_equal_eager(capsys):
     rc, out, eager = generate("eager", capsys)
     assert rc == 0 and "verify: all prompts match" in out, out
+    total, warm, warm_steps, steady, steady_steps, _ = decode_lines(out)
+    assert warm + steady == total and warm_steps >= 2 and steady_steps >= 1, out
     assert len(eager) == len(PROMPTS)
     for mode, marker in (("piecewise", "piecewise: 6 pieces around 4 attention calls"),
                          ("graphs", "decode graphs: none (no capture on this device"),
@@ -166,7 +181,7 @@ BAD_ARGS = [
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    import compile.cli_models as cli_models
+    import compile.engine.cli_models as cli_models
 
     def load_model(*args, **kwargs):
         raise AssertionError("an argument error must be reported before the model loads")
@@ -204,7 +219,7 @@ def test_unavailable_device_is_an_argument_error(monkeypatch, capsys, no_loading
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
     """A failure while the command runs is not an argument error: it propagates as is."""
-    import compile.cli_models as cli_models
+    import compile.engine.cli_models as cli_models
 
     def broken(*args, **kwargs):
         raise RuntimeError("internal failure while loading")

@@ -12,7 +12,7 @@ from expecttest import TestCase
 from torch._dynamo.testing import CompileCounter
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from compile.backend_graph import _set_path
+from compile.backend.backend_graph import _set_path
 from compile.models import rope
 from tests.compile.compile_helpers import Harness, fx_op_sequence, tiny_model
 

@@ -1,4 +1,4 @@
-"""``compile.compiled_model``: ``compile_model(model)`` equals eager over extend and decode steps,
+"""``compile.graphs.compiled_model``: ``compile_model(model)`` equals eager over extend and decode steps,
 traces one layer per kind in decode steps (Dynamo stamps out the others; extend steps trace every
 layer), binds the pool once and again when its buffers change, and is a plain ``torch.compile``
 where region reuse is unavailable.
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from compile import compiled_model
-from compile.compiled_model import CompiledModel, compile_model, reusable_regions_supported
+from compile.graphs import compiled_model
+from compile.graphs.compiled_model import CompiledModel, compile_model, reusable_regions_supported
 from tests.compile.compile_helpers import Harness, SWAHarness, pool_buffers, tiny_model
 
 needs_reuse = pytest.mark.skipif(not reusable_regions_supported(),
@@ -134,7 +134,7 @@ def test_no_recompile_per_new_batch():
 def test_batch_size_changes_after_the_dynamic_recompile():
     """Decode batches of 4, 3 and 2 requests: after the batch dimension turns dynamic,
     ``cu_seqlens_q`` is ``[s + 1]`` and the stamped-out layers must still find that size
-    (``compile.regions._alias_replaced_symbols``)."""
+    (``compile.graphs.regions._alias_replaced_symbols``)."""
     torch._dynamo.reset()
     model = tiny_model(3)
 

@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from compile.engine import Engine, SamplingParams, sample  # noqa: E402
-from compile.forward_batch import ForwardMode  # noqa: E402
+from compile.engine.engine import Engine, SamplingParams, sample  # noqa: E402
+from compile.batch.forward_batch import ForwardMode  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 
 VOCAB = 61
@@ -131,6 +131,36 @@ def test_requests_join_mid_decode(models):
     assert r0.output_ids == greedy_ref(hf, p0, 10)
     assert r1.output_ids == greedy_ref(hf, p1, 5)
     assert r2.output_ids == greedy_ref(hf, p2, 3)
+
+
+def test_decode_steps_are_logged_per_batch_size(models):
+    _, model = models
+    engine = Engine(model, page_size=4, max_running=4, max_context_len=64, max_total_tokens=128)
+    engine.add_request(prompt(6, 20), SamplingParams(max_new_tokens=6))
+    engine.add_request(prompt(3, 21), SamplingParams(max_new_tokens=3))
+    sizes = []
+    while engine.has_work():
+        engine.step()
+        if engine.last_batch.forward_mode == ForwardMode.DECODE:
+            sizes.append(engine.last_batch.batch_size)
+    log = engine.stats.decode_step_log
+    assert [b for b, _ in log] == sizes == [2, 2, 1, 1, 1]  # the second request ends after 3
+    assert sum(s for _, s in log) == pytest.approx(engine.stats.decode_seconds)
+    assert sum(b for b, _ in log) == engine.stats.decode_tokens
+
+
+def test_decode_split_leaves_the_first_steps_of_each_batch_size_out():
+    from compile.engine.engine import EngineStats
+    log = [(4, 1.0), (4, 0.5), (4, 0.125), (4, 0.125), (3, 0.75), (3, 0.25), (3, 0.125),
+           (4, 0.125)]
+    stats = EngineStats(decode_step_log=log)
+    warm, steady = stats.decode_split(2)
+    assert (warm.tokens, warm.seconds, warm.steps) == (4 + 4 + 3 + 3, 1.0 + 0.5 + 0.75 + 0.25, 4)
+    assert (steady.tokens, steady.seconds, steady.steps) == (4 + 4 + 3 + 4, 0.5, 4)
+    warm, steady = stats.decode_split(0)
+    assert warm.steps == 0 and (steady.tokens, steady.steps) == (29, 8)
+    warm, steady = stats.decode_split(5)
+    assert steady.steps == 0 and warm.steps == 8
 
 
 def test_prompt_longer_than_one_prefill_chunk(models):

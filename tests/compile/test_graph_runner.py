@@ -12,10 +12,10 @@ from unittest import mock
 import torch
 from expecttest import TestCase
 
-from compile import device as dev
-from compile.forward_batch import ForwardMode
-from compile.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, full_and_piecewise
-from compile.piecewise import PiecewiseModel
+from compile.graphs import device as dev
+from compile.batch.forward_batch import ForwardMode
+from compile.graphs.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, full_and_piecewise
+from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
 from tests.compile.test_piecewise import _eager, _make_step
 from tests.markers import requires_gpu_graphs
@@ -182,7 +182,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
         with torch.no_grad():
             pw(*h.extend([0, 1], [3, 4]))  # warm-up at bucket 8
-            with mock.patch("compile.piece_runner._capture_in_progress", return_value=True), \
+            with mock.patch("compile.graphs.piece_runner._capture_in_progress", return_value=True), \
                     self.assertRaisesRegex(RuntimeError, "graphs cannot nest"):
                 pw(*h.extend([0, 1], [2, 2]))  # would capture inside "another capture"
         self.assertEqual(pw.backend.stats["captures"], 0)

@@ -4,7 +4,7 @@ SWA translation, MLA rows."""
 import pytest
 import torch
 
-from compile.memory_pool import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.batch.memory_pool import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool, SWAKVPool)
 
 

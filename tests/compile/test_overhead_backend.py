@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compile.attention_backend import XPUAttentionBackend
-from compile.forward_batch import ForwardMode
-from compile.layer import PagedAttention
-from compile.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from compile.model_runner import ModelRunnerInfo
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.batch.forward_batch import ForwardMode
+from compile.backend.layer import PagedAttention
+from compile.batch.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from compile.engine.model_runner import ModelRunnerInfo
 from tests.compile.oracle import Harness, assert_close
 import xpu_ops
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from expecttest import TestCase
 
-from compile import device as dev
-from compile.forward_batch import ForwardMode
-from compile.forward_context import get_forward_context, has_forward_context, set_forward_context
-from compile.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, compile_piecewise,
+from compile.graphs import device as dev
+from compile.batch.forward_batch import ForwardMode
+from compile.graphs.forward_context import get_forward_context, has_forward_context, set_forward_context
+from compile.graphs.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, compile_piecewise,
                                split_graph)
-from compile.split_op import enable_split_op
+from compile.graphs.split_op import enable_split_op
 from tests.compile.compile_helpers import (Harness, eager_without_split_op as _eager,
                                            fx_op_sequence, tiny_model)
 from tests.markers import requires_gpu_graphs
@@ -301,7 +301,7 @@ class TestEmulatedCapture(TestCase):
 
 class TestDirectDispatch(TestCase):
     """Bucketed steps whose graph inputs stay the same objects skip Dynamo after warm-up
-    (``compile/direct_dispatch.py``) and still equal eager as the batch changes."""
+    (``compile/graphs/direct_dispatch.py``) and still equal eager as the batch changes."""
 
     def setUp(self):
         torch._dynamo.reset()

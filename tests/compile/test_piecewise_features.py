@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 
-from compile.forward_context import set_forward_context
-from compile.layer import PagedAttention
-from compile.memory_pool import MLATokenToKVPool
+from compile.graphs.forward_context import set_forward_context
+from compile.backend.layer import PagedAttention
+from compile.batch.memory_pool import MLATokenToKVPool
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.models.llama import LlamaAttention
-from compile.piecewise import PiecewiseModel
-from compile.split_op import enable_split_op, unified_attention
+from compile.graphs.piecewise import PiecewiseModel
+from compile.graphs.split_op import enable_split_op, unified_attention
 from tests.compile.compile_helpers import Harness, MLAHarness, tiny_model
 
 # (kind, rows, extend lens): prefill three requests, decode them (and subsets), extend again.
@@ -69,7 +69,7 @@ def check_piecewise_equals_eager(model, make_harness=Harness, *, inductor=False,
 def _assert_split(pw: PiecewiseModel, num_layers: int) -> None:
     """Every Dynamo graph calls the split op once per layer, and its pieces sit in
     ``num_layers + 1`` segments around those calls (before the first, between, after the last;
-    a segment may hold more than one piece where ``compile/piecewise.py`` cuts it further)."""
+    a segment may hold more than one piece where ``compile/graphs/piecewise.py`` cuts it further)."""
     assert pw.backend.split_gms, "no Dynamo graph was compiled"
     for split_gm in pw.backend.split_gms:
         items = [sub for _, sub in split_gm.named_children()]

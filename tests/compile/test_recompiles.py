@@ -26,9 +26,9 @@ from typing import Callable
 import pytest
 import torch
 
-from compile import device as dev
-from compile.compiled_model import GRAPHS_BOUND, compile_model
-from compile.piecewise import PiecewiseModel
+from compile.graphs import device as dev
+from compile.graphs.compiled_model import GRAPHS_BOUND, compile_model
+from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, eager_without_split_op, tiny_model
 from tests.markers import requires_gpu_graphs
 
@@ -155,7 +155,7 @@ def test_compile_model_graphs_bounded_over_a_random_schedule():
 def test_compile_model_budget_without_the_recompile_limit_argument(monkeypatch):
     """On a torch whose torch.compile takes no recompile_limit (2.11 on the GPU machine) the
     budget is Dynamo's global limit for the duration of each call."""
-    from compile import compiled_model
+    from compile.graphs import compiled_model
     monkeypatch.setattr(compiled_model, "_RECOMPILE_BUDGET", {})
     seen = []
 

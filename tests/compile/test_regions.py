@@ -1,4 +1,4 @@
-"""``compile.regions``: every decoder layer is one ``invoke_subgraph``; identical layers share one
+"""``compile.graphs.regions``: every decoder layer is one ``invoke_subgraph``; identical layers share one
 subgraph (compiled once), each layer kind gets its own; compiled == eager; split-op layers stay
 inline for the piecewise split; the functionalization backport handles mutable custom ops.
 """
@@ -12,11 +12,11 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch._inductor.compile_fx import compile_fx
 
-from compile import regions
-from compile.forward_context import set_forward_context
-from compile.layer import reading_bound_kv
+from compile.graphs import regions
+from compile.graphs.forward_context import set_forward_context
+from compile.backend.layer import reading_bound_kv
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from compile.split_op import enable_split_op
+from compile.graphs.split_op import enable_split_op
 from tests.compile.compile_helpers import (Harness, MLAHarness, SWAHarness, pool_buffers,
                                           tiny_model)
 

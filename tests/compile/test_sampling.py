@@ -1,4 +1,4 @@
-"""``compile.sampling``: ``SamplingParams`` rejects what it cannot honour (before the fix
+"""``compile.engine.sampling``: ``SamplingParams`` rejects what it cannot honour (before the fix
 ``max_new_tokens=0`` still generated a token and a negative or NaN temperature became greedy),
 ``sample`` is greedy at temperature 0, and the module's docstring examples run."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import compile.sampling
-from compile.sampling import SamplingParams, sample
+import compile.engine.sampling
+from compile.engine.sampling import SamplingParams, sample
 
 
 @pytest.mark.parametrize("kwargs, error, pattern", [
@@ -62,5 +62,5 @@ def test_sample_greedy_rows_stay_greedy_next_to_sampled_rows():
 
 
 def test_docstring_examples():
-    result = doctest.testmod(compile.sampling, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(compile.engine.sampling, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 3 and result.failed == 0, result

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from compile.__main__ import encode_prompts, hf_generate, main, make_forward, stop_ids  # noqa
-from compile.engine import Engine, SamplingParams  # noqa: E402
+from compile.engine.engine import Engine, SamplingParams  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 from compile.models.gguf import load_hf  # noqa: E402
 

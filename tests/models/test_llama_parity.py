@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from compile.engine import Engine, SamplingParams  # noqa: E402
+from compile.engine.engine import Engine, SamplingParams  # noqa: E402
 from compile.models import ModelConfig, from_hf  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,

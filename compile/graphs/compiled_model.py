@@ -7,8 +7,8 @@ model takes ~60 s cold and ~10 s warm on a 2-core CPU. ``compile_model(model)`` 
 steps Dynamo traces one layer per kind and stamps out the others (docs/regions_reuse.md; extend
 steps, whose query lengths vary, trace every layer: see ``CompiledModel``):
 
-1. each step runs inside ``compile.regions.layer_regions()`` (one nested compile region per
-   decoder layer) and ``compile.forward_context.set_forward_context`` holding the step's
+1. each step runs inside ``compile.graphs.regions.layer_regions()`` (one nested compile region per
+   decoder layer) and ``compile.graphs.forward_context.set_forward_context`` holding the step's
    ``ForwardBatch`` (the regions read it from there, so it is not a region argument);
 2. before the first step, and again whenever the pool's buffers are no longer the ones bound,
    every ``PagedAttention`` gets its KV buffers bound (``pool.bind_layers(model)``), so traced
@@ -33,16 +33,16 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from .forward_batch import ForwardMode
-from .forward_context import set_forward_context
-from .layer import attention_layers, reading_bound_kv
-from .regions import layer_regions, supported as regions_supported
+from compile.batch.forward_batch import ForwardMode
+from compile.graphs.forward_context import set_forward_context
+from compile.backend.layer import attention_layers, reading_bound_kv
+from compile.graphs.regions import layer_regions, supported as regions_supported
 
 
 def reusable_regions_supported() -> bool:
     """Whether this torch can trace a nested compile region once and stamp out the layers after
     it (Dynamo's ``invoke_subgraph`` trace reuse, torch >= 2.13), besides running regions at
-    all (``compile.regions.supported``)."""
+    all (``compile.graphs.regions.supported``)."""
     if not regions_supported():
         return False
     return importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None
@@ -97,7 +97,7 @@ class CompiledModel:
 
     Args:
         model: a zoo model called as ``model(input_ids [T], positions [T], forward_batch,
-            **kwargs)`` whose decoder layers run through ``compile.regions.run_layers``.
+            **kwargs)`` whose decoder layers run through ``compile.graphs.regions.run_layers``.
         regions: trace one layer per kind (see the module docstring). None (default): when
             ``reusable_regions_supported()``. True on a torch without reuse raises.
         **compile_kwargs: passed to ``torch.compile`` (``backend``, ``fullgraph``, ``dynamic``,
@@ -118,9 +118,9 @@ class CompiledModel:
     ``torch.inference_mode``) and for extend, mixed and draft-extend steps, whose query lengths
     change from step to step (``_fixed_query_lengths``): compiles stay bounded, at the price of
     tracing every layer for those steps. The binding stays on the layers after a call but is
-    read only inside ``CompiledModel`` calls (``compile.layer.reading_bound_kv``), so other compiled
+    read only inside ``CompiledModel`` calls (``compile.backend.layer.reading_bound_kv``), so other compiled
     functions of the same model keep their pool look-ups. Calls with regions patch two torch
-    functions for their duration (``compile.regions.layer_regions`` says which and why).
+    functions for their duration (``compile.graphs.regions.layer_regions`` says which and why).
 
     >>> # engine = Engine(model, forward=compile_model(model))
     """

@@ -1,15 +1,15 @@
 """The forward context: how the opaque split op finds its layer and batch in piecewise mode.
 
-In piecewise mode (``compile/piecewise.py``) attention is one opaque op,
+In piecewise mode (``compile/graphs/piecewise.py``) attention is one opaque op,
 ``xpu_ops::unified_attention_with_output(q, k, v, output, layer_id, sinks=None, q_rope=None,
-k_rope=None, save_kv_cache=True)`` (``compile/split_op.py``), whose arguments are plain tensors
+k_rope=None, save_kv_cache=True)`` (``compile/graphs/split_op.py``), whose arguments are plain tensors
 (optional ones None), an int and a bool, so the graph pieces around it can be compiled and
 captured once per token-count bucket. What attention also needs (the ``PagedAttention`` module
 of ``layer_id`` and the step's ``ForwardBatch`` with its metadata) is read from this context
 instead. It is the one piece of hidden state the project allows (STYLE.md): it exists only
 inside ``set_forward_context`` and reading it anywhere else raises ``RuntimeError``.
 
->>> from compile.forward_context import set_forward_context, get_forward_context
+>>> from compile.graphs.forward_context import set_forward_context, get_forward_context
 >>> with set_forward_context({}, forward_batch=None, num_tokens=3):
 ...     get_forward_context().num_tokens
 3
@@ -74,14 +74,14 @@ def get_forward_context() -> ForwardContext:
 
     Raises:
         RuntimeError: called outside ``set_forward_context`` (e.g. a model in piecewise mode run
-            directly instead of through ``compile.piecewise.PiecewiseModel``).
+            directly instead of through ``compile.graphs.piecewise.PiecewiseModel``).
     """
     if _CONTEXT is None:
         raise RuntimeError("get_forward_context: no forward context is set; the split op "
                            "xpu_ops::unified_attention_with_output reads its layer and "
                            "ForwardBatch from it. Run the step inside "
-                           "compile.forward_context.set_forward_context(...) or through "
-                           "compile.piecewise.PiecewiseModel.")
+                           "compile.graphs.forward_context.set_forward_context(...) or through "
+                           "compile.graphs.piecewise.PiecewiseModel.")
     return _CONTEXT
 
 

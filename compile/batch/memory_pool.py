@@ -21,7 +21,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from .layer import PagedAttention, attention_layers
+from compile.backend.layer import PagedAttention, attention_layers
 
 
 class ReqToTokenPool:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from compile.cli_args import DTYPES, model_name, positive_int
+from compile.engine.cli_args import DTYPES, model_name, positive_int
 
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
 
@@ -62,7 +62,7 @@ class CheckResult:
 
 def run_steps(model, forward: Callable, page_size: int = 16) -> list[list[int]]:
     """Greedy ids of ``PROMPTS`` after one EXTEND and one DECODE step through ``forward``."""
-    from compile.engine import Engine, SamplingParams
+    from compile.engine.engine import Engine, SamplingParams
 
     engine = Engine(model, forward=forward, page_size=page_size, max_running=len(PROMPTS),
                     max_context_len=64, max_total_tokens=128)
@@ -92,8 +92,8 @@ def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckR
     """Trace ``model`` (a zoo model) on one EXTEND and one DECODE step; see the module doc."""
     from torch._dynamo.utils import counters
 
-    from compile.piecewise import compile_piecewise
-    from compile.split_op import enable_split_op
+    from compile.graphs.piecewise import compile_piecewise
+    from compile.graphs.split_op import enable_split_op
 
     backend = "inductor" if inductor else "eager"
     expected = run_steps(model, model, page_size)
@@ -134,7 +134,7 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
 
 def cmd_check(args) -> int:
     """Entry point of ``python -m compile check MODEL``; 0 when ``CheckResult.ok``."""
-    from compile.cli_models import load_model, pick_device, user_model_errors
+    from compile.engine.cli_models import load_model, pick_device, user_model_errors
     from compile.models import from_hf
 
     device = pick_device(args.device)

@@ -4,7 +4,7 @@
 before the first node that depends on a per-step input; ``per_step_placeholders`` finds those
 inputs from Dynamo's sources and ``capture_plan`` decides per piece whether it can be captured;
 ``graph_signature`` identifies structurally identical pieces (compiled once).
-``compile/piecewise.py`` describes the whole flow.
+``compile/graphs/piecewise.py`` describes the whole flow.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx
 from torch.fx.passes.split_module import split_module
 
-from .split_op import unified_attention_with_output
+from compile.graphs.split_op import unified_attention_with_output
 
 
 def is_split_node(node: fx.Node) -> bool:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from .layer import reads_bound_kv
+from compile.backend.layer import reads_bound_kv
 
 
 def _split_query(q: Tensor, q_rope: Optional[Tensor], heads: int, rank: int, rope: int):

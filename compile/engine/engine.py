@@ -24,11 +24,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.forward_batch import ForwardBatch, ForwardMode
-from compile.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.batch.forward_batch import ForwardBatch, ForwardMode
+from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                                  ReqToTokenPool)
-from compile.model_runner import ModelRunnerInfo
-from compile.sampling import SamplingParams, check_positive_int, is_integer, sample
+from compile.engine.model_runner import ModelRunnerInfo
+from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
+from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool
 
 
 @dataclasses.dataclass
@@ -56,14 +57,43 @@ class Req:
 
 
 @dataclasses.dataclass
+class DecodeTotals:
+    """Tokens, wall seconds and steps of a set of decode steps."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds, self.steps = (self.tokens + tokens, self.seconds + seconds,
+                                                 self.steps + 1)
+
+
+@dataclasses.dataclass
 class EngineStats:
-    """Token counts and wall seconds of prefill and decode steps (for tokens/s)."""
+    """Token counts and wall seconds of prefill and decode steps (for tokens/s).
+
+    ``decode_step_log`` holds ``(batch size, seconds)`` of every decode step in order, so
+    ``decode_split`` can set the warm-up steps (compilation, recompiles, graph capture) apart.
+    """
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
+    decode_step_log: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+    def decode_split(self, warmup_steps: int = 2) -> tuple[DecodeTotals, DecodeTotals]:
+        """``(warm-up, steady state)`` totals of the decode steps: warm-up are the first
+        ``warmup_steps`` steps of each batch size (where a compiled mode compiles or recompiles
+        and a graph mode captures), steady state all the others."""
+        seen: dict[int, int] = {}
+        warm, steady = DecodeTotals(), DecodeTotals()
+        for b, seconds in self.decode_step_log:
+            seen[b] = seen.get(b, 0) + 1
+            (warm if seen[b] <= warmup_steps else steady).add(b, seconds)
+        return warm, steady
 
 
 class Engine:
@@ -80,17 +110,21 @@ class Engine:
         chunked_prefill_size: most new tokens in one EXTEND step.
         kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
+        swa_pool: keep the ``sliding_attention`` layers' KV in a hybrid pool that holds only
+            their window (``compile.batch.swa_pages``); None: whenever the model has such layers.
     Attributes:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
     Raises:
         TypeError, ValueError: a size argument that is not an integer >= 1.
+        ValueError: ``swa_pool=True`` for a model without sliding-window layers.
     """
 
     def __init__(self, model, *, forward: Optional[Callable] = None, page_size: int = 1,
                  max_running: int = 8, max_context_len: int = 2048,
                  max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
-                 kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None):
+                 kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None,
+                 swa_pool: Optional[bool] = None):
         _check_sizes(page_size=page_size, max_running=max_running,
                      max_context_len=max_context_len, max_total_tokens=max_total_tokens,
                      chunked_prefill_size=chunked_prefill_size)
@@ -102,7 +136,13 @@ class Engine:
         self.max_request_tokens = min(max_context_len, cfg.max_position_embeddings)
         num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
-        if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
+        self.swa_pages: Optional[SWAPageAllocator] = None
+        if _use_swa_pool(cfg, swa_pool):
+            self.token_to_kv_pool, self.swa_pages = hybrid_kv_pool(
+                cfg, size=num_pages * page_size, page_size=page_size,
+                dtype=kv_dtype or weight.dtype, device=self.device, max_running=max_running,
+                prefill_chunk=chunked_prefill_size, max_context_len=max_context_len)
+        elif getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
             self.token_to_kv_pool = MLATokenToKVPool(
                 num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.kv_lora_rank,
                 cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
@@ -119,9 +159,10 @@ class Engine:
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
                 None if window is None else window - 1),
-            attention_chunk_size=getattr(cfg, "attention_chunk_size", None))
+            attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
+            is_hybrid_swa=self.swa_pages is not None)
         if backend_cls is None:
-            from compile.attention_backend import XPUAttentionBackend as backend_cls
+            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
         self.attn_backend = backend_cls(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
@@ -159,7 +200,7 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"{where}: sampling has type {type(sampling).__name__}; "
                             f"expected a SamplingParams, got {sampling!r}. Build one with "
-                            "compile.engine.SamplingParams(...).")
+                            "compile.engine.engine.SamplingParams(...).")
         sampling.validate(where)
         checked = [self._check_prompt(p, sampling, where, name.format(i))
                    for i, p in enumerate(prompts)]
@@ -214,13 +255,18 @@ class Engine:
 
     def _release(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
+        if self.swa_pages is not None:
+            self.swa_pages.release(req.row, req.pages)
         self.allocator.free(req.pages)
         self.req_to_token_pool.free(req.row)
         req.pages, req.row = [], None
         self.running.remove(req)
 
     def _alloc(self, req: Req, num_new: int) -> Tensor:
-        """Slots [num_new] int64 for the request's next ``num_new`` tokens (page aligned)."""
+        """Slots [num_new] int64 for the request's next ``num_new`` tokens (page aligned); with
+        a hybrid pool, SWA pages past the window are freed first and new pages mapped after."""
+        if self.swa_pages is not None:
+            self.swa_pages.evict(req.row, req.pages, req.num_cached)
         loc = self.allocator.alloc_extend(self.req_to_token_pool, req.row, req.num_cached,
                                           num_new)
         end = req.num_cached + num_new
@@ -230,6 +276,8 @@ class Engine:
             firsts = table[len(req.pages) * self.page_size:end:self.page_size]
             req.pages.extend((firsts.long() // self.page_size).tolist())
         req.num_cached = end
+        if self.swa_pages is not None:
+            self.swa_pages.map_new(req.row, req.pages)
         return loc
 
     # ----------------------------------------------------------------- steps
@@ -278,8 +326,10 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._run(batch, ids, positions)
         finished = self._sample_and_finish(reqs, logits)
+        seconds = time.perf_counter() - t0
         self.stats.decode_tokens += len(reqs)
-        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_seconds += seconds
+        self.stats.decode_step_log.append((len(reqs), seconds))
         return finished
 
     def _batch(self, mode: ForwardMode, reqs: list[Req], out_cache_loc: Tensor,
@@ -337,10 +387,20 @@ class Engine:
         return [r.output_ids for r in reqs]
 
 
+def _use_swa_pool(cfg, swa_pool: Optional[bool]) -> bool:
+    """Whether the engine builds a hybrid SWA pool for ``cfg`` (see ``Engine``'s ``swa_pool``)."""
+    has_swa = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+    if swa_pool and not has_swa:
+        raise ValueError(f"Engine: swa_pool=True needs sliding_attention layers; expected a "
+                         f"model with some, got layer_types={getattr(cfg, 'layer_types', None)}."
+                         " Leave swa_pool=None.")
+    return has_swa if swa_pool is None else swa_pool
+
+
 def _check_sizes(**sizes: int) -> None:
     """Raise unless every keyword (an ``Engine`` size argument) is an integer >= 1."""
     for name, value in sizes.items():
         check_positive_int("Engine", name, value)
 
 
-__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "sample"]
+__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "DecodeTotals", "sample"]

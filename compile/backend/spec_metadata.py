@@ -16,7 +16,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from .attention_metadata import (PagedAttnMetadata, paged_metadata, token_table,
+from compile.backend.attention_metadata import (PagedAttnMetadata, paged_metadata, token_table,
                                  uniform_cu_seqlens)
 
 

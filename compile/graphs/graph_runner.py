@@ -37,9 +37,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import device as dev
-from .forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from .piecewise import PiecewiseModel
+from compile.graphs import device as dev
+from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.graphs.piecewise import PiecewiseModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 

@@ -14,10 +14,10 @@ What it does not do:
    cannot apply while ``forward_batch`` is a region argument (a plain object) and each layer
    indexes the pool by its own ``layer_id``. Reuse (docs/regions_reuse.md): bind the KV buffers
    on the layers (``pool.bind_layers(model)``; MHA, hybrid SWA and MLA pools) and call the
-   model inside ``compile.forward_context.set_forward_context`` with the step's batch; the
+   model inside ``compile.graphs.forward_context.set_forward_context`` with the step's batch; the
    regions then read the batch from the context and Dynamo traces one layer per kind.
-   ``compile.compiled_model.compile_model`` does all of this per call.
-2. Piecewise mode: ``compile.piecewise`` splits the top-level graph at the split op, which must
+   ``compile.graphs.compiled_model.compile_model`` does all of this per call.
+2. Piecewise mode: ``compile.graphs.piecewise`` splits the top-level graph at the split op, which must
    not hide inside a subgraph, so layers that attend through the split op run as plain calls.
 3. A region that mutates its inputs (``store_kv_cache`` writes the pool) is functionalized through
    ``FunctionalCallableWithEpilogue``, which in torch <= 2.13 uses C++ ``torch.func.functionalize``
@@ -42,8 +42,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .forward_context import get_forward_context, has_forward_context
-from .layer import bound_kv_enabled, kv_is_bound
+from compile.graphs.forward_context import get_forward_context, has_forward_context
+from compile.backend.layer import bound_kv_enabled, kv_is_bound
 
 
 def _functionalize_with_epilogue(self, *args, **kwargs):
@@ -167,7 +167,7 @@ def layer_regions(enabled: bool = True) -> Iterator[None]:
     functionalization of pull request 189543, and where Dynamo reuses region traces it wraps
     ``stamp_out_subgraph`` so a size the shape checks replaced by an expression is found
     (``_alias_replaced_symbols``); both process-wide, both put back on exit. Patching torch is
-    why this is an explicit opt-in (``compile.compiled_model`` opts in per call).
+    why this is an explicit opt-in (``compile.graphs.compiled_model`` opts in per call).
 
     Raises:
         RuntimeError: ``enabled`` and this torch has no ``nested_compile_region`` or no
@@ -234,12 +234,12 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
         attends through the piecewise split op (a Python bool: Dynamo guards on it).
 
     Regions Dynamo can reuse (trace one layer per kind, docs/regions_reuse.md) when, in
-    addition, the model runs inside ``compile.forward_context.set_forward_context`` with this
+    addition, the model runs inside ``compile.graphs.forward_context.set_forward_context`` with this
     step's ``forward_batch`` (the regions read it from there; the caller must pass the same
     batch), every layer's KV buffers are bound (``pool.bind_layers(model)`` of an
     ``MHATokenToKVPool``, ``SWAKVPool`` or ``MLATokenToKVPool``; ``pool.is_bound(model)``
     tells whether the binding still matches the pool) and the call is inside
-    ``compile.layer.reading_bound_kv()``. ``compile.compiled_model.CompiledModel`` does all
+    ``compile.backend.layer.reading_bound_kv()``. ``compile.graphs.compiled_model.CompiledModel`` does all
     three per call.
     """
     split = any(layer.self_attn.attn.use_split_op for layer in layers)

@@ -2,7 +2,7 @@
 
 A piece's first call at a bucket warms it up, the second captures it into a device graph (or an
 ``EmulatedGraph`` on the CPU, for tests) and replays it, later calls only replay and return the
-same output tensors. ``compile/piecewise.py`` describes the whole flow.
+same output tensors. ``compile/graphs/piecewise.py`` describes the whole flow.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import device as dev
+from compile.graphs import device as dev
 
 if TYPE_CHECKING:
-    from .piecewise import PiecewiseBackend
+    from compile.graphs.piecewise import PiecewiseBackend
 
 
 class EmulatedGraph:
@@ -92,7 +92,7 @@ class PieceRunner:
                                f"{size} while a device graph capture is already recording "
                                "(an outer full-graph runner); graphs cannot nest. Give the "
                                "PiecewiseModel full_graph_steps=<the runner's can_run> (as "
-                               "compile.graph_runner.full_and_piecewise does).")
+                               "compile.graphs.graph_runner.full_and_piecewise does).")
         if backend.emulate_graphs:
             graph = EmulatedGraph(self.compiled, args)
             outputs = graph.outputs

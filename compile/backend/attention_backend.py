@@ -1,7 +1,7 @@
 """``XPUAttentionBackend``: sglang's attention-backend interface over the ``xpu_ops`` operators.
 
 Plan/run split (as FlashInfer): ``init_forward_metadata(forward_batch)`` runs on the host once
-per batch and builds ``AttentionMetadata`` (see ``compile.attention_metadata`` for the metadata
+per batch and builds ``AttentionMetadata`` (see ``compile.backend.attention_metadata`` for the metadata
 of every mode); ``forward`` runs per layer, inside compiled or captured code, and only launches
 ops: ``store_kv_cache`` for the new K/V, ``flash_attn_with_kvcache`` (``flash_mla_decode`` for
 MLA decode, ``flash_attn_varlen_func`` for MLA's MHA prefill), and ``merge_state_v2`` for the
@@ -30,14 +30,15 @@ from torch import Tensor
 
 import xpu_ops
 
-from .attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
+from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                  paged_metadata, swa_metadata, uniform_cu_seqlens)
-from .backend_graph import GraphMetadataMixin
-from .forward_batch import ForwardBatch
-from .layer import reads_bound_kv
-from .local_attention import local_chunks_per_request, make_local_attention_virtual_batches
-from .memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
-from . import mla_attention, spec_metadata
+from compile.backend.backend_graph import GraphMetadataMixin
+from compile.batch.forward_batch import ForwardBatch
+from compile.backend.layer import reads_bound_kv
+from compile.backend.local_attention import local_chunks_per_request, make_local_attention_virtual_batches
+from compile.batch.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
+from compile.backend import mla_attention
+from compile.backend import spec_metadata
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -45,7 +46,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
     """Attention backend for every sglang forward mode on XPU, CUDA and CPU.
 
     Args:
-        model_runner: sglang ``ModelRunner`` or ``compile.model_runner.ModelRunnerInfo``
+        model_runner: sglang ``ModelRunner`` or ``compile.engine.model_runner.ModelRunnerInfo``
             (duck-typed: ``model_config``, ``tp_size``, ``device``, ``page_size``,
             ``req_to_token_pool``, ``token_to_kv_pool``, ``kv_cache_dtype``, ``server_args``,
             ``sliding_window_size``, ``attention_chunk_size``, ``is_hybrid_swa``).

@@ -27,7 +27,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from .local_attention import local_chunks_per_request
+from compile.backend.local_attention import local_chunks_per_request
 
 _EXTERNAL = ("write.loc", "write.encoder_loc")  # the graph runner's own static buffers
 

@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from .split_op import unified_attention
+from compile.graphs.split_op import unified_attention
 
 # Backend extras the split op carries (its optional tensor arguments).
 SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope")
@@ -41,7 +41,7 @@ class PagedAttention(nn.Module):
         k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
             value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
         bound_k_buffer, bound_v_buffer, bound_kv_is_swa: this layer's KV buffers, bound by a
-            pool's ``bind_layers`` (``compile.memory_pool``), so traced code reads them instead
+            pool's ``bind_layers`` (``compile.batch.memory_pool``), so traced code reads them instead
             of indexing the pool by ``layer_id`` and Dynamo can reuse one layer's trace for the
             next (docs/regions_reuse.md). MHA and hybrid SWA pools: K ``[num_slots, Hkv, D]``
             and V ``[num_slots, Hkv, Dv]`` of the pool that holds the layer, and
@@ -73,7 +73,7 @@ class PagedAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.use_irope = use_irope
         self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
-        # Piecewise mode (compile/piecewise.py): attend through the opaque split op.
+        # Piecewise mode (compile/graphs/piecewise.py): attend through the opaque split op.
         self.use_split_op = False
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
@@ -150,7 +150,7 @@ def kv_is_bound(attn) -> bool:
 
 
 #: Whether traced layers may take their KV buffers from the layer (``bind_layers``) instead of
-#: the pool. Only inside ``reading_bound_kv()``, which ``compile.compiled_model.CompiledModel``
+#: the pool. Only inside ``reading_bound_kv()``, which ``compile.graphs.compiled_model.CompiledModel``
 #: enters per call after checking the binding is current: a binding outlives that call, and
 #: other compiled functions of the same model (a plain ``torch.compile``, a batch over another
 #: pool) must keep the pool look-ups. Dynamo guards on its value.

@@ -33,7 +33,7 @@ How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
 5. Attention runs eagerly between pieces with the step's metadata and writes the fixed
    ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero).
 
-What it does not do: capture attention itself (``compile/graph_runner.py`` captures whole decode
+What it does not do: capture attention itself (``compile/graphs/graph_runner.py`` captures whole decode
 steps; ``graph_runner.full_and_piecewise`` composes the two: full graphs for decode, pieces for
 the rest, with ``full_graph_steps`` keeping the pieces uncaptured for the full-graph steps),
 capture steps past the largest bucket or idle steps, share captured graphs between the
@@ -53,13 +53,13 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_map
 
-from . import device as dev
-from .forward_context import set_forward_context
-from .direct_dispatch import DirectDispatch, GraphCall
-from .graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
+from compile.graphs import device as dev
+from compile.graphs.forward_context import set_forward_context
+from compile.graphs.direct_dispatch import DirectDispatch, GraphCall
+from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
-from .piece_runner import EmulatedGraph, PieceRunner
-from .split_op import enable_split_op
+from compile.graphs.piece_runner import EmulatedGraph, PieceRunner
+from compile.graphs.split_op import enable_split_op
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -84,7 +84,7 @@ class PiecewiseBackend:
             inputs), ``captures`` (graphs captured).
         split_gms: the split graph of every Dynamo graph received.
         dispatch: ``DirectDispatch`` of the bucketed steps that skip Dynamo
-            (``compile/direct_dispatch.py``).
+            (``compile/graphs/direct_dispatch.py``).
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, debug: bool = False,
@@ -193,7 +193,7 @@ class PiecewiseModel(nn.Module):
             runner's warm-up or capture. None: every mode is bucketed.
         direct_dispatch: once a bucketed step kind has run through Dynamo a few times with
             identical graph inputs, call its graph directly, skipping Dynamo's guards and
-            input loading (``compile/direct_dispatch.py`` gives the rule and its assumptions).
+            input loading (``compile/graphs/direct_dispatch.py`` gives the rule and its assumptions).
             Off with ``debug``.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,

@@ -15,8 +15,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .local_attention import LocalAttentionMetadata
-from .memory_pool import KVWriteLoc
+from compile.backend.local_attention import LocalAttentionMetadata
+from compile.batch.memory_pool import KVWriteLoc
 
 
 @dataclasses.dataclass

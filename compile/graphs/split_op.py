@@ -4,8 +4,8 @@
 q_rope=None, k_rope=None, save_kv_cache=True) -> ()`` attends ``q`` over the paged cache of layer
 ``layer_id`` after writing ``k``/``v`` into it, and writes the result into ``output`` in place.
 Its arguments are tensors, an int and a bool only: the layer and the ``ForwardBatch`` (with the
-backend's metadata) come from the forward context (``compile/forward_context.py``).
-``compile/piecewise.py`` splits the FX graph at this op, so the pieces between attention calls see
+backend's metadata) come from the forward context (``compile/graphs/forward_context.py``).
+``compile/graphs/piecewise.py`` splits the FX graph at this op, so the pieces between attention calls see
 only fixed-shape tensor traffic and can be captured per token-count bucket, while attention runs
 eagerly with whatever metadata the step has.
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from xpu_ops._registration import define_op
 
-from .forward_context import get_forward_context
+from compile.graphs.forward_context import get_forward_context
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
 _FN = "unified_attention_with_output"

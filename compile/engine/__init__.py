@@ -1,0 +1,2 @@
+"""Engine wing: the minimal batch runner behind `python -m compile` (request slots, page
+allocation, chunked prefill, decode, sampling) and its CLI helpers. The top of the import graph."""
