@@ -48,7 +48,7 @@ SUBSET = [1, 2, 11, 21, 22, 24, 26]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpret():
+def _interpret():  # Triton's lazily imported modules check the interpreter flag at launch time
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
     yield
