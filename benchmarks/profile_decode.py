@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,10 +31,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile.graphs import device as dev
 from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
                          paged_step, step_seconds)
 from compile.engine.cli_args import positive_int
+from compile.graphs import device as dev
 from decode_roofline import copy_bandwidth
 from dense_baseline import GQA_LAYOUTS
 
