@@ -4,9 +4,9 @@ Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled o
 (``TRITON_INTERPRET=1`` read from the environment when the decorator runs). Kernels here are
 always decorated for compilation; a launch on CPU tensors instead runs an ``InterpretedFunction``
 built from the same Python function, so tests can turn the interpreter on with the environment
-variable at any time, whatever imported this package first: ``interpreting()`` reads it on every
-call and is declared to the registry for ``cpu`` (``providers.availability_depends_on``), so a
-change is seen by the next op call on the CPU.
+variable at any time, whatever imported this package first: ``interpreting()`` reads it through
+``providers.getenv`` (once; ``xpu_ops.refresh()`` reads it again and re-resolves the routes, so
+the next op call on the CPU sees the change).
 """
 
 from __future__ import annotations
@@ -60,11 +60,9 @@ ENABLED_PATHS = parse_paths(os.environ.get("XPU_OPS_TRITON_PATHS", ""))
 
 
 def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET=1``: Triton kernels may run on CPU tensors (slowly)."""
+    """True when ``TRITON_INTERPRET=1`` (as of the last ``xpu_ops.refresh()``): Triton kernels
+    may run on CPU tensors (slowly)."""
     return providers.getenv("TRITON_INTERPRET") == "1"
-
-
-providers.availability_depends_on(interpreting, device_types=("cpu",))
 
 
 def available(device_type: str) -> Optional[str]:
