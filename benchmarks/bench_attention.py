@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -45,6 +46,8 @@ DECODE_CFGS = [(16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 2, 3), (16, 32, 2, 4), 
 # (num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages) for MLA decode
 MLA_CFGS = [(8, 64, 32, 8, 2), (8, 32, 32, 4, 2), (8, 64, 64, 8, 2), (8, 128, 32, 8, 2),
             (4, 64, 32, 4, 2), (8, 16, 64, 4, 2), (2, 64, 32, 8, 3)]
+# kernel paths that can change a decode launch (tma needs whole-tile row boxes: prefill)
+DECODE_VARIANTS = ("baseline", "page_tiles", "phases")
 PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
                 (128, 32, 4, 3)]
 
@@ -147,6 +150,26 @@ def variant_config(w, variant):
     """The default tile config with only ``variant``'s path on (``baseline``: none)."""
     paths = frozenset() if variant == "baseline" else frozenset({variant})
     return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths)
+
+
+def launched_paths(fn) -> str:
+    """The tiles and kernel-path constexprs ``fn``'s launch resolved to (one call, spied)."""
+    seen = []
+    real = pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs)
+        return real(kernel, grid, device, *args, **kwargs)
+    pa.launch = spy
+    try:
+        fn()
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        pa.launch = real
+    keys = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "EVEN_D", "PHASES", "TMA", "WS",
+            "num_warps", "num_stages")
+    return ", ".join(f"{k}={seen[0][k]}" for k in keys) if seen else "no launch"
 
 
 def launcher_fn(w, causal, window=-1, num_splits=None, config=None):
@@ -294,8 +317,11 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
                                    kv_elem=w["k"].element_size(), window=window)
     t = measure(op_fn(w, causal, window, "triton"))
-    timed = {v: measure(launcher_fn(w, causal, window, config=variant_config(w, v)))
-             for v in variants}
+    timed = {}
+    for v in variants:
+        fn = launcher_fn(w, causal, window, config=variant_config(w, v))
+        print(f"    variant {v}: {launched_paths(fn)}", flush=True)
+        timed[v] = measure(fn)
     res = {}
     for p in peers:
         make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal, window),
@@ -444,7 +470,8 @@ def variant_help() -> str:
     paths = "; ".join(f"{k}: {v}" for k, v in _common.OPTIONAL_PATHS.items())
     return ("kernel paths to time side by side, comma-separated, 'all' (default) or 'none'. "
             f"baseline: today's default kernel; {paths}. The op-call column uses the process "
-            "defaults (XPU_OPS_TRITON_PATHS, read once at import).")
+            "defaults (XPU_OPS_TRITON_PATHS, read once at import). Decode rows time only "
+            f"those of {DECODE_VARIANTS}.")
 
 
 def main():
@@ -454,6 +481,7 @@ def main():
     ap.add_argument("--variant", default="all", help=variant_help())
     args = ap.parse_args()
     variants = parse_variants(args.variant)
+    start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
@@ -467,22 +495,24 @@ def main():
     def cfgs(shapes):
         return () if args.quick else tuple((f"cfg={c}", {"config": pa._Config(*c)})
                                            for c in shapes)
-    v = variants
+    v = variants                                         # prefill and extend rows: all
+    vd = tuple(x for x in variants if x in DECODE_VARIANTS)  # decode rows
     rows = [
         run_attention("decode 64x4096 page 1", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 1,
-                      False, peers=("sdpa", "flashinfer"), variants=v),
+                      False, peers=("sdpa", "flashinfer"), variants=vd),
         run_attention("decode 64x4096 page 16", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 16,
-                      False, sweep=splits, variants=v),
+                      False, sweep=splits, variants=vd),
         run_attention("decode 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 64,
-                      False, sweep=splits + cfgs(DECODE_CFGS), variants=v),
+                      False, sweep=splits + cfgs(DECODE_CFGS), variants=vd),
         run_attention("decode 64x4096 page 128", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 128,
-                      False, peers=("sdpa", "flashinfer"), variants=v),
+                      False, peers=("sdpa", "flashinfer"), variants=vd),
         run_attention("decode fp8 KV 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64,
-                      [1] * 64, 64, False, peers=("flashinfer",), variants=v, kv_dtype=FP8),
+                      [1] * 64, 64, False, peers=("flashinfer",), variants=vd, kv_dtype=FP8),
         run_attention("decode 8x32768 (split-KV)", "bw", ">= 0.75 copy", [32768] * 8, [1] * 8,
-                      64, False, sweep=long_splits, variants=v),
+                      64, False, sweep=long_splits, variants=vd),
         run_attention("decode 64 x U[100,8000]", "bw", ">= 0.90 copy", uniform, [1] * 64, 64,
-                      False, peers=("reference", "flex", "flashinfer"), sweep=splits, variants=v),
+                      False, peers=("reference", "flex", "flashinfer"), sweep=splits,
+                      variants=vd),
         run_attention("prefill 8x4096 causal page 64", "flops", ">= 0.85 SDPA", [4096] * 8,
                       [4096] * 8, 64, True, peers=("sdpa", "flex", "flashinfer"),
                       sweep=cfgs(PREFILL_CFGS), variants=v),
@@ -501,6 +531,7 @@ def main():
               f"Hkv={HKV}, D={D} unless stated.")
     md = table(rows, copy_tbs, mm_tflops, header)
     print(md)
+    print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
     with open(os.path.join(args.out, "attention.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(args.out, "attention.json"), "w") as f:

@@ -110,8 +110,8 @@ def test_check_counts_an_injected_graph_break():
 # exit status 2, and nothing loaded (load_model is replaced by a function that fails the test).
 BAD_ARGS = [
     (["generate", "--model", "/no/such/model.gguf"],
-     r"generate: error: argument --model: expected 'tiny', 'default', a \.gguf file or a Hugging "
-     r"Face model folder, got '/no/such/model\.gguf' \(no such file or folder\)"),
+     r"generate: error: argument --model: expected 'tiny', 'default', 'gemma3', a \.gguf file or a "
+     r"Hugging Face model folder, got '/no/such/model\.gguf' \(no such file or folder\)"),
     (["generate", "--model", "{tmp}"],
      r"argument --model: expected .*, got '.*' \(a folder without config\.json\)"),
     (["generate", "--mode", "fast"],

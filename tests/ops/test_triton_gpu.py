@@ -219,42 +219,64 @@ def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
     assert _rel(out, ref) < 1e-2
 
 
-def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, descales=None):
-    """The launcher with the default tiles and ``paths`` forced (``_Config`` fields) into a
-    NaN-poisoned output, against the reference provider: relative error."""
-    import dataclasses
+def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, descales=None,
+                        window=-1):
+    """The launcher with the default tiles and exactly the optional ``paths`` on, into a
+    NaN-poisoned output, against the reference provider: (relative error, launch constexprs)."""
     from xpu_ops.triton import paged_attention as pa
     k_descale, v_descale = descales or (None, None)
-    config = dataclasses.replace(pa.default_config(q, v, max_seqlen_q, k.shape[2]), **paths)
+    config = pa.with_paths(pa.default_config(q, v, max_seqlen_q, k.shape[2]), frozenset(paths))
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
-                       max_seqlen_q=max_seqlen_q, max_kv_len=table.shape[1] * k.shape[1],
-                       qv=None, q_descale=None, k_descale=k_descale, v_descale=v_descale,
-                       sinks=None, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
-                       window_right=0 if causal else -1, softcap=0.0, config=config)
+    seen = []
+    real = pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs)
+        return real(kernel, grid, device, *args, **kwargs)
+    pa.launch = spy
+    try:
+        pa.paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+                           max_seqlen_q=max_seqlen_q, max_kv_len=table.shape[1] * k.shape[1],
+                           qv=None, q_descale=None, k_descale=k_descale, v_descale=v_descale,
+                           sinks=None, softmax_scale=q.shape[-1] ** -0.5, window_left=window,
+                           window_right=0 if causal else -1, softcap=0.0, config=config)
+    finally:
+        pa.launch = real
     with xpu_ops.use_provider("reference"):
         ref = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
                                               cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,
-                                              causal=causal, k_descale=k_descale,
-                                              v_descale=v_descale)
-    return _rel(out, ref)
+                                              causal=causal, window_size=(window, -1),
+                                              k_descale=k_descale, v_descale=v_descale)
+    return _rel(out, ref), seen[0]
 
 
+PATHS = [("page_tiles",), ("phases",), ("tma",), ("tma_ws",)]
+
+
+@pytest.mark.parametrize("paths", PATHS, ids=["-".join(p) for p in PATHS])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
-def test_page_tiles_decode_and_extend(page_size):
-    """``page_tiles`` at full size: split-KV decode past 64k tokens and an extend over a cached
-    prefix (tiles of several pages, or inside one page), garbage past every request."""
+def test_paths_decode_and_extend(page_size, paths):
+    """Every optional kernel path at full size: split-KV decode past 64k tokens, an extend
+    over a cached prefix and a sliding-window prefill, garbage past every request; on a
+    Hopper-class CUDA device ``tma`` must really take the descriptor path (page >= 16)."""
     decode = paged_case([70001, 1, 9000, 333], [1, 1, 1, 1], page_size)
-    assert _paths_vs_reference({"page_tiles": True}, *decode, 1, True) < 1e-2
+    assert _paths_vs_reference(paths, *decode, 1, True)[0] < 1e-2
     extend = paged_case([4096 + 300, 77], [300, 1], page_size)
-    assert _paths_vs_reference({"page_tiles": True}, *extend, 300, True) < 1e-2
+    err, meta = _paths_vs_reference(paths, *extend, 300, True)
+    assert err < 1e-2
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    if hopper and "tma" in paths[0] and page_size >= 16:
+        assert meta["TMA"], meta
+    window = paged_case([2000, 1500], [2000, 700], page_size)
+    assert _paths_vs_reference(paths, *window, 2000, True, window=300)[0] < 1e-2
 
 
-def test_page_tiles_fp8_kv_decode():
+@pytest.mark.parametrize("paths", PATHS, ids=["-".join(p) for p in PATHS])
+def test_paths_fp8_kv(paths):
     q, k, v, lens, table, cu = paged_case([5000, 77], [1, 4], 64, kv_dtype=torch.float8_e4m3fn)
     desc = torch.rand(2, 8, device=DEVICE) + 0.5
-    assert _paths_vs_reference({"page_tiles": True}, q, k, v, lens, table, cu, 4, True,
-                               (desc, desc.flip(0))) < 2e-2
+    assert _paths_vs_reference(paths, q, k, v, lens, table, cu, 4, True,
+                               (desc, desc.flip(0)))[0] < 2e-2
 
 
 @pytest.mark.parametrize("op", OPS)
