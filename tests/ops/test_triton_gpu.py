@@ -134,6 +134,41 @@ def test_mla_decode_128_heads():
     assert _rel(outs[1], outs[0]) < 1e-2
 
 
+@pytest.mark.parametrize("config", [("mla_split", 8), ("mla_split", 16), ("", 16)],
+                         ids=["mla_split", "mla_split-16-warps", "16-warps"])
+def test_mla_decode_128_heads_split_and_wide_configs(config):
+    """The launcher with ``mla_split`` (two programs per row tile, each half of the 512 latent
+    columns) and/or 16 warps, split-KV over 8 splits, against the reference provider."""
+    import dataclasses
+    from xpu_ops.triton import paged_attention as pa
+    paths, warps = config
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    b, h, latent, rope, page = 4, 128, 512, 64, 64
+    lens = torch.tensor([5000, 1, 20000, 300], dtype=torch.int32, device=DEVICE)
+    width = 20000 // page + 2
+    kv = torch.randn(b * width, page, latent + rope, device=DEVICE, dtype=torch.bfloat16,
+                     generator=gen)
+    table = torch.randperm(b * width, device=DEVICE, generator=gen).view(b, width).int()
+    qn = torch.randn(b, h, latent, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    qr = torch.randn(b, h, rope, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    values = kv[:, :, None, :latent]
+    config = dataclasses.replace(pa.with_paths(pa.default_config(qr, values, 1, 1, frozenset()),
+                                               frozenset(paths.split(",")) - {""}),
+                                 num_warps=warps)
+    out = torch.full_like(qn, float("nan"))
+    pa.paged_attention(qr, kv[:, :, None, latent:], values, out, lens,
+                       torch.arange(b + 1, dtype=torch.int32, device=DEVICE), page_table=table,
+                       cu_seqlens_k=None, max_seqlen_q=1, max_kv_len=width * page, qv=qn,
+                       q_descale=None, k_descale=None, v_descale=None, sinks=None,
+                       softmax_scale=1 / math.sqrt(576), window_left=-1, window_right=-1,
+                       softcap=0.0, num_splits=8, config=config)
+    ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(20000, b, h, page), dtype=torch.uint8,
+                     device=DEVICE)
+    with xpu_ops.use_provider("reference"):
+        ref = xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576))
+    assert _rel(out, ref) < 1e-2
+
+
 def test_mla_prefill_128_heads():
     """DeepSeek shapes: extend chunks over long prefixes, one request without a prefix."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)

@@ -156,3 +156,33 @@ def test_parse_paths_names_the_variable_and_the_bad_name():
     with pytest.raises(ValueError, match=r"^XPU_OPS_TRITON_PATHS: tma_typo is not an optional "
                                          r"kernel path; expected a comma list of \["):
         _common.parse_paths("page_tiles,tma_typo")
+
+
+# MLA decode (qv path: q_rope vs the rope part, q_nope vs the latent part, which is also V):
+# (k_lens, page_size, H, R, r, num_splits, BLOCK_M).
+MLA_CASES = [([37, 1, 0, 70], 16, 32, 64, 16, 3, 32), ([50, 9], 4, 16, 128, 16, 1, 16)]
+
+
+@in_subprocess
+@pytest.mark.parametrize("case", MLA_CASES, ids=["splits3-bm32", "one-split-bm16"])
+def test_mla_split_matches_oracle(case, launches):
+    """``mla_split``: two programs per row tile, each accumulating half of the latent columns
+    and merging its half of the split-KV partials, against the float64 oracle."""
+    k_lens, page, h, latent, rope, splits, block_m = case
+    gen = torch.Generator().manual_seed(9)
+    (kv,), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(latent + rope,)],
+                                           dtype=torch.float32, device="cpu")
+    q_nope = torch.randn(len(k_lens), h, latent, generator=gen)
+    q_rope = torch.randn(len(k_lens), h, rope, generator=gen)
+    out = torch.full_like(q_nope, float("nan"))
+    lse = torch.full((h, len(k_lens)), float("nan"))
+    config = pa.with_paths(pa._Config(block_m, 16, 1, 1), frozenset({"mla_split"}))
+    pa.paged_attention(q_rope, kv[:, :, None, latent:], kv[:, :, None, :latent], out, lens,
+                       torch.arange(len(k_lens) + 1, dtype=torch.int32), page_table=table,
+                       cu_seqlens_k=None, max_seqlen_q=1, max_kv_len=table.shape[1] * page,
+                       qv=q_nope, q_descale=None, k_descale=None, v_descale=None, sinks=None,
+                       softmax_scale=0.1, window_left=-1, window_right=-1, softcap=0.0,
+                       num_splits=splits, config=config, lse=lse)
+    assert launches[0]["DV_SPLIT"] == (2 if block_m >= 32 else 1)
+    want = oracle.flash_mla_decode(q_nope, q_rope, kv, lens, table, 0.1)
+    assert_matches_oracle(out, want, torch.float32)

@@ -37,6 +37,8 @@ OPTIONAL_PATHS = {
     "tma": "tensor descriptors (TMA) for Q, O and interior K/V tiles; CUDA capability >= 9.0 "
            "(implies page_tiles and phases)",
     "tma_ws": "tma with the interior key loop warp-specialised (tl.range warp_specialize)",
+    "mla_split": "absorbed MLA: two programs per row tile, each accumulating half of the latent "
+                 "output columns (both compute the scores)",
 }
 
 

@@ -106,9 +106,9 @@ def _gather_kv(k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_
                mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
                stride_vs, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr):
-    # One K and one V tile [BLOCK_N, D|Dv] through pointer gathers, with the key mask (length,
-    # leftpad, hidden pages) and whether every page id of the tile was valid. MASKED off
-    # (interior tiles: every key valid) drops the row predicates.
+    # One K and one V tile [BLOCK_N, D|Dv] through pointer gathers, V's row offsets, the key
+    # mask (length, leftpad, hidden pages) and whether every page id of the tile was valid.
+    # MASKED off (interior tiles: every key valid) drops the row predicates.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
     pages_ok = 1
@@ -129,7 +129,7 @@ def _gather_kv(k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_
         v_rows = (kv_start + offs_n).to(tl.int64) * stride_vs
     k = _load_tile(k_head + k_rows[:, None] + offs_d[None, :], mask_n, mask_d, MASKED, EVEN_D)
     v = _load_tile(v_head + v_rows[:, None] + offs_dv[None, :], mask_n, mask_dv, MASKED, EVEN_D)
-    return k, v, offs_n, mask_n, pages_ok
+    return k, v, v_rows, offs_n, mask_n, pages_ok
 
 
 @triton.jit

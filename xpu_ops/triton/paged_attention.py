@@ -51,8 +51,8 @@ from torch import Tensor
 from .. import providers
 from ._common import (ENABLED_PATHS, HAS_TRITON, available, cdiv, descriptors_supported, launch,
                       next_pow2, num_sms, set_descriptor_allocator, warp_specialize_supported)
-from .attention_tiles import (_descriptor_kv, _gather_kv, _interior_tiles, _mask_scores,
-                              _invalid_pages, _online_softmax, _scores)
+from .attention_tiles import (_descriptor_kv, _gather_kv, _interior_tiles, _invalid_pages,
+                              _load_tile, _mask_scores, _online_softmax, _scores)
 
 if HAS_TRITON:
     import triton
@@ -104,13 +104,17 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
     PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
-    # Heaviest causal tiles (last rows) first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Heaviest causal tiles (last rows) first; DV_SPLIT programs per row tile, each
+    # accumulating one DV_W-column chunk of the output (all of them compute the full scores).
+    DV_W: tl.constexpr = DV_PAD // DV_SPLIT
+    chunk = tl.program_id(0) % DV_SPLIT
+    pid_m = tl.num_programs(0) // DV_SPLIT - 1 - tl.program_id(0) // DV_SPLIT
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     req = pid_bh // num_heads_kv
@@ -131,6 +135,8 @@ def _paged_attention_kernel(
     mask_m = q_row < q_len
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
+    offs_dc = chunk * DV_W + tl.arange(0, DV_W)  # this program's output columns
+    mask_dc = offs_dc < head_dim_v
     mask_d = offs_d < head_dim
     mask_dv = offs_dv < head_dim_v
     tok = (q_start + q_row).to(tl.int64)
@@ -212,7 +218,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_W], tl.float32)
     pt_row = PAGE_TABLE + req.to(tl.int64) * stride_pt_b
     k_head = K + kv_head.to(tl.int64) * stride_kh
     v_head = V + kv_head.to(tl.int64) * stride_vh
@@ -228,7 +234,7 @@ def _paged_attention_kernel(
 
     if not PHASES:  # one loop, each tile masked when it needs it
         for start_n in range(blk_lo, blk_hi, BLOCK_N):
-            k, v, offs_n, mask_n, pages_ok = _gather_kv(
+            k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
                 k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv,
                 mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
                 stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
@@ -237,6 +243,9 @@ def _paged_attention_kernel(
             if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
                 s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
                                  kv_len, q_len, stride_block_ids, HAS_BLOCK_IDS)
+            if DV_SPLIT > 1:  # this program's columns of the tile (cache lines just loaded)
+                v = _load_tile(v_head + v_rows[:, None] + offs_dc[None, :], mask_n, mask_dc,
+                               True, EVEN_D)
             acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i, PRECISION)
     else:  # masked edge tiles | unmasked interior tiles | masked edge tiles
         mid_lo, mid_hi = _interior_tiles(blk_lo, blk_hi, full_lo, full_hi, BLOCK_N)
@@ -274,7 +283,7 @@ def _paged_attention_kernel(
                                                     PRECISION)
         else:
             for start_n in range(mid_lo, mid_hi, BLOCK_N):
-                k, v, offs_n, mask_n, pages_ok = _gather_kv(
+                k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
                     k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv,
                     mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
                     stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, False)
@@ -313,8 +322,8 @@ def _paged_attention_kernel(
             o_desc.store([row_first, 0, 0],
                          out.to(O.dtype.element_ty).reshape([BLOCK_M // GROUP, GROUP, DV_PAD]))
         else:
-            tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                     out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+            tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dc[None, :],
+                     out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dc[None, :])
         tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     else:
         has_keys = l_i > 0
@@ -323,21 +332,21 @@ def _paged_attention_kernel(
                        float("-inf"))
         part = O_PART + split.to(tl.int64) * stride_part_s
         tl.store(part + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
-                 + offs_dv[None, :], out, mask=mask_m[:, None] & mask_dv[None, :])
+                 + offs_dc[None, :], out, mask=mask_m[:, None] & mask_dc[None, :])
         tl.store(LSE_PART + split.to(tl.int64) * stride_lsep_s + tok * stride_lsep_t + head,
                  lse, mask=mask_m)
         # ---- split-KV reduction: the tile's last split program to arrive merges them all ----
         # The barrier orders every thread's partial stores before the counter update; acq_rel at
         # gpu scope releases them to, and acquires the other splits' for, the last arrival.
         tl.debug_barrier()
-        counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m
+        counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m * DV_SPLIT + chunk
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
-                               stride_sinks,
+                               chunk * DV_W, stride_sinks,
                                stride_part_s, stride_part_t, stride_part_h,
                                stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
-                               BLOCK_M, DV_PAD, NUM_SPLITS, HAS_SINKS)
+                               BLOCK_M, DV_W, NUM_SPLITS, HAS_SINKS)
             tl.store(counter, 0)  # zero again for the next launch (and graph replay)
 
 
@@ -350,7 +359,7 @@ def _masked_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_hea
                  EVEN_D: tl.constexpr, HAS_QV: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
                  USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     # One edge tile of the three-phase schedule: predicated gather, every mask applied.
-    k, v, offs_n, mask_n, pages_ok = _gather_kv(
+    k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
         k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv, mask_d,
         mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, BLOCK_N,
         PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
@@ -387,18 +396,19 @@ def _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim, head_dim_v
 
 @triton.jit
 def _merge_splits_tile(
-    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, stride_sinks,
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, col0, stride_sinks,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
     stride_ot, stride_oh, stride_lse_h,
-    BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    # BLOCK_M rows: out = sum_s e^{lse_s - m} o_s / (sum_s e^{lse_s - m} [+ e^{sink - m}]), the
-    # splits summed in order 0..NUM_SPLITS-1 whichever program merges (deterministic). Loads
-    # bypass L1 (.cg): other multiprocessors wrote the partials during this launch.
+    # BLOCK_M rows, output columns [col0, col0 + WIDTH): out = sum_s e^{lse_s - m} o_s /
+    # (sum_s e^{lse_s - m} [+ e^{sink - m}]), the splits summed in order 0..NUM_SPLITS-1
+    # whichever program merges (deterministic). Loads bypass L1 (.cg): other multiprocessors
+    # wrote the partials during this launch.
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
-    DV_CHUNK: tl.constexpr = 64 if DV_PAD > 64 else DV_PAD  # bounds registers for MLA's Dv 512
+    DV_CHUNK: tl.constexpr = 64 if WIDTH > 64 else WIDTH  # bounds registers for MLA's Dv 512
     # Pointers advance by one split per iteration (no int32 split x stride products).
     lse_rows = LSE_PART + tok * stride_lsep_t + head
     lse_s = lse_rows
@@ -426,8 +436,8 @@ def _merge_splits_tile(
     tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     o_rows = O_PART + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
     out_rows = O + tok[:, None] * stride_ot + head[:, None] * stride_oh
-    for dv_start in tl.static_range(0, DV_PAD, DV_CHUNK):
-        offs_dv = dv_start + tl.arange(0, DV_CHUNK)
+    for dv_start in tl.static_range(0, WIDTH, DV_CHUNK):
+        offs_dv = col0 + dv_start + tl.arange(0, DV_CHUNK)
         mask_dv = offs_dv < head_dim_v
         acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
         lse_s = lse_rows
@@ -454,7 +464,10 @@ class _Config:
     interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
     a power-of-two GQA group; paged: BLOCK_N capped at the page size); implies both others.
     ``ws``: the interior loop warp-specialised (``tl.range(warp_specialize=True)``) on top of
-    ``tma``.
+    ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
+    columns (FlashMLA's split of the 512 latent columns, here across programs, which all compute
+    the scores); only with ``qv`` (absorbed MLA), the one-loop schedule and
+    ``BLOCK_M >= 16 * dv_split``.
     """
     block_m: int
     block_n: int
@@ -464,6 +477,7 @@ class _Config:
     phases: bool = False
     tma: bool = False
     ws: bool = False
+    dv_split: int = 1
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
@@ -479,7 +493,8 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
     ws = "tma_ws" in paths
     tma = ws or "tma" in paths
     return dataclasses.replace(config, page_tiles=tma or "page_tiles" in paths,
-                               phases=tma or "phases" in paths, tma=tma, ws=ws)
+                               phases=tma or "phases" in paths, tma=tma, ws=ws,
+                               dv_split=2 if "mla_split" in paths else 1)
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
@@ -561,11 +576,12 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     page_size = k_shape[1] if paged else 1
     cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
-                                                         out_strides))
-    grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+                                                         out_strides), has_qv)
+    m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+    grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
         num_splits = plan_num_splits(device, grid_m * batch * num_heads_kv, max_kv_len,
-                                     cfg.block_n, decode=grid_m <= 2)
+                                     cfg.block_n, decode=m_blocks <= 2)
     if paged:
         kp, ks, kh = k_strides[:3]
         vp, vs, vh = v_strides[:3]
@@ -601,9 +617,14 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
 
 
 def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: int, group: int,
-                  dims: tuple, pads: tuple, layout: tuple, strides: tuple) -> tuple[_Config, dict]:
+                  dims: tuple, pads: tuple, layout: tuple, strides: tuple,
+                  has_qv: bool) -> tuple[_Config, dict]:
     """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at the
     page size for paged descriptors). ``strides``: q, K, V, out strides."""
+    dv_split = cfg.dv_split
+    if not (has_qv and not cfg.phases and cfg.block_m >= 16 * dv_split
+            and pads[1] % dv_split == 0 and pads[1] // dv_split >= 16):
+        dv_split = 1
     elem, kv_elem, out_elem, aligned = layout
     pow2_pages = page_size == next_pow2(page_size)
     even_d = tuple(dims) == tuple(pads)
@@ -616,7 +637,7 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
     return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
-                     GROUP=group if tma else 1)
+                     GROUP=group if tma else 1, DV_SPLIT=dv_split)
 
 
 def _rows_aligned(strides: tuple, elems: tuple, paged: bool) -> bool:
