@@ -39,7 +39,7 @@ DEFAULT_PROMPTS = [
     "Explain what a paged KV cache is in one sentence.",
     "List three prime numbers.",
 ]
-MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")
+MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
 def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
@@ -62,8 +62,7 @@ FORWARDS: dict[str, Callable] = {
     "eager": lambda model, inductor: model,
     "compile": lambda model, inductor: compile_model(model, backend=_backend(inductor)),
     "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
-    "graphs": lambda model, inductor: DecodeGraphRunner(
-        model, forward=compile_model(model, backend=_backend(inductor))),
+    "graphs": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
     "full_and_piecewise": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
 }
 
@@ -272,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eager: the model as written; compile: torch.compile (Inductor), one "
                         "trace per layer kind (compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
-                        "graphs: whole decode steps captured as device graphs; "
-                        "full_and_piecewise: decode steps as whole graphs, other steps "
-                        "piecewise (one compiled model)")
+                        "graphs: the serving path, decode steps replay whole-step device "
+                        "graphs per batch bucket, every other step runs piecewise (one "
+                        "compiled model); full_and_piecewise: the same as graphs (its old name)")
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
