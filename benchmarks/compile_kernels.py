@@ -75,9 +75,12 @@ def launch_args(case, paths, sms, tiles=None):
     table = torch.empty(b, pages, dtype=torch.int32, device=meta)
     lens = torch.empty(b, dtype=torch.int32, device=meta)
     descale = torch.empty(b, hkv, dtype=torch.float32, device=meta) if kv_dtype != q.dtype else None
-    default = pa._pick_tiles(torch.device("cuda"), max(q_lens) * (hq // hkv),
-                             max(16, pa.next_pow2(d)), max(16, pa.next_pow2(dv)), 2)
-    config = pa.with_paths(pa._Config(*tiles) if tiles else default, paths)
+    if tiles:
+        config = pa.with_paths(pa._Config(*tiles), paths)
+    else:
+        config = pa._pick_config(torch.device("cuda"), max(q_lens) * (hq // hkv),
+                                 max(16, pa.next_pow2(d)), max(16, pa.next_pow2(dv)), 2, paths,
+                                 page)
     with mock.patch.object(pa, "num_sms", lambda device: sms):
         params = pa._launch_params(
             torch.device("cuda"), q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape,

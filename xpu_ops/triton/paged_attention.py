@@ -481,10 +481,20 @@ class _Config:
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int, paths: frozenset = ENABLED_PATHS) -> _Config:
+                 elem_bytes: int, paths: frozenset = ENABLED_PATHS,
+                 page_size: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
-    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on."""
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on.
+
+    With ``page_tiles``, a decode tile holds one whole page where pages have 16 or more keys
+    (BLOCK_N = page_size when smaller than the default), so its K/V addresses come from one
+    page id and the compiler can stage the loads through shared memory; the pipeline deepens
+    to keep as many bytes in flight (at most 8 stages)."""
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
+    if ("page_tiles" in paths and rows_per_request <= 64 and page_size is not None
+            and 16 <= page_size < tiles.block_n and page_size == next_pow2(page_size)):
+        stages = min(8, tiles.num_stages * tiles.block_n // page_size)
+        tiles = dataclasses.replace(tiles, block_n=page_size, num_stages=stages)
     return with_paths(tiles, paths)
 
 
@@ -498,12 +508,15 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
-                   paths: frozenset = ENABLED_PATHS) -> _Config:
+                   paths: frozenset = ENABLED_PATHS,
+                   page_size: Optional[int] = None) -> _Config:
     """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
-    ``paged_attention(..., config=dataclasses.replace(default_config(...), ...))``)."""
+    ``paged_attention(..., config=default_config(..., paths))``). ``page_size``: of a paged
+    cache (None: ragged K/V)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
-    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths)
+    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
+                        page_size)
 
 
 def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
@@ -572,8 +585,9 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     elem = torch.empty((), dtype=q_dtype).element_size()
-    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
     page_size = k_shape[1] if paged else 1
+    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
+                                 page_size=page_size if paged else None)
     cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
                                                          out_strides), has_qv)
