@@ -14,7 +14,8 @@ Bytes: one more step of the same compiled model, uncaptured and profiled with sh
 kernel to the operator that launched it; the operator's tensors give the bytes (``op_bytes``):
 exact for matrix products, the argument sizes otherwise (an upper bound for gathers; attention
 counts its whole KV pool, which ``bench_model``'s batch sizes to the tokens read plus under one
-page per request). Kernels Inductor launches outside any operator have no bytes ("-").
+page per request). Inductor's Triton kernels are launched under a record of their own name with
+their buffers as arguments, each read or written once. Kernels of neither kind show "-".
 Writes ``profile_decode_b{b}.md`` and ``.json`` per batch under ``--out``; prints the tables.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,16 +31,18 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile.graphs import device as dev
 from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
                          paged_step, step_seconds)
 from compile.engine.cli_args import positive_int
+from compile.graphs import device as dev
 from decode_roofline import copy_bandwidth
 from dense_baseline import GQA_LAYOUTS
 
 ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "long int": 8,
                  "int": 4, "short": 2, "bool": 1, "unsigned char": 1, "signed char": 1,
                  "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+PROFILER_DTYPES = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half",
+                   torch.float32: "float"}
 MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1}  # op -> index of its first matrix
 # CPU operators that allocate or make views: no data moved, not kernels
 METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::_unsafe_view",
@@ -104,28 +106,41 @@ def kernel_times(step, device: str, steps: int) -> dict[str, list]:
     return out
 
 
-def launching_op(event):
-    """The nearest enclosing operator (``ns::name``, profiled shapes) of a launch event."""
-    while event is not None and not ("::" in event.name and event.input_shapes):
+def launching_op(event, kernel: str):
+    """The nearest enclosing event with profiled shapes that launched ``kernel``: an operator
+    (``ns::name``) or Inductor's launch record of a Triton kernel (named like the kernel, its
+    buffers as arguments)."""
+    while event is not None and not (event.input_shapes and ("::" in event.name
+                                                             or event.name == kernel)):
         event = event.cpu_parent
     return event
 
 
-def kernel_bytes(step, device: str) -> dict[str, int]:
+def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16") -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
-    are known (``op_bytes``); one profiled step with shapes."""
+    are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
+    among them); one profiled step with shapes. ``assumed_dtype`` (a profiler dtype name) stands
+    for every tensor where the profiler records no dtypes."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
-    out: dict[str, int] = defaultdict(int)
-    unknown = set()
     if device == "cpu":
-        launches = [(e, [e.name]) for e in cpu_leaves(p.events())]
+        launches = [(e, e.name) for e in cpu_leaves(p.events())]
     else:
-        launches = [(e, [k.name for k in e.kernels]) for e in p.events()
-                    if not is_device(e) and e.kernels]
-    for event, names in launches:
-        op = launching_op(event)
-        n = None if op is None else op_bytes(op.name, op.input_shapes, op.input_dtypes)
+        launches = [(e, k.name) for e in p.events() if not is_device(e) for k in e.kernels]
+    by_op: dict[tuple, tuple[object, list[str]]] = {}  # (thread, start, name) names an event
+    unknown = set()
+    for event, name in launches:
+        op = launching_op(event, name)
+        if op is None:
+            unknown.add(name)
+        else:
+            key = (op.thread, op.time_range.start, op.name)
+            by_op.setdefault(key, (op, []))[1].append(name)
+    out: dict[str, int] = defaultdict(int)
+    for op, names in by_op.values():
+        # torch versions whose profiler records no dtypes: every tensor as the model's dtype
+        dtypes = getattr(op, "input_dtypes", None) or [assumed_dtype] * len(op.input_shapes)
+        n = op_bytes(op.name, op.input_shapes, dtypes)
         for name in names:
             if n is None:
                 unknown.add(name)
@@ -174,7 +189,7 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
         uncaptured = paged_step(make_forward(model, "compiled"), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
-    nbytes = kernel_bytes(uncaptured, args.device)
+    nbytes = kernel_bytes(uncaptured, args.device, PROFILER_DTYPES[args.dtype])
     rows = profile_rows(times, nbytes, args.steps, bandwidth)
     kernel_us = sum(r["us"] for r in rows)
     known = [r for r in rows if r["bytes"] is not None]
@@ -186,6 +201,9 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
             f"{bandwidth / 1e9:.0f} GB/s; {args.steps} profiled steps. Kernels of known bytes: "
             f"{known_us:.0f} us, {known_bytes / 1e6:.1f} MB per step "
             f"({known_bytes / max(known_us, 1e-9) / 1e3:.0f} GB/s).")
+    if kernel_us < 0.5 * seconds * 1e6:  # host gaps, or kernels the profiler did not see
+        head += (f" The kernels cover only {kernel_us / (seconds * 1e6):.0%} of the step: the "
+                 "rest is device idle time (host-bound) or kernels the profiler did not record.")
     text = markdown(rows, head)
     out = Path(args.out) / f"profile_decode_b{b}"
     out.parent.mkdir(parents=True, exist_ok=True)

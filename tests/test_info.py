@@ -22,9 +22,9 @@ def test_reports_reference_on_cpu_for_every_op():
         assert f"{name:30s} -> reference" in text
 
 
-def test_forced_provider_that_cannot_run_is_reported_as_an_error(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("XPU_OPS_PROVIDER", "triton")
+def test_forced_provider_that_cannot_run_is_reported_as_an_error(xpu_env):
+    xpu_env("TRITON_INTERPRET", None)
+    xpu_env("XPU_OPS_PROVIDER", "triton")
     if providers.candidates("flash_attn_with_kvcache", "cpu")[1][1] is None:
         pytest.skip("triton runs on cpu in this process (interpreter enabled)")
     text = _info("cpu")
@@ -37,7 +37,7 @@ def test_forced_reference_is_marked_forced():
         assert "flash_attn_with_kvcache        -> reference (forced)" in _info("cpu")
 
 
-def test_unknown_provider_exits_2_with_a_message(monkeypatch, capsys):
-    monkeypatch.setenv("XPU_OPS_PROVIDER", "bogus")
+def test_unknown_provider_exits_2_with_a_message(xpu_env, capsys):
+    xpu_env("XPU_OPS_PROVIDER", "bogus")
     assert main(["info", "--device", "cpu"]) == 2
     assert "'bogus' is not a provider" in capsys.readouterr().err

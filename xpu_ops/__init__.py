@@ -17,7 +17,7 @@ from .ops.mla_prefill import flash_mla_prefill, flash_mla_prefill_get_workspace_
 from .ops.paged_attention import flash_attn_with_kvcache
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
-from .providers import use_provider
+from .providers import refresh, use_provider
 from ._value_checks import debug_checks  # value checks behind XPU_OPS_DEBUG_CHECKS=1
 from . import compat  # issue 7: install_sgl_kernel_shim
 from .sgl_kernel_fakes import register_sgl_kernel_fakes  # issue 7
@@ -40,5 +40,5 @@ __all__ = [
     "flash_attn_with_kvcache", "flash_mla_decode",
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
     "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
-    "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",
+    "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks", "refresh",
 ]

@@ -64,6 +64,18 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
     return t
 
 
+_STRIDED = torch.strided
+
+
+def all_dense_on(device: torch.device, tensors: Sequence[torch.Tensor]) -> bool:
+    """True when every tensor of ``tensors`` is dense (``torch.strided``) and on ``device``: the
+    part of ``check_tensor`` that an op's fast path for valid calls needs (no message built)."""
+    for t in tensors:
+        if t.layout is not _STRIDED or t.device != device:
+            return False
+    return True
+
+
 def tensors_or_none(required: Sequence[object], optional: Sequence[object] = ()) -> bool:
     """True when every value of ``required`` is a tensor and every value of ``optional`` a tensor
     or ``None``: the allocation-free common case of ``check_tensor_args`` (wrappers call that one

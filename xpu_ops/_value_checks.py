@@ -2,9 +2,10 @@
 
 Shape/dtype checks (``_checks.py``) run always, in the ops and their fakes. The checks here need
 the values of index tensors, i.e. a host synchronisation on a GPU, so they run only when the
-debug switch is on: ``XPU_OPS_DEBUG_CHECKS=1`` in the environment (read on every call) or inside
-``with xpu_ops.debug_checks():``. The public wrappers call one ``check_<op>`` each, right before
-the ``torch.ops.xpu_ops`` call; calling the ops directly skips them.
+debug switch is on: ``XPU_OPS_DEBUG_CHECKS=1`` in the environment (read once;
+``xpu_ops.refresh()`` reads it again) or inside ``with xpu_ops.debug_checks():``. The public
+wrappers call one ``check_<op>`` each, right before the ``torch.ops.xpu_ops`` call; calling the
+ops directly skips them.
 
 Even with the switch on, nothing is checked while ``torch.compile`` traces, for fake or meta
 tensors, or while the current stream of the tensors' device is being captured into a graph (a
@@ -33,7 +34,8 @@ _override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
 
 
 def debug_checks_enabled() -> bool:
-    """True inside ``debug_checks()`` or when ``XPU_OPS_DEBUG_CHECKS=1`` (read on every call)."""
+    """True inside ``debug_checks()`` or when ``XPU_OPS_DEBUG_CHECKS=1`` (as of the last
+    ``xpu_ops.refresh()``)."""
     forced = _override.get()
     return forced if forced is not None else getenv(ENV) == "1"
 
@@ -68,6 +70,7 @@ def _capturing(device: torch.device) -> bool:
 
 def _active(*tensors: Optional[Tensor]) -> bool:
     """Run value checks now? Off while tracing, for fake/meta tensors and during graph capture."""
+    # is_compiling first: Dynamo cannot trace the switch's context variable.
     if torch.compiler.is_compiling() or not debug_checks_enabled():
         return False
     real = [t for t in tensors if isinstance(t, Tensor)]

@@ -15,12 +15,18 @@ dispatcher picks the device type and the kernel of that key calls its ``Route``,
 ``(op, device type)``. A route resolves its chain of available implementations once, at its
 first call, and again only when what the chain depends on differs from the previous call's:
 the forced provider (``use_provider``'s context variable, then ``XPU_OPS_PROVIDER``) and the
-values of the functions declared with ``availability_depends_on`` for that device type
-(Triton's ``TRITON_INTERPRET`` flag on ``cpu``, the ``sgl_kernel`` binding). Resolutions are
-kept per such state, so a state seen before is not resolved again; registering an
-implementation or ``refresh()`` forgets them. Per call a route then reads the state (a few
-comparisons) and runs the first implementation of the chain whose ``supports`` accepts the
-call's shapes (an implementation without ``supports`` accepts every call).
+values of the functions declared with ``availability_depends_on`` for that device type (the
+``sgl_kernel`` binding). Resolutions are kept per such state, so a state seen before is not
+resolved again; registering an implementation or ``refresh()`` forgets them. Per call a route
+then reads the state (a context variable or two) and runs the first implementation of the
+chain whose ``supports`` accepts the call's shapes (an implementation without ``supports``
+accepts every call).
+
+Environment: the variables of ``ENVIRONMENT`` (``XPU_OPS_PROVIDER``, ``TRITON_INTERPRET``,
+``XPU_OPS_DEBUG_CHECKS``) are read once, when first needed, never per call; a process that
+changes one of them after its first op call calls ``xpu_ops.refresh()`` (this module's
+``refresh``) to have the next call see it. ``use_provider`` and ``debug_checks`` are context
+managers that take effect at once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 PROVIDER_ORDER = ("sgl_kernel", "triton", "reference")
+#: The environment variables that xpu_ops reads (once each; ``refresh()`` reads them again).
+ENVIRONMENT = ("XPU_OPS_PROVIDER", "TRITON_INTERPRET", "XPU_OPS_DEBUG_CHECKS")
 #: The dispatch key whose kernels serve each device type.
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
 
@@ -64,6 +72,7 @@ _fallbacks: dict[tuple[str, str, str], int] = {}
 _routes: dict[tuple[str, str], "Route"] = {}
 # device type (None: every device type) -> zero-argument state functions
 _state_fns: dict[Optional[str], list[Callable[[], object]]] = {}
+_environ: dict[str, Optional[str]] = {}  # name -> value when read (``getenv``)
 _load_lock = threading.Lock()
 _loaded = False
 
@@ -119,15 +128,32 @@ def availability_depends_on(state: Callable[[], object],
 
 
 def refresh() -> None:
-    """Forget every route's resolutions (after changing what some ``available`` reads in a way
-    no ``availability_depends_on`` function reports); the next call of each op resolves again."""
+    """Read the environment again (``ENVIRONMENT``'s variables and any other name ``getenv``
+    read) and forget every route's resolutions, so the next call of each op resolves again.
+
+    Call it after changing ``XPU_OPS_PROVIDER``, ``TRITON_INTERPRET`` or
+    ``XPU_OPS_DEBUG_CHECKS`` in a running process (they are read once, not per call), or after
+    changing what some ``available`` reads in a way no ``availability_depends_on`` function
+    reports.
+
+    >>> import os, torch, xpu_ops
+    >>> os.environ["XPU_OPS_PROVIDER"] = "reference"; xpu_ops.refresh()
+    >>> xpu_ops.providers.select("merge_state_v2", torch.device("cpu")).provider
+    'reference'
+    >>> del os.environ["XPU_OPS_PROVIDER"]; xpu_ops.refresh()
+    """
+    _environ.clear()
     for route in list(_routes.values()):
         route.forget()
 
 
 def getenv(name: str) -> Optional[str]:
-    """``os.environ.get(name)``, read on every call so that flags set at run time take effect."""
-    return os.environ.get(name)
+    """``os.environ.get(name)`` as read at the first request since the last ``refresh()``."""
+    try:
+        return _environ[name]
+    except KeyError:
+        value = _environ[name] = os.environ.get(name)
+        return value
 
 
 def _check_provider_name(name: Optional[str]) -> Optional[str]:
@@ -239,7 +265,9 @@ class Route:
         self._current: tuple = (object(), ())  # (state, chain): never equal to a real state
 
     def _state(self) -> tuple:
-        return (_forced_name(), *[f() for f in self._fns])
+        forced = _forced_name()
+        fns = self._fns
+        return (forced, *[f() for f in fns]) if fns else (forced,)
 
     def _resolve(self, state: tuple) -> tuple[Implementation, ...]:
         chain = self._chains.get(state)
@@ -276,6 +304,11 @@ class Route:
         impl = chain[0]
         if impl.supports is None:
             return impl
+        return self._serving(chain, state, args, kwargs)
+
+    def _serving(self, chain: tuple[Implementation, ...], state: tuple, args: tuple,
+                 kwargs: dict) -> Implementation:
+        """The first implementation of ``chain`` whose ``supports`` accepts the call."""
         for impl in chain:
             declined = impl.supports(*args, **kwargs) if impl.supports is not None else None
             if declined is None:
@@ -289,7 +322,13 @@ class Route:
                            f"declined this call. See `python -m xpu_ops info`.")
 
     def __call__(self, *args, **kwargs):
-        return self.select(*args, **kwargs).fn(*args, **kwargs)
+        state = self._state()  # select's steps, without passing the arguments on twice
+        current = self._current
+        chain = current[1] if state == current[0] else self._resolve(state)
+        impl = chain[0]
+        if impl.supports is not None:
+            impl = self._serving(chain, state, args, kwargs)
+        return impl.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Route({self.op!r}, {self.device_type!r})"
@@ -312,6 +351,6 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
     return route(op, device.type).select(*args, **kwargs)
 
 
-__all__ = ["PROVIDER_ORDER", "DISPATCH_KEYS", "Implementation", "Route", "register",
+__all__ = ["PROVIDER_ORDER", "ENVIRONMENT", "DISPATCH_KEYS", "Implementation", "Route", "register",
            "availability_depends_on", "refresh", "getenv", "forced_provider", "use_provider",
            "candidates", "record_fallback", "fallbacks", "route", "select"]

@@ -4,6 +4,6 @@ forward mode (host, once per step), the per-layer forward (save KV, attend, casc
 and speculative-decoding metadata. Imports the batch wing and `xpu_ops`; never the engine wing."""
 
 from compile.backend.attention_backend import XPUAttentionBackend
-from compile.backend.layer import PagedAttention, kv_layout
+from compile.backend.layer import PagedAttention, attention_layers, kv_layout
 
-__all__ = ["XPUAttentionBackend", "PagedAttention", "kv_layout"]
+__all__ = ["XPUAttentionBackend", "PagedAttention", "attention_layers", "kv_layout"]

@@ -127,6 +127,11 @@ class PagedAttention(nn.Module):
                 f"logit_cap={self.logit_cap}")
 
 
+def attention_layers(model: nn.Module) -> list[PagedAttention]:
+    """Every ``PagedAttention`` module of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
 def kv_layout(model: nn.Module) -> KVLayout:
     """The ``KVLayout`` that sizes ``model``'s KV pools, from its ``PagedAttention`` layers.
 
@@ -146,7 +151,7 @@ def kv_layout(model: nn.Module) -> KVLayout:
     >>> kv_layout(LlamaForCausalLM(cfg))
     KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), sliding_window=8, kv_lora_rank=0)
     """
-    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    layers = attention_layers(model)
     if not layers:
         raise ValueError(f"kv_layout: model has no PagedAttention layer; expected a model "
                          f"built on compile.backend.PagedAttention, got "
@@ -168,4 +173,4 @@ def kv_layout(model: nn.Module) -> KVLayout:
                     sliding_window=window, kv_lora_rank=rank)
 
 
-__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "kv_layout"]
+__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "attention_layers", "kv_layout"]

@@ -3,8 +3,10 @@
 Each op has one kernel per dispatch key (CPU, CUDA, XPU; ``xpu_ops/_registration.py``) that calls
 its ``providers.Route``. A route resolves its chain of implementations at the first call and again
 only when the forced provider (``use_provider``, ``XPU_OPS_PROVIDER``) or a declared availability
-state (``TRITON_INTERPRET`` on the CPU, the ``sgl_kernel`` binding) differs; ``supports`` runs on
-every call. Each test warms a route, flips one switch and checks the very next call.
+state (the ``sgl_kernel`` binding) differs, or after ``xpu_ops.refresh()``, which also reads the
+environment again (``XPU_OPS_PROVIDER``, ``TRITON_INTERPRET``: read once, never per call);
+``supports`` runs on every call. Each test warms a route, flips one switch and checks the very next
+call.
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ def test_other_backends_run_the_checks_then_name_the_device(test_op):
         op(torch.ones(2).to_sparse())
 
 
-def test_resolved_once_per_state_and_again_after_a_switch(test_op, monkeypatch):
+def test_resolved_once_per_state_and_again_after_a_switch(test_op, xpu_env, monkeypatch):
     name, op = test_op
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+    xpu_env("XPU_OPS_PROVIDER", None)
     ref, tri = Counting(), Counting()
     providers.register(name, "reference", available=ref)(lambda x: x + 1)
     providers.register(name, "triton", available=tri)(lambda x: x + 2)
@@ -112,13 +114,15 @@ def test_resolved_once_per_state_and_again_after_a_switch(test_op, monkeypatch):
             assert torch.equal(op(x), x + 1)
     assert torch.equal(op(x), x + 2)
     assert (ref.calls, tri.calls) == (2, 2)    # one resolution for the forced state
-    monkeypatch.setenv("XPU_OPS_PROVIDER", "reference")
-    assert torch.equal(op(x), x + 1)
-    monkeypatch.delenv("XPU_OPS_PROVIDER")
-    assert torch.equal(op(x), x + 2)
+    with xpu_ops.use_provider("reference"):
+        assert torch.equal(op(x), x + 1)
     assert (ref.calls, tri.calls) == (2, 2)    # both states were resolved before
-    providers.refresh()
-    assert torch.equal(op(x), x + 2) and (ref.calls, tri.calls) == (3, 3)
+    monkeypatch.setenv("XPU_OPS_PROVIDER", "reference")
+    assert torch.equal(op(x), x + 2)           # the environment is not read per call
+    providers.refresh()                        # reads it, forgets the resolutions
+    assert torch.equal(op(x), x + 1) and (ref.calls, tri.calls) == (3, 3)
+    xpu_env("XPU_OPS_PROVIDER", None)
+    assert torch.equal(op(x), x + 2) and (ref.calls, tri.calls) == (4, 4)
 
 
 def test_the_dispatcher_routes_by_device_type(test_op):
@@ -151,9 +155,9 @@ def test_gpu_calls_run_the_kernel_of_their_dispatch_key(test_op):
         TRITON_OP, GPU_DEVICE)
 
 
-def test_a_failed_resolution_is_not_kept(test_op, monkeypatch):
+def test_a_failed_resolution_is_not_kept(test_op, xpu_env):
     name, op = test_op
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+    xpu_env("XPU_OPS_PROVIDER", None)
     state = {"up": False}
     providers.register(name, "reference")(lambda x: x + 1)
     providers.register(name, "triton",
@@ -167,9 +171,9 @@ def test_a_failed_resolution_is_not_kept(test_op, monkeypatch):
         assert torch.equal(op(x), x + 2)
 
 
-def test_use_provider_forces_after_the_route_is_warm(monkeypatch):
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_use_provider_forces_after_the_route_is_warm(xpu_env):
+    xpu_env("XPU_OPS_PROVIDER", None)
+    xpu_env("TRITON_INTERPRET", None)
     default = providers.select(OP, CPU).provider
     assert default == _uncached_choice(OP)
     with xpu_ops.use_provider("reference"):
@@ -181,30 +185,47 @@ def test_use_provider_forces_after_the_route_is_warm(monkeypatch):
     assert providers.select(OP, CPU).provider == default
 
 
-def test_env_provider_is_read_on_every_call(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+def test_env_provider_is_read_at_refresh(xpu_env):
+    xpu_env("TRITON_INTERPRET", None)
+    xpu_env("XPU_OPS_PROVIDER", None)
     default = providers.select(OP, CPU).provider
-    monkeypatch.setenv("XPU_OPS_PROVIDER", "reference")
+    xpu_env("XPU_OPS_PROVIDER", "reference")
     assert providers.select(OP, CPU).provider == "reference"
-    monkeypatch.setenv("XPU_OPS_PROVIDER", "bogus")
+    xpu_env("XPU_OPS_PROVIDER", "bogus")
     with pytest.raises(ValueError, match="'bogus' is not a provider"):
         providers.select(OP, CPU)
     os.environ["XPU_OPS_PROVIDER"] = "triton"  # a plain assignment is seen as well
+    xpu_ops.refresh()
     with pytest.raises(RuntimeError, match="provider 'triton' was requested"):
         providers.select(OP, CPU)
-    monkeypatch.delenv("XPU_OPS_PROVIDER")
+    xpu_env("XPU_OPS_PROVIDER", None)
     assert providers.select(OP, CPU).provider == default
 
 
+def test_a_warm_call_reads_no_environment_variable(monkeypatch):
+    """``os.environ`` is read when a route resolves, never by the calls after it."""
+    v, s = torch.randn(2, 1, 4), torch.randn(2, 1)
+    xpu_ops.merge_state_v2(v, s, v, s)
+    xpu_ops.store_kv_cache(torch.zeros(4, 1, 4), torch.zeros(4, 1, 4), torch.tensor([1]),
+                           v[:1], v[:1])
+
+    class Unreadable(dict):
+        def get(self, *args):
+            raise AssertionError(f"os.environ read per call: {args}")
+        __getitem__ = get
+    monkeypatch.setattr(providers.os, "environ", Unreadable())
+    out, lse = xpu_ops.merge_state_v2(v, s, v, s)
+    assert torch.allclose(out, v) and torch.allclose(lse, s + torch.log(torch.tensor(2.0)))
+    kc = torch.zeros(4, 1, 4)
+    xpu_ops.store_kv_cache(kc, kc.clone(), torch.tensor([1]), v[:1], v[:1])
+    assert torch.equal(kc[1], v[0]) and not kc[[0, 2, 3]].any()
+
+
 @pytest.mark.skipif(not triton_common.HAS_TRITON, reason="triton is not installed")
-def test_triton_interpret_toggle_changes_the_cpu_selection(monkeypatch):
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+def test_triton_interpret_toggle_changes_the_cpu_selection(xpu_env):
+    xpu_env("XPU_OPS_PROVIDER", None)
     for flag in ("1", "0", "1", None):
-        if flag is None:
-            monkeypatch.delenv("TRITON_INTERPRET")
-        else:
-            monkeypatch.setenv("TRITON_INTERPRET", flag)
+        xpu_env("TRITON_INTERPRET", flag)
         assert providers.select(TRITON_OP, CPU).provider == _uncached_choice(TRITON_OP), flag
         with xpu_ops.use_provider("triton"):
             if flag == "1":
@@ -214,13 +235,8 @@ def test_triton_interpret_toggle_changes_the_cpu_selection(monkeypatch):
                     providers.select(TRITON_OP, CPU)
 
 
-def test_triton_interpret_is_no_state_of_gpu_routes():
-    assert triton_common.interpreting not in providers.route(TRITON_OP, "cuda")._fns
-    assert triton_common.interpreting in providers.route(TRITON_OP, "cpu")._fns
-
-
-def test_sgl_kernel_binding_changes_the_selection(monkeypatch):
-    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+def test_sgl_kernel_binding_changes_the_selection(xpu_env):
+    xpu_env("XPU_OPS_PROVIDER", None)
     outside = providers.select(SGL_OP, CPU).provider
     with sk.bound_to(define_native_library("xpu_ops_providers_cache_native")):
         assert providers.select(SGL_OP, CPU).provider == "sgl_kernel"
@@ -274,13 +290,18 @@ def test_supports_runs_on_every_call_and_fallbacks_are_counted(test_op):
     providers._fallbacks.pop(key)
 
 
-def test_getenv_follows_os_environ(monkeypatch):
+def test_getenv_reads_once_until_refresh(monkeypatch):
     name = "XPU_OPS_PROVIDERS_CACHE_TEST"
     monkeypatch.delenv(name, raising=False)
     assert providers.getenv(name) is None
     monkeypatch.setenv(name, "1")
+    assert providers.getenv(name) is None
+    providers.refresh()
     assert providers.getenv(name) == "1"
     os.environ[name] = "é"
+    providers.refresh()
     assert providers.getenv(name) == "é" == os.environ[name]
     del os.environ[name]
+    assert providers.getenv(name) == "é"
+    providers.refresh()
     assert providers.getenv(name) is None

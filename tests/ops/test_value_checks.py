@@ -22,23 +22,25 @@ SLOTS, GUARD = 10, 2
 
 
 @pytest.fixture
-def debug(monkeypatch):
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+def debug(xpu_env):
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
 
 
 @pytest.fixture
-def no_debug(monkeypatch):
-    monkeypatch.delenv("XPU_OPS_DEBUG_CHECKS", raising=False)
+def no_debug(xpu_env):
+    xpu_env("XPU_OPS_DEBUG_CHECKS", None)
 
 
-def test_switch_reads_env_per_call_and_context_manager(monkeypatch):
-    monkeypatch.delenv("XPU_OPS_DEBUG_CHECKS", raising=False)
+def test_switch_reads_env_once_until_refresh_and_context_manager(xpu_env, monkeypatch):
+    xpu_env("XPU_OPS_DEBUG_CHECKS", None)
     assert not _value_checks.debug_checks_enabled()
     monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    assert not _value_checks.debug_checks_enabled()   # read once, not per call
+    xpu_ops.refresh()
     assert _value_checks.debug_checks_enabled()
     with xpu_ops.debug_checks(False):
         assert not _value_checks.debug_checks_enabled()
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "0")
     with xpu_ops.debug_checks():
         assert _value_checks.debug_checks_enabled()
     assert not _value_checks.debug_checks_enabled()
@@ -58,17 +60,17 @@ LOCS = [([1, -1, 7], "loc[1] = -1"), ([3, 10], "loc[1] = 10"), ([-5, 12], "loc[0
 
 @pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("loc_values,first_bad", LOCS)
-def test_store_kv_cache_loc(loc_values, first_bad, loc_dtype, monkeypatch):
+def test_store_kv_cache_loc(loc_values, first_bad, loc_dtype, xpu_env):
     loc = torch.tensor(loc_values, dtype=loc_dtype)
     k, v = torch.randn(len(loc_values), 2, 4), torch.randn(len(loc_values), 2, 3)
     (kbuf, kc), (vbuf, vc) = _guarded_cache((2, 4)), _guarded_cache((2, 3))
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
     pattern = (r"^store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 10 "
                rf"\(token slots of the cache\), got {re.escape(first_bad)}\. ")
     with pytest.raises(ValueError, match=pattern):
         xpu_ops.store_kv_cache(kc, vc, loc, k, v)
     assert (kbuf == 0.5).all() and (vbuf == 0.5).all()          # raised before any write
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "0")
     with xpu_ops.use_provider("reference"):
         xpu_ops.store_kv_cache(kc, vc, loc, k, v)
     want_k, want_v = torch.full_like(kbuf, 0.5), torch.full_like(vbuf, 0.5)
@@ -94,18 +96,18 @@ def test_store_kv_cache_paged_fp8_all_out_of_range(no_debug):
 
 
 @pytest.mark.parametrize("loc_values,first_bad", LOCS)
-def test_store_mla_kv_cache_loc(loc_values, first_bad, monkeypatch):
+def test_store_mla_kv_cache_loc(loc_values, first_bad, xpu_env):
     loc = torch.tensor(loc_values)
     n = len(loc_values)
     k_nope, k_rope = torch.randn(n, 1, 4), torch.randn(n, 1, 2)
     buf, cache = _guarded_cache((1, 6))
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=r"^store_mla_kv_cache: loc has a token slot out of "
                                          rf"range; expected 0 <= loc < 10 .*got "
                                          rf"{re.escape(first_bad)}\."):
         xpu_ops.store_mla_kv_cache(cache, loc, k_nope, k_rope)
     assert (buf == 0.5).all()
-    monkeypatch.delenv("XPU_OPS_DEBUG_CHECKS")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", None)
     xpu_ops.store_mla_kv_cache(cache, loc, k_nope, k_rope)
     want = torch.full_like(buf, 0.5)
     for i, slot in enumerate(loc_values):
@@ -217,14 +219,14 @@ ATTENTION_CASES = ([("flash_attn_with_kvcache", *case) for case in PAGED_CASES]
 
 @pytest.mark.parametrize("op,name,value,pattern", ATTENTION_CASES,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(ATTENTION_CASES)])
-def test_attention_value_check(op, name, value, pattern, monkeypatch):
+def test_attention_value_check(op, name, value, pattern, xpu_env):
     """Switch on: the op raises ``<op>: <pattern>``; switch off: ``check_<op>`` is silent."""
     make_inputs, check_args = ATTENTION_OPS[op]
     inputs = _with(make_inputs(), name, value)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=rf"^{op}: " + pattern):
         getattr(xpu_ops, op)(**inputs)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "0")
     check = getattr(_value_checks, f"check_{op}")
     assert check(*[inputs.get(arg) for arg in check_args]) is None
 
@@ -263,29 +265,29 @@ def test_flash_attn_varlen_func_valid(debug):
     ([[0, 5]], [3], r"page_table has a page id out of range .* got page_table\[0, 1\] = 5\."),
     ([[0, 1]], [5], r"cache_seqlens is out of range; .* = 4 tokens, got cache_seqlens\[0\] = 5\."),
 ])
-def test_flash_mla_decode(page_table, cache_seqlens, pattern, monkeypatch):
+def test_flash_mla_decode(page_table, cache_seqlens, pattern, xpu_env):
     qn, qr, kv = torch.randn(1, 2, 8), torch.randn(1, 2, 4), torch.randn(3, 2, 12)
     ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(4, 1, 2), dtype=torch.uint8)
     pt, lens = torch.tensor(page_table, **I32), torch.tensor(cache_seqlens, **I32)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=r"^flash_mla_decode: " + pattern):
         xpu_ops.flash_mla_decode(qn, qr, kv, lens, pt, ws, 0.5)
     ok = xpu_ops.flash_mla_decode(qn, qr, kv, torch.tensor([3], **I32), pt.clamp(max=2), ws, 0.5)
     assert ok.shape == (1, 2, 8)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "0")
     assert _value_checks.check_flash_mla_decode(kv, lens, pt) is None
 
 
-def test_prepare_swa_spec_page_table(monkeypatch):
+def test_prepare_swa_spec_page_table(xpu_env):
     mask = torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool)
     table, drafts = torch.tensor([[7, 8, 9]], **I32), torch.tensor([[20, 21]], **I32)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "1")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "1")
     with pytest.raises(ValueError, match=r"^prepare_swa_spec_page_table: prefix_lens is out of "
                                          r"range; expected 0 <= prefix_lens <= page_table.shape"
                                          r"\[1\] \(P\) = 3 tokens, got prefix_lens\[0\] = 4\."):
         xpu_ops.prepare_swa_spec_page_table(table, torch.tensor([4], **I32), drafts, mask)
     xpu_ops.prepare_swa_spec_page_table(table, torch.tensor([3], **I32), drafts, mask)
-    monkeypatch.setenv("XPU_OPS_DEBUG_CHECKS", "0")
+    xpu_env("XPU_OPS_DEBUG_CHECKS", "0")
     assert _value_checks.check_prepare_swa_spec_page_table(table, torch.tensor([4], **I32)) is None
 
 

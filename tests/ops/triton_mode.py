@@ -54,6 +54,7 @@ def running(provider: str):
     import xpu_ops
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    xpu_ops.refresh()  # xpu_ops reads the variable once
     try:
         with xpu_ops.use_provider(provider):
             yield
@@ -62,6 +63,7 @@ def running(provider: str):
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
+        xpu_ops.refresh()
 
 
 def rerun_in_subprocess(path: str):

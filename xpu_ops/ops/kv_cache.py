@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_same_size, check_size,
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, all_dense_on, check_same_size, check_size,
                        check_store_dtypes, check_tensor, check_tensor_args, fail, tensors_or_none)
 from .common import float_scalar
 
@@ -72,11 +72,32 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
         _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
+def _is_plain_valid_store(k_cache, v_cache, loc, k, v) -> bool:
+    """True for a call of the plain form that ``_check_store_kv_cache`` accepts: no scales, the
+    caches in the rows' float dtype, every size consistent, one device. Attribute reads and
+    integer comparisons only; False sends the call through the full checks."""
+    dtype = k.dtype
+    if not (dtype in FLOAT_DTYPES and v.dtype is dtype and k_cache.dtype is dtype
+            and v_cache.dtype is dtype and k.dim() == 3 and v.dim() == 3 and loc.dim() == 1
+            and loc.dtype in _LOC_DTYPES and 3 <= k_cache.dim() <= 4
+            and k_cache.dim() == v_cache.dim()
+            and all_dense_on(k.device, (v, loc, k_cache, v_cache, k))):
+        return False
+    n, num_heads_kv, head_dim = k.shape
+    k_shape, v_shape = k_cache.shape, v_cache.shape
+    return (v.shape[0] == n and loc.shape[0] == n and v.shape[1] == num_heads_kv
+            and k_shape[-2] == num_heads_kv and v_shape[-2] == num_heads_kv
+            and k_shape[-1] == head_dim and v_shape[-1] == v.shape[2]
+            and k_shape[:-2] == v_shape[:-2])
+
+
 @define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"), by_device=True)
 def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Op form of ``store_kv_cache`` (all arguments explicit)."""
-    _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    if not (k_scale is None and v_scale is None
+            and _is_plain_valid_store(k_cache, v_cache, loc, k, v)):
+        _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
 @store_kv_cache_op.register_fake
@@ -138,9 +159,10 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
     """
     if not tensors_or_none((k_cache, v_cache, loc, k, v)):
         check_tensor_args(STORE_KV, k_cache=k_cache, v_cache=v_cache, loc=loc, k=k, v=v)
-    check_tensor(STORE_KV, "k", k, ndim=3)
-    k_scale = _scale_tensor("k_scale", k_scale, k.device)
-    v_scale = _scale_tensor("v_scale", v_scale, k.device)
+    if k.dim() != 3 or k_scale is not None or v_scale is not None:
+        check_tensor(STORE_KV, "k", k, ndim=3)
+        k_scale = _scale_tensor("k_scale", k_scale, k.device)
+        v_scale = _scale_tensor("v_scale", v_scale, k.device)
     _value_checks.check_store_kv_cache(loc, k_cache, k_scale, v_scale)
     torch.ops.xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 

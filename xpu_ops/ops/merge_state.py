@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from .._registration import define_op
-from .._checks import FLOAT_DTYPES, check_shape, check_tensor, check_tensor_args
+from .._checks import (FLOAT_DTYPES, all_dense_on, check_shape, check_tensor, check_tensor_args,
+                       tensors_or_none)
 
 NAME = "merge_state_v2"
 
@@ -31,11 +32,23 @@ def _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
         check_shape(fn, arg, s, (num_tokens, num_heads), "[N, H]")
 
 
+def _is_plain_valid_merge(v_a, s_a, v_b, s_b, v_merged, s_merged) -> bool:
+    """True when ``_check_merge_state_v2`` accepts the call: attribute reads and integer
+    comparisons only; False sends the call through the full checks, which name what is wrong."""
+    dtype, shape, f32 = v_a.dtype, v_a.shape, torch.float32
+    return (dtype in FLOAT_DTYPES and v_b.dtype is dtype and v_merged.dtype is dtype
+            and s_a.dtype is f32 and s_b.dtype is f32 and s_merged.dtype is f32
+            and len(shape) == 3 and v_b.shape == shape and v_merged.shape == shape
+            and s_a.shape == shape[:2] and s_b.shape == shape[:2] and s_merged.shape == shape[:2]
+            and all_dense_on(v_a.device, (v_b, v_merged, s_a, s_b, s_merged, v_a)))
+
+
 @define_op("xpu_ops::merge_state_v2", mutates_args=("v_merged", "s_merged"), by_device=True)
 def merge_state_v2_op(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, v_merged: Tensor,
                       s_merged: Tensor) -> None:
     """Op form of ``merge_state_v2``: writes ``v_merged`` and ``s_merged`` in place."""
-    _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
+    if not _is_plain_valid_merge(v_a, s_a, v_b, s_b, v_merged, s_merged):
+        _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
 
 
 @merge_state_v2_op.register_fake
@@ -74,10 +87,12 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
     >>> torch.equal(v, v_b), torch.equal(s, s_b)
     (True, True)
     """
-    check_tensor_args(NAME, ("v_merged", "s_merged"), v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b,
-                      v_merged=v_merged, s_merged=s_merged)
-    check_tensor(NAME, "v_a", v_a, ndim=3)
-    check_tensor(NAME, "s_a", s_a, ndim=2)
+    if not tensors_or_none((v_a, s_a, v_b, s_b), (v_merged, s_merged)):
+        check_tensor_args(NAME, ("v_merged", "s_merged"), v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b,
+                          v_merged=v_merged, s_merged=s_merged)
+    if v_merged is None or s_merged is None:  # allocated like v_a and s_a: name a bad one
+        check_tensor(NAME, "v_a", v_a, ndim=3)
+        check_tensor(NAME, "s_a", s_a, ndim=2)
     if v_merged is None:
         v_merged = torch.empty_like(v_a, memory_format=torch.contiguous_format)
     if s_merged is None:

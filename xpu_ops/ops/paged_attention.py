@@ -17,8 +17,8 @@ from torch import Tensor
 from .. import _value_checks
 from . import kvcache_append, kvcache_layout
 from .._registration import define_op
-from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_not_implemented, check_size, check_tensor,
-                       check_tensor_args, fail, tensors_or_none)
+from .._checks import (FLOAT_DTYPES, FP8_DTYPES, all_dense_on, check_not_implemented, check_size,
+                       check_tensor, check_tensor_args, fail, tensors_or_none)
 from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
                      check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
                      default_softmax_scale, float_scalar, no_cap_if_infinite, normalize_window,
@@ -27,6 +27,11 @@ from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, c
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
 _KVCACHE_DEFAULTS = {"attention_chunk": 0}
+# The wrapper's optional tensor arguments, in the order it checks them.
+_OPTIONAL_TENSORS = ("cache_seqlens", "page_table", "cu_seqlens_q", "qv", "q_descale", "k_descale",
+                     "v_descale", "sinks", "out", "cache_batch_idx", "cache_leftpad",
+                     "rotary_seqlens", "k", "v", "rotary_cos", "rotary_sin", "cu_seqlens_k_new",
+                     "bidirectional_block_ids")
 _LAYOUTS = ("4-D: [num_pages, page_size, Hkv, D] with page_table, or [b, seqlen_k, Hkv, D] "
             "without page_table")
 
@@ -87,6 +92,35 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
         check_num_splits(fn, num_splits)
 
 
+def _is_plain_valid_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                         no_extras: bool, max_seqlen_q: int, softcap: float,
+                         num_splits: int) -> bool:
+    """True for a call of the plain form that ``_check_flash_attn_with_kvcache`` accepts: no
+    optional tensor (``no_extras``), K/V in q's float dtype, int32 metadata, every size
+    consistent, one device. Attribute reads and integer comparisons only (the op's tensors are
+    tensors by its schema); False sends the call through the full checks, which raise or accept a
+    less common form."""
+    dtype, int32 = q.dtype, torch.int32
+    if not (no_extras and dtype in FLOAT_DTYPES and k_cache.dtype is dtype
+            and v_cache.dtype is dtype and out.dtype is dtype and q.dim() == 3
+            and k_cache.dim() == 4 and v_cache.dim() == 4 and cache_seqlens.dim() == 1
+            and page_table.dim() == 2 and cu_seqlens_q.dim() == 1 and out.dim() == 3
+            and cache_seqlens.dtype is int32 and page_table.dtype is int32
+            and cu_seqlens_q.dtype is int32 and max_seqlen_q >= 1 and softcap >= 0.0
+            and num_splits >= 0):
+        return False
+    if not all_dense_on(q.device, (k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                                   out, q)):
+        return False
+    total_q, num_heads_q, head_dim = q.shape
+    _, _, num_heads_kv, head_dim_k = k_cache.shape
+    batch = cache_seqlens.shape[0]
+    return (head_dim >= 1 and head_dim_k == head_dim and v_cache.shape[:3] == k_cache.shape[:3]
+            and num_heads_kv >= 1 and num_heads_q % num_heads_kv == 0
+            and page_table.shape[0] == batch and cu_seqlens_q.shape[0] == batch + 1
+            and out.shape == (total_q, num_heads_q, v_cache.shape[3]))
+
+
 @define_op("xpu_ops::flash_attn_with_kvcache", mutates_args=("out",), by_device=True)
 def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
@@ -110,10 +144,14 @@ def flash_attn_with_kvcache_op(
     bound (never past the left bound, ``Lk`` or ``cache_leftpad``). ``num_splits``: 0 lets the
     provider choose the KV split count, 1 is one pass over the keys, n > 1 at most n splits.
     """
-    args = (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids)
-    _check_flash_attn_with_kvcache(*args, max_seqlen_q=max_seqlen_q, softcap=softcap,
-                                   num_splits=num_splits)
+    no_extras = (qv is None and q_descale is None and k_descale is None and v_descale is None
+                 and sinks is None and cache_leftpad is None and bidirectional_block_ids is None)
+    if not _is_plain_valid_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
+                                no_extras, max_seqlen_q, softcap, num_splits):
+        _check_flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
+            max_seqlen_q=max_seqlen_q, softcap=softcap, num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
         return {"softcap": no_cap_if_infinite(softcap)}
 
@@ -226,15 +264,13 @@ def flash_attn_with_kvcache(
     fn = NAME
     _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
                     scheduler_metadata, max_seqlen_k)
-    optional = dict(cache_seqlens=None if type(cache_seqlens) is int else cache_seqlens,
-                    page_table=page_table, cu_seqlens_q=cu_seqlens_q, qv=qv, q_descale=q_descale,
-                    k_descale=k_descale, v_descale=v_descale, sinks=sinks, out=out,
-                    cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                    rotary_seqlens=rotary_seqlens, k=k, v=v, rotary_cos=rotary_cos,
-                    rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new,
-                    bidirectional_block_ids=bidirectional_block_ids)
-    if not tensors_or_none((q, k_cache, v_cache), optional.values()):
-        check_tensor_args(fn, optional, q=q, k_cache=k_cache, v_cache=v_cache, **optional)
+    optional = (None if type(cache_seqlens) is int else cache_seqlens, page_table, cu_seqlens_q,
+                qv, q_descale, k_descale, v_descale, sinks, out, cache_batch_idx, cache_leftpad,
+                rotary_seqlens, k, v, rotary_cos, rotary_sin, cu_seqlens_k_new,
+                bidirectional_block_ids)
+    if not tensors_or_none((q, k_cache, v_cache), optional):
+        named = dict(zip(_OPTIONAL_TENSORS, optional))
+        check_tensor_args(fn, named, q=q, k_cache=k_cache, v_cache=v_cache, **named)
     kvcache_append.check_no_append_keywords_without_k(fn, k, v, rotary_cos, rotary_sin,
                                                       cu_seqlens_k_new)
     q3, cu_seqlens_q, max_seqlen_q, batch_shape = kvcache_layout.as_packed(
