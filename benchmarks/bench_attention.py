@@ -154,7 +154,8 @@ def op_fn(w, causal, window, provider):
 def variant_config(w, variant):
     """The default tile config with only ``variant``'s path on (``baseline``: none)."""
     paths = frozenset() if variant == "baseline" else frozenset({variant})
-    return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths)
+    return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths,
+                             w["page_size"])
 
 
 def launched_paths(fn) -> str:

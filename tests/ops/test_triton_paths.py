@@ -72,7 +72,7 @@ def _launch_with(paths, args, kwargs):
     config and exactly the optional ``paths`` on; returns the LSE (``out`` = ``args[6]``)."""
     (q, k, v, lens, table, cu, out, qv, q_descale, k_descale, v_descale, sinks, leftpad,
      block_ids) = args
-    config = pa.with_paths(pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2]), paths)
+    config = pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2], paths, k.shape[1])
     return pa.paged_attention(
         q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
         max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=table.shape[1] * k.shape[1], qv=qv,
@@ -186,3 +186,16 @@ def test_mla_split_matches_oracle(case, launches):
     assert launches[0]["DV_SPLIT"] == (2 if block_m >= 32 else 1)
     want = oracle.flash_mla_decode(q_nope, q_rope, kv, lens, table, 0.1)
     assert_matches_oracle(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("page_size, block_n, stages", [(16, 16, 8), (32, 32, 8), (64, 64, 4),
+                                                        (128, 64, 4), (1, 64, 4), (8, 64, 4)])
+def test_page_tiles_decode_tiles_hold_one_page(page_size, block_n, stages):
+    """Decode tiles with ``page_tiles`` on a GPU: one whole page per tile from 16 keys up (its K/V
+    addresses then come from one page id), the pipeline deepened to keep the bytes in flight;
+    smaller pages and the default path keep the default 64-key tile (4 stages, 2 warps)."""
+    cuda = torch.device("cuda")  # the tile choice reads only the device type
+    tiles = pa._pick_config(cuda, 4, 128, 128, 2, frozenset({"page_tiles"}), page_size)
+    assert (tiles.block_n, tiles.num_stages, tiles.page_tiles) == (block_n, stages, True)
+    default = pa._pick_config(cuda, 4, 128, 128, 2, frozenset(), page_size)
+    assert (default.block_n, default.num_stages, default.page_tiles) == (64, 4, False)
