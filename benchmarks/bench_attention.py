@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -44,7 +45,14 @@ DECODE_CFGS = [(16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 2, 3), (16, 32, 2, 4), 
                (16, 64, 1, 4), (16, 32, 1, 6)]
 # (num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages) for MLA decode
 MLA_CFGS = [(8, 64, 32, 8, 2), (8, 32, 32, 4, 2), (8, 64, 64, 8, 2), (8, 128, 32, 8, 2),
-            (4, 64, 32, 4, 2), (8, 16, 64, 4, 2), (2, 64, 32, 8, 3)]
+            (4, 64, 32, 4, 2), (8, 16, 64, 4, 2), (2, 64, 32, 8, 3), (8, 64, 64, 16, 2),
+            (8, 64, 32, 16, 2), (8, 128, 32, 16, 2)]
+# 16 warps: four warpgroups share the [64 x 512] fp32 accumulator (FlashMLA splits it over two);
+# the last two split the latent output columns over two programs (mla_split).
+MLA_QUICK_CFGS = [(8, 64, 64, 16, 2), (8, 64, 32, 16, 2)]
+MLA_VARIANTS = ("baseline", "mla_split")
+# kernel paths that can change a decode launch (tma needs whole-tile row boxes: prefill)
+DECODE_VARIANTS = ("baseline", "page_tiles", "phases")
 PREFILL_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
                 (128, 32, 4, 3)]
 
@@ -146,7 +154,28 @@ def op_fn(w, causal, window, provider):
 def variant_config(w, variant):
     """The default tile config with only ``variant``'s path on (``baseline``: none)."""
     paths = frozenset() if variant == "baseline" else frozenset({variant})
-    return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths)
+    return pa.default_config(w["q"], w["v"], max(w["q_lens"]), w["k"].shape[2], paths,
+                             w["page_size"])
+
+
+def launched_paths(fn) -> str:
+    """The tiles and kernel-path constexprs ``fn``'s launch resolved to (one call, spied)."""
+    seen = []
+    real = pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs)
+        return real(kernel, grid, device, *args, **kwargs)
+    pa.launch = spy
+    try:
+        fn()
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        pa.launch = real
+    keys = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "EVEN_D", "PHASES", "TMA", "WS",
+            "num_warps", "num_stages")
+    return ", ".join(f"{k}={seen[0][k]}" for k in keys) if seen else "no launch"
 
 
 def launcher_fn(w, causal, window=-1, num_splits=None, config=None):
@@ -294,8 +323,11 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
                                    kv_elem=w["k"].element_size(), window=window)
     t = measure(op_fn(w, causal, window, "triton"))
-    timed = {v: measure(launcher_fn(w, causal, window, config=variant_config(w, v)))
-             for v in variants}
+    timed = {}
+    for v in variants:
+        fn = launcher_fn(w, causal, window, config=variant_config(w, v))
+        print(f"    variant {v}: {launched_paths(fn)}", flush=True)
+        timed[v] = measure(fn)
     res = {}
     for p in peers:
         make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal, window),
@@ -313,7 +345,11 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
     return row
 
 
-def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64, sweep=()):
+def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64, sweep=(),
+            variants=()):
+    """Absorbed MLA decode: the op (``flash_mla_decode``), the reference, each kernel variant
+    that applies (``baseline``, ``mla_split``) and each ``sweep`` config through the launcher
+    (``(num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``; in the table as ``cfg ...``)."""
     print(f"== {name}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     width = k_len // page
@@ -334,20 +370,28 @@ def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64,
     res = {"reference": measure(fn("reference"))}
     out = torch.empty_like(qn)
     cu = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+
+    def direct(splits, config):
+        return lambda: pa.paged_attention(
+            qr, kv[:, :, None, latent:], kv[:, :, None, :latent], out, lens, cu,
+            page_table=table, cu_seqlens_k=None, max_seqlen_q=1, max_kv_len=k_len, qv=qn,
+            q_descale=None, k_descale=None, v_descale=None, sinks=None,
+            softmax_scale=1 / math.sqrt(576), window_left=-1, window_right=-1, softcap=0.0,
+            num_splits=splits, config=config)
+    timed = {}
+    default = pa.default_config(qr, kv[:, :, None, :latent], 1, 1, frozenset())
+    for v in (v for v in variants if v in MLA_VARIANTS):
+        run = direct(8, pa.with_paths(default, frozenset() if v == "baseline" else {v}))
+        print(f"    variant {v}: {launched_paths(run)}", flush=True)
+        timed[v] = measure(run)
     for c in sweep:
-        def direct(c=c):
-            pa.paged_attention(qr, kv[:, :, None, latent:], kv[:, :, None, :latent], out, lens, cu,
-                               page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
-                               max_kv_len=k_len, qv=qn, q_descale=None, k_descale=None,
-                               v_descale=None, sinks=None, softmax_scale=1 / math.sqrt(576),
-                               window_left=-1, window_right=-1, softcap=0.0, num_splits=c[0],
-                               config=pa._Config(*c[1:]))
-        ms = measure(direct)
-        print(f"    sweep splits, cfg={c}: {ms:.4f} ms" if ms else f"    sweep {c}: failed",
-              flush=True)
+        run = direct(c[0], pa._Config(*c[1:]))
+        label = "cfg " + "/".join(str(x) for x in c)
+        print(f"    {label}: {launched_paths(run)}", flush=True)
+        timed[label] = measure(run)
     nbytes, flops = mla_cost(b, k_len, h, latent, rope)
-    print(f"    triton {t:.4f} ms, peers {res}", flush=True)
-    return Row(name, "flops", target, t, nbytes, flops, res)
+    print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
+    return Row(name, "flops", target, t, nbytes, flops, res, timed)
 
 
 def fraction(r, ms, copy_tbs, mm_tflops):
@@ -444,7 +488,93 @@ def variant_help() -> str:
     paths = "; ".join(f"{k}: {v}" for k, v in _common.OPTIONAL_PATHS.items())
     return ("kernel paths to time side by side, comma-separated, 'all' (default) or 'none'. "
             f"baseline: today's default kernel; {paths}. The op-call column uses the process "
-            "defaults (XPU_OPS_TRITON_PATHS, read once at import).")
+            "defaults (XPU_OPS_TRITON_PATHS, read once at import). Decode rows time only "
+            f"those of {DECODE_VARIANTS}, the MLA row those of {MLA_VARIANTS}, attention rows "
+            "all but mla_split.")
+
+
+# Variants timed after every other measurement, with the table already written: a device
+# fault in a new descriptor kernel would poison the process for whatever runs after it.
+LATE_VARIANTS = ("tma", "tma_ws")
+
+
+def workloads(quick: bool, variants: tuple) -> list[dict]:
+    """The ``run_attention`` keywords of every attention row."""
+    import random
+    rng = random.Random(0)
+    uniform = [rng.randint(100, 8000) for _ in range(64)]
+
+    def splits(counts):
+        return () if quick else tuple((f"splits={s}", {"num_splits": s}) for s in counts)
+
+    def cfgs(shapes):
+        return () if quick else tuple((f"cfg={c}", {"config": pa._Config(*c)}) for c in shapes)
+    vd = tuple(x for x in variants if x in DECODE_VARIANTS)
+    decode = dict(kind="bw", causal=False, variants=vd)
+    prefill = dict(kind="flops", causal=True, page=64,
+                   variants=tuple(x for x in variants if x not in MLA_VARIANTS[1:]))
+    b64, one = [4096] * 64, [1] * 64
+    return [
+        dict(name="decode 64x4096 page 1", target=">= 0.92 copy", k_lens=b64, q_lens=one,
+             page=1, peers=("sdpa", "flashinfer"), **decode),
+        dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
+             page=16, sweep=splits((1, 2, 4, 8)), **decode),
+        dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
+             page=64, sweep=splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS), **decode),
+        dict(name="decode 64x4096 page 128", target=">= 0.92 copy", k_lens=b64, q_lens=one,
+             page=128, peers=("sdpa", "flashinfer"), **decode),
+        dict(name="decode fp8 KV 64x4096 page 64", target=">= 0.92 copy", k_lens=b64,
+             q_lens=one, page=64, peers=("flashinfer",), kv_dtype=FP8, **decode),
+        dict(name="decode 8x32768 (split-KV)", target=">= 0.75 copy", k_lens=[32768] * 8,
+             q_lens=[1] * 8, page=64, sweep=splits((8, 16, 24, 32)), **decode),
+        dict(name="decode 64 x U[100,8000]", target=">= 0.90 copy", k_lens=uniform, q_lens=one,
+             page=64, peers=("reference", "flex", "flashinfer"), sweep=splits((1, 2, 4, 8)),
+             **decode),
+        dict(name="prefill 8x4096 causal page 64", target=">= 0.85 SDPA", k_lens=[4096] * 8,
+             q_lens=[4096] * 8, peers=("sdpa", "flex", "flashinfer"), sweep=cfgs(PREFILL_CFGS),
+             **prefill),
+        dict(name="prefill 8x4096 window 1024 page 64", target=">= 0.85 flashinfer",
+             k_lens=[4096] * 8, q_lens=[4096] * 8, peers=("flex", "flashinfer"), window=1023,
+             **prefill),
+        dict(name="extend 8x(4096+512) page 64", target=">= 1.00 SDPA", k_lens=[4608] * 8,
+             q_lens=[512] * 8, peers=("sdpa", "flex", "reference", "flashinfer"),
+             sweep=cfgs(PREFILL_CFGS), **prefill),
+    ]
+
+
+def late_variants(spec: dict, row: Row) -> None:
+    """Time ``spec``'s LATE_VARIANTS (through the launcher) into ``row.variants``."""
+    late = [v for v in spec["variants"] if v in LATE_VARIANTS]
+    if not late:
+        return
+    print(f"== {spec['name']} (late variants)", flush=True)
+    w = make_paged(spec["k_lens"], spec["q_lens"], spec["page"], kv_dtype=spec.get("kv_dtype"))
+    for v in late:
+        fn = launcher_fn(w, spec["causal"], spec.get("window", -1), config=variant_config(w, v))
+        print(f"    variant {v}: {launched_paths(fn)}", flush=True)
+        row.variants[v] = measure(fn)
+        print(f"    variant {v}: {row.variants[v]} ms", flush=True)
+    del w
+    torch.cuda.empty_cache()
+
+
+def write_results(rows, copy_tbs, mm_tflops, out: str) -> None:
+    """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed."""
+    gpu = torch.cuda.get_device_name()
+    header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
+              f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
+              f"Hkv={HKV}, D={D} unless stated.")
+    md = table(rows, copy_tbs, mm_tflops, header)
+    print(md, flush=True)
+    with open(os.path.join(out, "attention.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(out, "attention.json"), "w") as f:
+        json.dump({"copy_tbs": copy_tbs, "mm_tflops": mm_tflops, "header": header,
+                   "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    try:
+        plot(rows, copy_tbs, mm_tflops, os.path.join(out, "attention.png"))
+    except Exception as e:
+        print(f"plot failed: {e}")
 
 
 def main():
@@ -453,63 +583,25 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the sweeps and slow peers")
     ap.add_argument("--variant", default="all", help=variant_help())
     args = ap.parse_args()
-    variants = parse_variants(args.variant)
+    start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-    import random
-    rng = random.Random(0)
-    uniform = [rng.randint(100, 8000) for _ in range(64)]
-    splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s}) for s in (1, 2, 4, 8))
-    long_splits = () if args.quick else tuple((f"splits={s}", {"num_splits": s})
-                                              for s in (8, 16, 24, 32))
-    def cfgs(shapes):
-        return () if args.quick else tuple((f"cfg={c}", {"config": pa._Config(*c)})
-                                           for c in shapes)
-    v = variants
-    rows = [
-        run_attention("decode 64x4096 page 1", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 1,
-                      False, peers=("sdpa", "flashinfer"), variants=v),
-        run_attention("decode 64x4096 page 16", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 16,
-                      False, sweep=splits, variants=v),
-        run_attention("decode 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 64,
-                      False, sweep=splits + cfgs(DECODE_CFGS), variants=v),
-        run_attention("decode 64x4096 page 128", "bw", ">= 0.92 copy", [4096] * 64, [1] * 64, 128,
-                      False, peers=("sdpa", "flashinfer"), variants=v),
-        run_attention("decode fp8 KV 64x4096 page 64", "bw", ">= 0.92 copy", [4096] * 64,
-                      [1] * 64, 64, False, peers=("flashinfer",), variants=v, kv_dtype=FP8),
-        run_attention("decode 8x32768 (split-KV)", "bw", ">= 0.75 copy", [32768] * 8, [1] * 8,
-                      64, False, sweep=long_splits, variants=v),
-        run_attention("decode 64 x U[100,8000]", "bw", ">= 0.90 copy", uniform, [1] * 64, 64,
-                      False, peers=("reference", "flex", "flashinfer"), sweep=splits, variants=v),
-        run_attention("prefill 8x4096 causal page 64", "flops", ">= 0.85 SDPA", [4096] * 8,
-                      [4096] * 8, 64, True, peers=("sdpa", "flex", "flashinfer"),
-                      sweep=cfgs(PREFILL_CFGS), variants=v),
-        run_attention("prefill 8x4096 window 1024 page 64", "flops", ">= 0.85 flashinfer",
-                      [4096] * 8, [4096] * 8, 64, True, peers=("flex", "flashinfer"),
-                      variants=v, window=1023),
-        run_attention("extend 8x(4096+512) page 64", "flops", ">= 1.00 SDPA", [4608] * 8,
-                      [512] * 8, 64, True, peers=("sdpa", "flex", "reference", "flashinfer"),
-                      sweep=cfgs(PREFILL_CFGS), variants=v),
-        run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.50 matmul",
-                sweep=() if args.quick else MLA_CFGS),
-    ]
-    gpu = torch.cuda.get_device_name()
-    header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
-              f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
-              f"Hkv={HKV}, D={D} unless stated.")
-    md = table(rows, copy_tbs, mm_tflops, header)
-    print(md)
-    with open(os.path.join(args.out, "attention.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump({"copy_tbs": copy_tbs, "mm_tflops": mm_tflops, "header": header,
-                   "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
-    try:
-        plot(rows, copy_tbs, mm_tflops, os.path.join(args.out, "attention.png"))
-    except Exception as e:
-        print(f"plot failed: {e}")
+    specs = workloads(args.quick, parse_variants(args.variant))
+    rows = [run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
+                                                      if v not in LATE_VARIANTS)))
+            for spec in specs]
+    rows.append(run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.50 matmul",
+                        sweep=MLA_QUICK_CFGS if args.quick else MLA_CFGS,
+                        variants=parse_variants(args.variant)))
+    write_results(rows, copy_tbs, mm_tflops, args.out)
+    print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
+          flush=True)
+    for spec, row in zip(specs, rows):
+        late_variants(spec, row)
+    write_results(rows, copy_tbs, mm_tflops, args.out)
+    print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

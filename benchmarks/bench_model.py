@@ -2,12 +2,13 @@
 the memory roofline, plus compile times.
 
 Modes: ``eager`` (the model as written), ``compiled`` (``compile.graphs.compiled_model.compile_model(
-model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs; reusable layer regions where
-this torch has them), ``piecewise`` (``compile.graphs.piecewise.PiecewiseModel``: Inductor pieces,
-device graph per token bucket, attention eager), ``graphs`` (``compile.graphs.graph_runner.
-DecodeGraphRunner`` over the compiled model: the whole step captured per batch bucket),
-``full_and_piecewise`` (``compile.graphs.graph_runner.full_and_piecewise``: the decode graphs recorded
-through the piecewise model; the decode steps timed here replay those whole-step graphs).
+model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs), ``piecewise``
+(``compile.graphs.piecewise.PiecewiseModel``: Inductor pieces, device graph per token bucket,
+attention eager between them), ``graphs`` (the serving path, ``python -m compile --mode graphs``:
+``compile.graphs.graph_runner.full_and_piecewise``; the decode steps timed here replay whole-step
+graphs recorded through the piecewise model), ``graphs_compiled`` (the same whole-step decode
+graphs recorded through ``compile_model`` instead: the ``--mode graphs`` of earlier sessions,
+kept for the A/B).
 Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
 static ``[b, Hkv, max_len, D]`` cache, SDPA under a mask of the valid positions, compiled with
 ``torch.compile(mode="reduce-overhead", fullgraph=True)``), timed in the same process.
@@ -64,7 +65,7 @@ RESULTS = Path(__file__).parent / "results"
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
-MODES = ("eager", "compiled", "piecewise", "graphs", "full_and_piecewise")  # this project's
+MODES = ("eager", "compiled", "piecewise", "graphs", "graphs_compiled")  # this project's
 PEERS = ("dense",)
 # --quick: what the flags become (a CPU check of every mode in about a minute)
 QUICK = dict(layers=2, hidden=128, context=32, batches=[1, 4], warmup=1, steps=3,
@@ -132,9 +133,9 @@ def make_forward(model, mode: str):
     if mode == "piecewise":
         return PiecewiseModel(model)
     if mode == "graphs":
-        return DecodeGraphRunner(model, forward=compile_model(model, fullgraph=True))
-    if mode == "full_and_piecewise":
         return full_and_piecewise(model)
+    if mode == "graphs_compiled":
+        return DecodeGraphRunner(model, forward=compile_model(model, fullgraph=True))
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected one of {MODES}.")
 
 

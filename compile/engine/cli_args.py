@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-MODEL_NAMES = ("tiny", "default")
+MODEL_NAMES = ("tiny", "default", "gemma3")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names for --dtype
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 
@@ -67,8 +67,15 @@ def temperature(text: str) -> float:
 
 
 def model_name(text: str) -> str:
-    """argparse type: ``tiny``, ``default``, an existing ``.gguf`` file or a Hugging Face model
-    folder (one holding ``config.json``). Only the path is checked; nothing is loaded."""
+    """argparse type: ``tiny``, ``default``, ``gemma3`` (when its package is installed), an
+    existing ``.gguf`` file or a Hugging Face model folder (one holding ``config.json``). Only
+    the path is checked; nothing is loaded."""
+    if text == "gemma3":
+        from compile.models.gguf import gemma3_missing
+        missing = gemma3_missing()
+        if missing:
+            raise argparse.ArgumentTypeError(f"expected an installed model, got 'gemma3' "
+                                             f"({missing})")
     if text in MODEL_NAMES:
         return text
     path = Path(text).expanduser()
@@ -83,8 +90,8 @@ def model_name(text: str) -> str:
     else:
         return text
     raise argparse.ArgumentTypeError(
-        f"expected 'tiny', 'default', a .gguf file or a Hugging Face model folder, got {text!r} "
-        f"({why})")
+        f"expected 'tiny', 'default', 'gemma3', a .gguf file or a Hugging Face model folder, got "
+        f"{text!r} ({why})")
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:

@@ -13,6 +13,11 @@ times over the same model:
 3. ``compile_piecewise(model, capture=False)``: the piecewise split count per Dynamo graph,
    expected ``num_layers + 1`` pieces around ``num_layers`` attention calls.
 
+It also reports the attention kind of every layer (global, sliding window W, chunked local C)
+and, for models with sliding-window layers, the KV cache of one ``KV_REPORT_TOKENS``-token
+request in the engine's hybrid pool against a full pool
+(``compile.batch.swa_pages.kv_cache_bytes``).
+
 The Dynamo ``eager`` backend is used unless ``--inductor`` is given: breaks, guards and splits
 are decided before Inductor runs. Exit status 1 when any break, a wrong split count or an id
 mismatch is found.
@@ -22,13 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+from compile.backend.layer import attention_layers
+from compile.batch.swa_pages import KVCacheBytes, kv_cache_bytes
 from compile.engine.cli_args import DTYPES, model_name, positive_int
 
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
+KV_REPORT_TOKENS = 8192
 
 
 @dataclasses.dataclass
@@ -44,6 +52,9 @@ class CheckResult:
             a graph break stopped the piecewise trace).
         split_ops: attention calls per Dynamo graph (expected ``num_layers``).
         ids_match: compiled and piecewise greedy ids equal eager's.
+        attention: per attention layer, its kind (``attention_kinds``).
+        kv_bytes: KV cache of one ``KV_REPORT_TOKENS``-token request, hybrid vs full pool
+            (None without sliding-window layers).
     """
 
     num_layers: int
@@ -53,6 +64,8 @@ class CheckResult:
     pieces_per_graph: float
     split_ops: float
     ids_match: bool
+    attention: list[str] = dataclasses.field(default_factory=list)
+    kv_bytes: Optional[KVCacheBytes] = None
 
     @property
     def ok(self) -> bool:
@@ -109,9 +122,48 @@ def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckR
         enable_split_op(model, False)
     s = piecewise.backend.stats
     n = max(s["graphs"], 1)
+    kinds = attention_kinds(model)
+    kv = None
+    if any(k.startswith("sliding") for k in kinds):
+        kv = kv_cache_bytes(model.config, KV_REPORT_TOKENS, page_size=page_size,
+                            dtype=next(model.parameters()).dtype)
     return CheckResult(num_layers=model.config.num_hidden_layers, graph_breaks=breaks,
                        break_reasons=reasons, graphs=graphs, pieces_per_graph=s["pieces"] / n,
-                       split_ops=s["split_ops"] / n, ids_match=ids == expected == pw_ids)
+                       split_ops=s["split_ops"] / n, ids_match=ids == expected == pw_ids,
+                       attention=kinds, kv_bytes=kv)
+
+
+def attention_kinds(model) -> list[str]:
+    """Per ``PagedAttention`` layer of ``model``, in layer order: ``"global"``, ``"sliding
+    window W"`` (W tokens: the query and W - 1 before it) or ``"chunked local C"`` (C tokens)."""
+    chunk = getattr(model.config, "attention_chunk_size", None)
+    kinds = []
+    for attn in attention_layers(model):
+        if attn.use_irope:
+            kinds.append(f"chunked local {chunk}")
+        elif attn.sliding_window_size >= 0:
+            kinds.append(f"sliding window {attn.sliding_window_size + 1}")
+        else:
+            kinds.append("global")
+    return kinds
+
+
+def format_attention(kinds: list[str]) -> str:
+    """``"15 x sliding window 512 (layers 0-4, 6-10, 12-16), 3 x global (layers 5, 11, 17)"``."""
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(i)
+    return ", ".join(f"{len(ids)} x {kind} (layers {_spans(ids)})" for kind, ids in groups.items())
+
+
+def _spans(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(spans)
 
 
 def format_result(name: str, r: CheckResult, backend: str) -> str:
@@ -121,6 +173,12 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
              f"  graph breaks: {r.graph_breaks}"
              + ("" if r.graph_breaks else " (fullgraph=True traced every step)")]
     lines += [f"    {count} x {reason}" for reason, count in r.break_reasons.items()]
+    lines.append(f"  attention: {format_attention(r.attention)}")
+    if r.kv_bytes is not None:
+        mib = 2.0 ** 20
+        lines.append(f"  KV cache of one {KV_REPORT_TOKENS}-token request: hybrid SWA pool "
+                     f"{r.kv_bytes.hybrid / mib:.1f} MiB vs full pool {r.kv_bytes.full / mib:.1f} "
+                     f"MiB ({100 * r.kv_bytes.saved_fraction:.0f}% saved)")
     lines.append(f"  graphs compiled: {r.graphs} ({max(r.graphs - 1, 0)} recompiles)")
     want = r.num_layers + 1
     lines.append(f"  piecewise split: {r.pieces_per_graph:g} pieces around {r.split_ops:g} "
@@ -151,7 +209,8 @@ def add_parser(sub) -> None:
     """Register ``check`` on the ``python -m compile`` subparsers."""
     c = sub.add_parser("check", help="trace a model: graph breaks, recompiles, split count")
     c.add_argument("model", type=model_name,
-                   help="'default' (SmolLM2-135M GGUF), 'tiny', a .gguf or a folder")
+                   help="'default' (SmolLM2-135M GGUF), 'tiny', 'gemma3' (Gemma 3 270M "
+                        "GGUF), a .gguf or a folder")
     c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
     c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
@@ -160,4 +219,5 @@ def add_parser(sub) -> None:
     c.set_defaults(func=cmd_check, error=c.error, model_flag="model")
 
 
-__all__ = ["CheckResult", "check_model", "format_result", "cmd_check", "add_parser"]
+__all__ = ["CheckResult", "check_model", "attention_kinds", "format_attention", "format_result",
+           "cmd_check", "add_parser", "KV_REPORT_TOKENS"]

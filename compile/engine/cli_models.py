@@ -89,12 +89,12 @@ LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, struct.error, NotImpleme
 @contextlib.contextmanager
 def user_model_errors(name: Optional[str]) -> Iterator[None]:
     """Inside the ``with`` block, turn ``LOAD_ERRORS`` raised while loading the user's model
-    ``name`` (a path) into ``ModelLoadError``; errors with ``tiny`` or the default model are the
-    project's own and propagate unchanged."""
+    ``name`` (a path) into ``ModelLoadError``; errors with ``tiny`` or the packaged models
+    (default, gemma3) are the project's own and propagate unchanged."""
     try:
         yield
     except LOAD_ERRORS as e:
-        if name in (None, "default", TINY):
+        if name in (None, "default", TINY, "gemma3"):  # the packaged models
             raise
         kind = type(e).__name__
         if type(e).__module__ != "builtins":  # struct.error, not error
@@ -105,8 +105,9 @@ def user_model_errors(name: Optional[str]) -> Iterator[None]:
 
 
 def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
-    """``(hf_model, tokenizer)`` for ``--model``: ``tiny``, None/``default`` (SmolLM2 GGUF), a
-    ``.gguf`` file or a Hugging Face folder (see ``compile.models.gguf.resolve_model``)."""
+    """``(hf_model, tokenizer)`` for ``--model``: ``tiny``, None/``default`` (SmolLM2 GGUF),
+    ``gemma3`` (Gemma 3 270M GGUF), a ``.gguf`` file or a Hugging Face folder (see
+    ``compile.models.gguf.resolve_model``)."""
     if name == TINY:
         return tiny_hf_model().to(dtype), ByteTokenizer()
     from compile.models.gguf import load_hf

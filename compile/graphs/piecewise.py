@@ -55,7 +55,6 @@ from torch.utils._pytree import tree_map
 
 from compile.graphs import device as dev
 from compile.graphs.forward_context import set_forward_context
-from compile.graphs.direct_dispatch import DirectDispatch, GraphCall
 from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
 from compile.graphs.piece_runner import EmulatedGraph, PieceRunner
@@ -83,8 +82,6 @@ class PiecewiseBackend:
             Inductor compilations), ``uncaptured`` (pieces, cuts included, that read per-step
             inputs), ``captures`` (graphs captured).
         split_gms: the split graph of every Dynamo graph received.
-        dispatch: ``DirectDispatch`` of the bucketed steps that skip Dynamo
-            (``compile/graphs/direct_dispatch.py``).
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, debug: bool = False,
@@ -97,7 +94,6 @@ class PiecewiseBackend:
         self.stats = dict(graphs=0, pieces=0, cuts=0, split_ops=0, compiles=0, uncaptured=0,
                           captures=0)
         self.split_gms: list[fx.GraphModule] = []
-        self.dispatch = DirectDispatch()
         self._compiled: dict[str, Callable] = {}
         self._pool = None
 
@@ -123,7 +119,7 @@ class PiecewiseBackend:
         for item in items:
             if item.is_split:
                 call_split_op_kernel(item.graph)
-        return GraphCall(split_gm, self.dispatch, per_step=bool(per_step))
+        return split_gm
 
     def compile_piece(self, gm: fx.GraphModule, fake_args: Sequence[Any]) -> Callable:
         """Inductor-compile ``gm`` for ``fake_args`` (symbolic token dim), reusing an identical
@@ -191,10 +187,6 @@ class PiecewiseModel(nn.Module):
             whole (``DecodeGraphRunner.can_run``); those run the compiled pieces uncaptured
             (``graph_size_for`` None), so no piece ever warms up or captures inside the outer
             runner's warm-up or capture. None: every mode is bucketed.
-        direct_dispatch: once a bucketed step kind has run through Dynamo a few times with
-            identical graph inputs, call its graph directly, skipping Dynamo's guards and
-            input loading (``compile/graphs/direct_dispatch.py`` gives the rule and its assumptions).
-            Off with ``debug``.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
@@ -210,8 +202,7 @@ class PiecewiseModel(nn.Module):
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
                  device: torch.device | str | None = None, emulate_graphs: bool = False,
-                 full_graph_steps: Optional[Callable[[Any], bool]] = None,
-                 direct_dispatch: bool = True):
+                 full_graph_steps: Optional[Callable[[Any], bool]] = None):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -223,7 +214,6 @@ class PiecewiseModel(nn.Module):
             capture = emulate_graphs or dev.supports_graphs(self.device)
         self.capture = capture
         self.full_graph_steps = full_graph_steps
-        self.direct_dispatch = direct_dispatch and not debug
         self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
                                         static_inputs=_first_two_args(model),
                                         emulate_graphs=emulate_graphs)
@@ -288,21 +278,10 @@ class PiecewiseModel(nn.Module):
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
         backend = self.backend
-        key = direct = None
-        if size is not None and self.direct_dispatch:
-            key = backend.dispatch.fingerprint(size, forward_batch, kwargs)
-            direct = None if key is None else backend.dispatch.lookup(key)
         backend.graph_size = size
         try:
             with set_forward_context(self.layers, forward_batch, n, size):
-                if direct is not None:
-                    graph, args = direct
-                    out = graph(*args)[0]
-                else:
-                    backend.dispatch.last = None
-                    out = self.compiled(input_ids, positions, forward_batch, **kwargs)
-                    if key is not None:
-                        backend.dispatch.record(key, out)
+                out = self.compiled(input_ids, positions, forward_batch, **kwargs)
         finally:
             backend.graph_size = None
         if size is None:

@@ -65,7 +65,7 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
         # graphs mode on the CPU replays the static-buffer step without capture.
         assert marker in out, out
         assert "0 graph breaks" in out, out
-        if mode == "full_and_piecewise":  # decode steps took the decode runner's path
+        if mode in ("graphs", "full_and_piecewise"):  # decode steps took the runner's path
             assert re.search(r"[1-9]\d* decode steps ran uncaptured", out), out
 
 
@@ -110,8 +110,8 @@ def test_check_counts_an_injected_graph_break():
 # exit status 2, and nothing loaded (load_model is replaced by a function that fails the test).
 BAD_ARGS = [
     (["generate", "--model", "/no/such/model.gguf"],
-     r"generate: error: argument --model: expected 'tiny', 'default', a \.gguf file or a Hugging "
-     r"Face model folder, got '/no/such/model\.gguf' \(no such file or folder\)"),
+     r"generate: error: argument --model: expected 'tiny', 'default', 'gemma3', a \.gguf file or a "
+     r"Hugging Face model folder, got '/no/such/model\.gguf' \(no such file or folder\)"),
     (["generate", "--model", "{tmp}"],
      r"argument --model: expected .*, got '.*' \(a folder without config\.json\)"),
     (["generate", "--mode", "fast"],
@@ -164,7 +164,7 @@ BAD_ARGS = [
     # bench's own options: choices and ranges, one line under bench's name (were tracebacks).
     (["bench", "--modes", "eager", "compile"],
      r"^python -m compile bench: error: argument --modes: invalid choice: 'compile' \(choose "
-     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'full_and_piecewise', 'dense'\)"),
+     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'graphs_compiled', 'dense'\)"),
     (["bench", "--dtype", "fp32"],
      r"^python -m compile bench: error: argument --dtype: invalid choice: 'fp32' \(choose from "
      r"'float32', 'bfloat16', 'float16'\)"),

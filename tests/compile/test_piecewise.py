@@ -299,14 +299,17 @@ class TestEmulatedCapture(TestCase):
 
 
 
-class TestDirectDispatch(TestCase):
-    """Bucketed steps whose graph inputs stay the same objects skip Dynamo after warm-up
-    (``compile/graphs/direct_dispatch.py``) and still equal eager as the batch changes."""
+class TestBucketedSteps(TestCase):
+    """Bucketed steps go through Dynamo every time (no cache keyed by the batch's objects) and
+    equal eager as the batch changes."""
 
     def setUp(self):
         torch._dynamo.reset()
 
-    def _counting(self, pw):
+    def test_every_decode_step_enters_dynamo_and_matches_eager(self):
+        model = tiny_model(num_layers=2)
+        h = Harness(model)
+        pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
         calls = []
         compiled = pw.__dict__["compiled"]
 
@@ -314,57 +317,9 @@ class TestDirectDispatch(TestCase):
             calls.append(1)
             return compiled(*args, **kwargs)
         pw.__dict__["compiled"] = counted
-        return calls
-
-    def test_decode_skips_dynamo_after_warm_up_and_matches_eager(self):
-        model = tiny_model(num_layers=2)
-        h = Harness(model)
-        pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
-        calls = self._counting(pw)
         rows = [[0, 1, 2], [0, 1, 2, 3], [3, 1], [0, 2, 3], [1, 2, 3, 0], [2]]
         _run_steps(self, pw, model, h, [("decode", r, None) for r in rows])
-        self.assertEqual(len(calls), 3)  # warm-up, capture, first replay; then direct
-        with torch.no_grad():  # the grad mode the steps ran in is part of the key
-            key = pw.backend.dispatch.fingerprint(4, h.decode([0])[2], {})
-        self.assertIsNotNone(pw.backend.dispatch.lookup(key))
-        # Another kind of step goes through Dynamo; decode keeps its direct entry.
-        _run_steps(self, pw, model, h, [("extend", [0, 1], [2, 1]), ("decode", [0, 1], None),
-                                        ("decode", [1, 2, 3], None)])
-        self.assertEqual(len(calls), 4)
-
-    def test_steps_with_per_step_inputs_never_skip_dynamo(self):
-        model = tiny_model(num_layers=2)
-        h = Harness(model)
-        pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
-        calls = self._counting(pw)
-        # extend steps read extend_seq_lens (a new tensor each step): never direct
-        steps = [("extend", [0, 1], lens) for lens in ([3, 4], [2, 5], [1, 1], [4, 3], [2, 2])]
-        _run_steps(self, pw, model, h, steps)
-        self.assertEqual(len(calls), len(steps))
-        # The same extend batch three times (same argument objects), then a new one: the graph
-        # reads extend_seq_lens, so it never goes direct (found by a fresh-user probe).
-        ids, pos, fb = h.extend([0, 1], [3, 2])
-        with torch.no_grad():
-            for _ in range(3):
-                pw(ids, pos, fb)
-        _run_steps(self, pw, model, h, [("extend", [2, 3], [1, 4]), ("extend", [0, 1], [2, 2])])
-        self.assertEqual(len(calls), len(steps) + 5)
-        self.assertEqual(pw.backend.dispatch._direct, {})
-
-    def test_grad_mode_change_goes_back_through_dynamo(self):
-        model = tiny_model(num_layers=1)
-        h = Harness(model)
-        pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True)
-        calls = self._counting(pw)
-        with torch.inference_mode():
-            for _ in range(4):
-                pw(*h.decode([0, 1]))
-        self.assertEqual(len(calls), 3)
-        ids, pos, fb = h.decode([0, 1, 2])
-        with torch.no_grad():  # another fingerprint: Dynamo decides (here: a new graph)
-            out = pw(ids, pos, fb)
-        torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb))
-        self.assertEqual(len(calls), 4)
+        self.assertEqual(len(calls), len(rows))
 
     def test_tuple_outputs_are_cut_to_the_step(self):
         class TwoOutputs(torch.nn.Module):
@@ -387,17 +342,6 @@ class TestDirectDispatch(TestCase):
             ref = _eager(model, pw.layers, ids, pos, fb)
             torch.testing.assert_close(out, ref)
             torch.testing.assert_close(extra["doubled"], 2 * ref)
-
-    def test_direct_dispatch_off_and_in_debug_mode(self):
-        model = tiny_model(num_layers=1)
-        h = Harness(model)
-        for kwargs in (dict(direct_dispatch=False), dict(debug=True)):
-            torch._dynamo.reset()
-            pw = PiecewiseModel(model, graph_sizes=(4,), inductor=False, emulate_graphs=True,
-                                **kwargs)
-            calls = self._counting(pw)
-            _run_steps(self, pw, model, h, [("decode", [0, 1], None)] * 5)
-            self.assertEqual(len(calls), 5)
 
 
 @requires_gpu_graphs

@@ -134,6 +134,41 @@ def test_mla_decode_128_heads():
     assert _rel(outs[1], outs[0]) < 1e-2
 
 
+@pytest.mark.parametrize("config", [("mla_split", 8), ("mla_split", 16), ("", 16)],
+                         ids=["mla_split", "mla_split-16-warps", "16-warps"])
+def test_mla_decode_128_heads_split_and_wide_configs(config):
+    """The launcher with ``mla_split`` (two programs per row tile, each half of the 512 latent
+    columns) and/or 16 warps, split-KV over 8 splits, against the reference provider."""
+    import dataclasses
+    from xpu_ops.triton import paged_attention as pa
+    paths, warps = config
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    b, h, latent, rope, page = 4, 128, 512, 64, 64
+    lens = torch.tensor([5000, 1, 20000, 300], dtype=torch.int32, device=DEVICE)
+    width = 20000 // page + 2
+    kv = torch.randn(b * width, page, latent + rope, device=DEVICE, dtype=torch.bfloat16,
+                     generator=gen)
+    table = torch.randperm(b * width, device=DEVICE, generator=gen).view(b, width).int()
+    qn = torch.randn(b, h, latent, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    qr = torch.randn(b, h, rope, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    values = kv[:, :, None, :latent]
+    config = dataclasses.replace(pa.with_paths(pa.default_config(qr, values, 1, 1, frozenset()),
+                                               frozenset(paths.split(",")) - {""}),
+                                 num_warps=warps)
+    out = torch.full_like(qn, float("nan"))
+    pa.paged_attention(qr, kv[:, :, None, latent:], values, out, lens,
+                       torch.arange(b + 1, dtype=torch.int32, device=DEVICE), page_table=table,
+                       cu_seqlens_k=None, max_seqlen_q=1, max_kv_len=width * page, qv=qn,
+                       q_descale=None, k_descale=None, v_descale=None, sinks=None,
+                       softmax_scale=1 / math.sqrt(576), window_left=-1, window_right=-1,
+                       softcap=0.0, num_splits=8, config=config)
+    ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(20000, b, h, page), dtype=torch.uint8,
+                     device=DEVICE)
+    with xpu_ops.use_provider("reference"):
+        ref = xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576))
+    assert _rel(out, ref) < 1e-2
+
+
 def test_mla_prefill_128_heads():
     """DeepSeek shapes: extend chunks over long prefixes, one request without a prefix."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)
@@ -219,42 +254,64 @@ def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
     assert _rel(out, ref) < 1e-2
 
 
-def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, descales=None):
-    """The launcher with the default tiles and ``paths`` forced (``_Config`` fields) into a
-    NaN-poisoned output, against the reference provider: relative error."""
-    import dataclasses
+def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, descales=None,
+                        window=-1):
+    """The launcher with the default tiles and exactly the optional ``paths`` on, into a
+    NaN-poisoned output, against the reference provider: (relative error, launch constexprs)."""
     from xpu_ops.triton import paged_attention as pa
     k_descale, v_descale = descales or (None, None)
-    config = dataclasses.replace(pa.default_config(q, v, max_seqlen_q, k.shape[2]), **paths)
+    config = pa.default_config(q, v, max_seqlen_q, k.shape[2], frozenset(paths), k.shape[1])
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
-                       max_seqlen_q=max_seqlen_q, max_kv_len=table.shape[1] * k.shape[1],
-                       qv=None, q_descale=None, k_descale=k_descale, v_descale=v_descale,
-                       sinks=None, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
-                       window_right=0 if causal else -1, softcap=0.0, config=config)
+    seen = []
+    real = pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs)
+        return real(kernel, grid, device, *args, **kwargs)
+    pa.launch = spy
+    try:
+        pa.paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+                           max_seqlen_q=max_seqlen_q, max_kv_len=table.shape[1] * k.shape[1],
+                           qv=None, q_descale=None, k_descale=k_descale, v_descale=v_descale,
+                           sinks=None, softmax_scale=q.shape[-1] ** -0.5, window_left=window,
+                           window_right=0 if causal else -1, softcap=0.0, config=config)
+    finally:
+        pa.launch = real
     with xpu_ops.use_provider("reference"):
         ref = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
                                               cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,
-                                              causal=causal, k_descale=k_descale,
-                                              v_descale=v_descale)
-    return _rel(out, ref)
+                                              causal=causal, window_size=(window, -1),
+                                              k_descale=k_descale, v_descale=v_descale)
+    return _rel(out, ref), seen[0]
 
 
+PATHS = [("page_tiles",), ("phases",), ("tma",), ("tma_ws",)]
+
+
+@pytest.mark.parametrize("paths", PATHS, ids=["-".join(p) for p in PATHS])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
-def test_page_tiles_decode_and_extend(page_size):
-    """``page_tiles`` at full size: split-KV decode past 64k tokens and an extend over a cached
-    prefix (tiles of several pages, or inside one page), garbage past every request."""
+def test_paths_decode_and_extend(page_size, paths):
+    """Every optional kernel path at full size: split-KV decode past 64k tokens, an extend
+    over a cached prefix and a sliding-window prefill, garbage past every request; on a
+    Hopper-class CUDA device ``tma`` must really take the descriptor path (page >= 16)."""
     decode = paged_case([70001, 1, 9000, 333], [1, 1, 1, 1], page_size)
-    assert _paths_vs_reference({"page_tiles": True}, *decode, 1, True) < 1e-2
+    assert _paths_vs_reference(paths, *decode, 1, True)[0] < 1e-2
     extend = paged_case([4096 + 300, 77], [300, 1], page_size)
-    assert _paths_vs_reference({"page_tiles": True}, *extend, 300, True) < 1e-2
+    err, meta = _paths_vs_reference(paths, *extend, 300, True)
+    assert err < 1e-2
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    if hopper and "tma" in paths[0] and page_size >= 16:
+        assert meta["TMA"], meta
+    window = paged_case([2000, 1500], [2000, 700], page_size)
+    assert _paths_vs_reference(paths, *window, 2000, True, window=300)[0] < 1e-2
 
 
-def test_page_tiles_fp8_kv_decode():
+@pytest.mark.parametrize("paths", PATHS, ids=["-".join(p) for p in PATHS])
+def test_paths_fp8_kv(paths):
     q, k, v, lens, table, cu = paged_case([5000, 77], [1, 4], 64, kv_dtype=torch.float8_e4m3fn)
     desc = torch.rand(2, 8, device=DEVICE) + 0.5
-    assert _paths_vs_reference({"page_tiles": True}, q, k, v, lens, table, cu, 4, True,
-                               (desc, desc.flip(0))) < 2e-2
+    assert _paths_vs_reference(paths, q, k, v, lens, table, cu, 4, True,
+                               (desc, desc.flip(0)))[0] < 2e-2
 
 
 @pytest.mark.parametrize("op", OPS)

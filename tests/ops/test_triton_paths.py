@@ -29,18 +29,26 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
                                    "before this module; test_rerun_in_subprocess covers it")
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
-# Pages larger than the interpreter's 16-key tile (a tile inside one page), odd D and Dv != D.
-LARGE_PAGE_CASES = (
+# Pages larger than the interpreter's 16-key tile (a tile inside one page), odd D and Dv != D;
+# a prefill whose row tiles end inside each request (descriptor boxes clip at q_len).
+EXTRA_CASES = (
     xt.AttentionCase(((1, 70), (3, 40), (1, 0)), page_size=32, hq=4, hkv=2, d=20, causal=True,
                      num_splits=3),
-    xt.AttentionCase(((5, 100),), page_size=64, hq=3, hkv=1, d=16, dv=32, causal=True,
-                     window=(20, 0), sinks=True, num_splits=2),
+    xt.AttentionCase(((5, 100),), page_size=64, hq=8, hkv=2, d=16, dv=32, causal=True,
+                     window=(20, 0), sinks=True, num_splits=1),
+    xt.AttentionCase(((21, 50), (20, 20)), page_size=16, hq=8, hkv=2, d=32, causal=True,
+                     num_splits=1),
 )
-CASES = xt.ATTENTION_CASES + LARGE_PAGE_CASES
+CASES = xt.ATTENTION_CASES + EXTRA_CASES
+CASE_IDS = [f"{i}-ps{c.page_size}-d{c.d}" for i, c in enumerate(CASES)]
+# phases alone and warp specialisation (the interpreter runs the loop as written) on a subset:
+# GQA extend at page 4, page 1, fp8 KV, leftpad, bidirectional blocks, tiles inside pages, a
+# prefill.
+SUBSET = [1, 2, 11, 21, 22, 24, 26]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpret():
+def _interpret():  # Triton's lazily imported modules check the interpreter flag at launch time
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
     yield
@@ -59,13 +67,12 @@ def launches(monkeypatch):
     return seen
 
 
-def _launch_with(config_paths, args, kwargs):
+def _launch_with(paths, args, kwargs):
     """The provider's ``paged_attention`` call for op ``args``/``kwargs`` with the default tile
-    config and ``config_paths`` forced; returns the LSE (``out`` = ``args[6]`` is written)."""
+    config and exactly the optional ``paths`` on; returns the LSE (``out`` = ``args[6]``)."""
     (q, k, v, lens, table, cu, out, qv, q_descale, k_descale, v_descale, sinks, leftpad,
      block_ids) = args
-    config = dataclasses.replace(pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2]),
-                                 **config_paths)
+    config = pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2], paths, k.shape[1])
     return pa.paged_attention(
         q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
         max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=table.shape[1] * k.shape[1], qv=qv,
@@ -76,20 +83,70 @@ def _launch_with(config_paths, args, kwargs):
         block_ids=block_ids)
 
 
-@in_subprocess
-@pytest.mark.parametrize("case", CASES, ids=[f"{i}-ps{c.page_size}-d{c.d}"
-                                             for i, c in enumerate(CASES)])
-def test_page_tiles_match_oracle(case, launches):
-    """``page_tiles``: key tiles addressed per page, unmasked columns where D and Dv are powers
-    of two; every case against the float64 oracle, the path's constexprs checked."""
+def _pow2(n: int) -> bool:
+    return n == pa.next_pow2(n)
+
+
+def _expected_paths(case, paths) -> dict:
+    """The path constexprs a launch of ``case`` must get (CPU: descriptors supported, fp32 /
+    bf16 / fp8 rows of these head dims are 16-byte multiples)."""
+    asked = bool(paths & {"tma", "tma_ws"})
+    tma = asked and _pow2(case.hq // case.hkv) and _pow2(case.page_size) and case.page_size >= 16
+    tiles = asked or "page_tiles" in paths
+    even = _pow2(case.d) and _pow2(case.head_dim_v) and min(case.d, case.head_dim_v) >= 16
+    return dict(PAGE_TILES=tiles and _pow2(case.page_size), EVEN_D=tiles and even,
+                PHASES=asked or "phases" in paths, TMA=tma)
+
+
+def _check_paths(case, paths, launches):
     args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(3))
-    lse = _launch_with({"page_tiles": True}, args, kwargs)
+    lse = _launch_with(frozenset(paths), args, kwargs)
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     if args[6].shape[0]:
-        assert launches and launches[0]["PAGE_TILES"]
-        even = case.d == pa.next_pow2(case.d) and case.head_dim_v == pa.next_pow2(case.head_dim_v)
-        assert launches[0]["EVEN_D"] == (even and min(case.d, case.head_dim_v) >= 16)
+        assert launches, "no kernel launch"
+        expected = _expected_paths(case, frozenset(paths))
+        assert {key: launches[0][key] for key in expected} == expected
     assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
+
+
+@in_subprocess
+@pytest.mark.parametrize("paths", [("page_tiles",), ("tma",)])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_paths_match_oracle(case, paths, launches):
+    """``page_tiles`` (one loop) and ``tma`` (three phases, descriptors where the launch allows,
+    else per-page gathers) on every case against the float64 oracle, constexprs checked."""
+    _check_paths(case, paths, launches)
+
+
+@in_subprocess
+@pytest.mark.parametrize("paths", [("phases",), ("tma_ws",)])
+@pytest.mark.parametrize("case", [CASES[i] for i in SUBSET], ids=[CASE_IDS[i] for i in SUBSET])
+def test_phase_paths_match_oracle(case, paths, launches):
+    _check_paths(case, paths, launches)
+
+
+@in_subprocess
+@pytest.mark.parametrize("paths", [("phases",), ("tma",)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_invalid_interior_page_hides_its_keys(paths, num_splits):
+    """A page id outside [0, num_pages) inside a run of interior tiles: its keys are hidden
+    (the program falls back to masked tiles), the others attend as the oracle says."""
+    gen = torch.Generator().manual_seed(5)
+    (k, v), table, lens = xt.paged_kv_cache(gen, [64], 16, [(2, 16), (2, 16)],
+                                            dtype=torch.float32, device="cpu")
+    q = torch.randn(1, 4, 16, generator=gen)
+    keys = torch.arange(64)
+    shown = (keys < 16) | (keys >= 32)
+    want, want_lse = oracle.attend(q, oracle.paged_keys(k, table, 0, 64)[shown],
+                                   oracle.paged_keys(v, table, 0, 64)[shown],
+                                   torch.ones(1, int(shown.sum()), dtype=torch.bool), scale=0.25)
+    table[0, 1] = -5
+    out = torch.full((1, 4, 16), float("nan"))
+    args = (q, k, v, lens, table, torch.tensor([0, 1], dtype=torch.int32), out, *[None] * 7)
+    kwargs = dict(max_seqlen_q=1, softmax_scale=0.25, window_size_left=-1, window_size_right=-1,
+                  softcap=0.0, num_splits=num_splits)
+    lse = _launch_with(frozenset(paths), args, kwargs)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
 
 
 def test_parse_paths_names_the_variable_and_the_bad_name():
@@ -99,3 +156,46 @@ def test_parse_paths_names_the_variable_and_the_bad_name():
     with pytest.raises(ValueError, match=r"^XPU_OPS_TRITON_PATHS: tma_typo is not an optional "
                                          r"kernel path; expected a comma list of \["):
         _common.parse_paths("page_tiles,tma_typo")
+
+
+# MLA decode (qv path: q_rope vs the rope part, q_nope vs the latent part, which is also V):
+# (k_lens, page_size, H, R, r, num_splits, BLOCK_M).
+MLA_CASES = [([37, 1, 0, 70], 16, 32, 64, 16, 3, 32), ([50, 9], 4, 16, 128, 16, 1, 16)]
+
+
+@in_subprocess
+@pytest.mark.parametrize("case", MLA_CASES, ids=["splits3-bm32", "one-split-bm16"])
+def test_mla_split_matches_oracle(case, launches):
+    """``mla_split``: two programs per row tile, each accumulating half of the latent columns
+    and merging its half of the split-KV partials, against the float64 oracle."""
+    k_lens, page, h, latent, rope, splits, block_m = case
+    gen = torch.Generator().manual_seed(9)
+    (kv,), table, lens = xt.paged_kv_cache(gen, k_lens, page, [(latent + rope,)],
+                                           dtype=torch.float32, device="cpu")
+    q_nope = torch.randn(len(k_lens), h, latent, generator=gen)
+    q_rope = torch.randn(len(k_lens), h, rope, generator=gen)
+    out = torch.full_like(q_nope, float("nan"))
+    lse = torch.full((h, len(k_lens)), float("nan"))
+    config = pa.with_paths(pa._Config(block_m, 16, 1, 1), frozenset({"mla_split"}))
+    pa.paged_attention(q_rope, kv[:, :, None, latent:], kv[:, :, None, :latent], out, lens,
+                       torch.arange(len(k_lens) + 1, dtype=torch.int32), page_table=table,
+                       cu_seqlens_k=None, max_seqlen_q=1, max_kv_len=table.shape[1] * page,
+                       qv=q_nope, q_descale=None, k_descale=None, v_descale=None, sinks=None,
+                       softmax_scale=0.1, window_left=-1, window_right=-1, softcap=0.0,
+                       num_splits=splits, config=config, lse=lse)
+    assert launches[0]["DV_SPLIT"] == (2 if block_m >= 32 else 1)
+    want = oracle.flash_mla_decode(q_nope, q_rope, kv, lens, table, 0.1)
+    assert_matches_oracle(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("page_size, block_n, stages", [(16, 16, 8), (32, 32, 8), (64, 64, 4),
+                                                        (128, 64, 4), (1, 64, 4), (8, 64, 4)])
+def test_page_tiles_decode_tiles_hold_one_page(page_size, block_n, stages):
+    """Decode tiles with ``page_tiles`` on a GPU: one whole page per tile from 16 keys up (its K/V
+    addresses then come from one page id), the pipeline deepened to keep the bytes in flight;
+    smaller pages and the default path keep the default 64-key tile (4 stages, 2 warps)."""
+    cuda = torch.device("cuda")  # the tile choice reads only the device type
+    tiles = pa._pick_config(cuda, 4, 128, 128, 2, frozenset({"page_tiles"}), page_size)
+    assert (tiles.block_n, tiles.num_stages, tiles.page_tiles) == (block_n, stages, True)
+    default = pa._pick_config(cuda, 4, 128, 128, 2, frozenset(), page_size)
+    assert (default.block_n, default.num_stages, default.page_tiles) == (64, 4, False)

@@ -31,8 +31,14 @@ if HAS_TRITON:
 # Kernel paths that are not yet the default anywhere; ``XPU_OPS_TRITON_PATHS`` (a comma list,
 # read once at import) turns them on for a whole process, and benchmarks pass them per launch.
 OPTIONAL_PATHS = {
-    "page_tiles": "decode and extend: one page-table load per page of a key tile, int32 in-page "
-                  "offsets, unmasked head-dim columns (page sizes that are powers of two)",
+    "page_tiles": "one page-table load per page of a key tile, int32 in-page offsets, unmasked "
+                  "head-dim columns (page sizes that are powers of two)",
+    "phases": "three-phase key loop: masked edge tiles around unmasked interior tiles",
+    "tma": "tensor descriptors (TMA) for Q, O and interior K/V tiles; CUDA capability >= 9.0 "
+           "(implies page_tiles and phases)",
+    "tma_ws": "tma with the interior key loop warp-specialised (tl.range warp_specialize)",
+    "mla_split": "absorbed MLA: two programs per row tile, each accumulating half of the latent "
+                 "output columns (both compute the scores)",
 }
 
 
@@ -101,6 +107,35 @@ def _with_interpreted_callees(fn):
     clone.__kwdefaults__, clone.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     clone.__module__, clone.__doc__ = fn.__module__, fn.__doc__
     return clone
+
+
+@functools.lru_cache(maxsize=None)
+def descriptors_supported(device_type: str, index: Optional[int]) -> bool:
+    """Whether kernels may build tensor descriptors on this device: Triton has
+    ``tl.make_tensor_descriptor`` and the device is CUDA with capability >= 9.0 (TMA), or the
+    CPU interpreter (tests). XPU is left out: not verified there."""
+    if not HAS_TRITON or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if device_type == "cuda":
+        return torch.cuda.get_device_capability(index) >= (9, 0)
+    return device_type == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def warp_specialize_supported() -> bool:
+    """Whether this Triton's ``tl.range`` takes ``warp_specialize``."""
+    import inspect
+    return HAS_TRITON and "warp_specialize" in inspect.signature(tl.range).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def set_descriptor_allocator() -> None:
+    """Give Triton the scratch allocator that kernels building tensor descriptors on the device
+    need (``triton.set_allocator``; once per process, from the caching allocator, so a graph
+    capture draws from the graph's pool). On the CPU interpreter nothing is needed."""
+    def alloc(size: int, alignment: int, stream: Optional[int]):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    triton.set_allocator(alloc)
 
 
 def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:

@@ -49,7 +49,10 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import ENABLED_PATHS, HAS_TRITON, available, cdiv, launch, next_pow2, num_sms
+from ._common import (ENABLED_PATHS, HAS_TRITON, available, cdiv, descriptors_supported, launch,
+                      next_pow2, num_sms, set_descriptor_allocator, warp_specialize_supported)
+from .attention_tiles import (_descriptor_kv, _gather_kv, _interior_tiles, _invalid_pages,
+                              _load_tile, _mask_scores, _online_softmax, _scores)
 
 if HAS_TRITON:
     import triton
@@ -57,72 +60,6 @@ if HAS_TRITON:
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _tanh(x):
-    # tanh from exp2 (portable: no libdevice), accurate for every |x|: (1 - e) / (1 + e) with
-    # e = exp(-2|x|) cancels for small |x|, where the odd Taylor series to x^9 is exact in
-    # float32 (|x| < 1/4: next term < 1e-8 relative), so a huge softcap tends to no cap.
-    LOG2E_C: tl.constexpr = 1.4426950408889634
-    a = tl.abs(x)
-    e = tl.exp2(-2.0 * LOG2E_C * a)
-    t_far = (1.0 - e) / (1.0 + e)
-    a2 = a * a
-    t_near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0
-                                                                  + a2 * (62.0 / 2835.0)))))
-    t = tl.where(a < 0.25, t_near, t_far)
-    return tl.where(x >= 0, t, -t)
-
-
-@triton.jit
-def _key_rows(pt_row, offs_n, mask_n, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
-              stride_vs, PAGE_SIZE: tl.constexpr):
-    # K/V row offsets of keys offs_n, one page-table load and int64 page x stride per key (any
-    # page size). A page id outside [0, num_pages) (inconsistent metadata) hides its keys.
-    page = tl.load(pt_row + (offs_n // PAGE_SIZE) * stride_pt_p, mask=mask_n, other=0)
-    key_ok = (page >= 0) & (page < num_pages)
-    page = tl.where(key_ok, page, 0).to(tl.int64)
-    slot = (offs_n % PAGE_SIZE).to(tl.int64)
-    return page * stride_kp + slot * stride_ks, page * stride_vp + slot * stride_vs, key_ok
-
-
-@triton.jit
-def _page_tile_rows(pt_row, start_n, blk_hi, num_pages, stride_pt_p, stride_kp, stride_ks,
-                    stride_vp, stride_vs, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    # The same offsets for a tile that starts on a BLOCK_N boundary, both powers of two: one
-    # page-table load per page (the tile covers PAGES whole pages, or lies inside one page),
-    # int64 only per page, in-page slot offsets in int32. Pages past blk_hi are not loaded.
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if BLOCK_N > PAGE_SIZE else 1
-    SLOTS: tl.constexpr = BLOCK_N // PAGES
-    slot = start_n % PAGE_SIZE + tl.arange(0, SLOTS)
-    if PAGES == 1:  # start_n < blk_hi <= the table's capacity: its entry exists
-        page = tl.load(pt_row + (start_n // PAGE_SIZE) * stride_pt_p)
-        # Compared after the broadcast (the interpreter stores a scalar's bool as int32).
-        page_v = tl.broadcast_to(page, [BLOCK_N])
-        key_ok = (page_v >= 0) & (page_v < num_pages)
-        page = tl.where((page >= 0) & (page < num_pages), page, 0).to(tl.int64)
-        k_rows = page * stride_kp + slot * stride_ks
-        v_rows = page * stride_vp + slot * stride_vs
-    else:
-        page_idx = start_n // PAGE_SIZE + tl.arange(0, PAGES)
-        page = tl.load(pt_row + page_idx * stride_pt_p, mask=page_idx * PAGE_SIZE < blk_hi,
-                       other=0)
-        page_ok = (page >= 0) & (page < num_pages)
-        page = tl.where(page_ok, page, 0).to(tl.int64)
-        k_rows = tl.reshape(page[:, None] * stride_kp + (slot * stride_ks)[None, :], [BLOCK_N])
-        v_rows = tl.reshape(page[:, None] * stride_vp + (slot * stride_vs)[None, :], [BLOCK_N])
-        key_ok = tl.reshape(page_ok[:, None] | (slot < 0)[None, :], [BLOCK_N])
-    return k_rows, v_rows, key_ok
-
-
-@triton.jit
-def _load_tile(ptrs, mask_rows, mask_cols, EVEN_COLS: tl.constexpr):
-    # [rows, cols] tile, rows masked (0 where false); columns masked only when the head dim is
-    # not the padded one (EVEN_COLS: every column exists, no per-column predicate).
-    if EVEN_COLS:
-        return tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
-    return tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
 
 
 @triton.jit
@@ -166,13 +103,18 @@ def _paged_attention_kernel(
     HAS_Q_USED: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
+    PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
-    # Heaviest causal tiles (last rows) first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Heaviest causal tiles (last rows) first; DV_SPLIT programs per row tile, each
+    # accumulating one DV_W-column chunk of the output (all of them compute the full scores).
+    DV_W: tl.constexpr = DV_PAD // DV_SPLIT
+    chunk = tl.program_id(0) % DV_SPLIT
+    pid_m = tl.num_programs(0) // DV_SPLIT - 1 - tl.program_id(0) // DV_SPLIT
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     req = pid_bh // num_heads_kv
@@ -193,6 +135,8 @@ def _paged_attention_kernel(
     mask_m = q_row < q_len
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
+    offs_dc = chunk * DV_W + tl.arange(0, DV_W)  # this program's output columns
+    mask_dc = offs_dc < head_dim_v
     mask_d = offs_d < head_dim
     mask_dv = offs_dv < head_dim_v
     tok = (q_start + q_row).to(tl.int64)
@@ -241,8 +185,15 @@ def _paged_attention_kernel(
         full_hi = full_lo
 
     # ---- load the query tile once; fold scales into one log2-domain multiplier ----
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if TMA:  # rows (token, head in group) of this KV head: a [tokens, GROUP, D] box
+        q_desc = tl.make_tensor_descriptor(
+            Q + q_start.to(tl.int64) * stride_qt + (kv_head * GROUP).to(tl.int64) * stride_qh,
+            shape=[q_len, GROUP, head_dim], strides=[stride_qt, stride_qh, 1],
+            block_shape=[BLOCK_M // GROUP, GROUP, D_PAD])
+        q = q_desc.load([row_first, 0, 0]).reshape([BLOCK_M, D_PAD])
+    else:
+        q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if HAS_QV:
         qv = tl.load(QV + tok[:, None] * stride_qvt + head[:, None] * stride_qvh + offs_dv[None, :],
                      mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
@@ -267,61 +218,87 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_W], tl.float32)
     pt_row = PAGE_TABLE + req.to(tl.int64) * stride_pt_b
     k_head = K + kv_head.to(tl.int64) * stride_kh
     v_head = V + kv_head.to(tl.int64) * stride_vh
+    if HAS_QV:
+        qv = qv.to(compute_dtype)
+    else:
+        qv = q
+    qv_scale = qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C)
+    if HAS_BLOCK_IDS:
+        blocks = q_block
+    else:
+        blocks = q_row
 
-    for start_n in range(blk_lo, blk_hi, BLOCK_N):
-        # ---- gather one key tile (row offsets per key), masked by length, leftpad, page ids ----
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n < blk_hi) & (offs_n >= k_start)  # never load slots before leftpad
-        pages_ok = 1
+    if not PHASES:  # one loop, each tile masked when it needs it
+        for start_n in range(blk_lo, blk_hi, BLOCK_N):
+            k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
+                k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv,
+                mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
+                stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
+            s = _scores(q, qv, k.to(compute_dtype), v.to(compute_dtype), k_scale, qv_scale,
+                        softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+            if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
+                s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
+                                 kv_len, q_len, stride_block_ids, HAS_BLOCK_IDS)
+            if DV_SPLIT > 1:  # this program's columns of the tile (cache lines just loaded)
+                v = _load_tile(v_head + v_rows[:, None] + offs_dc[None, :], mask_n, mask_dc,
+                               True, EVEN_D)
+            acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i, PRECISION)
+    else:  # masked edge tiles | unmasked interior tiles | masked edge tiles
+        mid_lo, mid_hi = _interior_tiles(blk_lo, blk_hi, full_lo, full_hi, BLOCK_N)
         if PAGED:
-            if PAGE_TILES:
-                k_rows, v_rows, key_ok = _page_tile_rows(
-                    pt_row, start_n, blk_hi, num_pages, stride_pt_p, stride_kp, stride_ks,
-                    stride_vp, stride_vs, BLOCK_N, PAGE_SIZE)
+            if _invalid_pages(pt_row, mid_lo, mid_hi, num_pages, stride_pt_p, PAGE_SIZE) > 0:
+                mid_hi = mid_lo
+        for start_n in range(blk_lo, mid_lo, BLOCK_N):
+            acc, m_i, l_i = _masked_step(
+                acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_head, v_head,
+                pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks, BLOCK_IDS,
+                q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages, stride_pt_p,
+                stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids, BLOCK_N,
+                PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP,
+                PRECISION)
+        if TMA:
+            k_desc, v_desc = _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim,
+                                             head_dim_v, stride_kp, stride_ks, stride_kh,
+                                             stride_vp, stride_vs, stride_vh, BLOCK_N, D_PAD,
+                                             DV_PAD, PAGE_SIZE, PAGED)
+            if WS:
+                for start_n in tl.range(mid_lo, mid_hi, BLOCK_N, warp_specialize=True):
+                    k, v = _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head,
+                                          stride_pt_p, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED)
+                    s = _scores(q, qv, k.to(compute_dtype), v.to(compute_dtype), k_scale,
+                                qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+                    acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i,
+                                                    PRECISION)
             else:
-                k_rows, v_rows, key_ok = _key_rows(
-                    pt_row, offs_n, mask_n, num_pages, stride_pt_p, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
-            pages_ok = tl.min(key_ok.to(tl.int32), 0)
-            mask_n = mask_n & key_ok
+                for start_n in range(mid_lo, mid_hi, BLOCK_N):
+                    k, v = _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head,
+                                          stride_pt_p, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED)
+                    s = _scores(q, qv, k.to(compute_dtype), v.to(compute_dtype), k_scale,
+                                qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+                    acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i,
+                                                    PRECISION)
         else:
-            k_rows = (kv_start + offs_n).to(tl.int64) * stride_ks
-            v_rows = (kv_start + offs_n).to(tl.int64) * stride_vs
-        k = _load_tile(k_head + k_rows[:, None] + offs_d[None, :], mask_n, mask_d,
-                       EVEN_D).to(compute_dtype)
-        v = _load_tile(v_head + v_rows[:, None] + offs_dv[None, :], mask_n, mask_dv,
-                       EVEN_D).to(compute_dtype)
-
-        # ---- scores in the log2 domain, masked by length, causal and window ----
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale
-        if HAS_QV:
-            s += tl.dot(qv.to(compute_dtype), tl.trans(v), input_precision=PRECISION) * (
-                qk_scale * v_descale * (1.0 if USE_SOFTCAP else LOG2E_C))
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap) * LOG2E_C
-        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
-            right_ok = offs_n[None, :] <= hi_row[:, None]
-            if HAS_BLOCK_IDS:
-                key_row = offs_n - (kv_len - q_len)
-                k_block = tl.load(BLOCK_IDS + (q_start + key_row) * stride_block_ids,
-                                  mask=mask_n & (key_row >= 0) & (key_row < q_len), other=-1)
-                right_ok = right_ok | ((q_block[:, None] >= 0)
-                                       & (q_block[:, None] == k_block[None, :]))
-            visible = (offs_n[None, :] >= lo_row[:, None]) & right_ok & mask_n[None, :]
-            s = tl.where(visible, s, float("-inf"))
-
-        # ---- online softmax; a row with no visible key so far keeps m = -inf, p = 0 ----
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(compute_dtype), v, input_precision=PRECISION)
-        m_i = m_new
+            for start_n in range(mid_lo, mid_hi, BLOCK_N):
+                k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
+                    k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv,
+                    mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
+                    stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, False)
+                s = _scores(q, qv, k.to(compute_dtype), v.to(compute_dtype), k_scale, qv_scale,
+                            softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+                acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i,
+                                                PRECISION)
+        for start_n in range(mid_hi, blk_hi, BLOCK_N):
+            acc, m_i, l_i = _masked_step(
+                acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_head, v_head,
+                pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks, BLOCK_IDS,
+                q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages, stride_pt_p,
+                stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids, BLOCK_N,
+                PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP,
+                PRECISION)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
     if NUM_SPLITS == 1:
@@ -337,8 +314,16 @@ def _paged_attention_kernel(
         out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
                        float("-inf"))
-        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+        if TMA:  # rows past the request's q_len fall outside the box: not written
+            o_desc = tl.make_tensor_descriptor(
+                O + q_start.to(tl.int64) * stride_ot + (kv_head * GROUP).to(tl.int64) * stride_oh,
+                shape=[q_len, GROUP, head_dim_v], strides=[stride_ot, stride_oh, 1],
+                block_shape=[BLOCK_M // GROUP, GROUP, DV_PAD])
+            o_desc.store([row_first, 0, 0],
+                         out.to(O.dtype.element_ty).reshape([BLOCK_M // GROUP, GROUP, DV_PAD]))
+        else:
+            tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dc[None, :],
+                     out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dc[None, :])
         tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     else:
         has_keys = l_i > 0
@@ -347,38 +332,83 @@ def _paged_attention_kernel(
                        float("-inf"))
         part = O_PART + split.to(tl.int64) * stride_part_s
         tl.store(part + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
-                 + offs_dv[None, :], out, mask=mask_m[:, None] & mask_dv[None, :])
+                 + offs_dc[None, :], out, mask=mask_m[:, None] & mask_dc[None, :])
         tl.store(LSE_PART + split.to(tl.int64) * stride_lsep_s + tok * stride_lsep_t + head,
                  lse, mask=mask_m)
         # ---- split-KV reduction: the tile's last split program to arrive merges them all ----
         # The barrier orders every thread's partial stores before the counter update; acq_rel at
         # gpu scope releases them to, and acquires the other splits' for, the last arrival.
         tl.debug_barrier()
-        counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m
+        counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m * DV_SPLIT + chunk
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
-                               stride_sinks,
+                               chunk * DV_W, stride_sinks,
                                stride_part_s, stride_part_t, stride_part_h,
                                stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
-                               BLOCK_M, DV_PAD, NUM_SPLITS, HAS_SINKS)
+                               BLOCK_M, DV_W, NUM_SPLITS, HAS_SINKS)
             tl.store(counter, 0)  # zero again for the next launch (and graph replay)
 
 
 @triton.jit
+def _masked_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_head, v_head, pt_row,
+                 offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
+                 kv_len, q_len, k_scale, qv_scale, softcap, num_pages, stride_pt_p, stride_kp,
+                 stride_ks, stride_vp, stride_vs, stride_block_ids, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+                 EVEN_D: tl.constexpr, HAS_QV: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
+                 USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    # One edge tile of the three-phase schedule: predicated gather, every mask applied.
+    k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
+        k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv, mask_d,
+        mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, BLOCK_N,
+        PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+    s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len,
+                     stride_block_ids, HAS_BLOCK_IDS)
+    return _online_softmax(s, v, acc, m_i, l_i, PRECISION)
+
+
+@triton.jit
+def _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim, head_dim_v, stride_kp,
+                    stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
+                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    PAGED: tl.constexpr):
+    # K/V tensor descriptors: a [1, BLOCK_N, 1, D] box of [num_pages, page_size, Hkv, D]
+    # (paged; BLOCK_N <= page_size), or a [BLOCK_N, 1, D] box of ragged [total_k, Hkv, D].
+    if PAGED:
+        k_desc = tl.make_tensor_descriptor(
+            K, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim],
+            strides=[stride_kp, stride_ks, stride_kh, 1], block_shape=[1, BLOCK_N, 1, D_PAD])
+        v_desc = tl.make_tensor_descriptor(
+            V, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim_v],
+            strides=[stride_vp, stride_vs, stride_vh, 1], block_shape=[1, BLOCK_N, 1, DV_PAD])
+    else:
+        k_desc = tl.make_tensor_descriptor(
+            K, shape=[total_k, num_heads_kv, head_dim], strides=[stride_ks, stride_kh, 1],
+            block_shape=[BLOCK_N, 1, D_PAD])
+        v_desc = tl.make_tensor_descriptor(
+            V, shape=[total_k, num_heads_kv, head_dim_v], strides=[stride_vs, stride_vh, 1],
+            block_shape=[BLOCK_N, 1, DV_PAD])
+    return k_desc, v_desc
+
+
+@triton.jit
 def _merge_splits_tile(
-    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, stride_sinks,
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, col0, stride_sinks,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
     stride_ot, stride_oh, stride_lse_h,
-    BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    # BLOCK_M rows: out = sum_s e^{lse_s - m} o_s / (sum_s e^{lse_s - m} [+ e^{sink - m}]), the
-    # splits summed in order 0..NUM_SPLITS-1 whichever program merges (deterministic). Loads
-    # bypass L1 (.cg): other multiprocessors wrote the partials during this launch.
+    # BLOCK_M rows, output columns [col0, col0 + WIDTH): out = sum_s e^{lse_s - m} o_s /
+    # (sum_s e^{lse_s - m} [+ e^{sink - m}]), the splits summed in order 0..NUM_SPLITS-1
+    # whichever program merges (deterministic). Loads bypass L1 (.cg): other multiprocessors
+    # wrote the partials during this launch.
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
-    DV_CHUNK: tl.constexpr = 64 if DV_PAD > 64 else DV_PAD  # bounds registers for MLA's Dv 512
+    DV_CHUNK: tl.constexpr = 64 if WIDTH > 64 else WIDTH  # bounds registers for MLA's Dv 512
     # Pointers advance by one split per iteration (no int32 split x stride products).
     lse_rows = LSE_PART + tok * stride_lsep_t + head
     lse_s = lse_rows
@@ -406,8 +436,8 @@ def _merge_splits_tile(
     tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     o_rows = O_PART + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
     out_rows = O + tok[:, None] * stride_ot + head[:, None] * stride_oh
-    for dv_start in tl.static_range(0, DV_PAD, DV_CHUNK):
-        offs_dv = dv_start + tl.arange(0, DV_CHUNK)
+    for dv_start in tl.static_range(0, WIDTH, DV_CHUNK):
+        offs_dv = col0 + dv_start + tl.arange(0, DV_CHUNK)
         mask_dv = offs_dv < head_dim_v
         acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
         lse_s = lse_rows
@@ -426,30 +456,67 @@ def _merge_splits_tile(
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """Tile shape and kernel path of one launch. ``page_tiles``: address key tiles per page
-    (``_page_tile_rows``) where the page size is a power of two; else per key."""
+    """Tile shape and kernel paths of one launch (``_common.OPTIONAL_PATHS``; each applies
+    where the launch allows it, else the launch runs without it).
+
+    ``page_tiles``: key tiles addressed per page (power-of-two page sizes). ``phases``: the
+    three-phase key loop (``attention_tiles``). ``tma``: tensor descriptors for Q, O and the
+    interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
+    a power-of-two GQA group; paged: BLOCK_N capped at the page size); implies both others.
+    ``ws``: the interior loop warp-specialised (``tl.range(warp_specialize=True)``) on top of
+    ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
+    columns (FlashMLA's split of the 512 latent columns, here across programs, which all compute
+    the scores); only with ``qv`` (absorbed MLA), the one-loop schedule and
+    ``BLOCK_M >= 16 * dv_split``.
+    """
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     page_tiles: bool = False
+    phases: bool = False
+    tma: bool = False
+    ws: bool = False
+    dv_split: int = 1
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int, paths: frozenset = ENABLED_PATHS) -> _Config:
+                 elem_bytes: int, paths: frozenset = ENABLED_PATHS,
+                 page_size: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
-    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on."""
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on.
+
+    With ``page_tiles``, a decode tile holds one whole page where pages have 16 or more keys
+    (BLOCK_N = page_size when smaller than the default), so its K/V addresses come from one
+    page id and the compiler can stage the loads through shared memory; the pipeline deepens
+    to keep as many bytes in flight (at most 8 stages)."""
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
-    return dataclasses.replace(tiles, page_tiles="page_tiles" in paths)
+    if ("page_tiles" in paths and rows_per_request <= 64 and page_size is not None
+            and 16 <= page_size < tiles.block_n and page_size == next_pow2(page_size)):
+        stages = min(8, tiles.num_stages * tiles.block_n // page_size)
+        tiles = dataclasses.replace(tiles, block_n=page_size, num_stages=stages)
+    return with_paths(tiles, paths)
+
+
+def with_paths(config: _Config, paths: frozenset) -> _Config:
+    """``config`` with exactly the optional kernel ``paths`` on (and the ones they imply)."""
+    ws = "tma_ws" in paths
+    tma = ws or "tma" in paths
+    return dataclasses.replace(config, page_tiles=tma or "page_tiles" in paths,
+                               phases=tma or "phases" in paths, tma=tma, ws=ws,
+                               dv_split=2 if "mla_split" in paths else 1)
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
-                   paths: frozenset = ENABLED_PATHS) -> _Config:
+                   paths: frozenset = ENABLED_PATHS,
+                   page_size: Optional[int] = None) -> _Config:
     """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
-    ``paged_attention(..., config=dataclasses.replace(default_config(...), ...))``)."""
+    ``paged_attention(..., config=default_config(..., paths))``). ``page_size``: of a paged
+    cache (None: ragged K/V)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
-    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths)
+    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
+                        page_size)
 
 
 def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
@@ -506,10 +573,11 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                    batch: int, max_seqlen_q: int, max_kv_len: int, flags: tuple,
                    softmax_scale: float, softcap: float, window_left: int, window_right: int,
                    num_splits: Optional[int], config: Optional[_Config], part_strides,
-                   lse_stride: int, meta_strides: tuple) -> _LaunchParams:
+                   lse_stride: int, meta_strides: tuple, layout: tuple) -> _LaunchParams:
     """Grid, tile config, split count and every scalar argument of one call shape (cached: a
     decode step repeats the same shape in every layer, so this runs once per shape).
-    ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured)."""
+    ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured).
+    ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned."""
     total_q, num_heads_q, head_dim = q_shape
     head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
@@ -517,18 +585,24 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     elem = torch.empty((), dtype=q_dtype).element_size()
-    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
-    grid_m = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+    page_size = k_shape[1] if paged else 1
+    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
+                                 page_size=page_size if paged else None)
+    cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
+                               (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
+                                                         out_strides), has_qv)
+    m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
+    grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
         num_splits = plan_num_splits(device, grid_m * batch * num_heads_kv, max_kv_len,
-                                     cfg.block_n, decode=grid_m <= 2)
+                                     cfg.block_n, decode=m_blocks <= 2)
     if paged:
         kp, ks, kh = k_strides[:3]
         vp, vs, vh = v_strides[:3]
-        pt_stride, page_size = pt_strides[0], k_shape[1]
+        pt_stride = pt_strides[0]
     else:
         kp, ks, kh, vp, vs, vh = 0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1]
-        pt_stride, page_size = 0, 1
+        pt_stride = 0
     if num_splits > 1:
         if part_strides is None:  # fresh contiguous scratch
             part_strides = ((total_q * num_heads_q * dv_pad, num_heads_q * dv_pad, dv_pad),
@@ -551,11 +625,39 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                 HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
                 HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
                 USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
-                UPCAST=upcast, PAGE_TILES=cfg.page_tiles and page_size == next_pow2(page_size),
-                EVEN_D=cfg.page_tiles and (d_pad, dv_pad) == (head_dim, head_dim_v),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                UPCAST=upcast, **paths, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
                          dv_pad, grid_m * batch * num_heads_kv)
+
+
+def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: int, group: int,
+                  dims: tuple, pads: tuple, layout: tuple, strides: tuple,
+                  has_qv: bool) -> tuple[_Config, dict]:
+    """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at the
+    page size for paged descriptors). ``strides``: q, K, V, out strides."""
+    dv_split = cfg.dv_split
+    if not (has_qv and not cfg.phases and cfg.block_m >= 16 * dv_split
+            and pads[1] % dv_split == 0 and pads[1] // dv_split >= 16):
+        dv_split = 1
+    elem, kv_elem, out_elem, aligned = layout
+    pow2_pages = page_size == next_pow2(page_size)
+    even_d = tuple(dims) == tuple(pads)
+    tma = (cfg.tma and aligned and descriptors_supported(device.type, device.index)
+           and group == next_pow2(group) and cfg.block_m % group == 0
+           and (not paged or (pow2_pages and page_size >= 16))
+           and _rows_aligned(strides, (elem, kv_elem, kv_elem, out_elem), paged))
+    if tma and paged and cfg.block_n > page_size:
+        cfg = dataclasses.replace(cfg, block_n=page_size)
+    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages,
+                     EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
+                     WS=tma and cfg.ws and warp_specialize_supported(),
+                     GROUP=group if tma else 1, DV_SPLIT=dv_split)
+
+
+def _rows_aligned(strides: tuple, elems: tuple, paged: bool) -> bool:
+    """Every non-unit stride of q, K, V and out is a multiple of 16 bytes (descriptor rows)."""
+    dims = (2, 3 if paged else 2, 3 if paged else 2, 2)
+    return all(st * e % 16 == 0 for t, e, n in zip(strides, elems, dims) for st in t[:n])
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
@@ -621,8 +723,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         window_left, window_right, num_splits, config,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0),
         _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks,
-                          q_descale, k_descale, v_descale, *extras))
+                          q_descale, k_descale, v_descale, *extras),
+        (q.element_size(), k.element_size(), out.element_size(),
+         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    if params.meta["TMA"] and q.device.type == "cuda":
+        set_descriptor_allocator()
     launch(_paged_attention_kernel, params.grid, q.device,
            q, k, v, q if qv is None else qv, out, lse, o_part, lse_part, counters,
            cache_seqlens, cache_seqlens if page_table is None else page_table,
