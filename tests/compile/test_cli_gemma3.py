@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import struct
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ import torch
 from compile.__main__ import main
 from compile.engine.cli_check import attention_kinds, check_model, format_attention, format_result
 from compile.models.config import SUPPORTED_MODEL_TYPES
+from compile.models.gguf import gguf_architecture
 from compile.batch.swa_pages import kv_cache_bytes
 from tests.compile.compile_helpers import tiny_model
+from tests.compile.test_cli import _one_line_exit_2
 from tests.compile.test_swa_pages import WINDOW, tiny_gemma3
 
 
@@ -43,16 +46,6 @@ def test_attention_kinds_names_chunked_local_layers():
                                        "1 x sliding window 3 (layers 3)")
 
 
-def _one_line_exit_2(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    assert exit_info.value.code == 2, captured
-    err = captured.err.splitlines()
-    assert len(err) == 1 and "Traceback" not in captured.err, captured.err
-    return err[0]
-
-
 @pytest.mark.parametrize("command", ["generate", "check"])
 def test_unsupported_model_type_is_one_line_naming_the_supported(command, tmp_path, capsys,
                                                                  monkeypatch):
@@ -69,6 +62,28 @@ def test_unsupported_model_type_is_one_line_naming_the_supported(command, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
     line = _one_line_exit_2([command, *flag, str(tmp_path)], capsys)
     assert "model_type 'no_such_arch' is not supported; expected one of" in line, line
+
+
+def gguf_header(architecture: str) -> bytes:
+    """A GGUF v3 header of no tensors and two keys: a uint32, then general.architecture."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+            + string("general.alignment") + struct.pack("<II", 4, 32)
+            + string("general.architecture") + struct.pack("<I", 8) + string(architecture))
+
+
+def test_unsupported_gguf_architecture_is_refused_from_its_header(tmp_path, capsys):
+    path = tmp_path / "phi.gguf"
+    path.write_bytes(gguf_header("phi3"))
+    assert gguf_architecture(path) == "phi3"
+    line = _one_line_exit_2(["generate", "--model", str(path)], capsys)
+    assert re.search(r"model_type 'phi3' is not supported; expected one of "
+                     + re.escape(", ".join(SUPPORTED_MODEL_TYPES)), line), line
+    (tmp_path / "gemma.gguf").write_bytes(gguf_header("gemma3"))
+    assert gguf_architecture(tmp_path / "gemma.gguf") == "gemma3"  # transformers: gemma3_text
+    (tmp_path / "short.gguf").write_bytes(gguf_header("gemma3")[:40])
+    assert gguf_architecture(tmp_path / "short.gguf") is None  # left to transformers
 
 
 def test_gemma3_without_its_package_is_an_argument_error(monkeypatch, capsys):

@@ -260,7 +260,7 @@ def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, d
     NaN-poisoned output, against the reference provider: (relative error, launch constexprs)."""
     from xpu_ops.triton import paged_attention as pa
     k_descale, v_descale = descales or (None, None)
-    config = pa.with_paths(pa.default_config(q, v, max_seqlen_q, k.shape[2]), frozenset(paths))
+    config = pa.default_config(q, v, max_seqlen_q, k.shape[2], frozenset(paths), k.shape[1])
     out = torch.full_like(q, float("nan"))
     seen = []
     real = pa.launch

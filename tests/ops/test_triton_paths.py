@@ -30,7 +30,7 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
 # Pages larger than the interpreter's 16-key tile (a tile inside one page), odd D and Dv != D;
-# a prefill whose row tiles end inside each request (descriptor boxes clip at q_len).
+# a prefill whose row tiles end inside each request (descriptor boxes clip at q_len); pages of 8.
 EXTRA_CASES = (
     xt.AttentionCase(((1, 70), (3, 40), (1, 0)), page_size=32, hq=4, hkv=2, d=20, causal=True,
                      num_splits=3),
@@ -38,13 +38,16 @@ EXTRA_CASES = (
                      window=(20, 0), sinks=True, num_splits=1),
     xt.AttentionCase(((21, 50), (20, 20)), page_size=16, hq=8, hkv=2, d=32, causal=True,
                      num_splits=1),
+    # two pages per 16-key tile (per-page offsets reshaped to keys), GQA 2, a window
+    xt.AttentionCase(((3, 45), (1, 17)), page_size=8, hq=4, hkv=2, d=16, causal=True,
+                     window=(20, 0), num_splits=2),
 )
 CASES = xt.ATTENTION_CASES + EXTRA_CASES
 CASE_IDS = [f"{i}-ps{c.page_size}-d{c.d}" for i, c in enumerate(CASES)]
 # phases alone and warp specialisation (the interpreter runs the loop as written) on a subset:
 # GQA extend at page 4, page 1, fp8 KV, leftpad, bidirectional blocks, tiles inside pages, a
 # prefill.
-SUBSET = [1, 2, 11, 21, 22, 24, 26]
+SUBSET = [1, 2, 11, 21, 22, 24, 26, 27]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -72,7 +75,7 @@ def _launch_with(paths, args, kwargs):
     config and exactly the optional ``paths`` on; returns the LSE (``out`` = ``args[6]``)."""
     (q, k, v, lens, table, cu, out, qv, q_descale, k_descale, v_descale, sinks, leftpad,
      block_ids) = args
-    config = pa.with_paths(pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2]), paths)
+    config = pa.default_config(q, v, kwargs["max_seqlen_q"], k.shape[2], paths, k.shape[1])
     return pa.paged_attention(
         q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
         max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=table.shape[1] * k.shape[1], qv=qv,
@@ -88,14 +91,15 @@ def _pow2(n: int) -> bool:
 
 
 def _expected_paths(case, paths) -> dict:
-    """The path constexprs a launch of ``case`` must get (CPU: descriptors supported, fp32 /
-    bf16 / fp8 rows of these head dims are 16-byte multiples)."""
+    """The path constexprs a launch of ``case`` must get (CPU: 16-key tiles, so per-page
+    addressing from 8-key pages up; descriptors supported; fp32 / bf16 / fp8 rows of these head
+    dims are 16-byte multiples)."""
     asked = bool(paths & {"tma", "tma_ws"})
     tma = asked and _pow2(case.hq // case.hkv) and _pow2(case.page_size) and case.page_size >= 16
     tiles = asked or "page_tiles" in paths
     even = _pow2(case.d) and _pow2(case.head_dim_v) and min(case.d, case.head_dim_v) >= 16
-    return dict(PAGE_TILES=tiles and _pow2(case.page_size), EVEN_D=tiles and even,
-                PHASES=asked or "phases" in paths, TMA=tma)
+    return dict(PAGE_TILES=tiles and _pow2(case.page_size) and case.page_size >= 8,
+                EVEN_D=tiles and even, PHASES=asked or "phases" in paths, TMA=tma)
 
 
 def _check_paths(case, paths, launches):
@@ -186,3 +190,16 @@ def test_mla_split_matches_oracle(case, launches):
     assert launches[0]["DV_SPLIT"] == (2 if block_m >= 32 else 1)
     want = oracle.flash_mla_decode(q_nope, q_rope, kv, lens, table, 0.1)
     assert_matches_oracle(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("page_size, block_n, stages", [(16, 16, 8), (32, 32, 8), (64, 64, 4),
+                                                        (128, 64, 4), (1, 64, 4), (8, 64, 4)])
+def test_page_tiles_decode_tiles_hold_one_page(page_size, block_n, stages):
+    """Decode tiles with ``page_tiles`` on a GPU: one whole page per tile from 16 keys up (its K/V
+    addresses then come from one page id), the pipeline deepened to keep the bytes in flight;
+    smaller pages and the default path keep the default 64-key tile (4 stages, 2 warps)."""
+    cuda = torch.device("cuda")  # the tile choice reads only the device type
+    tiles = pa._pick_config(cuda, 4, 128, 128, 2, frozenset({"page_tiles"}), page_size)
+    assert (tiles.block_n, tiles.num_stages, tiles.page_tiles) == (block_n, stages, True)
+    default = pa._pick_config(cuda, 4, 128, 128, 2, frozenset(), page_size)
+    assert (default.block_n, default.num_stages, default.page_tiles) == (64, 4, False)

@@ -459,10 +459,12 @@ class _Config:
     """Tile shape and kernel paths of one launch (``_common.OPTIONAL_PATHS``; each applies
     where the launch allows it, else the launch runs without it).
 
-    ``page_tiles``: key tiles addressed per page (power-of-two page sizes). ``phases``: the
+    ``page_tiles``: key tiles addressed per page (power-of-two page sizes, at most two pages
+    per tile). ``phases``: the
     three-phase key loop (``attention_tiles``). ``tma``: tensor descriptors for Q, O and the
     interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
-    a power-of-two GQA group; paged: BLOCK_N capped at the page size); implies both others.
+    a power-of-two GQA group; paged: BLOCK_N capped at the page size, 3 stages or more);
+    implies both others.
     ``ws``: the interior loop warp-specialised (``tl.range(warp_specialize=True)``) on top of
     ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
     columns (FlashMLA's split of the 512 latent columns, here across programs, which all compute
@@ -481,10 +483,20 @@ class _Config:
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int, paths: frozenset = ENABLED_PATHS) -> _Config:
+                 elem_bytes: int, paths: frozenset = ENABLED_PATHS,
+                 page_size: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
-    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on."""
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on.
+
+    With ``page_tiles``, a decode tile holds one whole page where pages have 16 or more keys
+    (BLOCK_N = page_size when smaller than the default), so its K/V addresses come from one
+    page id and the compiler can stage the loads through shared memory; the pipeline deepens
+    to keep as many bytes in flight (at most 8 stages)."""
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
+    if ("page_tiles" in paths and rows_per_request <= 64 and page_size is not None
+            and 16 <= page_size < tiles.block_n and page_size == next_pow2(page_size)):
+        stages = min(8, tiles.num_stages * tiles.block_n // page_size)
+        tiles = dataclasses.replace(tiles, block_n=page_size, num_stages=stages)
     return with_paths(tiles, paths)
 
 
@@ -498,12 +510,15 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
-                   paths: frozenset = ENABLED_PATHS) -> _Config:
+                   paths: frozenset = ENABLED_PATHS,
+                   page_size: Optional[int] = None) -> _Config:
     """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
-    ``paged_attention(..., config=dataclasses.replace(default_config(...), ...))``)."""
+    ``paged_attention(..., config=default_config(..., paths))``). ``page_size``: of a paged
+    cache (None: ragged K/V)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
-    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths)
+    return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
+                        page_size)
 
 
 def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
@@ -572,8 +587,9 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
     d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
     elem = torch.empty((), dtype=q_dtype).element_size()
-    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem)
     page_size = k_shape[1] if paged else 1
+    cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
+                                 page_size=page_size if paged else None)
     cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
                                                          out_strides), has_qv)
@@ -620,11 +636,20 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
                   dims: tuple, pads: tuple, layout: tuple, strides: tuple,
                   has_qv: bool) -> tuple[_Config, dict]:
     """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at the
-    page size for paged descriptors). ``strides``: q, K, V, out strides."""
+    page size for paged descriptors, at 32 keys for split latent columns). ``strides``: q, K,
+    V, out strides.
+
+    Absorbed MLA's Dv >= 512 keeps the one-loop, per-key schedule: compiled for sm_90,
+    ``page_tiles`` and ``phases`` spill registers there (``benchmarks/compile_kernels.py``)."""
+    wide = pads[1] >= 512
+    if wide:
+        cfg = dataclasses.replace(cfg, page_tiles=False, phases=False, tma=False, ws=False)
     dv_split = cfg.dv_split
     if not (has_qv and not cfg.phases and cfg.block_m >= 16 * dv_split
             and pads[1] % dv_split == 0 and pads[1] // dv_split >= 16):
         dv_split = 1
+    if dv_split > 1 and wide and cfg.block_n > 32:  # the chunk's V tiles need shared memory
+        cfg = dataclasses.replace(cfg, block_n=32)
     elem, kv_elem, out_elem, aligned = layout
     pow2_pages = page_size == next_pow2(page_size)
     even_d = tuple(dims) == tuple(pads)
@@ -632,9 +657,12 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
            and group == next_pow2(group) and cfg.block_m % group == 0
            and (not paged or (pow2_pages and page_size >= 16))
            and _rows_aligned(strides, (elem, kv_elem, kv_elem, out_elem), paged))
-    if tma and paged and cfg.block_n > page_size:
-        cfg = dataclasses.replace(cfg, block_n=page_size)
-    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages,
+    if tma and paged and cfg.block_n > page_size:  # one page per box, one stage deeper
+        cfg = dataclasses.replace(cfg, block_n=page_size, num_stages=max(cfg.num_stages, 3))
+    # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
+    # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
+    few_pages = cfg.block_n <= 2 * page_size
+    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
                      GROUP=group if tma else 1, DV_SPLIT=dv_split)
