@@ -8,7 +8,8 @@ Three tables, every figure measured in this process (host plus device, medians):
    ``BatchDecodeWithPagedKVCacheWrapper.run`` on the same pages (planned once, outside the
    timing, as a serving engine does; reported as missing where ``flashinfer`` does not import).
 2. ``store_kv_cache`` of one decode token per request against the two ``index_copy_`` calls that
-   write the same K and V rows into the flat caches.
+   write the same K and V rows into the flat caches; ``merge_state_v2`` of two decode states
+   against the same merge written as four PyTorch calls.
 3. A decode step of the Llama-3.2-1B-shaped model (``--layers``, ``--hidden`` to shrink it):
    eager against ``compile_model`` (``torch.compile`` through Inductor, no device graphs), step
    time and host time per step (until ``forward`` returns), at each of ``--batches``.
@@ -19,7 +20,7 @@ report the median over ``--iters`` such calls after ``--warmup`` calls, with the
 peer. Shapes (Llama-3.2-1B: Hq 32, Hkv 8, D 64) are the same on every device; on the CPU use
 ``--context 256`` or less and a shrunken model for a quick run.
 
-    python benchmarks/bench_op_call.py --device cuda                        # the H200 tables
+    python benchmarks/bench_op_call.py --device cuda --out-dir DIR          # the H200 tables
     python benchmarks/bench_op_call.py --device cpu --dtype float32 --context 256 \\
         --layers 2 --hidden 256 --batches 1 8                               # CPU check
 """
@@ -45,18 +46,22 @@ RESULTS = Path(__file__).parent / "results"
 HQ, HKV, D = 32, 8, 64  # Llama-3.2-1B attention shape
 
 
-def latency_us(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median microseconds of one call plus a device synchronisation."""
+def latency_us(fn: Callable[[], object], device: torch.device, warmup: int,
+               iters: int) -> dict:
+    """``{"us": median microseconds of one call plus a device synchronisation, "host_us":
+    median microseconds until the call returns}`` (the host part: checks, dispatch, launch)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         dev.synchronize(device)
         t0 = time.perf_counter_ns()
         fn()
+        t1 = time.perf_counter_ns()
         dev.synchronize(device)
         times.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(times)
+        host.append((t1 - t0) / 1e3)
+    return {"us": statistics.median(times), "host_us": statistics.median(host)}
 
 
 def decode_inputs(b: int, context: int, page_size: int, dtype: torch.dtype,
@@ -137,6 +142,23 @@ def store_row(args, device: torch.device) -> dict:
     return {name: latency_us(fn, device, args.warmup, args.iters) for name, fn in calls.items()}
 
 
+def merge_row(args, device: torch.device) -> dict:
+    """Table 2b: ``merge_state_v2`` of two decode states ``[b, Hq, D]`` (into given outputs)
+    against the same merge in four PyTorch calls (``logaddexp``, two weights, a weighted sum)."""
+    g = torch.Generator().manual_seed(2)
+    b = args.attention_batch
+    v_a, v_b = (torch.randn(b, HQ, D, generator=g).to(device, args.dtype) for _ in range(2))
+    s_a, s_b = (torch.randn(b, HQ, generator=g).to(device) for _ in range(2))
+    v_out, s_out = torch.empty_like(v_a), torch.empty_like(s_a)
+
+    def torch_merge():
+        s = torch.logaddexp(s_a, s_b)
+        return ((s_a - s).exp().unsqueeze(-1) * v_a + (s_b - s).exp().unsqueeze(-1) * v_b), s
+    calls = {"xpu_ops": lambda: xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b, v_out, s_out),
+             "torch (4 ops)": torch_merge}
+    return {name: latency_us(fn, device, args.warmup, args.iters) for name, fn in calls.items()}
+
+
 def model_rows(args) -> list[dict]:
     """Table 3: eager and ``compile_model`` decode steps (ms), with host ms per step."""
     if not args.batches:
@@ -159,15 +181,16 @@ def model_rows(args) -> list[dict]:
     return rows
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> str:
-    return "missing" if a is None or b is None else f"{a / b:.2f}x"
+def _ratio(a: Optional[dict], b: Optional[dict]) -> str:
+    return "missing" if a is None or b is None else f"{a['us'] / b['us']:.2f}x"
 
 
-def _us(x: Optional[float]) -> str:
-    return "missing (not importable here)" if x is None else f"{x:.1f}"
+def _us(x: Optional[dict]) -> str:
+    return ("missing (not importable here) | missing" if x is None
+            else f"{x['us']:.1f} | {x['host_us']:.1f}")
 
 
-def report(args, attention: dict, store: dict, models: list[dict]) -> str:
+def report(args, attention: dict, store: dict, merge: dict, models: list[dict]) -> str:
     """The Markdown tables."""
     name = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
             else platform.processor() or args.device.type)
@@ -181,17 +204,22 @@ def report(args, attention: dict, store: dict, models: list[dict]) -> str:
            f"{args.dtype}, {torch.get_num_threads()} CPU threads, provider of "
            f"flash_attn_with_kvcache: {_provider(args.device)}\n",
            f"Decode b={b}, context {args.context}, page {args.page_size}, Hq {HQ}, Hkv {HKV}, "
-           f"D {D}; median us per call + sync over {args.iters} calls.\n",
-           "| call | us | xpu_ops / it |", "|---|---:|---:|"]
+           f"D {D}; median us per call + sync over {args.iters} calls (host: until the call "
+           "returns).\n",
+           "| call | us | host us | xpu_ops / it |", "|---|---:|---:|---:|"]
     for peer in ("xpu_ops", "sdpa", "flashinfer"):
         label = {"xpu_ops": "xpu_ops.flash_attn_with_kvcache", "sdpa": "torch SDPA (contiguous "
                  "K/V)", "flashinfer": "FlashInfer BatchDecodeWithPagedKVCacheWrapper.run"}[peer]
         out.append(f"| {label} | {_us(attention[peer])} | "
                    f"{_ratio(attention['xpu_ops'], attention[peer])} |")
     out += ["", f"store_kv_cache, {b} token(s) into [65536, {HKV}, {D}]:", "",
-            "| call | us | xpu_ops / it |", "|---|---:|---:|"]
+            "| call | us | host us | xpu_ops / it |", "|---|---:|---:|---:|"]
     for peer, us in store.items():
-        out.append(f"| {peer} | {us:.1f} | {_ratio(store['xpu_ops'], us)} |")
+        out.append(f"| {peer} | {_us(us)} | {_ratio(store['xpu_ops'], us)} |")
+    out += ["", f"merge_state_v2, [{b}, {HQ}, {D}] states into given outputs:", "",
+            "| call | us | host us | xpu_ops / it |", "|---|---:|---:|---:|"]
+    for peer, us in merge.items():
+        out.append(f"| {peer} | {_us(us)} | {_ratio(merge['xpu_ops'], us)} |")
     if models:
         out += ["", f"Decode step, {args.layers} layers, hidden {args.hidden or 2048}, context "
                 f"{args.context} (ms per step, median of {args.steps}; host: until forward "
@@ -228,7 +256,8 @@ def main(argv=None) -> None:
     p.add_argument("--model-warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--out", default=None, help="write <out>.md and <out>.json")
+    p.add_argument("--out-dir", default=None,
+                   help="write bench_op_call.md and bench_op_call.json into this directory")
     args = p.parse_args(argv)
     args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
@@ -236,15 +265,16 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         attention = attention_row(args, args.device)
         store = store_row(args, args.device)
+        merge = merge_row(args, args.device)
     models = model_rows(args)
-    text = report(args, attention, store, models)
+    text = report(args, attention, store, merge, models)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if args.out_dir:
+        out = Path(args.out_dir) / "bench_op_call"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
         out.with_suffix(".json").write_text(json.dumps(
-            {"attention_us": attention, "store_us": store, "model_ms": models,
+            {"attention_us": attention, "store_us": store, "merge_us": merge, "model_ms": models,
              "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 
 

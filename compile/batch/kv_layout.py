@@ -50,6 +50,13 @@ class KVLayout:
         return self.head_dim - self.kv_lora_rank if self.kv_lora_rank else 0
 
 
+def check_layout(function: str, layout) -> None:
+    """``TypeError`` unless ``layout`` is a ``KVLayout`` (e.g. a model config was passed)."""
+    if not isinstance(layout, KVLayout):
+        raise TypeError(f"{function}: layout must be a KVLayout; expected the model's KV facts, "
+                        f"got {type(layout).__name__}. Pass compile.backend.kv_layout(model).")
+
+
 def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> MHATokenToKVPool | MLATokenToKVPool:
     """One pool holding every layer of ``layout``: ``MLATokenToKVPool`` when ``kv_lora_rank``,
@@ -61,7 +68,10 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
     ...                     size=32, page_size=16, dtype=torch.float32, device="cpu")
     >>> tuple(pool.get_key_buffer(1).shape)
     (32, 1, 8)
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
     """
+    check_layout("make_kv_pool", layout)
     if layout.kv_lora_rank:
         return MLATokenToKVPool(size, page_size, dtype, layout.kv_lora_rank,
                                 layout.qk_rope_head_dim, layout.num_layers, device)
@@ -69,4 +79,4 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
                             layout.num_layers, device, v_head_dim=layout.v_head_dim)
 
 
-__all__ = ["KVLayout", "make_kv_pool"]
+__all__ = ["KVLayout", "check_layout", "make_kv_pool"]

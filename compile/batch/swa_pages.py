@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from compile.batch.kv_layout import KVLayout
+from compile.batch.kv_layout import KVLayout, check_layout
 from compile.batch.memory_pool import PageAllocator, SWAKVPool
 
 
@@ -106,7 +106,10 @@ def hybrid_kv_pool(layout: KVLayout, *, size: int, page_size: int, dtype: torch.
         max_running: requests at once. prefill_chunk: most new tokens per request and step.
         max_context_len: tokens per request at most.
     The SWA pool holds ``max_running * swa_pages_per_request(...)`` pages plus page 0.
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
     """
+    check_layout("hybrid_kv_pool", layout)
     per_request = swa_pages_per_request(layout.sliding_window, prefill_chunk, page_size,
                                         max_context_len)
     pool = SWAKVPool(size, (max_running * per_request + 1) * page_size, layout.swa_layer_ids,
@@ -140,7 +143,10 @@ def kv_cache_bytes(layout: KVLayout, context_len: int, *, page_size: int = 16,
         context_len: tokens per request. page_size: tokens per page.
         prefill_chunk: the engine's ``chunked_prefill_size`` (new tokens per request and step).
         dtype: cache dtype.
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
     """
+    check_layout("kv_cache_bytes", layout)
     # per token and layer: K and V rows, or one latent row [R + r] (MLA)
     width = layout.head_dim if layout.kv_lora_rank else layout.head_num * (
         layout.head_dim + layout.v_head_dim)

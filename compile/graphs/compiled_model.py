@@ -1,7 +1,7 @@
 """``compile_model``: ``torch.compile`` of a zoo model's forward, run inside the forward context.
 
-What ``python -m compile --mode compile`` runs, and what ``--mode graphs`` captures per batch
-bucket (``compile.graphs.graph_runner.DecodeGraphRunner``). Dynamo traces the whole model
+What ``python -m compile --mode compile`` runs; ``compile.graphs.graph_runner.GraphRunner(model,
+forward=compile_model(model))`` captures it per batch bucket. Dynamo traces the whole model
 (``fullgraph=True`` holds for every zoo model: tests/compile/test_compile_model.py) and Inductor
 compiles it; compile time comes from Inductor's caches. Each call runs inside
 ``compile.graphs.forward_context.set_forward_context`` with the step's ``ForwardBatch``, so code

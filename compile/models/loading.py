@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from compile.models import deepseek_v2, gemma3, llama4
-from compile.models.config import ModelConfig
+from compile.models.config import ModelConfig, check_model_type
 from compile.models.llama import LlamaForCausalLM
 from compile.models.weights import copy_from_hf
 
@@ -34,6 +34,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
             names them) or an unsupported option of a supported one.
     """
     model_type = getattr(hf_model.config, "model_type", None)
+    check_model_type("from_hf", model_type)
     if model_type == "deepseek_v2":
         return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
     if model_type == "llama4_text":

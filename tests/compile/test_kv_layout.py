@@ -11,6 +11,7 @@ from torch import nn
 from compile.backend.layer import PagedAttention, kv_layout
 from compile.batch.kv_layout import KVLayout, make_kv_pool
 from compile.batch.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from compile.batch.swa_pages import hybrid_kv_pool, kv_cache_bytes
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from tests.compile.compile_helpers import tiny_model
 
@@ -58,3 +59,15 @@ def test_layers_of_two_shapes_are_rejected():
     with pytest.raises(ValueError, match=r"kv_layout: layer 1 has \(Hkv, D, Dv\) \(2, 16, 16\); "
                                          r"expected the same as layer 0"):
         kv_layout(model)
+
+
+@pytest.mark.parametrize("call", [
+    lambda cfg: make_kv_pool(cfg, 32, 16, torch.float32, "cpu"),
+    lambda cfg: kv_cache_bytes(cfg, 64),
+    lambda cfg: hybrid_kv_pool(cfg, size=32, page_size=16, dtype=torch.float32, device="cpu",
+                               max_running=1, prefill_chunk=8, max_context_len=32)],
+    ids=["make_kv_pool", "kv_cache_bytes", "hybrid_kv_pool"])
+def test_a_model_config_instead_of_a_layout_is_a_type_error(call):
+    with pytest.raises(TypeError, match=r"\w+: layout must be a KVLayout; expected the model's "
+                                        r"KV facts, got ModelConfig. Pass compile.backend"):
+        call(tiny_model(2).config)

@@ -73,19 +73,22 @@ def run(model, page_size: int, swa_pool, forward=None):
     return engine, engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
 
 
-class FullPoolLogits:
-    def __init__(self, model):
-        self.model, self.logits, self.engine = model, [], None
+class Recorder:
+    """Engine forward that runs ``forward`` and keeps the logits of every step."""
+
+    def __init__(self, forward):
+        self.forward, self.logits, self.engine = forward, [], None
+        self.builds_metadata = getattr(forward, "builds_metadata", False)  # a graph runner's
 
     def __call__(self, *args):
-        self.logits.append(self.model(*args))
+        self.logits.append(self.forward(*args))
         return self.logits[-1]
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16])
 def test_hybrid_pool_equals_full_pool_with_freed_pages_poisoned(page_size):
     model = tiny_gemma3()
-    full = FullPoolLogits(model)
+    full = Recorder(model)
     full_engine, want = run(model, page_size, swa_pool=False, forward=full)
     assert not isinstance(full_engine.token_to_kv_pool, SWAKVPool)
     bound = swa_pages_per_request(WINDOW, CHUNK, page_size, 64)

@@ -44,32 +44,53 @@ def applies(q: Tensor, k_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int,
         cu_seqlens_q, torch.arange(batch + 1, dtype=cu_seqlens_q.dtype))
 
 
-def _gather_heads_first(cache: Tensor, pages: Tensor) -> Tensor:
-    """``cache [num_pages, page_size, Hkv, D]`` rows of ``pages [b, P]`` (in range) as a new
-    contiguous float32 ``[Hkv, b, P * page_size, D]``, so each (head, request) block is one
-    matrix: ``index_select`` copies whole pages, one ``copy_`` puts the KV head first (and
-    converts to float32)."""
-    b, max_pages = pages.shape
-    page_size, num_heads_kv, dim = cache.shape[1:]
-    rows = torch.index_select(cache, 0, pages.reshape(-1))        # [b * P, page_size, Hkv, D]
-    out = torch.empty((num_heads_kv, b, max_pages * page_size, dim), dtype=torch.float32)
-    return out.copy_(rows.view(b, max_pages * page_size, num_heads_kv, dim).permute(2, 0, 1, 3))
+def _slots(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: int,
+           window_left: int) -> tuple[Tensor, Tensor, bool]:
+    """``(slots [b, L] int64, hidden [b, L] bool, exact)`` for the ``L = P * page_size`` keys
+    of each request.
 
-
-def _visible(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: int,
-             window_left: int) -> tuple[Tensor, Tensor]:
-    """``(pages [b, P] int64 in range, visible [b, P * page_size] bool)``: the keys that exist
-    (``j < min(cache_seqlens, capacity)`` on a page id in ``[0, num_pages)``) inside the
-    window's left bound; out-of-range page ids are read as page 0 and hidden."""
-    capacity = page_table.shape[1] * page_size
-    pages = page_table.long()
-    page_ok = (pages >= 0) & (pages < num_pages)                              # [b, P]
-    k_lens = cache_seqlens.long().clamp(0, capacity)[:, None]                 # [b, 1]
+    ``slots`` is the cache slot (``page * page_size + offset``, page ids clamped into range)
+    each key is read from; ``hidden`` marks the keys that do not exist (``j >= min(cache_seqlens,
+    capacity)`` or on a page id outside ``[0, num_pages)``) or lie left of the window. When
+    ``exact`` (no page id out of range, every request has a key), a hidden key reads its
+    request's last key instead (always visible), so every slot read holds a key the request
+    owns and nothing read needs zeroing; otherwise hidden keys may read garbage (NaN). Reading
+    values costs no synchronisation on the CPU.
+    """
+    b, max_pages = page_table.shape
+    capacity = max_pages * page_size
+    raw = page_table.long()
+    pages = raw.clamp(0, max(num_pages - 1, 0))
+    k_lens = cache_seqlens.long().clamp_(0, capacity)[:, None]                # [b, 1]
     positions = torch.arange(capacity)[None, :]
-    visible = (positions < k_lens) & page_ok.repeat_interleave(page_size, dim=1)
-    if window_left >= 0:
-        visible &= positions >= k_lens - 1 - window_left
-    return pages.masked_fill_(~page_ok, 0), visible
+    hidden = positions >= k_lens
+    if window_left >= 0:  # a decode row's own key (j = Lk - 1) stays inside the window
+        hidden |= positions < k_lens - 1 - window_left
+    slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(b, capacity)
+    if not torch.equal(pages, raw):
+        hidden |= (pages != raw).repeat_interleave(page_size, dim=1)
+        return slots, hidden, False
+    if int(k_lens.min()) == 0:
+        return slots, hidden, False
+    return torch.where(hidden, slots.gather(1, k_lens - 1), slots), hidden, True
+
+
+def _gather_heads_first(cache: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
+    """``cache [num_pages, page_size, Hkv, D]`` at ``slots [b, L]`` as float32 ``[Hkv, b, L,
+    D]``, so each (head, request) block is one matrix.
+
+    A contiguous cache takes one ``index_select`` of its ``[slots * Hkv, D]`` rows ``rows``
+    (``slot * Hkv + head`` in heads-first order, shared by K and V); any other strides one
+    advanced index by (page, offset), then one copy that puts the head first.
+    """
+    page_size, num_heads_kv, dim = cache.shape[1:]
+    b, keys = slots.shape
+    if cache.is_contiguous():
+        picked = cache.view(-1, dim).index_select(0, rows)
+        return picked.view(num_heads_kv, b, keys, dim).float()
+    picked = cache[slots // page_size, slots % page_size]                     # [b, L, Hkv, D]
+    out = torch.empty((num_heads_kv, b, keys, dim), dtype=torch.float32)
+    return out.copy_(picked.permute(2, 0, 1, 3))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -77,6 +98,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
                      softmax_scale: float, window_left: int, softcap: float) -> Tensor:
     """Attention of ``q [b, Hq, D]`` (row ``r`` is request ``r``'s only query) over the paged
     cache; writes ``out [b, Hq, Dv]`` and returns the LSE ``[Hq, b]`` float32 (natural log).
+
+    The LSE comes from the softmax itself: ``lse = s_max - log(p_max)`` (``p_max = 1 /
+    sum(exp(s - s_max)) >= 1 / L`` never underflows), one fused ``softmax`` and two ``amax``
+    instead of a ``logsumexp`` and a second pass over the scores.
 
     Args:
         k_cache/v_cache: [num_pages, page_size, Hkv, D|Dv], q's dtype.
@@ -87,23 +112,32 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     b, num_heads_q, head_dim = q.shape
     num_pages, page_size, num_heads_kv = k_cache.shape[:3]
     group = num_heads_q // num_heads_kv
-    pages, visible = _visible(page_table, cache_seqlens, num_pages, page_size, window_left)
-    hidden = ~visible[None, :, None, :]                                       # [1, b, 1, L]
+    slots, hidden, exact = _slots(page_table, cache_seqlens, num_pages, page_size, window_left)
+    rows = (slots * num_heads_kv)[None] + torch.arange(num_heads_kv)[:, None, None]
+    rows = rows.view(-1)                                          # [Hkv * b * L], heads first
     # Batched over (KV head, request): the G query heads of a KV head share its keys.
-    keys = _gather_heads_first(k_cache, pages)                                # [Hkv, b, L, D]
-    qg = q.float().view(b, num_heads_kv, group, head_dim).transpose(0, 1)     # [Hkv, b, G, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(softmax_scale)     # [Hkv, b, G, L]
+    keys = _gather_heads_first(k_cache, slots, rows)                          # [Hkv, b, L, D]
+    qg = q.view(b, num_heads_kv, group, head_dim).transpose(0, 1)             # [Hkv, b, G, D]
     if softcap > 0:
+        scores = torch.matmul(qg.float(), keys.transpose(-1, -2)).mul_(softmax_scale)
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores.masked_fill_(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                     # -inf: no key
-    if sinks is not None:
-        lse = torch.logaddexp(lse, sinks.float().view(num_heads_kv, 1, group))
-    probs = scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()
-    values = _gather_heads_first(v_cache, pages)                              # [Hkv, b, L, Dv]
-    values.masked_fill_(~visible[None, :, :, None], 0.0)                      # NaN garbage: 0
+    else:  # the scale folded into the G query rows (fewer products than the scores)
+        scores = torch.matmul(qg.float() * softmax_scale, keys.transpose(-1, -2))
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))              # [Hkv, b, G, L]
+    probs = torch.softmax(scores, dim=-1)
+    lse = scores.amax(dim=-1).sub_(probs.amax(dim=-1).log_())                 # [Hkv, b, G]
+    values = _gather_heads_first(v_cache, slots, rows)                        # [Hkv, b, L, Dv]
+    if not exact:  # hidden keys may have read NaN: 0 * NaN is NaN; rows without keys: NaN
+        garbage = hidden.view(-1).nonzero().squeeze(1)
+        values.view(num_heads_kv, -1, values.shape[-1]).index_fill_(1, garbage, 0.0)
+        probs.nan_to_num_(0.0)
+        lse.masked_fill_(hidden.all(dim=1)[None, :, None], float("-inf"))
+    if sinks is not None:  # one more logit in the denominator
+        total = torch.logaddexp(lse, sinks.float().view(num_heads_kv, 1, group))
+        probs.mul_((lse - total).exp_()[..., None])
+        lse = total
     o = torch.matmul(probs, values)                                           # [Hkv, b, G, Dv]
-    out.copy_(o.transpose(0, 1).reshape(b, num_heads_q, -1))
+    out.view(b, num_heads_kv, group, -1).copy_(o.transpose(0, 1))
     return lse.permute(0, 2, 1).reshape(num_heads_q, b)
 
 

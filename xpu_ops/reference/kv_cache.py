@@ -60,8 +60,9 @@ def _write_slots_cpu(rows: Tensor, loc: Tensor, values: Tensor) -> None:
     """``write_slots`` on the CPU, where reading ``loc`` costs no synchronisation: the in-range
     entries are selected directly and copied with one ``index_copy_`` into ``rows [slots,
     ...]`` (a view of the cache)."""
-    in_range = (loc >= 0) & (loc < rows.shape[0])
-    if not bool(in_range.all()):
+    low, high = torch.aminmax(loc)
+    if int(low) < 0 or int(high) >= rows.shape[0]:
+        in_range = (loc >= 0) & (loc < rows.shape[0])
         loc, values = loc[in_range], values[in_range]
     rows.index_copy_(0, loc, values)
 

@@ -459,10 +459,12 @@ class _Config:
     """Tile shape and kernel paths of one launch (``_common.OPTIONAL_PATHS``; each applies
     where the launch allows it, else the launch runs without it).
 
-    ``page_tiles``: key tiles addressed per page (power-of-two page sizes). ``phases``: the
+    ``page_tiles``: key tiles addressed per page (power-of-two page sizes, at most two pages
+    per tile). ``phases``: the
     three-phase key loop (``attention_tiles``). ``tma``: tensor descriptors for Q, O and the
     interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
-    a power-of-two GQA group; paged: BLOCK_N capped at the page size); implies both others.
+    a power-of-two GQA group; paged: BLOCK_N capped at the page size, 3 stages or more);
+    implies both others.
     ``ws``: the interior loop warp-specialised (``tl.range(warp_specialize=True)``) on top of
     ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
     columns (FlashMLA's split of the 512 latent columns, here across programs, which all compute
@@ -634,11 +636,20 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
                   dims: tuple, pads: tuple, layout: tuple, strides: tuple,
                   has_qv: bool) -> tuple[_Config, dict]:
     """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at the
-    page size for paged descriptors). ``strides``: q, K, V, out strides."""
+    page size for paged descriptors, at 32 keys for split latent columns). ``strides``: q, K,
+    V, out strides.
+
+    Absorbed MLA's Dv >= 512 keeps the one-loop, per-key schedule: compiled for sm_90,
+    ``page_tiles`` and ``phases`` spill registers there (``benchmarks/compile_kernels.py``)."""
+    wide = pads[1] >= 512
+    if wide:
+        cfg = dataclasses.replace(cfg, page_tiles=False, phases=False, tma=False, ws=False)
     dv_split = cfg.dv_split
     if not (has_qv and not cfg.phases and cfg.block_m >= 16 * dv_split
             and pads[1] % dv_split == 0 and pads[1] // dv_split >= 16):
         dv_split = 1
+    if dv_split > 1 and wide and cfg.block_n > 32:  # the chunk's V tiles need shared memory
+        cfg = dataclasses.replace(cfg, block_n=32)
     elem, kv_elem, out_elem, aligned = layout
     pow2_pages = page_size == next_pow2(page_size)
     even_d = tuple(dims) == tuple(pads)
@@ -646,9 +657,12 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
            and group == next_pow2(group) and cfg.block_m % group == 0
            and (not paged or (pow2_pages and page_size >= 16))
            and _rows_aligned(strides, (elem, kv_elem, kv_elem, out_elem), paged))
-    if tma and paged and cfg.block_n > page_size:
-        cfg = dataclasses.replace(cfg, block_n=page_size)
-    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages,
+    if tma and paged and cfg.block_n > page_size:  # one page per box, one stage deeper
+        cfg = dataclasses.replace(cfg, block_n=page_size, num_stages=max(cfg.num_stages, 3))
+    # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
+    # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
+    few_pages = cfg.block_n <= 2 * page_size
+    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
                      GROUP=group if tma else 1, DV_SPLIT=dv_split)
