@@ -459,7 +459,8 @@ class _Config:
     """Tile shape and kernel paths of one launch (``_common.OPTIONAL_PATHS``; each applies
     where the launch allows it, else the launch runs without it).
 
-    ``page_tiles``: key tiles addressed per page (power-of-two page sizes). ``phases``: the
+    ``page_tiles``: key tiles addressed per page (power-of-two page sizes, at most two pages
+    per tile). ``phases``: the
     three-phase key loop (``attention_tiles``). ``tma``: tensor descriptors for Q, O and the
     interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
     a power-of-two GQA group; paged: BLOCK_N capped at the page size, 3 stages or more);
@@ -658,7 +659,10 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
            and _rows_aligned(strides, (elem, kv_elem, kv_elem, out_elem), paged))
     if tma and paged and cfg.block_n > page_size:  # one page per box, one stage deeper
         cfg = dataclasses.replace(cfg, block_n=page_size, num_stages=max(cfg.num_stages, 3))
-    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages,
+    # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
+    # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
+    few_pages = cfg.block_n <= 2 * page_size
+    return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
                      GROUP=group if tma else 1, DV_SPLIT=dv_split)
