@@ -252,12 +252,13 @@ def _paged_attention_kernel(
                                              stride_vp, stride_vs, stride_vh, BLOCK_N, D_PAD,
                                              DV_PAD, PAGE_SIZE, PAGED)
         for start_n in tl.range(mid_lo, mid_hi, BLOCK_N, warp_specialize=WS):
-            acc, m_i, l_i = _interior_step(
+            acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
-                v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, k_scale,
-                qv_scale, softcap, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
-                stride_vs, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, TMA,
-                HAS_QV, USE_SOFTCAP, PRECISION)
+                v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row,
+                blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages,
+                stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids,
+                BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, TMA, False, HAS_QV,
+                HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
         for edge in tl.static_range(2):
             if edge == 0:
                 lo = blk_lo
@@ -266,13 +267,13 @@ def _paged_attention_kernel(
                 lo = mid_hi
                 hi = blk_hi
             for start_n in range(lo, hi, BLOCK_N):
-                acc, m_i, l_i = _masked_step(
-                    acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_head, v_head,
-                    pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks, BLOCK_IDS,
-                    q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages, stride_pt_p,
-                    stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids, BLOCK_N,
-                    PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP,
-                    PRECISION)
+                acc, m_i, l_i = _tile_step(
+                    acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
+                    v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row,
+                    hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale,
+                    softcap, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs,
+                    stride_block_ids, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES,
+                    EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
     if NUM_SPLITS == 1:
@@ -325,45 +326,31 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _masked_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, k_head, v_head, pt_row,
-                 offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
-                 kv_len, q_len, k_scale, qv_scale, softcap, num_pages, stride_pt_p, stride_kp,
-                 stride_ks, stride_vp, stride_vs, stride_block_ids, BLOCK_N: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-                 EVEN_D: tl.constexpr, HAS_QV: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
-                 USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    # One edge tile of the three-phase schedule: predicated gather, every mask applied.
-    k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
-        k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv, mask_d,
-        mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, BLOCK_N,
-        PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
-    s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len,
-                     stride_block_ids, HAS_BLOCK_IDS)
-    return _online_softmax(s, v, acc, m_i, l_i, PRECISION)
-
-
-@triton.jit
-def _interior_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
-                   v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, k_scale,
-                   qv_scale, softcap, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
-                   stride_vs, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-                   EVEN_D: tl.constexpr, TMA: tl.constexpr, HAS_QV: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    # One interior tile of the three-phase schedule: every row sees every key, so no mask;
+def _tile_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc, v_desc,
+               k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row, blocks,
+               BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages,
+               stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids,
+               BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+               EVEN_D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
+               HAS_QV: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+               PRECISION: tl.constexpr):
+    # One key tile of the three-phase schedule into (acc, max, sum). Edge tiles (MASKED):
+    # predicated gather and every mask. Interior tiles: every row sees every key, so no mask;
     # K/V through tensor descriptors (TMA) or unpredicated gathers.
-    if TMA:
+    if TMA and not MASKED:
         k, v = _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head, stride_pt_p,
                               BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED)
     else:
         k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
             k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv, mask_d,
             mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, BLOCK_N,
-            PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, False)
+            PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, MASKED)
     k, v = k.to(q.dtype), v.to(q.dtype)
     s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+    if MASKED:
+        s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start, kv_len,
+                         q_len, stride_block_ids, HAS_BLOCK_IDS)
     return _online_softmax(s, v, acc, m_i, l_i, PRECISION)
 
 
