@@ -32,7 +32,7 @@ from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
 from compile.graphs.compiled_model import compile_model
-from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
 
 DEFAULT_PROMPTS = [
@@ -190,10 +190,14 @@ def compile_summary(forward: Callable) -> str:
         s = forward.backend.stats
         line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls, "
                  f"{s['compiles']} piece compiles, {s['captures']} captures")
-    if isinstance(forward, DecodeGraphRunner):
-        line += (f"; decode graphs: {forward.captures} captured, {forward.replays} replays"
-                 if forward.capture else f"; decode graphs: none (no capture on this device; "
-                 f"{forward.replays} decode steps ran uncaptured)")
+    if isinstance(forward, GraphRunner):
+        line += (f"; full graphs: {forward.captures} captured, {forward.replays} replays"
+                 if forward.capture else f"; full graphs: none (no capture on this device; "
+                 f"{forward.static_steps} decode steps ran uncaptured)")
+        if isinstance(forward.forward, PiecewiseModel):
+            s = forward.forward.backend.stats
+            line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention "
+                     f"calls, {s['compiles']} piece compiles, {s['captures']} captures")
     return line
 
 

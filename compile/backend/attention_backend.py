@@ -84,10 +84,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
         self.speculative_num_draft_tokens = int(
             getattr(args, "speculative_num_draft_tokens", 0) or 0)
         self.forward_metadata: Optional[AttentionMetadata] = None
-        self._graph_metadata: dict = {}
         # (layer_id, b, Hkv, device, inference mode) -> two [b, Hkv] float32, see descales()
         self._descale_buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
-        self.graph_buffers: dict[str, Tensor] = {}
 
     # ----------------------------------------------------------------- plan (host)
 

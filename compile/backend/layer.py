@@ -7,15 +7,11 @@ forwards to the batch's attention backend, which writes the new K/V into the poo
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
-from compile.graphs.split_op import unified_attention
-
-# Backend extras the split op carries (its optional tensor arguments).
-SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope")
 
 
 class PagedAttention(nn.Module):
@@ -73,8 +69,8 @@ class PagedAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.use_irope = use_irope
         self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
-        # Piecewise mode (compile/graphs/piecewise.py): attend through the opaque split op.
-        self.use_split_op = False
+        # Piecewise mode: the graphs wing installs its split op here (enable_split_op).
+        self.split_op: Optional[Callable] = None
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
@@ -97,7 +93,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], forward_batch,
                 save_kv_cache: bool = True, **kwargs) -> Tensor:
-        """Attend ``q`` over the cache after writing ``k``/``v`` (when given and ``save_kv_cache``).
+        """Attend ``q`` over the cache after writing ``k``/``v`` (when given and ``save_kv_cache``):
+        through ``split_op`` when one is installed (piecewise mode), else ``attend``.
 
         Args:
             q: [tokens, Hq * D] or [tokens, Hq, D].
@@ -106,26 +103,24 @@ class PagedAttention(nn.Module):
             v: like ``k`` with Dv, or None.
             forward_batch: ForwardBatch whose ``attn_backend`` runs the attention.
             save_kv_cache: False attends without writing ``k``/``v``.
-            kwargs: backend extras (``sinks [Hq] float32``, ``k_rope``, ``q_rope``); in
-                piecewise mode (``use_split_op``) only these, passed on to the split op.
+            kwargs: backend extras (``sinks [Hq] float32``, ``k_rope``, ``q_rope``).
         Returns:
             [tokens, Hq * Dv] in q's dtype.
         Raises:
             ValueError: ``k``/``v`` not paired.
-            TypeError: piecewise mode and a keyword other than ``SPLIT_OP_KWARGS``.
         """
         if (k is None) != (v is None) and "k_rope" not in kwargs:
             raise ValueError(f"PagedAttention.forward: k and v must both be tensors or both be "
                              f"None; expected a pair, got k={type(k).__name__}, "
                              f"v={type(v).__name__}.")
-        if self.use_split_op:
-            unknown = sorted(set(kwargs) - set(SPLIT_OP_KWARGS))
-            if unknown:
-                raise TypeError(f"PagedAttention.forward: piecewise mode got keyword(s) "
-                                f"{unknown} on layer {self.layer_id}; expected only "
-                                f"{list(SPLIT_OP_KWARGS)} (what the split op carries). Run "
-                                "this model with --mode compile or graphs.")
-            return unified_attention(self, q, k, v, save_kv_cache=save_kv_cache, **kwargs)
+        if self.split_op is not None:
+            return self.split_op(self, q, k, v, save_kv_cache=save_kv_cache, **kwargs)
+        return self.attend(q, k, v, forward_batch, save_kv_cache, **kwargs)
+
+    def attend(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], forward_batch,
+               save_kv_cache: bool = True, **kwargs) -> Tensor:
+        """The attention itself, as ``forward`` without the split op (what the split op calls):
+        ``k``/``v`` viewed ``[tokens, Hkv, D]`` (MLA keeps its latent), then the backend."""
         if k is not None and "k_rope" not in kwargs:
             k = k.reshape(-1, self.tp_k_head_num, self.qk_head_dim)
             v = v.reshape(-1, self.tp_v_head_num, self.v_head_dim)
@@ -181,6 +176,6 @@ def reads_bound_kv(attn) -> bool:
     return READ_BOUND_KV and torch.compiler.is_compiling() and kv_is_bound(attn)
 
 
-__all__ = ["PagedAttention", "SPLIT_OP_KWARGS", "READ_BOUND_KV", "attention_layers",
+__all__ = ["PagedAttention", "READ_BOUND_KV", "attention_layers",
            "bound_kv_enabled",
            "kv_is_bound", "reading_bound_kv", "reads_bound_kv"]

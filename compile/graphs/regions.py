@@ -242,7 +242,7 @@ def run_layers(layers: nn.ModuleList, positions: Tensor, h: Tensor, forward_batc
     ``compile.backend.layer.reading_bound_kv()``. ``compile.graphs.compiled_model.CompiledModel`` does all
     three per call.
     """
-    split = any(layer.self_attn.attn.use_split_op for layer in layers)
+    split = any(layer.self_attn.attn.split_op is not None for layer in layers)
     if not LAYER_REGIONS or split:
         for layer in layers:
             h = _call_layer(layer, positions, h, forward_batch)

@@ -77,6 +77,7 @@ class Recorder:
 
     def __init__(self, forward):
         self.forward, self.logits, self.engine = forward, [], None
+        self.builds_metadata = getattr(forward, "builds_metadata", False)  # a graph runner's
 
     def __call__(self, *args):
         self.logits.append(self.forward(*args))

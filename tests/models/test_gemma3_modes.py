@@ -6,7 +6,7 @@ code runs. Modes as ``python -m compile`` builds them, on the CPU: ``torch.compi
 ``compile_model`` (Dynamo, eager backend: tracing and guards are what differ from eager; the
 default model's Inductor run is the main job's), piecewise with graph capture emulated
 (``emulate_graphs=True``: the bucket, capture and replay path), full decode graphs
-(``DecodeGraphRunner``: the static-buffer step the GPU captures) and full_and_piecewise.
+(``GraphRunner``: the step-buffer step the GPU captures) and full_and_piecewise.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from compile.graphs.compiled_model import compile_model
 from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
+from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.test_swa_pages import Recorder, tiny_gemma3
 
@@ -27,7 +27,7 @@ MODES = {
     "compile": lambda m: compile_model(m, backend="eager"),
     "piecewise": lambda m: PiecewiseModel(m, inductor=False, emulate_graphs=True,
                                           graph_sizes=(8, 16, 32)),
-    "graphs": lambda m: DecodeGraphRunner(m, forward=compile_model(m, backend="eager")),
+    "graphs": lambda m: GraphRunner(m, forward=compile_model(m, backend="eager")),
     "full_and_piecewise": lambda m: full_and_piecewise(m, inductor=False, emulate_graphs=True,
                                                        graph_sizes=(8, 16, 32)),
 }
