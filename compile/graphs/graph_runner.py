@@ -14,8 +14,8 @@ Per step:
    into the runner's fixed buffers and writes its metadata into them
    (``compile/graphs/step_buffers.py``).
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
-   ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): two warm-up steps per descriptor,
-   then capture, then replays of the whole step (attention included). Inside it, a
+   ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): one warm-up step per descriptor
+   (compilation and autotuning), then capture, then replays of the whole step (attention included). Inside it, a
    ``PiecewiseModel`` forward neither pads nor captures its pieces (they see FULL).
 3. Any other step (extend, mixed, draft extend, topk > 1, idle, too many requests) builds its
    metadata with ``init_forward_metadata`` and runs ``forward`` (a ``PiecewiseModel`` then pads
@@ -85,7 +85,7 @@ class GraphRunner:
         pool = dev.graph_pool_handle(self.device) if graph_pool is None else graph_pool
         self.graph = GraphWrapper(self._step, GraphMode.FULL, self.device, name="the full step",
                                   capture=capture, emulate=emulate_graphs, debug=debug,
-                                  pool=pool, warmup_calls=2)
+                                  pool=pool, warmup_calls=1)
         self.buffers: Optional[StepBuffers] = None
         self.static_steps = 0
 

@@ -17,6 +17,15 @@ Per call:
 What it does not do: copy inputs into fixed buffers (its owner feeds it from its step buffers),
 build metadata, or capture while another capture records (graphs cannot nest: it raises).
 On the CPU ``emulate=True`` captures ``EmulatedGraph``s, so the bookkeeping runs in tests.
+
+>>> import torch
+>>> from compile.graphs.forward_context import BatchDescriptor, GraphMode, set_forward_context
+>>> double = GraphWrapper(lambda x: x * 2, GraphMode.PIECEWISE, torch.device("cpu"), emulate=True)
+>>> x = torch.ones(2)
+>>> with set_forward_context({}, None, 2, BatchDescriptor(GraphMode.PIECEWISE, None, 2)):
+...     outs = [double(x) for _ in range(3)]  # warm-up, capture, replay
+>>> double.captures, double.replays, outs[2] is outs[1], outs[2].tolist()
+(1, 1, True, [2.0, 2.0])
 """
 
 from __future__ import annotations

@@ -114,10 +114,40 @@ class TestGraphRunnerCPU(TestCase):
         h = Harness(model, page_size=4)
         _prefill(model, h, [0, 1, 2, 3, 4], [5, 3, 8, 1, 4])
         runner = GraphRunner(model, batch_sizes=(1, 2, 4, 8), emulate_graphs=True, debug=True)
-        _decode_steps(self, runner, model, h, schedule=SCHEDULE + SCHEDULE)
-        # buckets 4 (6 uses) and 8 (4 uses): 2 warm-up steps, then capture, then replays
-        self.assertEqual((runner.captures, runner.replays), (2, 3 + 1))
+        _decode_steps(self, runner, model, h)
+        # buckets 4 (3 uses) and 8 (2 uses): a warm-up step, then capture, then replays
+        self.assertEqual((runner.captures, runner.replays), (2, 1))
         self.assertEqual(sorted(d.bucket for d in runner.graph.entries), [4, 8])
+
+
+@requires_gpu_graphs
+class TestGraphRunnerGPU(TestCase):
+    def test_capture_replay_equals_eager_and_buffers_stay(self):
+        device = dev.as_device()
+        model = tiny_model(device=device)
+        h = Harness(model, page_size=16, device=device)
+        _prefill(model, h, [0, 1, 2, 3, 4], [17, 3, 40, 1, 16])
+        runner = GraphRunner(model, batch_sizes=(1, 2, 4, 8), debug=True)
+        _decode_steps(self, runner, model, h, schedule=SCHEDULE + SCHEDULE, tol=1e-4)
+        self.assertEqual(runner.captures, 4)  # every bucket used twice or more: 1, 2, 4, 8
+        ptrs = {d: e.output.data_ptr() for d, e in runner.graph.entries.items()}
+        buffers = {name: t.data_ptr() for name, t in runner.buffers.metadata.items()}
+        _decode_steps(self, runner, model, h, tol=1e-4)
+        self.assertEqual(runner.captures, 4)  # replays only
+        self.assertEqual({d: e.output.data_ptr() for d, e in runner.graph.entries.items()}, ptrs)
+        self.assertEqual({n: t.data_ptr() for n, t in runner.buffers.metadata.items()}, buffers)
+
+    def test_compiled_model_capture(self):
+        device = dev.as_device()
+        model = tiny_model(device=device)
+        h = Harness(model, device=device)
+        _prefill(model, h, [0, 1, 2], [5, 9, 2])
+        runner = GraphRunner(model, batch_sizes=(2, 4),
+                             forward=torch.compile(model, fullgraph=True))
+        _decode_steps(self, runner, model, h, schedule=([0, 1, 2], [0, 1], [2, 1, 0]) * 2,
+                      tol=1e-4)
+        # buckets 4 (4 uses: warm-up, capture, 2 replays) and 2 (2 uses: captured last)
+        self.assertEqual((runner.captures, runner.replays), (2, 2))
 
 
 def _steps_equal_eager(test, forward, model, layers, h, steps, tol=1e-5):
@@ -146,16 +176,16 @@ def _record_piece_sizes(pw):
 
 
 # (kind, rows, lens); buckets: requests (1, 2, 4) for full graphs, tokens (4, 8, 16) for pieces;
-# a descriptor's first two steps warm up, the third captures
+# a descriptor's first step warms up, the second captures, later ones replay
 FULL_AND_PIECEWISE_STEPS = [
     ("extend", [0, 1], [3, 4]),  # T 7 -> 8: piece warm-up
     ("extend", [2, 3], [5, 3]),  # T 8 -> 8: piece capture
-    ("decode", [0, 1, 2], None), ("decode", [0, 1, 2, 3], None),  # full bucket 4: warm-up
-    ("decode", [2, 1, 0], None),  # full bucket 4: capture
-    ("decode", [0, 1], None), ("decode", [1, 0], None),  # full bucket 2: warm-up
+    ("decode", [0, 1, 2], None), ("decode", [0, 1, 2, 3], None),  # full bucket 4: warm-up,
+    ("decode", [2, 1, 0], None),  # capture, replay
+    ("decode", [0, 1], None), ("decode", [1, 0], None),  # full bucket 2: warm-up, capture
     ("mixed", [0, 1], [1, 3]), ("mixed", [2, 3], [2, 1]),  # T 4, 3 -> 4: warm-up, capture
     ("extend", [3, 0], [1, 6]),  # cached prefix, T 7 -> 8: piece replay
-    ("decode", [0, 1, 2], None), ("decode", [3, 1], None),  # 4: replay; 2: capture
+    ("decode", [0, 1, 2], None), ("decode", [3, 1], None),  # full 4 and 2: replays
     ("decode", [2], None),  # full bucket 1: warm-up
     ("decode", [0, 1, 2, 3, 4], None), ("decode", [0, 1, 2, 3, 4], None),  # 5 > 4 requests:
 ]  # pieces, token bucket 8: warm-up, capture
@@ -177,7 +207,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         self.assertIsInstance(pw, PiecewiseModel)
         log = _record_piece_sizes(pw)
         _steps_equal_eager(self, runner, model, pw.layers, h, FULL_AND_PIECEWISE_STEPS)
-        self.assertEqual((runner.captures, runner.replays), (2, 1))  # buckets 4, 2; 4 once
+        self.assertEqual((runner.captures, runner.replays), (2, 3))  # buckets 4 (2), 2 (1)
         self.assertEqual(runner.static_steps, 8)  # decode steps of <= 4 requests
         # the pieces padded only the non-full steps: 5 extend/mixed, 2 decode of 5 requests
         self.assertEqual([s for mode, b, s in log if mode == ForwardMode.DECODE], [8, 8])
@@ -247,7 +277,7 @@ class TestFullAndPiecewiseGPU(TestCase):
         steps = [("extend", [0, 1, 2, 3, 4], [17, 3, 20, 1, 16])]  # T 57 > 16: uncaptured
         steps += FULL_AND_PIECEWISE_STEPS
         _steps_equal_eager(self, runner, model, pw.layers, h, steps, tol=1e-4)
-        self.assertEqual((runner.captures, runner.replays), (2, 1))  # as on the CPU
+        self.assertEqual((runner.captures, runner.replays), (2, 3))  # as on the CPU
         self.assertEqual(pw.backend.stats["captures"], 3 * (num_layers + 1))  # as on the CPU
         self.assertEqual([s for mode, b, s in log if mode == ForwardMode.DECODE], [8, 8])
         outputs = {d: e.output.data_ptr() for d, e in runner.graph.entries.items()}
@@ -255,7 +285,7 @@ class TestFullAndPiecewiseGPU(TestCase):
                    for d, e in r.entries.items()} for r in pw.compiled_pieces()]
         _steps_equal_eager(self, runner, model, pw.layers, h, FULL_AND_PIECEWISE_STEPS[2:],
                            tol=1e-4)  # growing, shrinking, interleaved extends
-        self.assertEqual(runner.captures, 2)  # replays only (request bucket 1: 2 uses)
+        self.assertEqual(runner.captures, 3)  # request bucket 1: its second use
         self.assertEqual(pw.backend.stats["captures"], 3 * (num_layers + 1))
         self.assertEqual({d: runner.graph.entries[d].output.data_ptr() for d in outputs},
                          outputs)
