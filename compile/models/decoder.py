@@ -112,6 +112,16 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
 
+class LogitsProcessor(nn.Module):
+    """LM head: ``h [n, hidden]``, ``weight [vocab, hidden]`` -> float32 logits ``[n, vocab]``
+    (sglang's ``LogitsProcessor`` role; tensor parallelism swaps in
+    ``compile.models.parallel.ParallelLogitsProcessor``, which gathers the vocabulary shards)."""
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        """``h [n, hidden]`` -> ``[n, vocab]`` float32."""
+        return F.linear(h, weight).float()
+
+
 class DecoderForCausalLM(nn.Module):
     """A ``DecoderModel`` plus the LM head, sglang's calling convention.
 
@@ -120,6 +130,8 @@ class DecoderForCausalLM(nn.Module):
         config: the model's config; ``tie_word_embeddings`` drops ``lm_head`` (the logits then
             use ``model.embed_tokens``). dtype/device: of the parameters (RoPE tables stay
             float32).
+    Attributes:
+        logits_processor: ``(h, lm weight) -> logits`` (``LogitsProcessor``).
     Forward:
         input_ids: [T] int64 new tokens of the batch, packed request after request.
         positions: [T] int64 their positions.
@@ -140,6 +152,7 @@ class DecoderForCausalLM(nn.Module):
         if not config.tie_word_embeddings:  # [vocab_size, hidden_size]
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                      dtype=dtype, device=device)
+        self.logits_processor = LogitsProcessor()
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
@@ -150,7 +163,8 @@ class DecoderForCausalLM(nn.Module):
         if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed():
             h = h[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]  # [b], no host sync
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.logits_processor(h, weight)
 
 
-__all__ = ["RMSNorm", "PreNormDecoderLayer", "DecoderModel", "DecoderForCausalLM"]
+__all__ = ["RMSNorm", "PreNormDecoderLayer", "DecoderModel", "DecoderForCausalLM",
+           "LogitsProcessor"]

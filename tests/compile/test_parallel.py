@@ -1,0 +1,182 @@
+"""Tensor parallelism and decode context parallelism over 2 gloo processes on the CPU.
+
+One ``torch.multiprocessing.spawn`` of 2 ranks (module fixture ``ranks``) runs every scenario,
+each an ``Engine`` generating greedily from the same prompts (chunked prefill with a cached
+prefix, then decode) while recording every step's logits; the parent runs the same schedule in
+one process on an unsharded copy of the same random model and compares:
+
+- ``tp``: TP=2, tied embeddings (vocabulary-parallel embedding and LM head over one matrix).
+- ``tp_kv1``: TP=2 with one KV head (replicated on both ranks), untied LM head, sinks.
+- ``dcp``: DCP=2, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them).
+- ``tp_compiled``: TP=2 under ``torch.compile(fullgraph=True)`` (a break would raise), the
+  collectives counted in every Dynamo graph.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
+from compile.engine.engine import Engine, SamplingParams
+from compile.models.tensor_parallel import tensor_parallel
+from tests.compile.compile_helpers import tiny_model
+
+PROMPTS = [[1, 5, 9, 3, 7, 2, 8], [4, 4, 10, 11], [2, 3]]
+NEW_TOKENS = 5
+LAYERS = 2
+SCENARIOS = {  # name -> tiny_model overrides
+    "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
+    "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
+    "dcp": dict(attention_sinks=True),
+    "tp_compiled": dict(),
+}
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor")
+
+
+class Recorder:
+    """Calls ``forward`` and keeps a copy of every step's logits."""
+
+    def __init__(self, forward):
+        self.forward, self.logits = forward, []
+
+    def __call__(self, input_ids, positions, forward_batch):
+        out = self.forward(input_ids, positions, forward_batch)
+        self.logits.append(out.clone())
+        return out
+
+
+def generate(model, forward=None, parallel: Optional[ParallelConfig] = None):
+    """``(token ids per prompt, logits per step, engine)`` of a greedy run (5 prefill tokens a
+    step, so the first prompt prefills over a cached prefix)."""
+    rec = Recorder(model if forward is None else forward)
+    engine = Engine(model, forward=rec, page_size=2, max_running=4, max_context_len=32,
+                    max_total_tokens=128, chunked_prefill_size=5, parallel=parallel)
+    tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    return tokens, rec.logits, engine
+
+
+def collective_counts(graphs: list) -> list[dict[str, int]]:
+    """Per Dynamo graph, how many nodes call each functional collective."""
+    out = []
+    for gm in graphs:
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        out.append({c: sum(f"_c10d_functional.{c}" in t for t in names) for c in COLLECTIVES})
+    return out
+
+
+def _scenario(name: str, group: ParallelGroup) -> dict:
+    model = tiny_model(LAYERS, **SCENARIOS[name])
+    if name == "dcp":
+        tokens, logits, engine = generate(model, parallel=ParallelConfig(dcp=group))
+        return dict(tokens=tokens, logits=logits, pool_slots=engine.token_to_kv_pool.size)
+    model = tensor_parallel(model, group)
+    if name != "tp_compiled":
+        tokens, logits, _ = generate(model, parallel=ParallelConfig(tp=group))
+        return dict(tokens=tokens, logits=logits, hq=model.model.layers[0].self_attn.attn
+                    .tp_q_head_num)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    tokens, logits, _ = generate(model, compiled, ParallelConfig(tp=group))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return dict(tokens=tokens, logits=logits, collectives=collective_counts(graphs),
+                graph_breaks=breaks)
+
+
+def _worker(rank: int, world: int, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}/init", rank=rank,
+                            world_size=world)
+    try:
+        group = ParallelGroup.of(dist.group.WORLD)
+        results = {name: _scenario(name, group) for name in SCENARIOS}
+        torch.save(results, os.path.join(path, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results (``_scenario``), from one 2-process spawn."""
+    path = str(tmp_path_factory.mktemp("parallel"))
+    mp.spawn(_worker, args=(2, path), nprocs=2, join=True)
+    return [torch.load(os.path.join(path, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    """The same runs in this process on unsharded models: ``name -> (tokens, logits)``."""
+    torch.manual_seed(0)
+    return {name: generate(tiny_model(LAYERS, **over))[:2] for name, over in SCENARIOS.items()}
+
+
+def _assert_same_run(result: dict, expected) -> None:
+    tokens, logits = expected
+    assert result["tokens"] == tokens
+    assert len(result["logits"]) == len(logits)
+    for got, want in zip(result["logits"], logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tp", "tp_kv1", "dcp"])
+def test_logits_equal_one_process(ranks, single, name):
+    for r in range(2):
+        _assert_same_run(ranks[r][name], single[name])
+
+
+def test_tp_splits_heads(ranks):
+    # tiny_model: Hq = 4 query heads over 2 ranks
+    assert [ranks[r]["tp"]["hq"] for r in range(2)] == [2, 2]
+
+
+def test_dcp_pool_holds_half_the_tokens(ranks):
+    # 128 tokens in virtual pages of 2 * 2: 32 pages + page 0, 2 physical slots per page
+    assert [ranks[r]["dcp"]["pool_slots"] for r in range(2)] == [(128 // 4 + 1) * 2] * 2
+
+
+def test_tp_fullgraph_has_collectives_and_no_breaks(ranks, single):
+    for r in range(2):
+        result = ranks[r]["tp_compiled"]
+        _assert_same_run(result, single["tp_compiled"])
+        assert result["graph_breaks"] == 0
+        # per graph: 1 embedding + 2 per layer (o_proj, down_proj) all-reduces; 1 logits gather
+        want = {"all_reduce": 1 + 2 * LAYERS, "all_gather_into_tensor": 1}
+        assert result["collectives"] and all(c == want for c in result["collectives"])
+
+
+def test_tp_of_one_rank_is_the_plain_model():
+    model = tiny_model(LAYERS)
+    linears = {n: type(m) for n, m in model.named_modules() if n.endswith("_proj")}
+    assert tensor_parallel(model, ParallelGroup()) is model
+    assert {n: type(m) for n, m in model.named_modules() if n.endswith("_proj")} == linears
+    assert set(linears.values()) == {nn.Linear}
+    x = torch.randn(3, 4)
+    assert all_reduce(x, ParallelGroup()) is x
+
+
+@pytest.mark.parametrize("hq, hkv, size, want", [
+    (8, 4, 2, [(4, 2, 0), (4, 2, 2)]),                 # both split
+    (8, 2, 4, [(2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1)]),  # KV heads replicated 2x
+])
+def test_tp_heads(hq, hkv, size, want):
+    groups = [ParallelGroup(r, size, group=object()) for r in range(size)]
+    assert [tp_heads(hq, hkv, g) for g in groups] == want
+
+
+@pytest.mark.parametrize("hq, hkv, size", [(6, 2, 4), (8, 3, 2)])
+def test_tp_heads_rejects_indivisible_heads(hq, hkv, size):
+    with pytest.raises(ValueError, match="cannot be split over"):
+        tp_heads(hq, hkv, ParallelGroup(0, size, group=object()))
