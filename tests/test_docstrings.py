@@ -14,6 +14,8 @@ MODULES = sorted(name for _, name, _ in pkgutil.walk_packages(xpu_ops.__path__, 
                  if ".triton" not in name and not name.endswith("__main__"))
 MODULES += sorted(name for _, name, _ in pkgutil.walk_packages(compile_graphs.__path__,
                                                                "compile.graphs."))
+MODULES += ["compile.backend.parallel_state", "compile.backend.dcp_attention",
+            "compile.models.parallel", "compile.models.tensor_parallel"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -74,13 +74,24 @@ class DCPMetadata:
 
 
 def shard_lengths(lengths: Tensor, dcp: ParallelGroup) -> Tensor:
-    """Tokens ``t < L`` with ``t % size == rank`` for each length ``L`` ([b] -> [b] int32)."""
+    """Tokens ``t < L`` with ``t % size == rank`` for each length ``L`` ([b] -> [b] int32).
+
+    >>> lens = torch.tensor([0, 1, 4, 5])
+    >>> [shard_lengths(lens, ParallelGroup(r, 2, group=object())).tolist() for r in (0, 1)]
+    [[0, 1, 2, 3], [0, 0, 2, 2]]
+    """
     return ((lengths.to(torch.int32) - dcp.rank + dcp.size - 1) // dcp.size).clamp_(min=0)
 
 
 def local_slots(virtual: Tensor, page_size: int, dcp: ParallelGroup) -> tuple[Tensor, Tensor]:
     """``(owned [N] bool, local slot [N] int64)`` of virtual slots (see the module docstring):
-    owned where ``virtual % size == rank``; the local slot is meaningful only there."""
+    owned where ``virtual % size == rank``; the local slot is meaningful only there.
+
+    >>> virtual = torch.arange(8, 16)          # virtual page 2 of 4 tokens: page_size 2, 2 ranks
+    >>> owned, local = local_slots(virtual, 2, ParallelGroup(1, 2, group=object()))
+    >>> virtual[owned].tolist(), local[owned].tolist()   # tokens 1, 3 of pages 2, 3 on rank 1
+    ([9, 11, 13, 15], [4, 5, 6, 7])
+    """
     vps = page_size * dcp.size
     local = (virtual // vps) * page_size + (virtual % vps) // dcp.size
     return virtual % dcp.size == dcp.rank, local

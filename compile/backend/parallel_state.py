@@ -53,7 +53,12 @@ class ParallelGroup:
 
 
 def all_reduce(x: Tensor, group: ParallelGroup) -> Tensor:
-    """Sum of ``x`` over the group's ranks (a new tensor; ``x`` itself when ``size == 1``)."""
+    """Sum of ``x`` over the group's ranks (a new tensor; ``x`` itself when ``size == 1``).
+
+    >>> x = torch.ones(2)
+    >>> all_reduce(x, ParallelGroup()) is x
+    True
+    """
     if group.size == 1:
         return x
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group.group))
@@ -77,6 +82,12 @@ def tp_heads(num_heads: int, num_kv_heads: int, tp: ParallelGroup) -> tuple[int,
 
     Raises:
         ValueError: a head count the rule cannot split, naming it.
+
+    >>> one = lambda rank: ParallelGroup(rank, 4, group=object())   # 4 ranks (a stand-in group)
+    >>> [tp_heads(32, 8, one(r)) for r in range(4)]                  # 8 KV heads: 2 each
+    [(8, 2, 0), (8, 2, 2), (8, 2, 4), (8, 2, 6)]
+    >>> [tp_heads(8, 2, one(r)) for r in range(4)]                   # 2 KV heads: replicated
+    [(2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1)]
     """
     size, rank = tp.size, tp.rank
     if num_heads % size or (num_kv_heads % size if num_kv_heads >= size else size % num_kv_heads):

@@ -37,7 +37,12 @@ def divide(n: int, parts: int, what: str) -> int:
 def shard_rows(w: Optional[Tensor], sizes: Sequence[int], starts: Sequence[int],
                counts: Sequence[int]) -> Optional[Tensor]:
     """Rows of ``w`` split into consecutive blocks of ``sizes`` (dim 0), keeping block ``i``'s
-    rows ``starts[i] .. starts[i] + counts[i] - 1``, concatenated (a new tensor; None stays)."""
+    rows ``starts[i] .. starts[i] + counts[i] - 1``, concatenated (a new tensor; None stays).
+
+    >>> w = torch.arange(6.0).view(6, 1)                 # q rows 0-3, k rows 4-5
+    >>> shard_rows(w, [4, 2], [2, 1], [2, 1]).flatten().tolist()
+    [2.0, 3.0, 5.0]
+    """
     if w is None:
         return None
     blocks = w.split(list(sizes), dim=0)
@@ -161,7 +166,12 @@ def _rows(vocab: int, group: ParallelGroup) -> int:
 
 def vocab_shard(full: Tensor, group: ParallelGroup) -> Tensor:
     """Rows ``rank * rows .. (rank + 1) * rows - 1`` of ``full [vocab, hidden]``
-    (``rows = ceil(vocab / size)``), zero-padded past the vocabulary; a new tensor."""
+    (``rows = ceil(vocab / size)``), zero-padded past the vocabulary; a new tensor.
+
+    >>> table = torch.arange(1.0, 6.0).view(5, 1)        # vocab 5 over 2 ranks: 3 rows each
+    >>> vocab_shard(table, ParallelGroup(1, 2, group=object())).flatten().tolist()
+    [4.0, 5.0, 0.0]
+    """
     rows = _rows(full.shape[0], group)
     out = full.new_zeros((rows, *full.shape[1:]))
     part = full[group.rank * rows:(group.rank + 1) * rows]

@@ -5,11 +5,13 @@ each an ``Engine`` generating greedily from the same prompts (chunked prefill wi
 prefix, then decode) while recording every step's logits; the parent runs the same schedule in
 one process on an unsharded copy of the same random model and compares:
 
-- ``tp``: TP=2, tied embeddings (vocabulary-parallel embedding and LM head over one matrix).
-- ``tp_kv1``: TP=2 with one KV head (replicated on both ranks), untied LM head, sinks.
-- ``dcp``: DCP=2, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them).
-- ``tp_compiled``: TP=2 under ``torch.compile(fullgraph=True)`` (a break would raise), the
+- ``tp``: TP=2 under ``torch.compile(fullgraph=True)`` (a break would raise), tied embeddings
+  (vocabulary-parallel embedding and LM head over one matrix, vocabulary padded), the
   collectives counted in every Dynamo graph.
+- ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
+  (replicated on both ranks), untied LM head, sinks.
+- ``dcp``: DCP=2 eager, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them),
+  sinks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
 from compile.engine.engine import Engine, SamplingParams
+from compile.graphs.piecewise import compile_piecewise
 from compile.models.tensor_parallel import tensor_parallel
 from tests.compile.compile_helpers import tiny_model
 
@@ -35,7 +38,6 @@ SCENARIOS = {  # name -> tiny_model overrides
     "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
     "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
     "dcp": dict(attention_sinks=True),
-    "tp_compiled": dict(),
 }
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor")
 
@@ -77,10 +79,12 @@ def _scenario(name: str, group: ParallelGroup) -> dict:
         tokens, logits, engine = generate(model, parallel=ParallelConfig(dcp=group))
         return dict(tokens=tokens, logits=logits, pool_slots=engine.token_to_kv_pool.size)
     model = tensor_parallel(model, group)
-    if name != "tp_compiled":
-        tokens, logits, _ = generate(model, parallel=ParallelConfig(tp=group))
-        return dict(tokens=tokens, logits=logits, hq=model.model.layers[0].self_attn.attn
-                    .tp_q_head_num)
+    heads = model.model.layers[0].self_attn.attn.tp_q_head_num
+    if name != "tp":
+        torch._dynamo.reset()
+        pieces = compile_piecewise(model, inductor=False)
+        tokens, logits, _ = generate(model, pieces, ParallelConfig(tp=group))
+        return dict(tokens=tokens, logits=logits, hq=heads, stats=pieces.backend.stats)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -89,11 +93,11 @@ def _scenario(name: str, group: ParallelGroup) -> dict:
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     tokens, logits, _ = generate(model, compiled, ParallelConfig(tp=group))
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     return dict(tokens=tokens, logits=logits, collectives=collective_counts(graphs),
-                graph_breaks=breaks)
+                graph_breaks=breaks, hq=heads)
 
 
 def _worker(rank: int, world: int, path: str) -> None:
@@ -131,7 +135,7 @@ def _assert_same_run(result: dict, expected) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["tp", "tp_kv1", "dcp"])
+@pytest.mark.parametrize("name", ["tp_kv1", "dcp"])
 def test_logits_equal_one_process(ranks, single, name):
     for r in range(2):
         _assert_same_run(ranks[r][name], single[name])
@@ -139,7 +143,7 @@ def test_logits_equal_one_process(ranks, single, name):
 
 def test_tp_splits_heads(ranks):
     # tiny_model: Hq = 4 query heads over 2 ranks
-    assert [ranks[r]["tp"]["hq"] for r in range(2)] == [2, 2]
+    assert [ranks[r][name]["hq"] for r in range(2) for name in ("tp", "tp_kv1")] == [2] * 4
 
 
 def test_dcp_pool_holds_half_the_tokens(ranks):
@@ -149,12 +153,21 @@ def test_dcp_pool_holds_half_the_tokens(ranks):
 
 def test_tp_fullgraph_has_collectives_and_no_breaks(ranks, single):
     for r in range(2):
-        result = ranks[r]["tp_compiled"]
-        _assert_same_run(result, single["tp_compiled"])
+        result = ranks[r]["tp"]
+        _assert_same_run(result, single["tp"])
         assert result["graph_breaks"] == 0
         # per graph: 1 embedding + 2 per layer (o_proj, down_proj) all-reduces; 1 logits gather
         want = {"all_reduce": 1 + 2 * LAYERS, "all_gather_into_tensor": 1}
         assert result["collectives"] and all(c == want for c in result["collectives"])
+
+
+def test_tp_piecewise_splits_only_at_attention(ranks):
+    for r in range(2):
+        stats = ranks[r]["tp_kv1"]["stats"]
+        # per Dynamo graph: LAYERS attention calls, LAYERS + 1 pieces around them
+        assert stats["graphs"] >= 2   # extend and decode
+        assert stats["split_ops"] == LAYERS * stats["graphs"]
+        assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
 
 
 def test_tp_of_one_rank_is_the_plain_model():
@@ -180,3 +193,22 @@ def test_tp_heads(hq, hkv, size, want):
 def test_tp_heads_rejects_indivisible_heads(hq, hkv, size):
     with pytest.raises(ValueError, match="cannot be split over"):
         tp_heads(hq, hkv, ParallelGroup(0, size, group=object()))
+
+
+def _cli_error(monkeypatch, capsys, world: str, *flags: str) -> str:
+    from compile.__main__ import main
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "tiny", "--device", "cpu", *flags])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_cli_tp_needs_one_process_per_rank(monkeypatch, capsys):
+    err = _cli_error(monkeypatch, capsys, "1", "--tp", "2")
+    assert "tp * dcp must equal the number of processes; expected 2" in err
+
+
+def test_cli_dcp_is_not_captured_whole(monkeypatch, capsys):
+    err = _cli_error(monkeypatch, capsys, "2", "--dcp", "2", "--mode", "graphs")
+    assert "argument --dcp: DCP steps are not captured as whole-step graphs" in err
