@@ -2,8 +2,9 @@
 
 Each step is one ``ForwardBatch`` built exactly as an sglang scheduler would: the engine picks
 the requests, gives each new token a KV slot (``PageAllocator.alloc_extend`` keeps a request's
-slots page aligned), has the metadata built once on the host (``attn_backend.
-init_forward_metadata(batch)``, or the graph runner's own build), then runs the model once. Policy (sglang's default, simplified):
+slots page aligned), has the attention metadata built once on the host
+(``attn_backend.init_forward_metadata(batch)``, or the graph runner's own build), then runs
+the model once. Policy (sglang's default, simplified):
 
 1. If some request still has prompt tokens to prefill, run an EXTEND step over the oldest such
    requests, admitting waiting requests while a ``req_to_token`` row and pages are free, with at

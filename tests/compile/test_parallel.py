@@ -8,7 +8,8 @@ one process on an unsharded copy of the same random model and compares:
 - ``tp``: TP=2 under ``torch.compile(fullgraph=True)`` (a break would raise), tied embeddings
   (vocabulary-parallel embedding and LM head over one matrix, vocabulary padded), the
   collectives counted in every Dynamo graph.
-- ``tp_kv1``: TP=2 eager, one KV head (replicated on both ranks), untied LM head, sinks.
+- ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
+  (replicated on both ranks), untied LM head, sinks.
 - ``dcp``: DCP=2 eager, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them),
   sinks.
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
 from compile.engine.engine import Engine, SamplingParams
+from compile.graphs.piecewise import compile_piecewise
 from compile.models.tensor_parallel import tensor_parallel
 from tests.compile.compile_helpers import tiny_model
 
@@ -79,8 +81,10 @@ def _scenario(name: str, group: ParallelGroup) -> dict:
     model = tensor_parallel(model, group)
     heads = model.model.layers[0].self_attn.attn.tp_q_head_num
     if name != "tp":
-        tokens, logits, _ = generate(model, parallel=ParallelConfig(tp=group))
-        return dict(tokens=tokens, logits=logits, hq=heads)
+        torch._dynamo.reset()
+        pieces = compile_piecewise(model, inductor=False)
+        tokens, logits, _ = generate(model, pieces, ParallelConfig(tp=group))
+        return dict(tokens=tokens, logits=logits, hq=heads, stats=pieces.backend.stats)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -155,6 +159,15 @@ def test_tp_fullgraph_has_collectives_and_no_breaks(ranks, single):
         # per graph: 1 embedding + 2 per layer (o_proj, down_proj) all-reduces; 1 logits gather
         want = {"all_reduce": 1 + 2 * LAYERS, "all_gather_into_tensor": 1}
         assert result["collectives"] and all(c == want for c in result["collectives"])
+
+
+def test_tp_piecewise_splits_only_at_attention(ranks):
+    for r in range(2):
+        stats = ranks[r]["tp_kv1"]["stats"]
+        # per Dynamo graph: LAYERS attention calls, LAYERS + 1 pieces around them
+        assert stats["graphs"] >= 2   # extend and decode
+        assert stats["split_ops"] == LAYERS * stats["graphs"]
+        assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
 
 
 def test_tp_of_one_rank_is_the_plain_model():
