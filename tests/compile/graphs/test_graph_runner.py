@@ -20,7 +20,7 @@ from compile.engine.engine import Engine, SamplingParams
 from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
-from tests.compile.test_piecewise import _eager, _make_step
+from tests.compile.graphs.test_piecewise import _eager, _make_step
 from tests.markers import requires_gpu_graphs
 
 # batch sizes in request counts: grow, shrink across buckets, shrink inside one, grow again
