@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
-from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.piecewise import compile_piecewise
+from compile.engine import Engine, SamplingParams
+from compile.graphs import compile_piecewise
 from compile.models.tensor_parallel import tensor_parallel
 from tests.compile.compile_helpers import tiny_model
 
