@@ -58,11 +58,12 @@ class Recorder:
 
 
 def generate(model, forward=None, parallel: Optional[ParallelConfig] = None):
-    """``(token ids per prompt, logits per step, engine)`` of a greedy run (5 prefill tokens a
-    step, so the first prompt prefills over a cached prefix)."""
+    """``(token ids per prompt, logits per step, engine)`` of a greedy run: 9 prefill tokens a
+    step, so both extend steps hold 2 requests and the second prompt's last 2 tokens extend
+    over its cached first 2; then 5 decode steps of 3 requests."""
     rec = Recorder(model if forward is None else forward)
     engine = Engine(model, forward=rec, page_size=2, max_running=4, max_context_len=32,
-                    max_total_tokens=128, chunked_prefill_size=5, parallel=parallel)
+                    max_total_tokens=128, chunked_prefill_size=9, parallel=parallel)
     tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
     return tokens, rec.logits, engine
 
@@ -169,7 +170,8 @@ def test_tp_fullgraph_has_collectives_and_no_breaks(ranks, single):
         assert result["graph_breaks"] == 0
         # per graph: 1 embedding + 2 per layer (o_proj, down_proj) all-reduces; 1 logits gather
         want = {"all_reduce": 1 + 2 * LAYERS, "all_gather_into_tensor": 1}
-        assert result["collectives"] and all(c == want for c in result["collectives"])
+        assert all(c == want for c in result["collectives"])
+        assert len(result["collectives"]) == 2   # dynamic=True: one extend, one decode graph
 
 
 def test_tp_piecewise_splits_only_at_attention(ranks):
