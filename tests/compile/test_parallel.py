@@ -10,8 +10,8 @@ one process on an unsharded copy of the same random model and compares:
   collectives counted in every Dynamo graph.
 - ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
   (replicated on both ranks), untied LM head, sinks.
-- ``dcp``: DCP=2 eager, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them),
-  sinks.
+- ``dcp``: DCP=2 piecewise (the DCP backend writes the split op's output), page size 2 (virtual
+  pages of 4 tokens, each rank storing 2 of them), sinks.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def collective_counts(graphs: list) -> list[dict[str, int]]:
 def _scenario(name: str, group: ParallelGroup, device: str = "cpu") -> dict:
     model = tiny_model(LAYERS, device=device, **SCENARIOS[name])
     if name == "dcp":
-        tokens, logits, engine = generate(model, parallel=ParallelConfig(dcp=group))
+        torch._dynamo.reset()
+        pieces = compile_piecewise(model, inductor=False)
+        tokens, logits, engine = generate(model, pieces, ParallelConfig(dcp=group))
         return dict(tokens=tokens, logits=logits, pool_slots=engine.token_to_kv_pool.size)
     model = tensor_parallel(model, group)
     heads = model.model.layers[0].self_attn.attn.tp_q_head_num
@@ -181,6 +183,14 @@ def test_tp_piecewise_splits_only_at_attention(ranks):
         assert stats["graphs"] >= 2   # extend and decode
         assert stats["split_ops"] == LAYERS * stats["graphs"]
         assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
+
+
+def test_dcp_rejects_a_hybrid_swa_pool():
+    model = tiny_model(LAYERS, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=4)
+    two = ParallelConfig(dcp=ParallelGroup(0, 2, group=object()))   # no collective runs
+    with pytest.raises(NotImplementedError, match="expected an MHATokenToKVPool"):
+        Engine(model, page_size=2, max_total_tokens=64, parallel=two)
 
 
 def test_tp_of_one_rank_is_the_plain_model():
