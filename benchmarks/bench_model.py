@@ -16,13 +16,15 @@ Roofline: ``b`` tokens per (weights + KV bytes of one step) / (device copy bandw
 the start of the run), ``decode_roofline``; each mode is also reported as a fraction of it.
 
 Throughput: decode tokens/s = b / median step time (steps after warm-up, device synchronised;
-the host plan ``init_forward_metadata`` is inside the timed step, as in serving). Every step
-decodes one token per request at a cache length of ``--context`` tokens.
+the host plan, the metadata build, is inside the timed step, as in serving; the builds per step
+are counted and reported). Every step decodes one token per request at a cache length of
+``--context`` tokens.
+Extend and mixed steps (``--steps-tokens``, ``--step-modes``): ms per step of ``T`` new tokens,
+4 requests extending ``T / 4`` tokens each, or one ``T - 7``-token prefill chunk beside 7 decoding
+requests (MIXED), over ``--context`` cached tokens per request (``paged_batches.py``).
 Compile time: first compiled call with an empty Inductor cache (cold) and again in the same
-process after ``torch._dynamo.reset()`` with the cache filled (warm), for a plain
-``torch.compile(model, fullgraph=True)`` (every layer traced and compiled) and for
-``compile_model`` (Dynamo traces one layer per kind and stamps out the others,
-docs/regions_reuse.md; only where this torch can reuse region traces).
+process after ``torch._dynamo.reset()`` with the cache filled (warm), through
+``compile_model(model, fullgraph=True)`` (every layer traced and compiled).
 Host time: per step, until ``forward`` returns (before the device sync).
 
     python benchmarks/bench_model.py --device cuda              # the H200 table and plot
@@ -37,7 +39,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -46,19 +47,16 @@ from torch._dynamo.utils import counters
 from compile.graphs import device as dev
 from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
 from compile.engine.cli_models import pick_device
-from compile.backend.attention_backend import XPUAttentionBackend
 from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.graphs.compiled_model import compile_model, reusable_regions_supported
-from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
-from compile.engine.model_runner import ModelRunnerInfo
-from compile.backend.layer import PagedAttention
+from compile.graphs.compiled_model import compile_model
+from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.models import LlamaForCausalLM, ModelConfig
 from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import enable_split_op
 from bench_model_report import write_results
 from decode_roofline import copy_bandwidth, roofline_tokens_per_s
 from dense_baseline import GQA_LAYOUTS, DenseLlama, compile_dense
+from paged_batches import paged_batch, step_lens
 
 RESULTS = Path(__file__).parent / "results"
 # Llama-3.2-1B shapes
@@ -69,7 +67,7 @@ MODES = ("eager", "compiled", "piecewise", "graphs", "graphs_compiled")  # this 
 PEERS = ("dense",)
 # --quick: what the flags become (a CPU check of every mode in about a minute)
 QUICK = dict(layers=2, hidden=128, context=32, batches=[1, 4], warmup=1, steps=3,
-             compile_layers=0)
+             compile_layers=0, steps_tokens=[16])
 
 
 def build(args):
@@ -90,26 +88,9 @@ def paged_decode_batch(b: int, context: int, *, num_heads: int, num_kv_heads: in
                        page_size: int = 16) -> ForwardBatch:
     """Pools, backend and one DECODE ``ForwardBatch`` of ``b`` requests, each with ``context``
     cached tokens plus the one being decoded (metadata not yet initialised)."""
-    device = torch.device(device)
-    num_pages = b * -(-(context + 1) // page_size) + 1
-    req_pool = ReqToTokenPool(b, context + 1, device)
-    kv = MHATokenToKVPool(num_pages * page_size, page_size, dtype, num_kv_heads, head_dim,
-                          num_layers, device)
-    alloc = PageAllocator(num_pages, page_size, device)
-    runner = ModelRunnerInfo(model_config=SimpleNamespace(
-        context_len=context + 1, num_attention_heads=num_heads), tp_size=1,
-        device=device, page_size=page_size, req_to_token_pool=req_pool, token_to_kv_pool=kv,
-        kv_cache_dtype=kv.dtype)
-    backend = XPUAttentionBackend(runner)
-    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, context + 1)[-1:] for r in range(b)])
-    seq_lens_cpu = torch.full((b,), context + 1, dtype=torch.int32)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=b,
-                      req_pool_indices=torch.arange(b, device=device),
-                      seq_lens=seq_lens_cpu.to(device), seq_lens_cpu=seq_lens_cpu,
-                      out_cache_loc=loc.to(device),
-                      positions=torch.full((b,), context, dtype=torch.long, device=device))
-    fb.attn_backend, fb.token_to_kv_pool, fb.req_to_token_pool = backend, kv, req_pool
-    return fb
+    return paged_batch([1] * b, context, ForwardMode.DECODE, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=num_layers,
+                       dtype=dtype, device=device, page_size=page_size)
 
 
 def decode_batch(model, b: int, context: int, page_size: int = 16):
@@ -135,14 +116,18 @@ def make_forward(model, mode: str):
     if mode == "graphs":
         return full_and_piecewise(model)
     if mode == "graphs_compiled":
-        return DecodeGraphRunner(model, forward=compile_model(model, fullgraph=True))
+        return GraphRunner(model, forward=compile_model(model, fullgraph=True))
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected one of {MODES}.")
 
 
 def paged_step(forward, ids, fb) -> Callable[[], object]:
-    """One DECODE step of this project's model: the host plan, then ``forward``."""
+    """One step of this project's model as the engine runs it: the host plan (unless
+    ``forward`` builds it itself: ``builds_metadata``, the graph runner), then ``forward``."""
+    builds = getattr(forward, "builds_metadata", False)
+
     def step():
-        fb.attn_backend.init_forward_metadata(fb)
+        if not builds:
+            fb.attn_backend.init_forward_metadata(fb)
         return forward(ids, fb.positions, fb)
     return step
 
@@ -181,19 +166,15 @@ def step_seconds(step, device, warmup: int, steps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def compile_times(model, ids, fb, regions: bool) -> tuple[float, float]:
+def compile_times(model, ids, fb) -> tuple[float, float]:
     """(cold, warm) seconds of the first compiled call, fresh cache then filled cache, through
-    ``compile_model(model, regions=regions, fullgraph=True)`` (``regions=False``: a plain
-    ``torch.compile``)."""
+    ``compile_model(model, fullgraph=True)``."""
     out = []
-    for attn in model.modules():  # unbind: a previous call may have bound them
-        if isinstance(attn, PagedAttention):
-            attn.bound_k_buffer = attn.bound_v_buffer = None
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         for _ in range(2):
             torch._dynamo.reset()
-            compiled = compile_model(model, regions=regions, fullgraph=True)
+            compiled = compile_model(model, fullgraph=True)
             fb.attn_backend.init_forward_metadata(fb)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -232,6 +213,13 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="CPU check: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                    for k, v in QUICK.items()))
+    ap.add_argument("--steps-tokens", type=positive_int, nargs="*", default=[16, 64, 256, 1024],
+                    metavar="T", help="tokens of the extend and mixed steps timed after the "
+                    "decode table (none: skip them); mixed steps need T >= 8")
+    ap.add_argument("--step-modes", nargs="+", choices=("compiled", "piecewise", "graphs"),
+                    default=None, metavar="MODE",
+                    help="modes of the extend/mixed table: compiled, piecewise, graphs "
+                         "(default: compiled and graphs, those of them in --modes)")
     ap.add_argument("--context", type=positive_int, default=1024)
     ap.add_argument("--warmup", type=non_negative_int, default=5)
     ap.add_argument("--steps", type=positive_int, default=30)
@@ -239,10 +227,6 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
                     help="measure each (mode, batch) this many times, report the fastest")
     ap.add_argument("--compile-layers", type=non_negative_int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
-    ap.add_argument("--compile-variants", nargs="+", choices=("torch.compile", "compile_model"),
-                    default=["torch.compile", "compile_model"],
-                    help="what the compile times measure (compile_model: only where this torch "
-                         "can reuse region traces); one per fresh process for clean cold figures")
     ap.add_argument("--compile-only", action="store_true",
                     help="skip the decode table, measure only the compile times (printed, no "
                          "result files; repeat in fresh processes: a second cold compile in "
@@ -268,6 +252,8 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
                  f"{LLAMA_1B['max_position_embeddings'] - 1} (max_position_embeddings - 1), "
                  f"got {args.context}")
     args.dtype = getattr(torch, args.dtype)
+    if args.step_modes is None:
+        args.step_modes = [m for m in ("compiled", "graphs") if m in args.modes]
     return args
 
 
@@ -282,24 +268,62 @@ def main(argv=None, prog=None):
     if bandwidth:
         print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = [decode_row(model, b, args, bandwidth) for b in args.batches]
+    steps = step_rows(model, args) if args.batches and args.step_modes else []
     compile_s = None
     if args.compile_layers:
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
         big = build(cargs)
-        compile_s = {}
-        variants = {"torch.compile": False, "compile_model": True}
-        if not reusable_regions_supported():
-            variants.pop("compile_model")
-        for key, regions in variants.items():
-            if key not in args.compile_variants:
-                continue
-            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
-            print(f"compile {args.compile_layers} layers ({key}): cold "
-                  f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
-                  f"{os.getloadavg()[0]:.2f})", flush=True)
+        compile_s = {"compile_model": compile_times(big, *decode_batch(big, 8, 64))}
+        print(f"compile {args.compile_layers} layers (compile_model): cold "
+              f"{compile_s['compile_model'][0]:.1f} s, warm {compile_s['compile_model'][1]:.1f} s "
+              f"(load average {os.getloadavg()[0]:.2f})", flush=True)
     if args.compile_only:  # no decode table: the figures are printed above, no result files
         return
-    write_results(args, rows, compile_s, bandwidth)
+    write_results(args, rows, compile_s, bandwidth, steps)
+
+
+def counting_builds(backend) -> list:
+    """Count ``backend.build_metadata`` calls (one per metadata build) into the returned list."""
+    builds, build = [], backend.build_metadata
+
+    def counted(fb, graph=False):
+        builds.append(1)
+        return build(fb, graph)
+    backend.build_metadata = counted
+    return builds
+
+
+def step_batch(model, kind: str, tokens: int, context: int):
+    """``(input_ids [tokens], forward_batch)`` of an EXTEND or MIXED step
+    (``paged_batches.step_lens``) over ``context`` cached tokens per request."""
+    cfg, param = model.config, next(model.parameters())
+    mode = ForwardMode.EXTEND if kind == "extend" else ForwardMode.MIXED
+    fb = paged_batch(step_lens(kind, tokens), context, mode,
+                     num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers,
+                     dtype=param.dtype, device=param.device)
+    return torch.randint(0, cfg.vocab_size, (tokens,), device=param.device), fb
+
+
+def step_rows(model, args) -> list[dict]:
+    """``{"step": kind, "tokens": T, mode: tokens/s, f"{mode}_ms": ms}`` per extend and mixed
+    step of ``--steps-tokens`` (mixed: T >= 8), for every mode of ``--step-modes``. Each mode
+    is compiled once and then runs every step size, as in serving (``graphs``: pieces captured
+    per token bucket; ``compiled``: ``compile_model``, dynamic after its first recompile)."""
+    sizes = [(kind, t) for kind in ("extend", "mixed") for t in args.steps_tokens
+             if kind == "extend" or t >= 8]
+    rows = [{"step": kind, "tokens": t} for kind, t in sizes]
+    for name in args.step_modes:
+        torch._dynamo.reset()
+        forward = make_forward(model, name)
+        for row in rows:
+            ids, fb = step_batch(model, row["step"], row["tokens"], args.context)
+            seconds, _ = min(step_seconds(paged_step(forward, ids, fb), fb.device, args.warmup,
+                                          args.steps) for _ in range(args.rounds))
+            row[name], row[f"{name}_ms"] = row["tokens"] / seconds, seconds * 1e3
+            print(f"{row['step']} T={row['tokens']} {name}: {seconds * 1e3:.2f} ms "
+                  f"({row[name]:.0f} tok/s)", flush=True)
+    return rows
 
 
 def decode_row(model, b: int, args, bandwidth: float) -> dict:
@@ -310,6 +334,7 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
     for mode in args.modes:
         torch._dynamo.reset()
         skips = counters["inductor"]["cudagraph_skips"]
+        builds = counting_builds(fb.attn_backend)
         step = (dense_step(model, b, args.context, args.dense_gqa) if mode == "dense"
                 else paged_step(make_forward(model, mode), ids, fb))
         # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
@@ -317,14 +342,18 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
         seconds, host = min(step_seconds(step, fb.device, args.warmup, args.steps)
                             for _ in range(args.rounds))
         row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
+        if mode != "dense":  # metadata builds per step (issue 17: one)
+            row[f"{mode}_builds"] = len(builds) / ((args.warmup + args.steps) * args.rounds)
         if mode == "dense" and fb.device.type != "cpu":  # Inductor skips graphs silently
             row["dense_graph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
             if row["dense_graph_skips"]:
                 print(f"b={b} dense: WARNING: Inductor did not capture the step as a device "
                       "graph (counters['inductor']['cudagraph_skips']); its figure has none")
+        builds_line = (f", {row[f'{mode}_builds']:g} metadata builds/step"
+                       if mode != "dense" else "")
         print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {seconds * 1e3:.2f} ms, host "
-              f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline)",
-              flush=True)
+              f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline"
+              f"{builds_line})", flush=True)
     return row
 
 

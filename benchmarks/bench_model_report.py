@@ -46,8 +46,25 @@ def peer_table(rows, cols) -> str:
     return table
 
 
-def write_results(args, rows, compile_s, bandwidth) -> None:
-    """``--out`` .md (tables), .json (rows, compile seconds, bandwidth) and .png (plot)."""
+def step_table(step_rows, modes) -> str:
+    """Markdown: ms per extend/mixed step of each mode, and graphs' speed-up over compiled."""
+    if not step_rows:
+        return ""
+    ratio = "graphs" in modes and "compiled" in modes
+    table = ("\nExtend and mixed steps, ms per step (cache of --context tokens per request):\n\n"
+             "| step | tokens | " + " | ".join(f"{m} ms" for m in modes)
+             + (" | compiled / graphs |" if ratio else " |") + "\n")
+    table += "|---" * (2 + len(modes) + ratio) + "|\n"
+    for r in step_rows:
+        table += (f"| {r['step']} | {r['tokens']} | "
+                  + " | ".join(f"{r[m + '_ms']:.2f}" for m in modes)
+                  + (f" | {r['compiled_ms'] / r['graphs_ms']:.2f}x |" if ratio else " |") + "\n")
+    return table
+
+
+def write_results(args, rows, compile_s, bandwidth, step_rows=()) -> None:
+    """``--out`` .md (tables), .json (rows, extend/mixed step rows, compile seconds, bandwidth)
+    and .png (plot)."""
     name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
     try:
         import triton
@@ -64,12 +81,17 @@ def write_results(args, rows, compile_s, bandwidth) -> None:
     table += ("\nHost ms per step (until forward returns; close to the step time = host-bound): "
               + "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_host_ms']:.2f}"
                                                         for c in cols) for r in rows) + "\n")
+    builds = "; ".join(f"b={r['batch']} " + ", ".join(f"{c} {r[c + '_builds']:g}" for c in cols
+                                                    if c + "_builds" in r) for r in rows)
+    table += f"\nMetadata builds per decode step: {builds}\n" if builds else ""
+    table += step_table(step_rows, getattr(args, "step_modes", ()))
     table += compile_summary(args, compile_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(head + table)
     out.with_suffix(".json").write_text(json.dumps(
-        {"rows": rows, "compile_s": compile_s, "copy_bytes_per_s": bandwidth}))
+        {"rows": rows, "step_rows": list(step_rows), "compile_s": compile_s,
+         "copy_bytes_per_s": bandwidth}))
     print(head + table)
     plot(rows, cols, out.with_suffix(".png"), f"{name}: {args.layers}-layer 1B-class Llama decode")
 
@@ -95,4 +117,4 @@ def plot(rows, cols, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["write_results", "speed_table", "peer_table", "plot"]
+__all__ = ["write_results", "speed_table", "peer_table", "step_table", "plot"]

@@ -31,7 +31,7 @@ def time_components(step, steps: int) -> str:
     import statistics
     import time
     from compile.backend.attention_backend import XPUAttentionBackend
-    from compile.graphs.piecewise import PieceRunner
+    from compile.graphs.graph_wrapper import GraphWrapper
     from xpu_ops.providers import Route
 
     totals: dict[str, list] = {}
@@ -52,7 +52,7 @@ def time_components(step, steps: int) -> str:
 
     saved = [(XPUAttentionBackend, "init_forward_metadata",
               timed(XPUAttentionBackend, "init_forward_metadata", "init_forward_metadata")),
-             (PieceRunner, "__call__", timed(PieceRunner, "__call__", "piece (replay)")),
+             (GraphWrapper, "__call__", timed(GraphWrapper, "__call__", "piece (replay)")),
              (XPUAttentionBackend, "forward",
               timed(XPUAttentionBackend, "forward", "backend.forward (split op body)")),
              (Route, "__call__", timed(Route, "__call__", "provider (kernel launch)"))]

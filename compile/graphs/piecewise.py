@@ -8,8 +8,8 @@ the model (``(input_ids [T], positions [T], forward_batch) -> logits``) once the
 How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
 
 1. ``PiecewiseModel`` copies ``input_ids``/``positions`` into static buffers padded to the
-   smallest bucket ``B >= T`` (padded tail zeroed), sets the forward context (``num_tokens=T``)
-   and the backend's ``graph_size=B``.
+   smallest bucket ``B >= T`` (padded tail zeroed) and sets the forward context
+   (``num_tokens=T``, ``BatchDescriptor(PIECEWISE, mode, B)``).
 2. Dynamo runs the model's graph for the step's mode (token dim dynamic); ``PiecewiseBackend``
    has split it at every ``xpu_ops::unified_attention_with_output`` node into
    ``num_layers + 1`` pieces around ``num_layers`` attention calls, each piece compiled by
@@ -26,17 +26,17 @@ How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
    the LM head's pick of each request's last token (``h[cumsum(extend_seq_lens) - 1]``, the
    ``lm_head`` matmul over those ``b`` rows): ``num_layers + 1`` captured pieces and one
    uncaptured.
-4. A captured piece is a ``PieceRunner``: its first call at ``B`` runs the compiled piece
-   (warm-up: Triton autotuning happens here, never during capture), the second captures it
-   into a device graph and replays it, later calls only replay and return the same output
-   tensors (fixed buffers of the shared graph pool).
+4. Every piece is a ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): its first call at a
+   descriptor runs the compiled piece (warm-up: Triton autotuning happens here, never during
+   capture), the second captures it into a device graph and replays it, later calls only
+   replay and return the same output tensors (fixed buffers of the shared graph pool).
 5. Attention runs eagerly between pieces with the step's metadata and writes the fixed
    ``output`` in place (rows ``>= T`` zeroed, so padded rows stay zero).
 
-What it does not do: capture attention itself (``compile/graphs/graph_runner.py`` captures whole decode
+What it does not do: capture attention itself (``compile/graphs/graph_runner.py`` captures whole
 steps; ``graph_runner.full_and_piecewise`` composes the two: full graphs for decode, pieces for
-the rest, with ``full_graph_steps`` keeping the pieces uncaptured for the full-graph steps),
-capture steps past the largest bucket or idle steps, share captured graphs between the
+the rest; inside a full-graph step the forward context carries a FULL descriptor, so this model
+neither pads nor captures), capture steps past the largest bucket or idle steps, share captured graphs between the
 Dynamo graphs of different modes (each mode's pieces capture their own graphs per bucket), or
 check input addresses on every replay (``debug=True`` does). On the CPU the same split and
 Inductor pieces run without capture; ``emulate_graphs=True`` runs the whole bucket, capture and
@@ -54,17 +54,18 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_map
 
 from compile.graphs import device as dev
-from compile.graphs.forward_context import set_forward_context
+from compile.graphs.forward_context import (BatchDescriptor, GraphMode, current_batch_descriptor,
+                                            set_forward_context)
 from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
-from compile.graphs.piece_runner import EmulatedGraph, PieceRunner
+from compile.graphs.graph_wrapper import GraphWrapper
 from compile.graphs.split_op import enable_split_op
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class PiecewiseBackend:
-    """A ``torch.compile`` backend: split at split ops, Inductor per piece, ``PieceRunner``s.
+    """A ``torch.compile`` backend: split at split ops, Inductor per piece, ``GraphWrapper``s.
 
     Args:
         device: where the model runs (graphs are captured on CUDA/XPU only).
@@ -74,8 +75,6 @@ class PiecewiseBackend:
             bucketed steps (see ``capture_plan``).
         emulate_graphs: capture ``EmulatedGraph``s instead of device graphs (CPU tests).
     Attributes:
-        graph_size: the bucket of the step running now, None for an uncaptured step; set by
-            ``PiecewiseModel.forward`` and read by every ``PieceRunner``.
         stats: counters: ``graphs`` (Dynamo graphs received), ``pieces`` (pieces around the
             attention calls, ``num_layers + 1`` per graph), ``cuts`` (extra pieces cut off at a
             per-step input), ``split_ops`` (attention submodules), ``compiles`` (distinct
@@ -90,31 +89,39 @@ class PiecewiseBackend:
         self.device = torch.device(device)
         self.debug, self.inductor, self.emulate_graphs = debug, inductor, emulate_graphs
         self.static_inputs = tuple(static_inputs)
-        self.graph_size: Optional[int] = None
-        self.stats = dict(graphs=0, pieces=0, cuts=0, split_ops=0, compiles=0, uncaptured=0,
-                          captures=0)
+        self._stats = dict(graphs=0, pieces=0, cuts=0, split_ops=0, compiles=0, uncaptured=0)
         self.split_gms: list[fx.GraphModule] = []
+        self.pieces: list[GraphWrapper] = []
         self._compiled: dict[str, Callable] = {}
-        self._pool = None
+        self.pool = dev.graph_pool_handle(self.device)
 
-    def graph_pool(self):
-        """One memory pool shared by every captured piece (created on first use)."""
-        if self._pool is None:
-            self._pool = dev.graph_pool_handle(self.device)
-        return self._pool
+    @property
+    def stats(self) -> dict[str, int]:
+        """The counters of the class docstring (``captures`` summed over the pieces)."""
+        return dict(self._stats, captures=sum(p.captures for p in self.pieces))
+
+    def wrap_piece(self, index: int, compiled: Callable,
+                   uncaptured_reason: Optional[str]) -> GraphWrapper:
+        """The ``GraphWrapper`` of piece ``index`` (never captured with an
+        ``uncaptured_reason``), sharing this backend's memory pool."""
+        piece = GraphWrapper(compiled, GraphMode.PIECEWISE, self.device, name=f"piece {index}",
+                             emulate=self.emulate_graphs, debug=self.debug, pool=self.pool,
+                             uncaptured_reason=uncaptured_reason)
+        self.pieces.append(piece)
+        return piece
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        self.stats["graphs"] += 1
+        self._stats["graphs"] += 1
         per_step = per_step_placeholders(gm, self.static_inputs)
         split_gm, items = split_graph(gm, per_step)
         self.split_gms.append(split_gm)
         pieces = {item.name for item in items if not item.is_split}
         cuts = sum(item.is_cut for item in items)
-        self.stats["pieces"] += len(pieces) - cuts
-        self.stats["cuts"] += cuts
-        self.stats["split_ops"] += len(items) - len(pieces)
+        self._stats["pieces"] += len(pieces) - cuts
+        self._stats["cuts"] += cuts
+        self._stats["split_ops"] += len(items) - len(pieces)
         plan = capture_plan(split_gm, pieces, self.static_inputs)
-        self.stats["uncaptured"] += sum(reason is not None for reason in plan.values())
+        self._stats["uncaptured"] += sum(reason is not None for reason in plan.values())
         _PieceCompiler(split_gm, plan, self).run(*example_inputs)
         for item in items:
             if item.is_split:
@@ -126,7 +133,7 @@ class PiecewiseBackend:
         piece's compilation."""
         key = graph_signature(gm, fake_args)
         if key not in self._compiled:
-            self.stats["compiles"] += 1
+            self._stats["compiles"] += 1
             if self.inductor:
                 from torch._inductor.compile_fx import compile_fx
                 self._compiled[key] = compile_fx(gm, list(fake_args))
@@ -137,7 +144,7 @@ class PiecewiseBackend:
 
 class _PieceCompiler(fx.Interpreter):
     """Runs the split graph on fake inputs; compiles each piece with its fake arguments and
-    swaps the submodule for a ``PieceRunner`` (capturable or not, per ``plan``)."""
+    swaps the submodule for its ``GraphWrapper`` (capturable or not, per ``plan``)."""
 
     def __init__(self, split_gm: fx.GraphModule, plan: dict[str, Optional[str]],
                  backend: PiecewiseBackend):
@@ -158,15 +165,15 @@ class _PieceCompiler(fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         """Run submodule ``target``; if it is a piece, compile it for these fake ``args`` and
-        replace it with a ``PieceRunner``.
+        replace it with its ``GraphWrapper``.
         """
         out = super().call_module(target, args, kwargs)
         if target in self.plan:
             submod = self.fetch_attr(target)
             compiled = self.backend.compile_piece(submod, args)
             index = int(target.rsplit("_", 1)[1])
-            self.module.__dict__[target] = PieceRunner(index, compiled, self.backend,
-                                                       self.plan[target])
+            self.module.__dict__[target] = self.backend.wrap_piece(index, compiled,
+                                                                   self.plan[target])
         return out
 
 
@@ -183,10 +190,6 @@ class PiecewiseModel(nn.Module):
         inductor: False runs the FX pieces without Inductor (fast tests).
         emulate_graphs: capture ``EmulatedGraph``s (implies ``capture``): the bucket, capture and
             replay bookkeeping on the CPU, for tests.
-        full_graph_steps: ``forward_batch -> bool``, True for the steps an outer runner captures
-            whole (``DecodeGraphRunner.can_run``); those run the compiled pieces uncaptured
-            (``graph_size_for`` None), so no piece ever warms up or captures inside the outer
-            runner's warm-up or capture. None: every mode is bucketed.
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
@@ -201,8 +204,7 @@ class PiecewiseModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
-                 device: torch.device | str | None = None, emulate_graphs: bool = False,
-                 full_graph_steps: Optional[Callable[[Any], bool]] = None):
+                 device: torch.device | str | None = None, emulate_graphs: bool = False):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -213,7 +215,6 @@ class PiecewiseModel(nn.Module):
         if capture is None:
             capture = emulate_graphs or dev.supports_graphs(self.device)
         self.capture = capture
-        self.full_graph_steps = full_graph_steps
         self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
                                         static_inputs=_first_two_args(model),
                                         emulate_graphs=emulate_graphs)
@@ -240,22 +241,18 @@ class PiecewiseModel(nn.Module):
             torch._dynamo.mark_dynamic(pos, 0)
         return ids, pos
 
-    def compiled_pieces(self) -> list[PieceRunner]:
-        """The ``PieceRunner``s of every Dynamo graph compiled so far, in graph order."""
-        return [runner for gm in self.backend.split_gms for runner in gm.__dict__.values()
-                if isinstance(runner, PieceRunner)]
+    def compiled_pieces(self) -> list[GraphWrapper]:
+        """The ``GraphWrapper`` of every piece compiled so far, in graph order."""
+        return list(self.backend.pieces)
 
     def graph_size_for(self, num_tokens: int, forward_batch) -> Optional[int]:
         """The bucket a step of ``num_tokens`` is padded to and captured at, or None (run
-        uncaptured: capture off, idle, more tokens than the largest bucket, or a step that
-        ``full_graph_steps`` leaves to an outer runner). Every other mode is bucketed; which
-        pieces capture is ``capture_plan``'s decision."""
+        uncaptured: capture off, idle, or more tokens than the largest bucket). Every other
+        mode is bucketed; which pieces capture is ``capture_plan``'s decision."""
         if not self.capture or num_tokens > self.max_graph_size:
             return None
         mode = getattr(forward_batch, "forward_mode", None)
         if mode is None or mode.is_idle():
-            return None
-        if self.full_graph_steps is not None and self.full_graph_steps(forward_batch):
             return None
         return self._bucket[num_tokens]
 
@@ -263,10 +260,14 @@ class PiecewiseModel(nn.Module):
         """``input_ids [T]``, ``positions [T]`` -> the model's output for the ``T`` tokens.
 
         Steps that fit a graph bucket are padded into static buffers; the output is then cut back
-        to ``T`` rows and cloned.
+        to ``T`` rows and cloned. Inside a full-graph step (the forward context's descriptor is
+        FULL: ``GraphRunner`` pads and captures it whole) the pieces run as they are.
         """
+        outer = current_batch_descriptor()
+        in_full_step = outer is not None and outer.graph_mode is GraphMode.FULL
         n = input_ids.shape[0]
-        size = self.graph_size_for(n, forward_batch)
+        size = None if in_full_step else self.graph_size_for(n, forward_batch)
+        desc = None
         if size is not None:
             ids, pos = self._static_views[size]
             ids[:n].copy_(input_ids)
@@ -274,16 +275,14 @@ class PiecewiseModel(nn.Module):
             pos[:n].copy_(positions)
             pos[n:].zero_()
             input_ids, positions = ids, pos
+            desc = BatchDescriptor(GraphMode.PIECEWISE, forward_batch.forward_mode, size)
         elif n >= 2:
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        backend = self.backend
-        backend.graph_size = size
-        try:
-            with set_forward_context(self.layers, forward_batch, n, size):
-                out = self.compiled(input_ids, positions, forward_batch, **kwargs)
-        finally:
-            backend.graph_size = None
+        if in_full_step:  # the runner's context (its layers, batch, FULL descriptor) stays
+            return self.compiled(input_ids, positions, forward_batch, **kwargs)
+        with set_forward_context(self.layers, forward_batch, n, desc):
+            out = self.compiled(input_ids, positions, forward_batch, **kwargs)
         if size is None:
             return out
         # Rows [:T] of every padded output (a tensor, or tensors in a tuple/list/dict), cloned.
@@ -318,5 +317,5 @@ def compile_piecewise(model: nn.Module, **kwargs) -> PiecewiseModel:
 
 
 __all__ = ["DEFAULT_GRAPH_SIZES", "is_split_node", "SplitItem", "split_graph",
-           "graph_signature", "per_step_placeholders", "capture_plan", "EmulatedGraph",
-           "PieceRunner", "PiecewiseBackend", "PiecewiseModel", "compile_piecewise"]
+           "graph_signature", "per_step_placeholders", "capture_plan", "PiecewiseBackend",
+           "PiecewiseModel", "compile_piecewise"]

@@ -17,9 +17,12 @@ layers (facts of the layer), attention sinks (``sinks``, GPT-OSS), absorbed MLA 
 Rows past ``forward_context.num_tokens`` are padding: they are not attended and their output rows
 are zeroed, so the padded tail of a captured piece always reads zeros.
 
-A ``PagedAttention`` layer uses the op when ``layer.use_split_op`` is True
-(``enable_split_op(model)`` sets it); its forward then returns
-``unified_attention(self, q, k, v, sinks=..., q_rope=..., k_rope=...)``.
+The op is lean, as vLLM's ``unified_attention_with_output``: it slices off the padding and calls
+the layer's own attention (``PagedAttention.attend``) with ``output`` as the backend's output
+buffer (``ForwardBatch._attn_output``, sglang's name); nothing is cached or replayed. The layer
+does not know the op: ``enable_split_op(model)`` installs ``unified_attention`` as each
+``PagedAttention``'s ``split_op``, whose forward then returns ``layer.split_op(layer, q, k, v,
+sinks=..., q_rope=..., k_rope=...)``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from xpu_ops._registration import define_op
 from compile.graphs.forward_context import get_forward_context
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
+# Backend extras the split op carries (its optional tensor arguments).
+SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope")
 _FN = "unified_attention_with_output"
 
 
@@ -114,16 +119,10 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
     layer = ctx.layers[layer_id]
     batch = ctx.forward_batch
     padded = n != q.shape[0]
+    out = output
     if padded:
-        q, q_rope, k_rope, out = q[:n], _rows(q_rope, n), _rows(k_rope, n), output[:n]
-    else:
-        out = output
-    if k is not None:
-        if padded:
-            k = k[:n]
-        if k_rope is None:  # MHA: [n, Hkv, D] as the backend stores it (MLA keeps its latent)
-            k = k.reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
-            v = (v[:n] if padded else v).reshape(n, layer.tp_v_head_num, layer.v_head_dim)
+        q, k, v, out = q[:n], _rows(k, n), _rows(v, n), output[:n]
+        q_rope, k_rope = _rows(q_rope, n), _rows(k_rope, n)
     extras = {}
     if sinks is not None or q_rope is not None or k_rope is not None:
         extras = {name: x for name, x in (("sinks", sinks), ("q_rope", q_rope),
@@ -131,7 +130,7 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
     # The backend writes straight into the op's output (ForwardBatch._attn_output).
     previous, batch._attn_output = batch._attn_output, out
     try:
-        result = batch.attn_backend.forward(q, k, v, layer, batch, save_kv_cache, **extras)
+        result = layer.attend(q, k, v, batch, save_kv_cache, **extras)
     finally:
         batch._attn_output = previous
     if not isinstance(result, Tensor):
@@ -152,15 +151,24 @@ def _(q, k, v, output, layer_id, sinks=None, q_rope=None, k_rope=None, save_kv_c
 
 def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], *,
                       sinks: Optional[Tensor] = None, q_rope: Optional[Tensor] = None,
-                      k_rope: Optional[Tensor] = None, save_kv_cache: bool = True) -> Tensor:
+                      k_rope: Optional[Tensor] = None, save_kv_cache: bool = True,
+                      **unknown) -> Tensor:
     """What ``PagedAttention.forward`` returns in piecewise mode: a fresh output, filled by the op.
 
     Args:
         layer: the PagedAttention (its ``layer_id``, ``tp_q_head_num``, ``v_head_dim``).
         q, k, v, sinks, q_rope, k_rope, save_kv_cache: as ``unified_attention_with_output``.
+        **unknown: any other keyword is refused (the op cannot carry it).
     Returns:
         [T, Hq * Dv] in q's dtype.
+    Raises:
+        TypeError: a keyword other than ``SPLIT_OP_KWARGS``.
     """
+    if unknown:
+        raise TypeError(f"PagedAttention.forward: piecewise mode got keyword(s) "
+                        f"{sorted(unknown)} on layer {layer.layer_id}; expected only "
+                        f"{list(SPLIT_OP_KWARGS)} (what the split op carries). Run this model "
+                        "with --mode compile.")
     output = torch.empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), dtype=q.dtype,
                          device=q.device)
     torch.ops.xpu_ops.unified_attention_with_output(
@@ -169,7 +177,7 @@ def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optio
     return output
 
 
-def attention_layers(model: nn.Module) -> dict[int, Any]:
+def layers_by_id(model: nn.Module) -> dict[int, Any]:
     """``layer_id -> module`` of every PagedAttention-like module (has ``layer_id`` and
     ``tp_q_head_num``) in ``model``.
 
@@ -180,23 +188,24 @@ def attention_layers(model: nn.Module) -> dict[int, Any]:
     for name, module in model.named_modules():
         if hasattr(module, "layer_id") and hasattr(module, "tp_q_head_num"):
             if module.layer_id in layers and layers[module.layer_id] is not module:
-                raise ValueError(f"attention_layers: layer_id {module.layer_id} is used twice "
+                raise ValueError(f"layers_by_id: layer_id {module.layer_id} is used twice "
                                  f"(again at {name!r}); expected unique ids per attention layer.")
             layers[module.layer_id] = module
     return layers
 
 
 def enable_split_op(model: nn.Module, enabled: bool = True) -> dict[int, Any]:
-    """Switch every attention layer of ``model`` to (or back from) the split op.
+    """Install ``unified_attention`` as every attention layer's ``split_op`` (``enabled``
+    False: remove it, the layers attend directly again).
 
     Returns:
         ``layer_id -> layer``, what ``set_forward_context`` needs.
     """
-    layers = attention_layers(model)
+    layers = layers_by_id(model)
     for layer in layers.values():
-        layer.use_split_op = enabled
+        layer.split_op = unified_attention if enabled else None
     return layers
 
 
-__all__ = ["OP_NAME", "unified_attention_with_output", "unified_attention", "attention_layers",
-           "enable_split_op"]
+__all__ = ["OP_NAME", "SPLIT_OP_KWARGS", "unified_attention_with_output", "unified_attention",
+           "layers_by_id", "enable_split_op"]

@@ -151,7 +151,7 @@ class ModelConfig(DecoderConfig):
             return Llama4Config.from_hf(hf_config)
         if model_type in ("gemma3_text", "gemma3"):
             return Gemma3Config.from_hf(hf_config)
-        check_model_type("ModelConfig.from_hf", model_type, _HF_MODEL_TYPES)
+        check_model_type("ModelConfig.from_hf", model_type, CONFIG_MODEL_TYPES)
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
         kw = _hf_common(hf_config, model_type)
         kw.update(_hf_layer_types(hf_config, model_type))
@@ -171,19 +171,18 @@ class ModelConfig(DecoderConfig):
 
 
 _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
+#: ``model_type`` values ``ModelConfig.from_hf`` reads (DeepSeek-V2 has a config of its own).
+CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3"}))
 #: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``).
-SUPPORTED_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3",
-                                                        "deepseek_v2"}))
+SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES + ("deepseek_v2",)))
 
 
 def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:
-    """Raise ``NotImplementedError`` naming the supported types unless ``model_type`` is one.
-
-    The message is one line: ``python -m compile`` prints it as the argument error.
-    """
+    """Raise ``NotImplementedError`` naming the ``supported`` types unless ``model_type`` is
+    one. The message is one line: ``python -m compile`` prints it as the argument error."""
     if model_type not in supported:
         raise NotImplementedError(f"{where}: model_type {model_type!r} is not supported; "
-                                  f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
+                                  f"expected one of {', '.join(supported)}.")
 
 
 @dataclasses.dataclass
@@ -389,4 +388,5 @@ def _hf_layer_types(hf_config, model_type: str) -> dict[str, Any]:
 
 
 __all__ = ["DecoderConfig", "ModelConfig", "Llama4Config", "Gemma3Config", "LAYER_TYPES",
-           "SUPPORTED_MODEL_TYPES", "check_model_type", "hf_decoder_kwargs"]
+           "CONFIG_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "check_model_type",
+           "hf_decoder_kwargs"]

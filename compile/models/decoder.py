@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compile.graphs.regions import run_layers
-
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * (offset + weight)``, normalised in float32, returned in x's dtype.
@@ -52,9 +50,6 @@ class PreNormDecoderLayer(nn.Module):
         norm_offset: ``RMSNorm`` offset of both norms (1.0: Gemma's ``1 + weight``).
     Forward:
         ``positions [T]`` int64, ``h [T, hidden]``, ``forward_batch`` -> ``[T, hidden]``.
-
-    The forward reads no per-layer Python value, so layers of one kind trace to one body
-    (``compile.graphs.regions``).
     """
 
     #: Attribute the MLP is registered under: the checkpoint's name (Llama 4: ``feed_forward``).
@@ -88,8 +83,7 @@ class DecoderModel(nn.Module):
         embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``; 1.0: none).
     Forward:
         ``input_ids [T]``, ``positions [T]`` int64, ``forward_batch`` -> normed hidden states
-        ``[T, hidden]``. The layers run through ``compile.graphs.regions.run_layers`` (one nested
-        compile region each inside ``layer_regions()``).
+        ``[T, hidden]``.
     """
 
     def __init__(self, config, make_layer: Callable[[int], nn.Module], dtype=None, device=None,
@@ -108,8 +102,19 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
+        for layer in self.layers:
+            h = layer(positions, h, forward_batch)
         return self.norm(h)
+
+
+class LogitsProcessor(nn.Module):
+    """LM head: ``h [n, hidden]``, ``weight [vocab, hidden]`` -> float32 logits ``[n, vocab]``
+    (sglang's ``LogitsProcessor`` role; tensor parallelism swaps in
+    ``compile.models.parallel.ParallelLogitsProcessor``, which gathers the vocabulary shards)."""
+
+    def forward(self, h: Tensor, weight: Tensor) -> Tensor:
+        """``h [n, hidden]`` -> ``[n, vocab]`` float32."""
+        return F.linear(h, weight).float()
 
 
 class DecoderForCausalLM(nn.Module):
@@ -120,6 +125,8 @@ class DecoderForCausalLM(nn.Module):
         config: the model's config; ``tie_word_embeddings`` drops ``lm_head`` (the logits then
             use ``model.embed_tokens``). dtype/device: of the parameters (RoPE tables stay
             float32).
+    Attributes:
+        logits_processor: ``(h, lm weight) -> logits`` (``LogitsProcessor``).
     Forward:
         input_ids: [T] int64 new tokens of the batch, packed request after request.
         positions: [T] int64 their positions.
@@ -140,6 +147,7 @@ class DecoderForCausalLM(nn.Module):
         if not config.tie_word_embeddings:  # [vocab_size, hidden_size]
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                      dtype=dtype, device=device)
+        self.logits_processor = LogitsProcessor()
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch,
                 return_all_logits: bool = False) -> Tensor:
@@ -150,7 +158,8 @@ class DecoderForCausalLM(nn.Module):
         if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed():
             h = h[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]  # [b], no host sync
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.logits_processor(h, weight)
 
 
-__all__ = ["RMSNorm", "PreNormDecoderLayer", "DecoderModel", "DecoderForCausalLM"]
+__all__ = ["RMSNorm", "PreNormDecoderLayer", "DecoderModel", "DecoderForCausalLM",
+           "LogitsProcessor"]

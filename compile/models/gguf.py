@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import struct
 import sys
 from pathlib import Path
 from typing import Optional
@@ -120,7 +121,9 @@ def load_hf(model: Optional[str] = None, dtype: torch.dtype = torch.float32):
 
     folder, gguf_file = resolve_model(model)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    check_model_type("load_hf", _model_type(folder, gguf_file))  # before any weight is read
+    model_type = _model_type(folder, gguf_file)
+    if model_type is not None:  # refused before any weight is read
+        check_model_type("load_hf", model_type)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
                                                     **kw)
@@ -128,15 +131,75 @@ def load_hf(model: Optional[str] = None, dtype: torch.dtype = torch.float32):
 
 
 def _model_type(folder: Path, gguf_file: Optional[str]) -> Optional[str]:
-    """``model_type`` of a checkpoint: ``config.json``'s for a folder (a model type
-    ``transformers`` does not know is still named), the converted config's for a GGUF."""
+    """``model_type`` of a checkpoint without loading it: ``config.json``'s for a folder (a
+    type ``transformers`` does not know is still named), the one ``transformers`` gives a
+    GGUF's ``general.architecture`` (None when the file names none)."""
     if gguf_file is None:
         with open(folder / "config.json", encoding="utf-8") as f:
             return json.load(f).get("model_type")
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(folder, gguf_file=gguf_file,
-                                      local_files_only=True).model_type
+    arch = gguf_architecture(folder / gguf_file)
+    return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
-__all__ = ["DEFAULT_MODEL", "GEMMA3", "default_gguf_path", "gemma3_gguf_path", "gemma3_missing",
+# GGUF architecture -> transformers model_type, where they differ (transformers' GGUF loader)
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+# GGUF metadata value types: byte sizes of the scalars; 8 is a string, 9 an array
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: Path, max_keys: int = 64) -> Optional[str]:
+    """``general.architecture`` of a GGUF (v2/v3) file, read from its header without parsing
+    the rest (``transformers`` reads every key, the 262k-token vocabulary included); None
+    when it is not among the first ``max_keys`` keys, the file is GGUF v1 or its header cannot
+    be read (``transformers`` then reports what is wrong with it).
+    """
+    try:
+        return _header_architecture(path, max_keys)
+    except (EOFError, ValueError, struct.error):
+        return None
+
+
+def _header_architecture(path: Path, max_keys: int) -> Optional[str]:
+    with open(path, "rb") as f:
+        _magic, version = struct.unpack("<4sI", _read(f, 8))
+        if version < 2:
+            return None
+        _tensors, num_keys = struct.unpack("<QQ", _read(f, 16))
+        for _ in range(min(num_keys, max_keys)):
+            key = _read_string(f)
+            (kind,) = struct.unpack("<I", _read(f, 4))
+            if key == "general.architecture" and kind == 8:
+                return _read_string(f)
+            _skip_value(f, kind)
+    return None
+
+
+def _read(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise EOFError(f"gguf_architecture: the header ends after {f.tell()} bytes.")
+    return data
+
+
+def _read_string(f) -> str:
+    (n,) = struct.unpack("<Q", _read(f, 8))
+    return _read(f, n).decode("utf-8", errors="replace")
+
+
+def _skip_value(f, kind: int, count: int = 1) -> None:
+    if kind in _GGUF_SCALAR_BYTES:
+        f.seek(_GGUF_SCALAR_BYTES[kind] * count, os.SEEK_CUR)
+    elif kind == 8:
+        for _ in range(count):
+            _read_string(f)
+    elif kind == 9:
+        for _ in range(count):
+            inner, n = struct.unpack("<IQ", _read(f, 12))
+            _skip_value(f, inner, n)
+    else:
+        raise ValueError(f"gguf_architecture: metadata value type {kind} is not a GGUF type; "
+                         "expected 0..12 (a corrupt header).")
+
+
+__all__ = ["DEFAULT_MODEL", "GEMMA3", "default_gguf_path", "gguf_architecture", "gemma3_gguf_path", "gemma3_missing",
            "resolve_model", "load_hf"]

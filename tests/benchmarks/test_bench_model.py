@@ -31,3 +31,27 @@ def test_table_has_the_dense_peer_and_the_roofline(tmp_path, capsys, monkeypatch
         assert row["roofline"] == pytest.approx(row["batch"] / seconds)
         assert row["dense"] > 0 and row["eager"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md", "bench.png"]
+
+
+def test_extend_and_mixed_step_batches_and_rows():
+    from compile.batch.forward_batch import ForwardMode
+    from paged_batches import paged_batch, step_lens
+    args = bench_model.parse_args(["--dtype", "float32", "--layers", "1", "--hidden", "64",
+                                   "--context", "8", "--warmup", "0", "--steps", "1"])
+    model = bench_model.build(args)
+    cfg = model.config
+    assert step_lens("extend", 10) == [4, 2, 2, 2] and step_lens("mixed", 9) == [2] + [1] * 7
+    lens = step_lens("mixed", 10)
+    fb = paged_batch(lens, 8, ForwardMode.MIXED, num_heads=cfg.num_attention_heads,
+                     num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                     num_layers=1, dtype=torch.float32, device="cpu", page_size=4)
+    assert fb.seq_lens_cpu.tolist() == [8 + n for n in lens] and fb.extend_seq_lens_cpu == lens
+    table = fb.req_to_token_pool.req_to_token
+    expected = torch.cat([table[r, 8:8 + n] for r, n in enumerate(lens)])
+    assert torch.equal(fb.out_cache_loc, expected.long())  # each request's next slots
+    assert fb.positions.tolist() == [p for n in lens for p in range(8, 8 + n)]
+    args.step_modes, args.steps_tokens = ["eager"], [4, 10]
+    rows = bench_model.step_rows(model, args)
+    assert [(r["step"], r["tokens"]) for r in rows] == [("extend", 4), ("extend", 10),
+                                                       ("mixed", 10)], rows  # mixed: T >= 8
+    assert all(r["eager_ms"] > 0 for r in rows), rows

@@ -2,7 +2,7 @@
 (``MLAHarness``: the same over the MLA latent cache of a DeepSeek-V2 model; ``SWAHarness``: over
 a hybrid sliding-window pool).
 
-``PagedAttention`` layers attend through the split op when ``use_split_op`` is set
+``PagedAttention`` layers attend through the split op when one is installed
 (``compile.graphs.split_op.enable_split_op``), which is how the piecewise tests use them.
 """
 
@@ -176,14 +176,15 @@ def eager_without_split_op(model, layers, ids: Tensor, pos: Tensor, fb: ForwardB
     """``model(ids, pos, fb)`` under ``no_grad`` with its split-op ``layers`` (``layer_id ->
     PagedAttention``) back on the backend directly for the call: the eager reference of a
     piecewise step."""
+    ops = {i: layer.split_op for i, layer in layers.items()}
     for layer in layers.values():
-        layer.use_split_op = False
+        layer.split_op = None
     try:
         with torch.no_grad():
             return model(ids, pos, fb)
     finally:
-        for layer in layers.values():
-            layer.use_split_op = True
+        for i, layer in layers.items():
+            layer.split_op = ops[i]
 
 
 def fx_op_sequence(gm: torch.fx.GraphModule) -> str:

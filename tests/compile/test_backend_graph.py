@@ -1,7 +1,8 @@
 """Graph hooks: bind metadata to fixed buffers at one batch, refill with new lengths that cross
 page and chunk boundaries, and check outputs equal a fresh eager build and the oracle while no
 metadata address changes. A small graph runner is emulated: its own static ``req_pool_indices``,
-``seq_lens`` and ``out_cache_loc``, padded rows filled with ``get_cuda_graph_seq_len_fill_value``.
+``seq_lens`` and ``out_cache_loc`` and the backend's metadata buffers, padded rows filled with
+``get_cuda_graph_seq_len_fill_value``.
 """
 
 import pytest
@@ -14,9 +15,11 @@ MAX_BS = 4
 
 
 class StaticInputs:
-    """The graph runner's static input buffers."""
+    """The graph runner's static input buffers and metadata buffers."""
 
-    def __init__(self, max_tokens):
+    def __init__(self, h, max_tokens):
+        self.metadata = h.backend.graph_metadata_buffers(MAX_BS, max_tokens)
+        self.bound = None
         self.req_pool_indices = torch.zeros(MAX_BS, dtype=torch.int64)
         self.seq_lens = torch.ones(MAX_BS, dtype=torch.int64)
         self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64)
@@ -65,13 +68,13 @@ def _addresses(backend):
     return {name: t.data_ptr() for name, t in backend.forward_metadata.tensors()}
 
 
-def _step(h, static, layers, prefixes, n_new, mode, bs, in_capture, spec=None):
+def _step(h, static, layers, prefixes, n_new, mode, bs, spec=None):
     reqs = [h.add_request(p, layers=(0, 1, 2)) for p in prefixes]
     loc = torch.cat([h.alloc_slots(r, p, n_new) for r, p in zip(reqs, prefixes)])
     seq = [p + (n_new if mode == ForwardMode.DECODE else 0) for p in prefixes]
     fb = static.batch(h, mode, [r.row for r in reqs], seq, loc, bs, spec)
-    h.backend.init_forward_metadata_out_graph(fb, in_capture=in_capture)
-    h.backend.init_forward_metadata_in_graph(fb)
+    static.bound = h.backend.init_forward_metadata_out_graph(fb, static.metadata, static.bound)
+    assert h.backend.forward_metadata is static.bound
     outs = _run_layers(h, fb, layers, reqs, n_new, bs)
     for layer, (out, q, *_) in zip(layers, outs):
         assert_close(out, h.expected(reqs, [n_new] * len(reqs), layer, q))
@@ -82,12 +85,11 @@ def _step(h, static, layers, prefixes, n_new, mode, bs, in_capture, spec=None):
 def test_bind_then_refill_matches_eager(mode, n_new):
     h = _harness(80, topk=1, draft_tokens=n_new if n_new > 1 else 0)
     spec = SpecInfo(topk=1, draft_token_num=n_new) if mode == ForwardMode.TARGET_VERIFY else None
-    h.backend.init_cuda_graph_state(MAX_BS, MAX_BS * n_new)
-    static, layers = StaticInputs(MAX_BS * n_new), _layers(h)
-    _step(h, static, layers, [10, 3, 20, 5], n_new, mode, 4, True, spec)
+    static, layers = StaticInputs(h, MAX_BS * n_new), _layers(h)
+    _step(h, static, layers, [10, 3, 20, 5], n_new, mode, 4, spec)
     bound = _addresses(h.backend)
     # Refill: 3 real rows + 1 padded, lengths crossing page (16) and chunk (32) boundaries.
-    fb, outs = _step(h, static, layers, [31, 63, 15], n_new, mode, 4, False, spec)
+    fb, outs = _step(h, static, layers, [31, 63, 15], n_new, mode, 4, spec)
     assert _addresses(h.backend) == bound
     graph_meta = h.backend.forward_metadata
     # A fresh eager build over the same batch gives the same outputs (cache already written).
@@ -101,17 +103,16 @@ def test_bind_then_refill_matches_eager(mode, n_new):
 def test_graph_fill_value_and_unsupported():
     h = _harness(81, topk=2, draft_tokens=3)
     assert h.backend.get_cuda_graph_seq_len_fill_value() == 1
-    h.backend.init_cuda_graph_state(MAX_BS, MAX_BS * 3)
-    static = StaticInputs(MAX_BS * 3)
+    static = StaticInputs(h, MAX_BS * 3)
     req = h.add_request(4, layers=(0, 1, 2))
     loc = h.alloc_slots(req, 4, 3)
     spec = SpecInfo(topk=2, draft_token_num=3, custom_mask=torch.ones(1, 3, 3, dtype=torch.bool))
     fb = static.batch(h, ForwardMode.TARGET_VERIFY, [req.row], [4], loc, 1, spec)
     with pytest.raises(NotImplementedError, match="topk"):
-        h.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        h.backend.init_forward_metadata_out_graph(fb, static.metadata)
     fb.spec_info = None
     fb.forward_mode = ForwardMode.DECODE
-    with pytest.raises(RuntimeError, match="in_capture=True"):
-        h.backend.init_forward_metadata_out_graph(fb)
-    with pytest.raises(RuntimeError, match="before capture"):
-        h.backend.init_forward_metadata_in_graph(fb)
+    small = h.backend.graph_metadata_buffers(MAX_BS // 2, MAX_BS // 2)
+    fb.batch_size = MAX_BS
+    with pytest.raises(RuntimeError, match="batch size 4 exceeds the graph buffers"):
+        h.backend.init_forward_metadata_out_graph(fb, small)

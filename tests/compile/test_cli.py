@@ -56,8 +56,7 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
     assert warm + steady == total and warm_steps >= 2 and steady_steps >= 1, out
     assert len(eager) == len(PROMPTS)
     for mode, marker in (("piecewise", "piecewise: 6 pieces around 4 attention calls"),
-                         ("graphs", "decode graphs: none (no capture on this device"),
-                         ("full_and_piecewise", "decode graphs: none (no capture on this device")):
+                         ("graphs", "full graphs: none (no capture on this device")):
         rc, out, texts = generate(mode, capsys)
         assert rc == 0 and "verify: all prompts match" in out, out
         assert texts == eager, (mode, texts, eager)
@@ -65,8 +64,19 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
         # graphs mode on the CPU replays the static-buffer step without capture.
         assert marker in out, out
         assert "0 graph breaks" in out, out
-        if mode in ("graphs", "full_and_piecewise"):  # decode steps took the runner's path
+        if mode == "graphs":  # decode steps took the runner's path
             assert re.search(r"[1-9]\d* decode steps ran uncaptured", out), out
+            assert "piecewise: 6 pieces around 4 attention calls" in out, out
+
+
+def test_full_and_piecewise_is_an_alias_of_graphs():
+    from compile.__main__ import build_parser, make_forward
+    from compile.graphs.graph_runner import GraphRunner
+    from compile.graphs.piecewise import PiecewiseModel
+    from tests.compile.compile_helpers import tiny_model
+    args = build_parser().parse_args(["generate", "--mode", "full_and_piecewise"])
+    forward = make_forward(tiny_model(num_layers=1), args.mode, inductor=False)
+    assert isinstance(forward, GraphRunner) and isinstance(forward.forward, PiecewiseModel)
 
 
 def test_verify_fails_on_a_wrong_model(capsys, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import struct
 
 import pytest
 import torch
@@ -15,8 +16,11 @@ import torch
 from compile.__main__ import main
 from compile.engine.cli_check import attention_kinds, check_model, format_attention, format_result
 from compile.models.config import SUPPORTED_MODEL_TYPES
+from compile.models.gguf import gguf_architecture
+from compile.backend import kv_layout
 from compile.batch.swa_pages import kv_cache_bytes
 from tests.compile.compile_helpers import tiny_model
+from tests.compile.test_cli import _one_line_exit_2
 from tests.compile.test_swa_pages import WINDOW, tiny_gemma3
 
 
@@ -25,7 +29,7 @@ def test_check_reports_gemma3_attention_kinds_and_kv_memory():
     result = check_model(tiny_gemma3())
     assert result.ok, result
     assert result.attention == [f"sliding window {WINDOW}", "global", f"sliding window {WINDOW}"]
-    want = kv_cache_bytes(tiny_gemma3().config, 8192, page_size=16, dtype=torch.float32)
+    want = kv_cache_bytes(kv_layout(tiny_gemma3()), 8192, page_size=16, dtype=torch.float32)
     assert result.kv_bytes == want and want.hybrid < want.full
     text = format_result("g3", result, "eager")
     assert "  attention: 2 x sliding window 4 (layers 0, 2), 1 x global (layers 1)\n" in text
@@ -41,16 +45,6 @@ def test_attention_kinds_names_chunked_local_layers():
     assert kinds == ["chunked local 8", "chunked local 8", "global", "sliding window 3"]
     assert format_attention(kinds) == ("2 x chunked local 8 (layers 0-1), 1 x global (layers 2), "
                                        "1 x sliding window 3 (layers 3)")
-
-
-def _one_line_exit_2(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    assert exit_info.value.code == 2, captured
-    err = captured.err.splitlines()
-    assert len(err) == 1 and "Traceback" not in captured.err, captured.err
-    return err[0]
 
 
 @pytest.mark.parametrize("command", ["generate", "check"])
@@ -69,6 +63,28 @@ def test_unsupported_model_type_is_one_line_naming_the_supported(command, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
     line = _one_line_exit_2([command, *flag, str(tmp_path)], capsys)
     assert "model_type 'no_such_arch' is not supported; expected one of" in line, line
+
+
+def gguf_header(architecture: str) -> bytes:
+    """A GGUF v3 header of no tensors and two keys: a uint32, then general.architecture."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+            + string("general.alignment") + struct.pack("<II", 4, 32)
+            + string("general.architecture") + struct.pack("<I", 8) + string(architecture))
+
+
+def test_unsupported_gguf_architecture_is_refused_from_its_header(tmp_path, capsys):
+    path = tmp_path / "phi.gguf"
+    path.write_bytes(gguf_header("phi3"))
+    assert gguf_architecture(path) == "phi3"
+    line = _one_line_exit_2(["generate", "--model", str(path)], capsys)
+    assert re.search(r"model_type 'phi3' is not supported; expected one of "
+                     + re.escape(", ".join(SUPPORTED_MODEL_TYPES)), line), line
+    (tmp_path / "gemma.gguf").write_bytes(gguf_header("gemma3"))
+    assert gguf_architecture(tmp_path / "gemma.gguf") == "gemma3"  # transformers: gemma3_text
+    (tmp_path / "short.gguf").write_bytes(gguf_header("gemma3")[:40])
+    assert gguf_architecture(tmp_path / "short.gguf") is None  # left to transformers
 
 
 def test_gemma3_without_its_package_is_an_argument_error(monkeypatch, capsys):

@@ -1,8 +1,10 @@
-"""Full decode / target-verify graphs: static buffers and in-place metadata refill.
+"""``GraphRunner`` and ``full_and_piecewise``: step buffers, in-place metadata refill, one
+metadata build per step, whole-step graphs for decode / verify / draft decode, pieces for the
+rest.
 
-On the CPU the runner runs its static-buffer steps without capture (same padding, same
-``init_forward_metadata_out_graph`` refill), so stale-metadata bugs show here too; the ``gpu``
-tests capture and replay.
+On the CPU the runner runs its step-buffer path without capture (same padding, same
+``init_forward_metadata_out_graph`` refill) or with ``EmulatedGraph``s, so stale-metadata bugs
+show here too; the ``gpu`` tests capture and replay.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import torch
 from expecttest import TestCase
 
 from compile.graphs import device as dev
-from compile.batch.forward_batch import ForwardMode
-from compile.graphs.graph_runner import DecodeGraphRunner, TargetVerifyGraphRunner, full_and_piecewise
+from compile.batch.forward_batch import ForwardMode, SpecInfo
+from compile.engine.engine import Engine, SamplingParams
+from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
 from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, tiny_model
 from tests.compile.test_piecewise import _eager, _make_step
@@ -24,14 +27,19 @@ from tests.markers import requires_gpu_graphs
 SCHEDULE = ([0, 1, 2], [0, 1, 2, 3, 4], [1], [0, 1, 2], [4, 3], [0, 1, 2, 3, 4], [2, 0, 4])
 
 
+def _step_equals_eager(test, runner, model, h, ids, pos, fb, tol=1e-5):
+    """One step the runner captures: its output equals the eager model's on fresh metadata."""
+    test.assertTrue(runner.can_run(fb))
+    with torch.no_grad():
+        out = runner(ids, pos, fb)
+        h.backend.init_forward_metadata(fb)  # eager reference: fresh metadata
+        ref = model(ids, pos, fb)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 def _decode_steps(test, runner, model, h, schedule=SCHEDULE, tol=1e-5):
     for rows in schedule:
-        ids, pos, fb = h.decode(rows)  # every step: new slots, longer seq_lens
-        with torch.no_grad():
-            out = runner(ids, pos, fb)
-            h.backend.init_forward_metadata(fb)  # eager reference: fresh metadata
-            ref = model(ids, pos, fb)
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        _step_equals_eager(test, runner, model, h, *h.decode(rows), tol=tol)  # longer seq_lens
 
 
 def _prefill(model, h, rows, lens):
@@ -39,78 +47,112 @@ def _prefill(model, h, rows, lens):
         model(*h.extend(rows, lens))
 
 
-class TestDecodeGraphRunnerCPU(TestCase):
+def _draft(h, rows):
+    """A draft DECODE step (topk 1, draft step 0): one new slot per request, ``seq_lens`` the
+    prefix without it (the backend attends ``seq_lens + 1`` keys)."""
+    ids, pos, fb = h.decode(rows, init=False)
+    fb.seq_lens, fb.seq_lens_cpu = fb.seq_lens - 1, fb.seq_lens_cpu - 1
+    fb.seq_lens_sum -= len(rows)
+    fb.spec_info = SpecInfo(topk=1)
+    return ids, pos, fb
+
+
+class TestGraphRunnerCPU(TestCase):
+    """The step-buffer path without capture (``capture=False``): same padding and in-place
+    metadata refill as a captured step, so stale-metadata bugs show on the CPU."""
+
     def test_static_steps_equal_eager_when_batches_shrink_and_grow(self):
         model = tiny_model()
         h = Harness(model, page_size=4)
         _prefill(model, h, [0, 1, 2, 3, 4], [5, 3, 8, 1, 4])  # lengths end mid-page
-        runner = DecodeGraphRunner(model, batch_sizes=(1, 2, 4, 8), capture=False)
+        runner = GraphRunner(model, batch_sizes=(1, 2, 4, 8), capture=False)
         _decode_steps(self, runner, model, h)
-        self.assertEqual(sorted(runner.graphs), [1, 2, 4, 8])  # buckets of 1, 2, 3, 5 requests
-        # 7 steps - 4 first uses of a bucket (they bind instead of refilling)
-        self.assertEqual(runner.replays, len(SCHEDULE) - 4)
+        # buckets of 3, 5, 1, 3, 2, 5, 3 requests: 4, 8, 1, 4, 2, 8, 4
+        self.assertEqual(sorted(d.bucket for d in runner.buffers.bound), [1, 2, 4, 8])
+        self.assertEqual((runner.static_steps, runner.captures), (len(SCHEDULE), 0))
 
-    def test_extend_falls_back_to_forward(self):
+    def test_extend_builds_its_metadata_and_runs_forward(self):
         model = tiny_model()
         h = Harness(model)
-        runner = DecodeGraphRunner(model, batch_sizes=(2,), capture=False)
-        ids, pos, fb = h.extend([0, 1], [3, 2])
+        runner = GraphRunner(model, batch_sizes=(2,), capture=False)
+        ids, pos, fb = h.extend([0, 1], [3, 2], init=False)  # no metadata yet: the runner's
         with torch.no_grad():
             out = runner(ids, pos, fb)
         self.assertFalse(runner.can_run(fb))
-        self.assertEqual(tuple(out.shape), (2, 64))
-        self.assertEqual(runner.graphs, {})
+        h.backend.init_forward_metadata(fb)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(ids, pos, fb))
+        self.assertIsNone(runner.buffers)
 
     def test_target_verify_static_steps_equal_eager(self):
         model = tiny_model()
         h = Harness(model)
         _prefill(model, h, [0, 1, 2], [4, 7, 2])
         d = 3  # draft tokens per request
-        runner = TargetVerifyGraphRunner(model, draft_token_num=d, batch_sizes=(2, 4),
-                                         capture=False)
+        runner = GraphRunner(model, draft_token_num=d, batch_sizes=(2, 4), capture=False)
         for rows in ([0, 1, 2], [1, 2], [0, 1, 2]):
-            ids, pos, fb = h.verify(rows, d)
-            with torch.no_grad():
-                out = runner(ids, pos, fb)
-                h.backend.init_forward_metadata(fb)
-                ref = model(ids, pos, fb)
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            _step_equals_eager(self, runner, model, h, *h.verify(rows, d))
             h.accept(rows)
-        self.assertEqual(sorted(runner.graphs), [2, 4])
+        self.assertEqual(sorted(d.bucket for d in runner.buffers.bound), [2, 4])
+        ids, pos, fb = h.verify([0], d + 1)
+        self.assertFalse(runner.can_run(fb))  # another draft count: not this runner's graphs
+
+    def test_draft_decode_static_steps_equal_eager(self):
+        model = tiny_model()
+        h = Harness(model, page_size=2)
+        _prefill(model, h, [0, 1, 2, 3], [3, 6, 1, 2])
+        runner = GraphRunner(model, batch_sizes=(2, 4), capture=False)
+        for rows in ([0, 1, 2], [3], [0, 1, 2, 3], [2, 0]):
+            _step_equals_eager(self, runner, model, h, *_draft(h, rows))
+        self.assertTrue(all(d.draft for d in runner.buffers.bound))
+        ids, pos, fb = _draft(h, [0])
+        fb.spec_info = SpecInfo(topk=2)
+        self.assertFalse(runner.can_run(fb))  # trees: cascade metadata, never captured
+
+    def test_emulated_capture_replays_with_fixed_inputs(self):
+        model = tiny_model()
+        h = Harness(model, page_size=4)
+        _prefill(model, h, [0, 1, 2, 3, 4], [5, 3, 8, 1, 4])
+        runner = GraphRunner(model, batch_sizes=(1, 2, 4, 8), emulate_graphs=True, debug=True)
+        _decode_steps(self, runner, model, h)
+        # buckets 4 (3 uses) and 8 (2 uses): a warm-up step, then capture, then replays
+        self.assertEqual((runner.captures, runner.replays), (2, 1))
+        self.assertEqual(sorted(d.bucket for d in runner.graph.entries), [4, 8])
 
 
 @requires_gpu_graphs
-class TestDecodeGraphRunnerGPU(TestCase):
+class TestGraphRunnerGPU(TestCase):
     def test_capture_replay_equals_eager_and_buffers_stay(self):
         device = dev.as_device()
         model = tiny_model(device=device)
         h = Harness(model, page_size=16, device=device)
         _prefill(model, h, [0, 1, 2, 3, 4], [17, 3, 40, 1, 16])
-        runner = DecodeGraphRunner(model, batch_sizes=(1, 2, 4, 8))
+        runner = GraphRunner(model, batch_sizes=(1, 2, 4, 8), debug=True)
+        _decode_steps(self, runner, model, h, schedule=SCHEDULE + SCHEDULE, tol=1e-4)
+        self.assertEqual(runner.captures, 4)  # every bucket used twice or more: 1, 2, 4, 8
+        ptrs = {d: e.output.data_ptr() for d, e in runner.graph.entries.items()}
+        buffers = {name: t.data_ptr() for name, t in runner.buffers.metadata.items()}
         _decode_steps(self, runner, model, h, tol=1e-4)
-        self.assertEqual(runner.captures, 4)  # one graph per bucket used: 1, 2, 4, 8
-        ptrs = {bs: out.data_ptr() for bs, (_, _, out) in runner.graphs.items()}
-        buffers = {name: t.data_ptr() for name, t in h.backend.graph_buffers.items()}
-        _decode_steps(self, runner, model, h)
-        self.assertEqual(runner.captures, 4)  # no new capture
-        self.assertEqual({bs: out.data_ptr() for bs, (_, _, out) in runner.graphs.items()}, ptrs)
-        self.assertEqual({n: t.data_ptr() for n, t in h.backend.graph_buffers.items()}, buffers)
+        self.assertEqual(runner.captures, 4)  # replays only
+        self.assertEqual({d: e.output.data_ptr() for d, e in runner.graph.entries.items()}, ptrs)
+        self.assertEqual({n: t.data_ptr() for n, t in runner.buffers.metadata.items()}, buffers)
 
     def test_compiled_model_capture(self):
         device = dev.as_device()
         model = tiny_model(device=device)
         h = Harness(model, device=device)
         _prefill(model, h, [0, 1, 2], [5, 9, 2])
-        runner = DecodeGraphRunner(model, batch_sizes=(2, 4),
-                                   forward=torch.compile(model, fullgraph=True))
-        _decode_steps(self, runner, model, h, schedule=([0, 1, 2], [0, 1], [2, 1, 0]),
+        runner = GraphRunner(model, batch_sizes=(2, 4),
+                             forward=torch.compile(model, fullgraph=True))
+        _decode_steps(self, runner, model, h, schedule=([0, 1, 2], [0, 1], [2, 1, 0]) * 2,
                       tol=1e-4)
-        self.assertEqual(runner.captures, 2)
+        # buckets 4 (4 uses: warm-up, capture, 2 replays) and 2 (2 uses: captured last)
+        self.assertEqual((runner.captures, runner.replays), (2, 2))
 
 
 def _steps_equal_eager(test, forward, model, layers, h, steps, tol=1e-5):
-    """Run ``steps`` (``(kind, rows, lens)``) through ``forward``; each output must equal the
-    eager model's (layers back on the backend, fresh metadata)."""
+    """Run ``steps`` (``(kind, rows, lens)``) through ``forward`` (which builds the metadata);
+    each output must equal the eager model's (layers back on the backend, fresh metadata)."""
     for kind, rows, lens in steps:
         ids, pos, fb = _make_step(h, kind, rows, lens)
         with torch.no_grad():
@@ -120,7 +162,8 @@ def _steps_equal_eager(test, forward, model, layers, h, steps, tol=1e-5):
 
 
 def _record_piece_sizes(pw):
-    """Patch ``pw.graph_size_for`` to log ``(mode, batch_size, bucket)`` of every step."""
+    """Patch ``pw.graph_size_for`` to log ``(mode, batch_size, bucket)`` of every step it pads
+    (full-graph steps never ask it)."""
     log, graph_size_for = [], pw.graph_size_for
 
     def logged(num_tokens, fb):
@@ -132,27 +175,29 @@ def _record_piece_sizes(pw):
     return log
 
 
-# (kind, rows, lens); buckets: requests (1, 2, 4) for decode graphs, tokens (4, 8, 16) for pieces
+# (kind, rows, lens); buckets: requests (1, 2, 4) for full graphs, tokens (4, 8, 16) for pieces;
+# a descriptor's first step warms up, the second captures, later ones replay
 FULL_AND_PIECEWISE_STEPS = [
     ("extend", [0, 1], [3, 4]),  # T 7 -> 8: piece warm-up
     ("extend", [2, 3], [5, 3]),  # T 8 -> 8: piece capture
-    ("decode", [0, 1, 2], None),  # -> bucket 4: decode graph (static step on the CPU)
-    ("decode", [0, 1], None), ("decode", [0, 1, 2, 3], None), ("decode", [2], None),
+    ("decode", [0, 1, 2], None), ("decode", [0, 1, 2, 3], None),  # full bucket 4: warm-up,
+    ("decode", [2, 1, 0], None),  # capture, replay
+    ("decode", [0, 1], None), ("decode", [1, 0], None),  # full bucket 2: warm-up, capture
     ("mixed", [0, 1], [1, 3]), ("mixed", [2, 3], [2, 1]),  # T 4, 3 -> 4: warm-up, capture
     ("extend", [3, 0], [1, 6]),  # cached prefix, T 7 -> 8: piece replay
-    ("decode", [0, 1, 2], None), ("decode", [3, 1], None),  # decode graph replays
+    ("decode", [0, 1, 2], None), ("decode", [3, 1], None),  # full 4 and 2: replays
+    ("decode", [2], None),  # full bucket 1: warm-up
     ("decode", [0, 1, 2, 3, 4], None), ("decode", [0, 1, 2, 3, 4], None),  # 5 > 4 requests:
 ]  # pieces, token bucket 8: warm-up, capture
 
 
 class TestFullAndPiecewiseCPU(TestCase):
-    """``full_and_piecewise`` on the CPU: the decode runner's static-buffer steps, pieces
-    captured as ``EmulatedGraph``s."""
+    """``full_and_piecewise`` on the CPU, both kinds of graph emulated."""
 
     def setUp(self):
         torch._dynamo.reset()
 
-    def test_schedule_equals_eager_and_decode_never_captured_by_pieces(self):
+    def test_schedule_equals_eager_and_full_steps_never_pad_pieces(self):
         num_layers = 2
         model = tiny_model(num_layers=num_layers)
         h = Harness(model, page_size=4)
@@ -160,20 +205,17 @@ class TestFullAndPiecewiseCPU(TestCase):
                                     inductor=False, emulate_graphs=True, debug=True)
         pw = runner.forward
         self.assertIsInstance(pw, PiecewiseModel)
-        self.assertFalse(runner.capture)  # CPU: the static-buffer path, no device graphs
         log = _record_piece_sizes(pw)
         _steps_equal_eager(self, runner, model, pw.layers, h, FULL_AND_PIECEWISE_STEPS)
-        # decode steps of <= 4 requests: buckets 4, 2, 4, 1, 4, 2 -> first uses 4, 2, 1 bind
-        self.assertEqual(sorted(runner.graphs), [1, 2, 4])
-        self.assertEqual(runner.replays, 6 - 3)
-        decode = [size for mode, b, size in log if mode == ForwardMode.DECODE and b <= 4]
-        self.assertEqual(decode, [None] * 6)  # the pieces never bucket a full-graph step
-        self.assertEqual([s for mode, b, s in log if mode == ForwardMode.DECODE and b > 4],
-                         [8, 8])  # decode past the largest request bucket: pieces captured
+        self.assertEqual((runner.captures, runner.replays), (2, 3))  # buckets 4 (2), 2 (1)
+        self.assertEqual(runner.static_steps, 8)  # decode steps of <= 4 requests
+        # the pieces padded only the non-full steps: 5 extend/mixed, 2 decode of 5 requests
+        self.assertEqual([s for mode, b, s in log if mode == ForwardMode.DECODE], [8, 8])
+        self.assertEqual(len(log), 5 + 2)
         # extend at 8, mixed at 4, decode (5 requests) at 8: num_layers + 1 pieces each
         self.assertEqual(pw.backend.stats["captures"], 3 * (num_layers + 1))
-        # Dynamo graphs: extend, decode (1 request, specialised), decode (dynamic; the runner's
-        # steps and the 5-request steps share it), mixed
+        # Dynamo graphs: extend, decode (dynamic: the full steps and the 5-request steps share
+        # it), mixed, decode (1 request, specialised)
         self.assertEqual(pw.backend.stats["graphs"], 4)
 
     def test_piece_capture_inside_an_outer_capture_raises(self):
@@ -182,10 +224,40 @@ class TestFullAndPiecewiseCPU(TestCase):
         pw = PiecewiseModel(model, graph_sizes=(8,), inductor=False, emulate_graphs=True)
         with torch.no_grad():
             pw(*h.extend([0, 1], [3, 4]))  # warm-up at bucket 8
-            with mock.patch("compile.graphs.piece_runner._capture_in_progress", return_value=True), \
+            with mock.patch("compile.graphs.graph_wrapper.capture_in_progress",
+                            return_value=True), \
                     self.assertRaisesRegex(RuntimeError, "graphs cannot nest"):
                 pw(*h.extend([0, 1], [2, 2]))  # would capture inside "another capture"
         self.assertEqual(pw.backend.stats["captures"], 0)
+
+
+class TestOneMetadataBuildPerStep(TestCase):
+    """The engine's steps build their attention metadata exactly once, eagerly and under graphs
+    (captured steps write it into the step buffers, the others build it in the runner; before,
+    the engine built it and the runner built it again)."""
+
+    def test_builds_equal_steps(self):
+        forwards = {
+            "eager": lambda m: m,
+            "graphs": lambda m: full_and_piecewise(m, batch_sizes=(1, 2, 4),
+                                                   graph_sizes=(8, 16), inductor=False,
+                                                   emulate_graphs=True),
+        }
+        outputs = {}
+        for mode, make in forwards.items():
+            torch._dynamo.reset()
+            model = tiny_model()
+            engine = Engine(model, forward=make(model), page_size=4, max_running=3,
+                            max_context_len=32, max_total_tokens=96, chunked_prefill_size=8)
+            builds, build = [], engine.attn_backend.build_metadata
+            engine.attn_backend.build_metadata = lambda fb, graph=False: (
+                builds.append(fb.forward_mode), build(fb, graph))[1]
+            prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 1, 6, 2, 2, 9, 4, 3, 1]]
+            with torch.no_grad():
+                outputs[mode] = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+            self.assertEqual(len(builds), engine.stats.steps, mode)  # 1 per step
+            self.assertGreater(builds.count(ForwardMode.DECODE), 3, mode)
+        self.assertEqual(outputs["graphs"], outputs["eager"])
 
 
 @requires_gpu_graphs
@@ -205,22 +277,20 @@ class TestFullAndPiecewiseGPU(TestCase):
         steps = [("extend", [0, 1, 2, 3, 4], [17, 3, 20, 1, 16])]  # T 57 > 16: uncaptured
         steps += FULL_AND_PIECEWISE_STEPS
         _steps_equal_eager(self, runner, model, pw.layers, h, steps, tol=1e-4)
-        self.assertEqual(runner.captures, 3)  # request buckets 1, 2, 4
+        self.assertEqual((runner.captures, runner.replays), (2, 3))  # as on the CPU
         self.assertEqual(pw.backend.stats["captures"], 3 * (num_layers + 1))  # as on the CPU
-        self.assertTrue(all(size is None for mode, b, size in log
-                            if mode == ForwardMode.DECODE and b <= 4))
-        outputs = {bs: out.data_ptr() for bs, (_, _, out) in runner.graphs.items()}
-        pieces = [{s: [t.data_ptr() for t in _tensor_list(o)] for s, (_, _, o) in r.graphs.items()}
-                  for r in pw.compiled_pieces()]
+        self.assertEqual([s for mode, b, s in log if mode == ForwardMode.DECODE], [8, 8])
+        outputs = {d: e.output.data_ptr() for d, e in runner.graph.entries.items()}
+        pieces = [{d: [t.data_ptr() for t in _tensor_list(e.output)]
+                   for d, e in r.entries.items()} for r in pw.compiled_pieces()]
         _steps_equal_eager(self, runner, model, pw.layers, h, FULL_AND_PIECEWISE_STEPS[2:],
-                           tol=1e-4)  # replays only: growing, shrinking, interleaved extends
-        self.assertEqual(runner.captures, 3)
+                           tol=1e-4)  # growing, shrinking, interleaved extends
+        self.assertEqual(runner.captures, 3)  # request bucket 1: its second use
         self.assertEqual(pw.backend.stats["captures"], 3 * (num_layers + 1))
-        self.assertEqual({bs: out.data_ptr() for bs, (_, _, out) in runner.graphs.items()},
+        self.assertEqual({d: runner.graph.entries[d].output.data_ptr() for d in outputs},
                          outputs)
-        self.assertEqual([{s: [t.data_ptr() for t in _tensor_list(o)]
-                           for s, (_, _, o) in r.graphs.items()}
-                          for r in pw.compiled_pieces()], pieces)
+        self.assertEqual([{d: [t.data_ptr() for t in _tensor_list(e.output)]
+                           for d, e in r.entries.items()} for r in pw.compiled_pieces()], pieces)
 
 
 def _tensor_list(out):

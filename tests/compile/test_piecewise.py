@@ -1,7 +1,7 @@
 """Piecewise mode: forward context, split op, graph split, per-piece compile, capture plan,
 capture and replay bookkeeping (CPU, through ``EmulatedGraph``), device capture (``gpu``).
 
-The tiny zoo Llama's ``PagedAttention`` layers take the split op (``use_split_op``, set by
+The tiny zoo Llama's ``PagedAttention`` layers take the split op (``split_op``, installed by
 ``enable_split_op``), so the splitter runs on the real model structure and backend.
 ``emulate_graphs=True`` runs the bucket/capture/replay path on the CPU: an emulated replay
 reruns a piece on the tensors recorded at capture and copies into the recorded outputs, so a
@@ -15,9 +15,10 @@ from expecttest import TestCase
 
 from compile.graphs import device as dev
 from compile.batch.forward_batch import ForwardMode
-from compile.graphs.forward_context import get_forward_context, has_forward_context, set_forward_context
-from compile.graphs.piecewise import (PieceRunner, PiecewiseBackend, PiecewiseModel, compile_piecewise,
-                               split_graph)
+from compile.graphs.forward_context import (BatchDescriptor, GraphMode, get_forward_context,
+                                            has_forward_context, set_forward_context)
+from compile.graphs.graph_wrapper import GraphWrapper
+from compile.graphs.piecewise import PiecewiseModel, compile_piecewise, split_graph
 from compile.graphs.split_op import enable_split_op
 from tests.compile.compile_helpers import (Harness, eager_without_split_op as _eager,
                                            fx_op_sequence, tiny_model)
@@ -52,7 +53,8 @@ def _run_steps(test, pw, model, h, steps, tol=1e-5):
         ref = _eager(model, pw.layers, ids, pos, fb)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
         for i, runner in enumerate(pw.compiled_pieces()):
-            for size, (_, _, piece_out) in runner.graphs.items():
+            for desc, entry in runner.entries.items():
+                size, piece_out = desc.bucket, entry.output
                 items = piece_out if isinstance(piece_out, (tuple, list)) else [piece_out]
                 ptrs = [t.data_ptr() for t in items if isinstance(t, torch.Tensor)]
                 test.assertEqual(addresses.setdefault((i, size), ptrs), ptrs)  # fixed
@@ -66,7 +68,7 @@ class TestForwardContext(TestCase):
             get_forward_context()
 
     def test_nesting_restores(self):
-        with set_forward_context({}, None, 4, graph_size=8) as outer:
+        with set_forward_context({}, None, 4) as outer:
             with set_forward_context({}, None, 2):
                 self.assertEqual(get_forward_context().num_tokens, 2)
             self.assertIs(get_forward_context(), outer)
@@ -100,7 +102,7 @@ class TestSplit(TestCase):
         pad = 5  # 3 real tokens padded to 5, as a captured bucket would be
         ids_p = torch.cat([ids, ids.new_zeros(pad - 3)])
         pos_p = torch.cat([pos, pos.new_zeros(pad - 3)])
-        with set_forward_context(layers, fb, num_tokens=3, graph_size=None), torch.no_grad():
+        with set_forward_context(layers, fb, num_tokens=3), torch.no_grad():
             out = model(ids_p, pos_p, fb)
         torch.testing.assert_close(out[:3], ref, rtol=1e-5, atol=1e-6)
 
@@ -191,14 +193,14 @@ call_module submod_7""")
             pw(*h.decode([0, 1]))
         extend, decode = pw.backend.split_gms
         plan = {name: [r.uncaptured_reason for r in gm.__dict__.values()
-                       if isinstance(r, PieceRunner)] for name, gm in (("extend", extend),
-                                                                        ("decode", decode))}
+                       if isinstance(r, GraphWrapper)] for name, gm in (("extend", extend),
+                                                                         ("decode", decode))}
         # extend: num_layers + 1 captured pieces, then the LM head's last-token pick uncaptured
         self.assertEqual(plan["extend"], [None] * (num_layers + 1)
                          + ["reads L['forward_batch'].extend_seq_lens"])
         self.assertEqual(plan["decode"], [None] * (num_layers + 1))  # every piece captured
         self.assertEqual(pw.backend.stats["uncaptured"], 1)
-        tail = extend.__dict__[f"submod_{2 * num_layers + 1}"].compiled
+        tail = extend.__dict__[f"submod_{2 * num_layers + 1}"].runnable
         self.assertExpectedInline(fx_op_sequence(tail), """\
 call_function cumsum
 call_function sub
@@ -213,27 +215,33 @@ class TestEmulatedCapture(TestCase):
     def setUp(self):
         torch._dynamo.reset()
 
-    def test_piece_runner_warm_up_capture_replay_and_moved_inputs(self):
+    def test_wrapper_warm_up_capture_replay_and_moved_inputs(self):
+        piece = BatchDescriptor(GraphMode.PIECEWISE, ForwardMode.DECODE, 4)
+        full = BatchDescriptor(GraphMode.FULL, ForwardMode.DECODE, 4)
         for debug in (False, True):
-            backend = PiecewiseBackend(debug=debug, emulate_graphs=True)
-            runner = PieceRunner(0, lambda x: (x * 2,), backend)
+            wrapper = GraphWrapper(lambda x: (x * 2,), GraphMode.PIECEWISE,
+                                   torch.device("cpu"), name="piece 0", emulate=True,
+                                   debug=debug)
             x = torch.arange(4.0)
-            backend.graph_size = 4
-            first, second, third = runner(x), runner(x), runner(x)  # warm-up, capture, replay
-            self.assertEqual(backend.stats["captures"], 1)
-            self.assertIsNot(first[0], second[0])  # warm-up output: a fresh tensor
-            self.assertIs(second[0], third[0])  # replays return the captured buffer
-            x.add_(1)  # new values at the same address: replay sees them
-            self.assertEqual(runner(x)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
-            moved = x + 10
-            if debug:
-                with self.assertRaisesRegex(RuntimeError, "input 0 of piece 0 moved"):
-                    runner(moved)
-            else:  # a replay reads the captured address, not the new tensor: stale
-                self.assertEqual(runner(moved)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
-            backend.graph_size = None  # uncaptured step: runs the piece on these inputs
-            self.assertEqual(runner(moved)[0].tolist(), [22.0, 24.0, 26.0, 28.0])
-            self.assertEqual(backend.stats["captures"], 1)
+            with set_forward_context({}, None, 4, piece):
+                first, second, third = wrapper(x), wrapper(x), wrapper(x)  # warm-up, capture,
+                self.assertEqual(wrapper.captures, 1)                      # replay
+                self.assertIsNot(first[0], second[0])  # warm-up output: a fresh tensor
+                self.assertIs(second[0], third[0])  # replays return the captured buffer
+                x.add_(1)  # new values at the same address: replay sees them
+                self.assertEqual(wrapper(x)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
+                moved = x + 10
+                if debug:
+                    with self.assertRaisesRegex(RuntimeError, "input 0 of piece 0 moved"):
+                        wrapper(moved)
+                else:  # a replay reads the captured address, not the new tensor: stale
+                    self.assertEqual(wrapper(moved)[0].tolist(), [2.0, 4.0, 6.0, 8.0])
+            # no descriptor, or another graph mode's (a full step): run on these inputs
+            for desc in (None, full):
+                with set_forward_context({}, None, 4, desc):
+                    self.assertEqual(wrapper(moved)[0].tolist(), [22.0, 24.0, 26.0, 28.0])
+            self.assertEqual(wrapper(moved)[0].tolist(), [22.0, 24.0, 26.0, 28.0])
+            self.assertEqual((wrapper.captures, wrapper.replays), (1, 2 if debug else 3))
 
     def test_extend_mixed_decode_schedule_equals_eager(self):
         num_layers = 2
@@ -256,7 +264,7 @@ class TestEmulatedCapture(TestCase):
         # one bucket captured per graph (extend 8, mixed 4, decode 4): 3 * (num_layers + 1)
         self.assertEqual(stats["captures"], 3 * (num_layers + 1))
         self.assertEqual(len(addresses), 3 * (num_layers + 1))
-        graphs = [sorted(r.graphs) for r in pw.compiled_pieces()]
+        graphs = [sorted(d.bucket for d in r.entries) for r in pw.compiled_pieces()]
         self.assertEqual(graphs, [[8]] * (num_layers + 1) + [[]]  # extend; tail uncaptured
                          + [[4]] * (num_layers + 1) + [[]]  # mixed
                          + [[4]] * (num_layers + 1))  # decode (bucket 8 only warmed up)
@@ -367,7 +375,8 @@ class TestPiecewiseCapture(TestCase):
             torch.testing.assert_close(out, _eager(model, pw.layers, ids, pos, fb),
                                        rtol=1e-4, atol=1e-4)
             for i, runner in enumerate(pw.compiled_pieces()):
-                for size, (_, _, piece_out) in runner.graphs.items():
+                for desc, entry in runner.entries.items():
+                    size, piece_out = desc.bucket, entry.output
                     ptrs = [t.data_ptr() for t in piece_out if isinstance(t, torch.Tensor)]
                     self.assertEqual(outputs.setdefault((i, size), ptrs), ptrs)  # fixed
         self.assertEqual(len(outputs), 2 * (2 + 1))
@@ -402,6 +411,6 @@ class TestPiecewiseCapture(TestCase):
             self.assertGreaterEqual(stats["captures"], expected)
             self.assertEqual(stats["captures"] % (num_layers + 1), 0)
         self.assertEqual(len(addresses), stats["captures"])
-        tails = [r for r in pw.compiled_pieces() if not r.capturable]
+        tails = [r for r in pw.compiled_pieces() if not r.capture]
         # one LM-head tail per extend graph, never captured
-        self.assertEqual([r.graphs for r in tails], [{}] * (stats["graphs"] - 1))
+        self.assertEqual([r.entries for r in tails], [{}] * (stats["graphs"] - 1))

@@ -287,7 +287,7 @@ def test_op_checks(args, kwargs, match, where):
 
 def test_layer_rejects_keywords_the_split_op_cannot_carry():
     layer = PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=0)
-    layer.use_split_op = True
+    layer.split_op = unified_attention
     with pytest.raises(TypeError, match=r"piecewise mode got keyword\(s\) \['qv'\] on layer 0; "
                                         r"expected only \['sinks', 'q_rope', 'k_rope'\]"):
         layer(torch.zeros(1, 32), torch.zeros(1, 16), torch.zeros(1, 16), None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile.backend.layer import kv_layout
 from compile.engine.engine import Engine, SamplingParams
 from compile.batch.memory_pool import SWAKVPool
 from compile.models import Gemma3Config, Gemma3ForCausalLM
@@ -72,19 +73,22 @@ def run(model, page_size: int, swa_pool, forward=None):
     return engine, engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
 
 
-class FullPoolLogits:
-    def __init__(self, model):
-        self.model, self.logits, self.engine = model, [], None
+class Recorder:
+    """Engine forward that runs ``forward`` and keeps the logits of every step."""
+
+    def __init__(self, forward):
+        self.forward, self.logits, self.engine = forward, [], None
+        self.builds_metadata = getattr(forward, "builds_metadata", False)  # a graph runner's
 
     def __call__(self, *args):
-        self.logits.append(self.model(*args))
+        self.logits.append(self.forward(*args))
         return self.logits[-1]
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16])
 def test_hybrid_pool_equals_full_pool_with_freed_pages_poisoned(page_size):
     model = tiny_gemma3()
-    full = FullPoolLogits(model)
+    full = Recorder(model)
     full_engine, want = run(model, page_size, swa_pool=False, forward=full)
     assert not isinstance(full_engine.token_to_kv_pool, SWAKVPool)
     bound = swa_pages_per_request(WINDOW, CHUNK, page_size, 64)
@@ -125,7 +129,7 @@ def test_kv_cache_bytes_equals_the_engines_pools():
         engine = Engine(model, page_size=4, max_running=2, max_context_len=40,
                         max_total_tokens=80, chunked_prefill_size=CHUNK, swa_pool=swa_pool)
         got = sum(b.numel() * b.element_size() for b in pool_buffers(engine.token_to_kv_pool))
-        want = kv_cache_bytes(model.config, 40, page_size=4, prefill_chunk=CHUNK,
+        want = kv_cache_bytes(kv_layout(model), 40, page_size=4, prefill_chunk=CHUNK,
                               num_requests=2, dtype=torch.float32)
         assert got == (want.full if swa_pool is False else want.hybrid)
     assert 0 < want.saved_fraction < 1

@@ -41,10 +41,12 @@ def test_gemma3_270m_greedy_ids_match_transformers(gemma3, page_size):
     assert hf_model.config.model_type == "gemma3_text" and len(prompt_ids[2]) > 512 + 64
     model = from_hf(hf_model)
     assert isinstance(model, Gemma3ForCausalLM) and model.config.sliding_window == 512
-    held = []  # SWA pages of the long request at each step
+    held = []  # (SWA pages, full pages) of the long request at each step
 
     def forward(*args):
-        held.append(len(engine.swa_pages.held.get(engine.running[-1].row, {})))
+        long = [r for r in engine.running if r.prompt_ids == prompt_ids[2]]
+        if long:
+            held.append((len(engine.swa_pages.held[long[0].row]), len(long[0].pages)))
         return model(*args)
 
     engine = Engine(model, forward=forward, page_size=page_size, max_running=3,
@@ -54,6 +56,9 @@ def test_gemma3_270m_greedy_ids_match_transformers(gemma3, page_size):
     expected = hf_generate(hf_model, prompt_ids, NEW_TOKENS, stops)
     assert all(len(e) > 1 for e in expected)
     assert got == expected
-    # the long prompt's first pages left the SWA pool: it never held all of its pages
+    # the long request's first pages left the SWA pool before its decode steps, and it never
+    # held more than the bound the pool is sized by
     bound = swa_pages_per_request(512, 512, page_size, 1024)
-    assert max(held) <= bound < -(-len(prompt_ids[2]) // page_size)
+    assert max(swa for swa, _ in held) <= bound
+    swa, full = held[-1]
+    assert full == -(-(len(prompt_ids[2]) + len(got[2]) - 1) // page_size) and swa < full

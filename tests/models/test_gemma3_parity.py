@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from compile.models import Gemma3Config, Gemma3ForCausalLM, ModelConfig, from_hf  # noqa: E402
-from compile.models.config import SUPPORTED_MODEL_TYPES  # noqa: E402
+from compile.models.config import CONFIG_MODEL_TYPES, SUPPORTED_MODEL_TYPES  # noqa: E402
 from tests.models.test_llama_parity import SMALL, check_parity, random_hf  # noqa: E402
 
 # 5 local : 1 global would need 6 layers; 2 : 1 keeps the same structure at half the cost.
@@ -84,10 +84,13 @@ def test_bidirectional_gemma3_is_rejected():
 
 
 def test_unsupported_model_type_names_every_supported_one():
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2))
     with pytest.raises(NotImplementedError) as info:
-        ModelConfig.from_hf(cfg)
-    message = str(info.value)
-    assert "model_type 'gpt2' is not supported" in message and "\n" not in message
-    assert all(t in message for t in SUPPORTED_MODEL_TYPES)
+        from_hf(hf)
+    assert str(info.value) == ("from_hf: model_type 'gpt2' is not supported; expected one of "
+                               f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
     assert {"gemma3_text", "gemma3", "deepseek_v2", "llama4_text"} <= set(SUPPORTED_MODEL_TYPES)
+    with pytest.raises(NotImplementedError) as info:  # DeepSeek-V2 has a config of its own
+        ModelConfig.from_hf(transformers.DeepseekV2Config())
+    assert str(info.value).endswith(f"expected one of {', '.join(CONFIG_MODEL_TYPES)}.")
+    assert "deepseek_v2" not in CONFIG_MODEL_TYPES and "gemma3_text" in CONFIG_MODEL_TYPES

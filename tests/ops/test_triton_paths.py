@@ -30,7 +30,7 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
 # Pages larger than the interpreter's 16-key tile (a tile inside one page), odd D and Dv != D;
-# a prefill whose row tiles end inside each request (descriptor boxes clip at q_len).
+# a prefill whose row tiles end inside each request (descriptor boxes clip at q_len); pages of 8.
 EXTRA_CASES = (
     xt.AttentionCase(((1, 70), (3, 40), (1, 0)), page_size=32, hq=4, hkv=2, d=20, causal=True,
                      num_splits=3),
@@ -38,13 +38,16 @@ EXTRA_CASES = (
                      window=(20, 0), sinks=True, num_splits=1),
     xt.AttentionCase(((21, 50), (20, 20)), page_size=16, hq=8, hkv=2, d=32, causal=True,
                      num_splits=1),
+    # two pages per 16-key tile (per-page offsets reshaped to keys), GQA 2, a window
+    xt.AttentionCase(((3, 45), (1, 17)), page_size=8, hq=4, hkv=2, d=16, causal=True,
+                     window=(20, 0), num_splits=2),
 )
 CASES = xt.ATTENTION_CASES + EXTRA_CASES
 CASE_IDS = [f"{i}-ps{c.page_size}-d{c.d}" for i, c in enumerate(CASES)]
 # phases alone and warp specialisation (the interpreter runs the loop as written) on a subset:
 # GQA extend at page 4, page 1, fp8 KV, leftpad, bidirectional blocks, tiles inside pages, a
 # prefill.
-SUBSET = [1, 2, 11, 21, 22, 24, 26]
+SUBSET = [1, 2, 11, 21, 22, 24, 26, 27]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -88,14 +91,15 @@ def _pow2(n: int) -> bool:
 
 
 def _expected_paths(case, paths) -> dict:
-    """The path constexprs a launch of ``case`` must get (CPU: descriptors supported, fp32 /
-    bf16 / fp8 rows of these head dims are 16-byte multiples)."""
+    """The path constexprs a launch of ``case`` must get (CPU: 16-key tiles, so per-page
+    addressing from 8-key pages up; descriptors supported; fp32 / bf16 / fp8 rows of these head
+    dims are 16-byte multiples)."""
     asked = bool(paths & {"tma", "tma_ws"})
     tma = asked and _pow2(case.hq // case.hkv) and _pow2(case.page_size) and case.page_size >= 16
     tiles = asked or "page_tiles" in paths
     even = _pow2(case.d) and _pow2(case.head_dim_v) and min(case.d, case.head_dim_v) >= 16
-    return dict(PAGE_TILES=tiles and _pow2(case.page_size), EVEN_D=tiles and even,
-                PHASES=asked or "phases" in paths, TMA=tma)
+    return dict(PAGE_TILES=tiles and _pow2(case.page_size) and case.page_size >= 8,
+                EVEN_D=tiles and even, PHASES=asked or "phases" in paths, TMA=tma)
 
 
 def _check_paths(case, paths, launches):

@@ -1,0 +1,78 @@
+"""``--tp`` / ``--dcp`` of ``python -m compile generate``: one process per rank under ``torchrun``.
+
+    torchrun --nproc-per-node 2 -m compile generate --tp 2 --device cpu --model tiny --verify
+    torchrun --nproc-per-node 2 -m compile generate --dcp 2 --device cpu --model tiny --verify
+    torchrun --nproc-per-node 2 -m compile generate --tp 2 --device cuda --mode graphs
+
+Every rank loads the full checkpoint, shards it (``compile.models.tensor_parallel``), and runs
+the same engine schedule; the logits are equal on every rank (all-reduced or gathered), so greedy
+and seeded sampling pick the same tokens everywhere. Only rank 0 prints, and ``--verify``
+(``transformers``' own ``generate``) runs on rank 0 alone. The process group is gloo on the CPU
+and the device's collective library on GPUs (NCCL on CUDA, XCCL on XPU), each rank on device
+``LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+import torch
+
+from compile.backend.parallel_state import ParallelConfig, init_parallel
+from compile.engine.cli_args import positive_int
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--tp`` and ``--dcp`` to a ``generate`` parser."""
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor-parallel ranks (heads and MLP split); launch with torchrun "
+                             "--nproc-per-node tp*dcp")
+    parser.add_argument("--dcp", type=positive_int, default=1,
+                        help="decode-context-parallel ranks (KV cache split by token)")
+
+
+def start_parallel(args, device: torch.device) -> tuple[ParallelConfig, torch.device]:
+    """Join the ``torchrun`` process group for ``--tp``/``--dcp``; returns this rank's
+    ``ParallelConfig`` and its device (``cuda:LOCAL_RANK`` / ``xpu:LOCAL_RANK`` on GPUs).
+
+    Exits with an argument error (status 2) when the world size is not ``tp * dcp``.
+    """
+    need = args.tp * args.dcp
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if need != world:
+        args.error(f"argument --tp/--dcp: tp * dcp must equal the number of processes; "
+                   f"expected {need} (torchrun --nproc-per-node {need}), got {world}")
+    if args.dcp > 1 and args.mode in ("graphs", "full_and_piecewise"):
+        args.error(f"argument --dcp: DCP steps are not captured as whole-step graphs; expected "
+                   f"--mode eager, compile or piecewise, got --mode {args.mode}")
+    if need == 1:
+        return ParallelConfig(), device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type in ("cuda", "xpu"):
+        device = torch.device(device.type, local)
+        getattr(torch, device.type).set_device(device)
+    backend = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}[device.type]
+    return init_parallel(args.tp, args.dcp, backend=backend), device
+
+
+def is_rank_zero() -> bool:
+    """True in single-process runs and on world rank 0."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@contextlib.contextmanager
+def quiet_unless_rank_zero() -> Iterator[None]:
+    """Inside the block, ranks other than 0 write nothing to stdout."""
+    if is_rank_zero():
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        yield
+    sys.stdout.flush()
+
+
+__all__ = ["add_parallel_arguments", "start_parallel", "is_rank_zero", "quiet_unless_rank_zero"]

@@ -1,0 +1,104 @@
+"""``StepBuffers``: the fixed-address inputs of every captured full step of one runner.
+
+A device graph reads the addresses it saw at capture, so each input of a captured step lives
+in a buffer allocated once, for the largest bucket: the model's ``input_ids`` and ``positions``,
+the batch's ``out_cache_loc``, ``req_pool_indices`` and ``seq_lens``, and every attention
+metadata tensor (``XPUAttentionBackend.graph_metadata_buffers``). One pipeline fills them per
+step (``load``):
+
+1. Copy the batch into the leading slices of its bucket; padded requests point at request row 0
+   with ``seq_lens`` = the backend's fill value (1) and KV slot 0 (the reserved padding slot).
+2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
+3. Build the step's metadata once, on the host, straight into the metadata buffers
+   (``backend.init_forward_metadata_out_graph``: bound at a descriptor's first step, refilled
+   in place after), and make it the backend's ``forward_metadata``.
+
+The metadata is rebuilt from the whole padded batch every step, so shrinking or growing batches
+never read stale lengths or page-table rows. Source: sglang's ``CudaGraphRunner`` buffers and its
+backends' ``init_forward_metadata_*_cuda_graph`` split.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from compile.batch.forward_batch import ForwardBatch
+from compile.graphs.forward_context import BatchDescriptor
+
+
+class StepBuffers:
+    """Fixed buffers for captured steps of up to ``max_bs`` requests and ``max_num_tokens``
+    query tokens (and KV slots: a draft-decode round writes ``num_steps`` per request).
+
+    Args:
+        backend: the ``XPUAttentionBackend`` whose metadata the steps use.
+        max_bs: requests of the largest bucket.
+        max_num_tokens: query tokens (and ``out_cache_loc`` slots) of the largest bucket.
+    Attributes:
+        input_ids, positions, out_cache_loc: [max_num_tokens] int64.
+        req_pool_indices: [max_bs] int64. seq_lens: [max_bs] int32 (``seq_lens_cpu`` its host
+            twin).
+        metadata: ``AttentionMetadata.tensors()`` name -> buffer.
+        bound: ``BatchDescriptor`` -> the ``AttentionMetadata`` bound to ``metadata``.
+    """
+
+    def __init__(self, backend, max_bs: int, max_num_tokens: int):
+        self.backend, self.max_bs, self.max_num_tokens = backend, max_bs, max_num_tokens
+        i64 = dict(dtype=torch.int64, device=backend.device)
+        self.input_ids = torch.zeros(max_num_tokens, **i64)
+        self.positions = torch.zeros(max_num_tokens, **i64)
+        self.out_cache_loc = torch.zeros(max_num_tokens, **i64)
+        self.req_pool_indices = torch.zeros(max_bs, **i64)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
+        self.seq_lens_cpu = torch.zeros(max_bs, dtype=torch.int32)
+        self.metadata = backend.graph_metadata_buffers(max_bs, max_num_tokens)
+        self.bound: dict[BatchDescriptor, Any] = {}
+        self._batches: dict[BatchDescriptor, ForwardBatch] = {}
+
+    def load(self, desc: BatchDescriptor, input_ids: Tensor, positions: Tensor,
+             fb: ForwardBatch, tokens_per_req: int, slots_per_req: int
+             ) -> tuple[Tensor, Tensor, ForwardBatch]:
+        """Steps 1-3 of the module docstring for a batch of bucket ``desc.bucket``.
+
+        Returns:
+            ``(input_ids, positions, forward_batch)`` over the buffers' leading slices.
+        """
+        bs, fill = desc.bucket, self.backend.get_cuda_graph_seq_len_fill_value()
+        n = bs * tokens_per_req
+        for buf, values, pad, size in ((self.input_ids, input_ids, 0, n),
+                                       (self.positions, positions, 0, n),
+                                       (self.out_cache_loc, fb.out_cache_loc, 0,
+                                        bs * slots_per_req),
+                                       (self.req_pool_indices, fb.req_pool_indices, 0, bs),
+                                       (self.seq_lens, fb.seq_lens, fill, bs),
+                                       (self.seq_lens_cpu, fb.seq_lens_cpu, fill, bs)):
+            buf[:values.shape[0]].copy_(values)
+            buf[values.shape[0]:size].fill_(pad)
+        static = self._batch(desc, fb, n, bs * slots_per_req)
+        static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
+        static.spec_info = fb.spec_info  # host-side facts only (topk, draft count, steps)
+        self.bound[desc] = self.backend.init_forward_metadata_out_graph(
+            static, self.metadata, self.bound.get(desc))
+        return self.input_ids[:n], self.positions[:n], static
+
+    def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, n: int, slots: int
+               ) -> ForwardBatch:
+        """The ``ForwardBatch`` over the buffers for ``desc`` (made at its first step)."""
+        static: Optional[ForwardBatch] = self._batches.get(desc)
+        if static is None:
+            bs = desc.bucket
+            static = ForwardBatch(
+                forward_mode=fb.forward_mode, batch_size=bs,
+                req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+                seq_lens_cpu=self.seq_lens_cpu[:bs], out_cache_loc=self.out_cache_loc[:slots],
+                positions=self.positions[:n], spec_info=fb.spec_info)
+            static.attn_backend, static.token_to_kv_pool = fb.attn_backend, fb.token_to_kv_pool
+            static.req_to_token_pool = fb.req_to_token_pool
+            self._batches[desc] = static
+        return static
+
+
+__all__ = ["StepBuffers"]
