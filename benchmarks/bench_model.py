@@ -47,11 +47,9 @@ from torch._dynamo.utils import counters
 from compile.graphs import device as dev
 from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
 from compile.engine.cli_models import pick_device
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.graphs.compiled_model import compile_model
-from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
+from compile.batch import ForwardBatch, ForwardMode
+from compile.graphs import GraphRunner, PiecewiseModel, compile_model, full_and_piecewise
 from compile.models import LlamaForCausalLM, ModelConfig
-from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import enable_split_op
 from bench_model_report import write_results
 from decode_roofline import copy_bandwidth, roofline_tokens_per_s

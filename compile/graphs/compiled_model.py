@@ -2,8 +2,8 @@
 
 What ``python -m compile --mode compile`` runs; ``compile.graphs.graph_runner.GraphRunner(model,
 forward=compile_model(model))`` captures it per batch bucket. Dynamo traces the whole model
-(``fullgraph=True`` holds for every zoo model: tests/compile/test_compile_model.py) and Inductor
-compiles it; compile time comes from Inductor's caches. Each call runs inside
+(``fullgraph=True`` holds for every zoo model: tests/compile/graphs/test_compile_model.py) and
+Inductor compiles it; compile time comes from Inductor's caches. Each call runs inside
 ``compile.graphs.forward_context.set_forward_context`` with the step's ``ForwardBatch``, so code
 that reads the context (the split op, in piecewise models) finds the same batch as in eager.
 
@@ -29,8 +29,8 @@ from compile.graphs.forward_context import set_forward_context
 # per pattern of which of the step's four varying sizes (requests b, tokens T, page-table
 # width, max_seqlen_q) equal 1, since Dynamo specialises size 1 (2**4 at most), plus one whose
 # sizes are still static (the mode's first graph, before a recompile turns them dynamic).
-# sglang raises the global limit instead (cache_size_limit = 1024); tests/compile/
-# test_recompiles.py checks the count over long random schedules.
+# sglang raises the global limit instead (cache_size_limit = 1024);
+# tests/compile/graphs/test_recompiles.py checks the count over long random schedules.
 GRAPHS_BOUND = (2 ** 4 + 1) * len(ForwardMode)
 _RECOMPILE_BUDGET = ({"recompile_limit": GRAPHS_BOUND}
                      if "recompile_limit" in inspect.signature(torch.compile).parameters else {})

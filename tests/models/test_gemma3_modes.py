@@ -16,11 +16,9 @@ import functools
 import pytest
 import torch
 
-from compile.graphs.compiled_model import compile_model
-from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
-from compile.graphs.piecewise import PiecewiseModel
-from tests.compile.test_swa_pages import Recorder, tiny_gemma3
+from compile.graphs import GraphRunner, PiecewiseModel, compile_model, full_and_piecewise
+from compile.engine import Engine, SamplingParams
+from tests.compile.batch.test_swa_pages import Recorder, tiny_gemma3
 
 PROMPT_LENS = (21, 6)
 NEW_TOKENS = 6

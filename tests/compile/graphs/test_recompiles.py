@@ -23,7 +23,7 @@ import torch
 
 from compile.graphs import device as dev
 from compile.graphs.compiled_model import GRAPHS_BOUND, compile_model
-from compile.graphs.piecewise import PiecewiseModel
+from compile.graphs import PiecewiseModel
 from tests.compile.compile_helpers import Harness, eager_without_split_op, tiny_model
 from tests.markers import requires_gpu_graphs
 

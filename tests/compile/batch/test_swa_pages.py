@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.backend.layer import kv_layout
-from compile.engine.engine import Engine, SamplingParams
-from compile.batch.memory_pool import SWAKVPool
+from compile.backend import kv_layout
+from compile.engine import Engine, SamplingParams
+from compile.batch import SWAKVPool
 from compile.models import Gemma3Config, Gemma3ForCausalLM
 from compile.batch.swa_pages import SWAPageAllocator, kv_cache_bytes, swa_pages_per_request
 from tests.compile.compile_helpers import TINY, pool_buffers, tiny_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from compile.graphs.compiled_model import compile_model
+from compile.graphs import compile_model
 from compile.graphs.forward_context import get_forward_context, has_forward_context
 from tests.compile.compile_helpers import Harness, SWAHarness, pool_buffers, tiny_model
 

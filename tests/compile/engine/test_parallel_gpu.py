@@ -1,9 +1,10 @@
-"""``tests/compile/test_parallel.py``'s checks on 2 GPUs with NCCL, plus TP=2 under the serving
-path (``full_and_piecewise``: decode steps captured whole, the all-reduces inside the graphs).
+"""``tests/compile/engine/test_parallel.py``'s checks on 2 GPUs with NCCL, plus TP=2 under the
+serving path (``full_and_piecewise``: decode steps captured whole, the all-reduces inside the
+graphs).
 
 Run on a 2-GPU machine (``nvidia-h200-x2``, NVLink multicast off as KINDS.md says):
 ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest -m gpu -q
-tests/compile/test_parallel_gpu.py``.
+tests/compile/engine/test_parallel_gpu.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.compile.test_parallel import (LAYERS, SCENARIOS, _assert_same_run, _worker,
+from tests.compile.engine.test_parallel import (LAYERS, SCENARIOS, _assert_same_run, _worker,
                                          generate, tiny_model)
 
 NAMES = ("tp", "tp_kv1", "dcp", "tp_graphs")

@@ -26,9 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
-from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.graph_runner import full_and_piecewise
-from compile.graphs.piecewise import compile_piecewise
+from compile.engine import Engine, SamplingParams
+from compile.graphs import compile_piecewise, full_and_piecewise
 from compile.models.tensor_parallel import tensor_parallel
 from tests.compile.compile_helpers import tiny_model
 
@@ -39,7 +38,7 @@ SCENARIOS = {  # name -> tiny_model overrides
     "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
     "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
     "dcp": dict(attention_sinks=True),
-    "tp_graphs": dict(),   # GPU only (tests/compile/test_parallel_gpu.py)
+    "tp_graphs": dict(),   # GPU only (tests/compile/engine/test_parallel_gpu.py)
 }
 CPU_SCENARIOS = ("tp", "tp_kv1", "dcp")
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor")

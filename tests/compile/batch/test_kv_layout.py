@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from compile.backend.layer import PagedAttention, kv_layout
-from compile.batch.kv_layout import KVLayout, make_kv_pool
-from compile.batch.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from compile.batch.swa_pages import hybrid_kv_pool, kv_cache_bytes
+from compile.backend import PagedAttention, kv_layout
+from compile.batch import (KVLayout, MHATokenToKVPool, MLATokenToKVPool, hybrid_kv_pool,
+                           kv_cache_bytes, make_kv_pool)
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from tests.compile.compile_helpers import tiny_model
 

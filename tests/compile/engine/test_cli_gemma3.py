@@ -18,10 +18,10 @@ from compile.engine.cli_check import attention_kinds, check_model, format_attent
 from compile.models.config import SUPPORTED_MODEL_TYPES
 from compile.models.gguf import gguf_architecture
 from compile.backend import kv_layout
-from compile.batch.swa_pages import kv_cache_bytes
+from compile.batch import kv_cache_bytes
 from tests.compile.compile_helpers import tiny_model
-from tests.compile.test_cli import _one_line_exit_2
-from tests.compile.test_swa_pages import WINDOW, tiny_gemma3
+from tests.compile.engine.test_cli import _one_line_exit_2
+from tests.compile.batch.test_swa_pages import WINDOW, tiny_gemma3
 
 
 def test_check_reports_gemma3_attention_kinds_and_kv_memory():
