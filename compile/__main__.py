@@ -250,8 +250,12 @@ def cmd_generate(args) -> int:
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
         model = tensor_parallel(from_hf(hf_model, dtype=dtype, device=device), args.parallel.tp)
-    print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
-          f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
+    ranks = "" if args.parallel.tp.size * args.parallel.dcp.size == 1 else (
+        f", tp {args.parallel.tp.size}, dcp {args.parallel.dcp.size}")
+    with quiet_unless_rank_zero():
+        print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
+              f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode}"
+              f"{ranks})")
     prompts = read_prompts(args)
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from typing import Iterator
 
 import torch
@@ -72,7 +71,6 @@ def quiet_unless_rank_zero() -> Iterator[None]:
         return
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         yield
-    sys.stdout.flush()
 
 
 __all__ = ["add_parallel_arguments", "start_parallel", "is_rank_zero", "quiet_unless_rank_zero"]

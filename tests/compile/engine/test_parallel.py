@@ -184,12 +184,16 @@ def test_tp_piecewise_splits_only_at_attention(ranks):
         assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
 
 
-def test_dcp_rejects_a_hybrid_swa_pool():
-    model = tiny_model(LAYERS, layer_types=["sliding_attention", "full_attention"],
-                       sliding_window=4)
+@pytest.mark.parametrize("overrides, kv_dtype, message", [
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4), None,
+     "expected an MHATokenToKVPool"),
+    (dict(), torch.float8_e4m3fn, "KV cache dtype torch.float8_e4m3fn is not supported"),
+])
+def test_dcp_rejects_what_it_cannot_serve(overrides, kv_dtype, message):
+    model = tiny_model(LAYERS, **overrides)
     two = ParallelConfig(dcp=ParallelGroup(0, 2, group=object()))   # no collective runs
-    with pytest.raises(NotImplementedError, match="expected an MHATokenToKVPool"):
-        Engine(model, page_size=2, max_total_tokens=64, parallel=two)
+    with pytest.raises(NotImplementedError, match=message):
+        Engine(model, page_size=2, max_total_tokens=64, kv_dtype=kv_dtype, parallel=two)
 
 
 def test_tp_of_one_rank_is_the_plain_model():
