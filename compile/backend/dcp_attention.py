@@ -47,8 +47,7 @@ import xpu_ops
 
 from compile.backend.attention_metadata import cu_seqlens, paged_metadata, uniform_cu_seqlens
 from compile.backend.parallel_state import ParallelGroup, all_gather
-from compile.batch.forward_batch import ForwardBatch
-from compile.batch.memory_pool import MHATokenToKVPool
+from compile.batch import ForwardBatch, MHATokenToKVPool
 
 
 @dataclasses.dataclass

@@ -239,3 +239,19 @@ def test_cli_tp_needs_one_process_per_rank(monkeypatch, capsys):
 def test_cli_dcp_is_not_captured_whole(monkeypatch, capsys):
     err = _cli_error(monkeypatch, capsys, "2", "--dcp", "2", "--mode", "graphs")
     assert "argument --dcp: DCP steps are not captured as whole-step graphs" in err
+
+
+def test_cli_tp_that_cannot_split_the_heads_is_a_one_line_error(capsys):
+    # SmolLM2-135M (the default model) has 9 query heads: `--tp 2` must not end in a traceback.
+    import argparse
+
+    from compile.engine.cli_args import CliParser
+    from compile.engine.cli_parallel import shard_model
+    parser = CliParser(prog="generate")
+    args = argparse.Namespace(parallel=ParallelConfig(tp=ParallelGroup(0, 3, group=object())),
+                              error=parser.error)
+    with pytest.raises(SystemExit) as exit_info:
+        shard_model(args, tiny_model(num_layers=1))   # 4 query heads, 2 KV heads over 3 ranks
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "argument --tp: tp_heads: num_heads=4 / num_kv_heads=2 cannot be split over 3" in err
