@@ -28,7 +28,7 @@ import torch
 
 from compile.__main__ import DEFAULT_PROMPTS, encode_prompts
 from compile.engine.cli_models import load_model
-from compile.engine.engine import Engine, SamplingParams
+from compile.engine import Engine, SamplingParams
 from compile.models import from_hf
 
 

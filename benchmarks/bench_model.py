@@ -23,10 +23,8 @@ Extend and mixed steps (``--steps-tokens``, ``--step-modes``): ms per step of ``
 4 requests extending ``T / 4`` tokens each, or one ``T - 7``-token prefill chunk beside 7 decoding
 requests (MIXED), over ``--context`` cached tokens per request (``paged_batches.py``).
 Compile time: first compiled call with an empty Inductor cache (cold) and again in the same
-process after ``torch._dynamo.reset()`` with the cache filled (warm), for a plain
-``torch.compile(model, fullgraph=True)`` (every layer traced and compiled) and for
-``compile_model`` (Dynamo traces one layer per kind and stamps out the others,
-docs/regions_reuse.md; only where this torch can reuse region traces).
+process after ``torch._dynamo.reset()`` with the cache filled (warm), through
+``compile_model(model, fullgraph=True)`` (every layer traced and compiled).
 Host time: per step, until ``forward`` returns (before the device sync).
 
     python benchmarks/bench_model.py --device cuda              # the H200 table and plot
@@ -49,12 +47,9 @@ from torch._dynamo.utils import counters
 from compile.graphs import device as dev
 from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
 from compile.engine.cli_models import pick_device
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.graphs.compiled_model import compile_model, reusable_regions_supported
-from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
-from compile.backend.layer import PagedAttention
+from compile.batch import ForwardBatch, ForwardMode
+from compile.graphs import GraphRunner, PiecewiseModel, compile_model, full_and_piecewise
 from compile.models import LlamaForCausalLM, ModelConfig
-from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import enable_split_op
 from bench_model_report import write_results
 from decode_roofline import copy_bandwidth, roofline_tokens_per_s
@@ -169,19 +164,15 @@ def step_seconds(step, device, warmup: int, steps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def compile_times(model, ids, fb, regions: bool) -> tuple[float, float]:
+def compile_times(model, ids, fb) -> tuple[float, float]:
     """(cold, warm) seconds of the first compiled call, fresh cache then filled cache, through
-    ``compile_model(model, regions=regions, fullgraph=True)`` (``regions=False``: a plain
-    ``torch.compile``)."""
+    ``compile_model(model, fullgraph=True)``."""
     out = []
-    for attn in model.modules():  # unbind: a previous call may have bound them
-        if isinstance(attn, PagedAttention):
-            attn.bound_k_buffer = attn.bound_v_buffer = None
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         for _ in range(2):
             torch._dynamo.reset()
-            compiled = compile_model(model, regions=regions, fullgraph=True)
+            compiled = compile_model(model, fullgraph=True)
             fb.attn_backend.init_forward_metadata(fb)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -234,10 +225,6 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
                     help="measure each (mode, batch) this many times, report the fastest")
     ap.add_argument("--compile-layers", type=non_negative_int, default=30,
                     help="layers of the model whose compile time is measured (0: skip)")
-    ap.add_argument("--compile-variants", nargs="+", choices=("torch.compile", "compile_model"),
-                    default=["torch.compile", "compile_model"],
-                    help="what the compile times measure (compile_model: only where this torch "
-                         "can reuse region traces); one per fresh process for clean cold figures")
     ap.add_argument("--compile-only", action="store_true",
                     help="skip the decode table, measure only the compile times (printed, no "
                          "result files; repeat in fresh processes: a second cold compile in "
@@ -284,17 +271,10 @@ def main(argv=None, prog=None):
     if args.compile_layers:
         cargs = argparse.Namespace(**{**vars(args), "layers": args.compile_layers})
         big = build(cargs)
-        compile_s = {}
-        variants = {"torch.compile": False, "compile_model": True}
-        if not reusable_regions_supported():
-            variants.pop("compile_model")
-        for key, regions in variants.items():
-            if key not in args.compile_variants:
-                continue
-            compile_s[key] = compile_times(big, *decode_batch(big, 8, 64), regions=regions)
-            print(f"compile {args.compile_layers} layers ({key}): cold "
-                  f"{compile_s[key][0]:.1f} s, warm {compile_s[key][1]:.1f} s (load average "
-                  f"{os.getloadavg()[0]:.2f})", flush=True)
+        compile_s = {"compile_model": compile_times(big, *decode_batch(big, 8, 64))}
+        print(f"compile {args.compile_layers} layers (compile_model): cold "
+              f"{compile_s['compile_model'][0]:.1f} s, warm {compile_s['compile_model'][1]:.1f} s "
+              f"(load average {os.getloadavg()[0]:.2f})", flush=True)
     if args.compile_only:  # no decode table: the figures are printed above, no result files
         return
     write_results(args, rows, compile_s, bandwidth, steps)

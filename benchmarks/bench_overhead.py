@@ -46,8 +46,8 @@ import torch
 
 import xpu_ops
 from xpu_ops import providers
-from compile.graphs.forward_context import set_forward_context
-from compile.backend.layer import PagedAttention
+from compile.graphs import set_forward_context
+from compile.backend import PagedAttention
 from compile.graphs import split_op as _split_op  # noqa: F401  (registers the split op)
 from bench_model import paged_decode_batch  # benchmarks/ is on sys.path when run as a script
 

@@ -11,9 +11,8 @@ from typing import Sequence
 
 import torch
 
-from compile.backend.attention_backend import XPUAttentionBackend
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.backend import XPUAttentionBackend
+from compile.batch import ForwardBatch, ForwardMode, MHATokenToKVPool, PageAllocator, ReqToTokenPool
 from compile.engine.model_runner import ModelRunnerInfo
 
 

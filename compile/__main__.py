@@ -29,14 +29,13 @@ from typing import Callable, Optional
 import torch
 
 from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
-                              prompt_lines, prompt_text, temperature)
+                                     prompt_lines, prompt_text, temperature)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, start_parallel)
-from compile.graphs.compiled_model import compile_model
-from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
-from compile.graphs.piecewise import PiecewiseModel, compile_piecewise
+from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
+                            full_and_piecewise)
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -110,7 +109,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
     the forward callable of ``--mode``)."""
     from tqdm import tqdm
 
-    from compile.engine.engine import Engine, SamplingParams
+    from compile.engine import Engine, SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
     total = sum(len(p) + args.max_new_tokens for p in prompt_ids)

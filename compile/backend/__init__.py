@@ -1,4 +1,9 @@
 """Backend wing: `XPUAttentionBackend` (sglang's `AttentionBackend` role). Metadata builders per
 forward mode (host, once per step), the per-layer forward (save KV, attend, cascade merge),
-`PagedAttention` (sglang's `RadixAttention` role), local attention, MLA and speculative-decoding
-metadata. Imports the batch wing and `xpu_ops`; never the graphs or engine wings."""
+`PagedAttention` (sglang's `RadixAttention` role) and `kv_layout(model)`, local attention, MLA
+and speculative-decoding metadata. Imports the batch wing and `xpu_ops`; never the engine wing."""
+
+from compile.backend.attention_backend import XPUAttentionBackend
+from compile.backend.layer import PagedAttention, attention_layers, kv_layout
+
+__all__ = ["XPUAttentionBackend", "PagedAttention", "attention_layers", "kv_layout"]

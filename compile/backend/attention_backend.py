@@ -34,7 +34,6 @@ from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMeta
                                  paged_metadata, swa_metadata, uniform_cu_seqlens)
 from compile.backend.backend_graph import GraphMetadataMixin
 from compile.batch.forward_batch import ForwardBatch
-from compile.backend.layer import reads_bound_kv
 from compile.backend.local_attention import local_chunks_per_request, make_local_attention_virtual_batches
 from compile.batch.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 from compile.backend import mla_attention
@@ -284,44 +283,22 @@ class XPUAttentionBackend(GraphMetadataMixin):
         return self.forward_metadata
 
     def paged_kv(self, layer, page_size: int) -> tuple[Tensor, Tensor]:
-        """K/V cache of ``layer`` viewed ``[num_pages, page_size, Hkv, D]``.
-
-        Traced with buffers bound on the layer (a pool's ``bind_layers``; for hybrid SWA pools
-        those of the pool that holds the layer): views of those, so no ``layer_id`` is read and
-        Dynamo can reuse the layer's trace; otherwise the pool's look-up by
-        ``layer.kv_cache_layer_id``.
-        """
-        if reads_bound_kv(layer):
-            k, v = layer.bound_k_buffer, layer.bound_v_buffer
-            return k.view(-1, page_size, *k.shape[1:]), v.view(-1, page_size, *v.shape[1:])
+        """K/V cache of ``layer`` viewed ``[num_pages, page_size, Hkv, D]``: the pool's buffers
+        of ``layer.kv_cache_layer_id`` (for hybrid SWA pools, of the pool that holds it)."""
         return self.token_to_kv_pool.get_paged_kv(layer.kv_cache_layer_id, page_size)
 
     def is_swa_layer(self, layer) -> bool:
-        """Whether ``layer``'s KV lives in the sliding-window pool of a hybrid SWA pool.
-
-        Traced bound layers answer from ``layer.bound_kv_is_swa`` (a Python bool, equal within
-        a layer kind, so Dynamo's re-targeted guard holds); otherwise the pool's look-up by
-        ``layer.layer_id``. Only asked when the pool is hybrid (``meta.swa`` or
-        ``meta.write.swa_loc`` set).
-        """
-        if reads_bound_kv(layer):
-            return layer.bound_kv_is_swa
+        """Whether ``layer``'s KV lives in the sliding-window pool of a hybrid SWA pool (the
+        pool's look-up by ``layer.layer_id``). Only asked when the pool is hybrid (``meta.swa``
+        or ``meta.write.swa_loc`` set)."""
         return self.token_to_kv_pool.is_swa_layer(layer.layer_id)
 
     def save_kv(self, layer, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
-        """Write this batch's new K/V of ``layer`` (SWA layers into the SWA pool).
-
-        Traced writes use the buffers bound on the layer when there are some (MHA and hybrid
-        SWA pools; an SWA layer writes the translated ``meta.write.swa_loc``); otherwise the
-        pool's ``set_kv_buffer``, one ``store_kv_cache`` call.
-        """
+        """Write this batch's new K/V of ``layer`` through the pool's ``set_kv_buffer`` (one
+        ``store_kv_cache`` call; SWA layers into the SWA pool at ``meta.write.swa_loc``)."""
         pool = self.token_to_kv_pool
         if layer.is_cross_attention:
             pool.set_kv_buffer(layer, meta.write.encoder_loc, k, v, layer.k_scale, layer.v_scale)
-        elif reads_bound_kv(layer):  # traced: no layer_id look-up (reusable)
-            loc = meta.write.swa_loc if layer.bound_kv_is_swa else meta.write.loc
-            xpu_ops.store_kv_cache(layer.bound_k_buffer, layer.bound_v_buffer, loc, k, v,
-                                   k_scale=layer.k_scale, v_scale=layer.v_scale)
         elif meta.write.swa_loc is not None and pool.is_swa_layer(layer.layer_id):
             pool.set_kv_buffer(layer, meta.write.swa_loc, k, v, layer.k_scale, layer.v_scale,
                                loc_is_swa=True)

@@ -2,16 +2,17 @@
 
 It holds the per-layer attention facts (heads, head dims, scale, window, softcap, fp8 scales) and
 forwards to the batch's attention backend, which writes the new K/V into the pool and attends.
+``kv_layout(model)`` gathers those facts into the ``KVLayout`` that sizes the model's KV pools.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from compile.batch.kv_layout import KVLayout
 
 
 class PagedAttention(nn.Module):
@@ -36,15 +37,6 @@ class PagedAttention(nn.Module):
             as above (sglang's names).
         k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
             value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
-        bound_k_buffer, bound_v_buffer, bound_kv_is_swa: this layer's KV buffers, bound by a
-            pool's ``bind_layers`` (``compile.batch.memory_pool``), so traced code reads them instead
-            of indexing the pool by ``layer_id`` and Dynamo can reuse one layer's trace for the
-            next (docs/regions_reuse.md). MHA and hybrid SWA pools: K ``[num_slots, Hkv, D]``
-            and V ``[num_slots, Hkv, Dv]`` of the pool that holds the layer, and
-            ``bound_kv_is_swa`` True when that is the sliding-window pool. MLA pools: the latent
-            cache ``[num_slots, 1, R + r]`` as ``bound_k_buffer``, ``bound_v_buffer`` None (the
-            value is its first R columns). Unbound: None, None, False. Plain attributes:
-            ``model.to()`` never moves them.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
@@ -75,9 +67,6 @@ class PagedAttention(nn.Module):
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
         self.v_scale_float: Optional[float] = None
-        self.bound_k_buffer: Optional[Tensor] = None
-        self.bound_v_buffer: Optional[Tensor] = None
-        self.bound_kv_is_swa = False
 
     @property
     def kv_cache_layer_id(self) -> int:
@@ -138,44 +127,45 @@ def attention_layers(model: nn.Module) -> list[PagedAttention]:
     return [m for m in model.modules() if isinstance(m, PagedAttention)]
 
 
-def kv_is_bound(attn) -> bool:
-    """Whether ``attn``'s KV buffers are bound on it by a pool's ``bind_layers`` (any pool kind;
-    False for attention modules without the ``bound_*`` attributes, e.g. sglang's)."""
-    return getattr(attn, "bound_k_buffer", None) is not None
+def kv_layout(model: nn.Module) -> KVLayout:
+    """The ``KVLayout`` that sizes ``model``'s KV pools, from its ``PagedAttention`` layers.
+
+    Hkv, D and Dv are the layers' (all layers must agree: one pool shape); sliding-window layers
+    are those with ``sliding_window_size >= 0`` (W = ``sliding_window_size + 1``, the largest
+    one); the MLA latent rank is ``model.config.kv_lora_rank`` when the config has one (the
+    layers then hold ``D = R + r`` and ``Dv = R``).
+
+    Raises:
+        ValueError: ``model`` has no ``PagedAttention`` layer, or two layers disagree on Hkv, D
+            or Dv.
+
+    >>> from compile.models import LlamaForCausalLM, ModelConfig
+    >>> cfg = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+    ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ...                   layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    >>> kv_layout(LlamaForCausalLM(cfg))
+    KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), sliding_window=8, kv_lora_rank=0)
+    """
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"kv_layout: model has no PagedAttention layer; expected a model "
+                         f"built on compile.backend.PagedAttention, got "
+                         f"{type(model).__name__}.")
+    first = layers[0]
+    shape = (first.tp_k_head_num, first.qk_head_dim, first.v_head_dim)
+    for layer in layers:
+        other = (layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim)
+        if other != shape:
+            raise ValueError(f"kv_layout: layer {layer.layer_id} has (Hkv, D, Dv) {other}; "
+                             f"expected the same as layer {first.layer_id}, got {other} vs "
+                             f"{shape}. One pool holds one shape.")
+    swa = sorted(m.layer_id for m in layers if m.sliding_window_size >= 0)
+    window = max((m.sliding_window_size + 1 for m in layers if m.sliding_window_size >= 0),
+                 default=None)
+    rank = getattr(getattr(model, "config", None), "kv_lora_rank", None) or 0
+    return KVLayout(num_layers=max(m.layer_id for m in layers) + 1, head_num=shape[0],
+                    head_dim=shape[1], v_head_dim=shape[2], swa_layer_ids=tuple(swa),
+                    sliding_window=window, kv_lora_rank=rank)
 
 
-#: Whether traced layers may take their KV buffers from the layer (``bind_layers``) instead of
-#: the pool. Only inside ``reading_bound_kv()``, which ``compile.graphs.compiled_model.CompiledModel``
-#: enters per call after checking the binding is current: a binding outlives that call, and
-#: other compiled functions of the same model (a plain ``torch.compile``, a batch over another
-#: pool) must keep the pool look-ups. Dynamo guards on its value.
-READ_BOUND_KV: bool = False
-
-
-@contextlib.contextmanager
-def reading_bound_kv() -> Iterator[None]:
-    """Let traced layers read the KV buffers bound on them inside the ``with`` block (the caller
-    has bound them to the pool of the batches it runs: ``pool.bind_layers(model)``)."""
-    global READ_BOUND_KV
-    previous, READ_BOUND_KV = READ_BOUND_KV, True
-    try:
-        yield
-    finally:
-        READ_BOUND_KV = previous
-
-
-def bound_kv_enabled() -> bool:
-    """True inside ``reading_bound_kv()``."""
-    return READ_BOUND_KV
-
-
-def reads_bound_kv(attn) -> bool:
-    """Whether the backend should take ``attn``'s KV buffers from the layer, not the pool: only
-    while Dynamo traces (eager keeps the pool look-ups and plans), inside
-    ``reading_bound_kv()``, and only for a bound layer."""
-    return READ_BOUND_KV and torch.compiler.is_compiling() and kv_is_bound(attn)
-
-
-__all__ = ["PagedAttention", "READ_BOUND_KV", "attention_layers",
-           "bound_kv_enabled",
-           "kv_is_bound", "reading_bound_kv", "reads_bound_kv"]
+__all__ = ["PagedAttention", "attention_layers", "kv_layout"]

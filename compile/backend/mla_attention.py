@@ -11,9 +11,7 @@ The MLA pool stores per token one row ``[R + r]``: the compressed KV (latent, R)
   K/V itself; ``flash_attn_varlen_func`` over one prefix chunk (non-causal) or over the new tokens
   (causal), returning the LSE the model merges with ``merge_state_v2``.
 
-Traced layers whose latent cache is bound on them (``MLATokenToKVPool.bind_layers``) write and
-read ``layer.bound_k_buffer`` instead of looking the pool up by ``layer_id``, so Dynamo can reuse
-one layer region's trace (docs/regions_reuse.md). MHA prefill reads no cache.
+MHA prefill reads no cache.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from typing import Optional
 from torch import Tensor
 
 import xpu_ops
-
-from compile.backend.layer import reads_bound_kv
 
 
 def _split_query(q: Tensor, q_rope: Optional[Tensor], heads: int, rank: int, rope: int):
@@ -36,23 +32,14 @@ def _split_query(q: Tensor, q_rope: Optional[Tensor], heads: int, rank: int, rop
 
 def _save(pool, layer, loc: Tensor, k: Tensor, k_rope: Optional[Tensor]) -> None:
     rank, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
-    if reads_bound_kv(layer):  # traced: the latent cache bound on the layer, no layer_id
-        if k_rope is None:
-            k_all = k.reshape(-1, 1, rank + rope)
-            k, k_rope = k_all[..., :rank], k_all[..., rank:]
-        xpu_ops.store_mla_kv_cache(layer.bound_k_buffer, loc, k.reshape(-1, 1, rank),
-                                   k_rope.reshape(-1, 1, rope))
-    elif k_rope is None:
+    if k_rope is None:
         pool.set_kv_buffer(layer, loc, k.reshape(-1, 1, rank + rope))
     else:
         pool.set_mla_kv_buffer(layer, loc, k.reshape(-1, 1, rank), k_rope.reshape(-1, 1, rope))
 
 
 def _latent_cache(pool, layer) -> Tensor:
-    """[num_slots, 1, R + r] of ``layer``: bound on the layer while traced (reusable), else the
-    pool's look-up by ``kv_cache_layer_id``."""
-    if reads_bound_kv(layer):
-        return layer.bound_k_buffer
+    """[num_slots, 1, R + r] of ``layer``: the pool's look-up by ``kv_cache_layer_id``."""
     return pool.get_key_buffer(layer.kv_cache_layer_id)
 
 

@@ -14,14 +14,12 @@ caller's K/V tensors are never modified.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 import xpu_ops
-
-from compile.backend.layer import PagedAttention, attention_layers
 
 
 class ReqToTokenPool:
@@ -143,86 +141,7 @@ class KVWriteLoc:
         return self.swa_loc if is_swa and self.swa_loc is not None else self.loc
 
 
-_BOUND_ATTRS = ("bound_k_buffer", "bound_v_buffer", "bound_kv_is_swa")
-
-
-class LayerBindingMixin:
-    """``bind_layers`` / ``is_bound`` for every KV pool: one walk over the model's
-    ``PagedAttention`` modules; each pool only says which buffers a KV layer id maps to
-    (``_layer_ids`` and ``_binding``)."""
-
-    def _layer_ids(self) -> Collection[int]:
-        """Global layer ids stored in this pool (default: ``layer_num`` from ``start_layer``)."""
-        return range(self.start_layer, self.start_layer + self.layer_num)
-
-    def _binding(self, layer_id: int) -> tuple[Tensor, Optional[Tensor], bool]:
-        """``(bound_k_buffer, bound_v_buffer, bound_kv_is_swa)`` of KV layer ``layer_id``."""
-        raise NotImplementedError
-
-    def _bindings(self, model, method: str,
-                  layers: Optional[Sequence[PagedAttention]] = None
-                  ) -> list[tuple[PagedAttention, tuple]]:
-        """``(attn, binding)`` of every ``PagedAttention`` of ``model`` (or of ``layers``, the
-        caller's list of them: no walk over the model), all validated first."""
-        name = f"{type(self).__name__}.{method}"
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{name}: model must be an nn.Module; expected a model with "
-                            f"PagedAttention layers, got {type(model).__name__}.")
-        ids = self._layer_ids()
-        pairs = []
-        for attn in attention_layers(model) if layers is None else layers:
-            lid = attn.kv_cache_layer_id
-            if lid not in ids:
-                held = (f"[{ids.start}, {ids.stop})" if isinstance(ids, range)
-                        else str(sorted(ids)))
-                raise ValueError(f"{name}: layer {attn.layer_id} reads KV layer {lid}; "
-                                 f"expected a layer id in {held}, got {lid}.")
-            pairs.append((attn, self._binding(lid)))
-        return pairs
-
-    def bind_layers(self, model) -> int:
-        """Bind each ``PagedAttention`` of ``model`` to its KV buffers in this pool.
-
-        Sets ``attn.bound_k_buffer`` / ``bound_v_buffer`` / ``bound_kv_is_swa`` (see
-        ``PagedAttention``) for the KV layer ``attn.kv_cache_layer_id`` (plain attributes
-        aliasing the pool's storage), so traced attention reads them instead of indexing the
-        pool by ``layer_id`` and Dynamo can reuse one layer region's trace for the next
-        (docs/regions_reuse.md). Call it again after the pool's buffers are replaced
-        (``is_bound`` tells).
-
-        Args:
-            model: an ``nn.Module`` whose submodules include ``PagedAttention`` layers.
-        Returns:
-            How many layers were bound (none is bound when one is rejected).
-        Raises:
-            TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: a layer's ``kv_cache_layer_id`` is not a layer of this pool.
-        """
-        pairs = self._bindings(model, "bind_layers")
-        for attn, binding in pairs:
-            for attr, value in zip(_BOUND_ATTRS, binding):
-                setattr(attn, attr, value)
-        return len(pairs)
-
-    def is_bound(self, model, layers: Optional[Sequence[PagedAttention]] = None) -> bool:
-        """Whether ``model``'s layers are bound to this pool's current buffers.
-
-        True when ``model`` has ``PagedAttention`` layers and each one's bound buffers are the
-        very tensors (``is``) this pool holds for its KV layer (and ``bound_kv_is_swa`` says
-        the right pool): False after the pool replaced a buffer, before ``bind_layers`` or
-        after binding to another pool. ``layers``: ``attention_layers(model)`` kept by the
-        caller (a per-step check then skips the walk over the model's modules).
-
-        Raises:
-            TypeError, ValueError: as ``bind_layers``.
-        """
-        pairs = self._bindings(model, "is_bound", layers)
-        return bool(pairs) and all(
-            attn.bound_k_buffer is k and attn.bound_v_buffer is v
-            and attn.bound_kv_is_swa == is_swa for attn, (k, v, is_swa) in pairs)
-
-
-class MHATokenToKVPool(LayerBindingMixin):
+class MHATokenToKVPool:
     """Per-layer K and V buffers ``[num_slots, Hkv, D]`` (and ``Dv``) for multi-head attention.
 
     Args:
@@ -288,14 +207,11 @@ class MHATokenToKVPool(LayerBindingMixin):
             self._paged_views[key] = hit
         return hit[2], hit[3]
 
-    def _binding(self, layer_id: int) -> tuple[Tensor, Tensor, bool]:
-        return (*self.get_kv_buffer(layer_id), False)
-
     def set_kv_buffer(self, layer, loc: Tensor, cache_k: Tensor, cache_v: Tensor,
                       k_scale=None, v_scale=None) -> None:
         """Write ``cache_k [N, Hkv, D]``/``cache_v`` into slots ``loc [N]`` of ``layer``'s buffers.
 
-        ``layer`` is a PagedAttention (its ``layer_id``) or an int layer id. fp8 caches divide by
+        ``layer`` is an attention layer (its ``layer_id``) or an int layer id. fp8 caches divide by
         ``k_scale``/``v_scale`` first (inside ``store_kv_cache``).
         """
         layer_id = layer if isinstance(layer, int) else layer.layer_id
@@ -304,7 +220,7 @@ class MHATokenToKVPool(LayerBindingMixin):
                                k_scale=k_scale, v_scale=v_scale)
 
 
-class SWAKVPool(LayerBindingMixin):
+class SWAKVPool:
     """Hybrid pool: full-attention layers in one MHA pool, sliding-window layers in a smaller one.
 
     The engine allocates every token a slot in the full pool (the ``req_to_token`` value) and,
@@ -345,12 +261,6 @@ class SWAKVPool(LayerBindingMixin):
     def _pool(self, layer_id: int) -> tuple[MHATokenToKVPool, int]:
         idx, is_swa = self.layers_mapping[layer_id]
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), idx
-
-    def _layer_ids(self) -> dict[int, tuple[int, bool]]:
-        return self.layers_mapping
-
-    def _binding(self, layer_id: int) -> tuple[Tensor, Tensor, bool]:
-        return (*self.get_kv_buffer(layer_id), self.is_swa_layer(layer_id))
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, Hkv, D] of ``layer_id``, from the SWA or the full pool."""
@@ -394,7 +304,7 @@ class SWAKVPool(LayerBindingMixin):
         pool.set_kv_buffer(idx, loc, cache_k, cache_v, k_scale, v_scale)
 
 
-class MLATokenToKVPool(LayerBindingMixin):
+class MLATokenToKVPool:
     """Per-layer latent cache ``[num_slots, 1, R + r]``: compressed KV (R) then rope key (r).
 
     Args:
@@ -420,9 +330,6 @@ class MLATokenToKVPool(LayerBindingMixin):
         """[num_slots, 1, R + r] latent cache of ``layer_id``."""
         return self.kv_buffer[layer_id - self.start_layer]
 
-    def _binding(self, layer_id: int) -> tuple[Tensor, None, bool]:
-        return self.get_key_buffer(layer_id), None, False  # the value is a view of the latent
-
     def get_value_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, 1, R] latent part (a view)."""
         return self.get_key_buffer(layer_id)[..., :self.kv_lora_rank]
@@ -445,5 +352,5 @@ class MLATokenToKVPool(LayerBindingMixin):
         self.set_mla_kv_buffer(layer, loc, cache_k[..., :r], cache_k[..., r:])
 
 
-__all__ = ["ReqToTokenPool", "PageAllocator", "KVWriteLoc", "LayerBindingMixin",
+__all__ = ["ReqToTokenPool", "PageAllocator", "KVWriteLoc",
            "MHATokenToKVPool", "SWAKVPool", "MLATokenToKVPool"]

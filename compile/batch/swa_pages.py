@@ -21,7 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .memory_pool import PageAllocator, SWAKVPool
+from compile.batch.kv_layout import KVLayout, check_layout
+from compile.batch.memory_pool import PageAllocator, SWAKVPool
 
 
 def swa_pages_per_request(window: int, max_new_tokens_per_step: int, page_size: int,
@@ -94,26 +95,27 @@ class SWAPageAllocator:
         self.pool.map_pages(full_pages, [0] * len(full_pages))  # onto the padding page
 
 
-def hybrid_kv_pool(config, *, size: int, page_size: int, dtype: torch.dtype, device,
+def hybrid_kv_pool(layout: KVLayout, *, size: int, page_size: int, dtype: torch.dtype, device,
                    max_running: int, prefill_chunk: int, max_context_len: int
                    ) -> tuple[SWAKVPool, SWAPageAllocator]:
-    """The engine's hybrid pool for ``config`` (a ``ModelConfig`` with ``sliding_attention``
-    layers) and its ``SWAPageAllocator``.
+    """The engine's hybrid pool for ``layout`` (a ``KVLayout`` with sliding-window layers) and
+    its ``SWAPageAllocator``.
 
     Args:
         size: slots of the full pool (page 0 included). page_size, dtype, device: the pools'.
         max_running: requests at once. prefill_chunk: most new tokens per request and step.
         max_context_len: tokens per request at most.
     The SWA pool holds ``max_running * swa_pages_per_request(...)`` pages plus page 0.
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
     """
-    types = config.layer_types
-    swa = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    full = [i for i, t in enumerate(types) if t != "sliding_attention"]
-    per_request = swa_pages_per_request(config.sliding_window, prefill_chunk, page_size,
+    check_layout("hybrid_kv_pool", layout)
+    per_request = swa_pages_per_request(layout.sliding_window, prefill_chunk, page_size,
                                         max_context_len)
-    pool = SWAKVPool(size, (max_running * per_request + 1) * page_size, swa, full, page_size,
-                     dtype, config.num_key_value_heads, config.head_dim, device)
-    return pool, SWAPageAllocator(pool, config.sliding_window, device)
+    pool = SWAKVPool(size, (max_running * per_request + 1) * page_size, layout.swa_layer_ids,
+                     layout.full_layer_ids, page_size, dtype, layout.head_num, layout.head_dim,
+                     device, v_head_dim=layout.v_head_dim)
+    return pool, SWAPageAllocator(pool, layout.sliding_window, device)
 
 
 @dataclasses.dataclass
@@ -130,27 +132,34 @@ class KVCacheBytes:
         return 1.0 - self.hybrid / self.full if self.full else 0.0
 
 
-def kv_cache_bytes(config, context_len: int, *, page_size: int = 16, prefill_chunk: int = 512,
-                   num_requests: int = 1, dtype: torch.dtype = torch.bfloat16) -> KVCacheBytes:
+def kv_cache_bytes(layout: KVLayout, context_len: int, *, page_size: int = 16,
+                   prefill_chunk: int = 512, num_requests: int = 1,
+                   dtype: torch.dtype = torch.bfloat16) -> KVCacheBytes:
     """Bytes of the K and V buffers ``compile.engine.engine.Engine`` allocates for ``num_requests``
     requests of ``context_len`` tokens, with and without the hybrid SWA pool.
 
     Args:
-        config: a ``ModelConfig`` (``layer_types``, ``sliding_window``, Hkv, ``head_dim``).
+        layout: the model's ``KVLayout`` (``compile.backend.layer.kv_layout(model)``).
         context_len: tokens per request. page_size: tokens per page.
         prefill_chunk: the engine's ``chunked_prefill_size`` (new tokens per request and step).
         dtype: cache dtype.
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
     """
-    per_slot = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize  # K and V
+    check_layout("kv_cache_bytes", layout)
+    # per token and layer: K and V rows, or one latent row [R + r] (MLA)
+    width = layout.head_dim if layout.kv_lora_rank else layout.head_num * (
+        layout.head_dim + layout.v_head_dim)
+    per_slot = width * dtype.itemsize
     full_slots = (-(-num_requests * context_len // page_size) + 1) * page_size  # + page 0
-    n_swa = sum(t == "sliding_attention" for t in config.layer_types)
-    n_full = config.num_hidden_layers - n_swa
-    full = config.num_hidden_layers * full_slots * per_slot
+    n_swa = len(layout.swa_layer_ids)
+    full = layout.num_layers * full_slots * per_slot
     if not n_swa:
         return KVCacheBytes(full=full, hybrid=full)
-    swa_pages = swa_pages_per_request(config.sliding_window, prefill_chunk, page_size,
+    swa_pages = swa_pages_per_request(layout.sliding_window, prefill_chunk, page_size,
                                       context_len)
     swa_slots = (num_requests * swa_pages + 1) * page_size
+    n_full = layout.num_layers - n_swa
     return KVCacheBytes(full=full, hybrid=(n_full * full_slots + n_swa * swa_slots) * per_slot)
 
 

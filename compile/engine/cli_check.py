@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.backend.layer import attention_layers
+from compile.backend import attention_layers, kv_layout
 from compile.batch.swa_pages import KVCacheBytes, kv_cache_bytes
 from compile.engine.cli_args import DTYPES, model_name, positive_int
 
@@ -125,7 +125,7 @@ def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckR
     kinds = attention_kinds(model)
     kv = None
     if any(k.startswith("sliding") for k in kinds):
-        kv = kv_cache_bytes(model.config, KV_REPORT_TOKENS, page_size=page_size,
+        kv = kv_cache_bytes(kv_layout(model), KV_REPORT_TOKENS, page_size=page_size,
                             dtype=next(model.parameters()).dtype)
     return CheckResult(num_layers=model.config.num_hidden_layers, graph_breaks=breaks,
                        break_reasons=reasons, graphs=graphs, pieces_per_graph=s["pieces"] / n,

@@ -25,14 +25,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from compile.backend import XPUAttentionBackend, kv_layout
 from compile.backend.parallel_state import ParallelConfig
-from compile.batch.forward_batch import ForwardBatch, ForwardMode
-from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
-                                 ReqToTokenPool)
+from compile.batch import (ForwardBatch, ForwardMode, KVLayout, PageAllocator, ReqToTokenPool,
+                           SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
-from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool
-from compile.models.tensor_parallel import per_rank_config
 
 
 @dataclasses.dataclass
@@ -153,10 +151,11 @@ class Engine:
         num_pages = -(-max_total_tokens // self.page_size) + 1  # + reserved page 0
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, self.device)
         self.swa_pages: Optional[SWAPageAllocator] = None
-        self.token_to_kv_pool = self._kv_pool(
-            per_rank_config(cfg, self.parallel.tp), swa_pool, num_pages, page_size,
-            kv_dtype or weight.dtype, max_running, max_context_len)
-        window = getattr(cfg, "sliding_window", None)
+        layout = kv_layout(model)  # this rank's KV heads: a sharded model's layers hold them
+        self.token_to_kv_pool = self._kv_pool(layout, swa_pool, num_pages, page_size,
+                                              kv_dtype or weight.dtype, max_running,
+                                              max_context_len)
+        window = layout.sliding_window
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
@@ -170,9 +169,7 @@ class Engine:
             dcp_group=self.parallel.dcp if dcp > 1 else None)
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
-        elif backend_cls is None:
-            from compile.backend.attention_backend import XPUAttentionBackend as backend_cls
-        self.attn_backend = backend_cls(self.model_runner)
+        self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling or decoding
@@ -181,22 +178,17 @@ class Engine:
         self.last_batch_reqs: list[Req] = []
         self._next_rid = 0
 
-    def _kv_pool(self, cfg, swa_pool: Optional[bool], num_pages: int, page_size: int,
-                 dtype: torch.dtype, max_running: int, max_context_len: int):
-        """The KV pool of one rank: ``num_pages`` pages of ``page_size`` tokens, heads of
-        ``cfg`` (this rank's); hybrid SWA (sets ``self.swa_pages``), MLA or MHA."""
-        if _use_swa_pool(cfg, swa_pool):
+    def _kv_pool(self, layout: KVLayout, swa_pool: Optional[bool], num_pages: int,
+                 page_size: int, dtype: torch.dtype, max_running: int, max_context_len: int):
+        """The KV pool of one rank: ``num_pages`` pages of ``page_size`` tokens shaped by
+        ``layout`` (this rank's heads); hybrid SWA (sets ``self.swa_pages``), MLA or MHA."""
+        if _use_swa_pool(layout, swa_pool):
             pool, self.swa_pages = hybrid_kv_pool(
-                cfg, size=num_pages * page_size, page_size=page_size, dtype=dtype,
+                layout, size=num_pages * page_size, page_size=page_size, dtype=dtype,
                 device=self.device, max_running=max_running,
                 prefill_chunk=self.chunked_prefill_size, max_context_len=max_context_len)
             return pool
-        if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2): one latent row per token
-            return MLATokenToKVPool(num_pages * page_size, page_size, dtype, cfg.kv_lora_rank,
-                                    cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
-        return MHATokenToKVPool(num_pages * page_size, page_size, dtype,
-                                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
-                                self.device)
+        return make_kv_pool(layout, num_pages * page_size, page_size, dtype, self.device)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_ids: Sequence[int],
@@ -414,13 +406,14 @@ class Engine:
         return [r.output_ids for r in reqs]
 
 
-def _use_swa_pool(cfg, swa_pool: Optional[bool]) -> bool:
-    """Whether the engine builds a hybrid SWA pool for ``cfg`` (see ``Engine``'s ``swa_pool``)."""
-    has_swa = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+def _use_swa_pool(layout: KVLayout, swa_pool: Optional[bool]) -> bool:
+    """Whether the engine builds a hybrid SWA pool for ``layout`` (see ``Engine``'s
+    ``swa_pool``)."""
+    has_swa = bool(layout.swa_layer_ids)
     if swa_pool and not has_swa:
         raise ValueError(f"Engine: swa_pool=True needs sliding_attention layers; expected a "
-                         f"model with some, got layer_types={getattr(cfg, 'layer_types', None)}."
-                         " Leave swa_pool=None.")
+                         f"model with some, got none of its {layout.num_layers} layers with a "
+                         "sliding window. Leave swa_pool=None.")
     return has_swa if swa_pool is None else swa_pool
 
 

@@ -1,4 +1,4 @@
-"""Model zoo: Llama-family decoders written against ``compile.backend.layer.PagedAttention``.
+"""Model zoo: Llama-family decoders written against ``compile.backend.PagedAttention``.
 
 ``ModelConfig`` describes a model; ``LlamaForCausalLM`` runs it over the paged KV cache
 (``Llama4ForCausalLM`` a ``Llama4Config``: iRoPE chunked local attention, NoPE layers, MoE;

@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compile.graphs.regions import run_layers
-
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * (offset + weight)``, normalised in float32, returned in x's dtype.
@@ -52,9 +50,6 @@ class PreNormDecoderLayer(nn.Module):
         norm_offset: ``RMSNorm`` offset of both norms (1.0: Gemma's ``1 + weight``).
     Forward:
         ``positions [T]`` int64, ``h [T, hidden]``, ``forward_batch`` -> ``[T, hidden]``.
-
-    The forward reads no per-layer Python value, so layers of one kind trace to one body
-    (``compile.graphs.regions``).
     """
 
     #: Attribute the MLP is registered under: the checkpoint's name (Llama 4: ``feed_forward``).
@@ -88,8 +83,7 @@ class DecoderModel(nn.Module):
         embed_scale: multiplier on the embeddings (Gemma: ``sqrt(hidden_size)``; 1.0: none).
     Forward:
         ``input_ids [T]``, ``positions [T]`` int64, ``forward_batch`` -> normed hidden states
-        ``[T, hidden]``. The layers run through ``compile.graphs.regions.run_layers`` (one nested
-        compile region each inside ``layer_regions()``).
+        ``[T, hidden]``.
     """
 
     def __init__(self, config, make_layer: Callable[[int], nn.Module], dtype=None, device=None,
@@ -108,7 +102,8 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        h = run_layers(self.layers, positions, h, forward_batch)  # one compiled body per kind
+        for layer in self.layers:
+            h = layer(positions, h, forward_batch)
         return self.norm(h)
 
 

@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile.backend.layer import PagedAttention
+from compile.backend import PagedAttention
 from compile.models.config import DecoderConfig, hf_decoder_kwargs
 from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
 from compile.models.llama import LlamaMLP
-from compile.models.loading import copy_from_hf
+from compile.models.weights import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps

@@ -24,7 +24,7 @@ from torch import nn
 from compile.models.config import Gemma3Config
 from compile.models.decoder import DecoderModel
 from compile.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from compile.models.loading import copy_from_hf
+from compile.models.weights import copy_from_hf
 from compile.models.rope import RotaryEmbedding
 
 
@@ -81,7 +81,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Gemma
             the vision tower and projector are left out).
         dtype, device: default those of ``hf_model``'s first tensor.
     Raises:
-        KeyError, ValueError: see ``compile.models.loading.load_state``.
+        KeyError, ValueError: see ``compile.models.weights.load_state``.
     """
     config = Gemma3Config.from_hf(hf_model.config)
     return copy_from_hf(Gemma3ForCausalLM, config, _TextOnly(hf_model), dtype, device)

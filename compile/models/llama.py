@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compile.backend.layer import PagedAttention
+from compile.backend import PagedAttention
 from compile.models.config import ModelConfig
 from compile.models.decoder import (DecoderForCausalLM, DecoderModel, PreNormDecoderLayer,
                                     RMSNorm)

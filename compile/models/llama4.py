@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from compile.models.config import Llama4Config
 from compile.models.decoder import PreNormDecoderLayer
 from compile.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from compile.models.loading import copy_from_hf
+from compile.models.weights import copy_from_hf
 from compile.models.rope import InterleavedRotaryEmbedding
 
 
@@ -134,17 +134,6 @@ class Llama4Model(LlamaModel):
 
     decoder_layer_class = Llama4DecoderLayer
     rotary_class = InterleavedRotaryEmbedding
-
-    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
-        """``input_ids [T]``, ``positions [T]`` int64 -> normed hidden states ``[T, hidden]``.
-
-        The layers run as plain calls, never as ``compile.graphs.regions`` nested compile regions
-        (not adopted for Llama 4: under ``layer_regions()`` torch inlines its MoE layers).
-        """
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h, forward_batch)
-        return self.norm(h)
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):

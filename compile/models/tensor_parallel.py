@@ -6,16 +6,14 @@ sliced on its own so the fused layout stays ``[q | k | v]`` and ``[gate | up]``)
 and ``down_proj`` row-parallel (one all-reduce each), the embedding and the LM head
 vocabulary-parallel (an all-reduce of the lookups, an all-gather of the logits). Attention
 modules see their rank's head counts (``tp_heads``: KV heads replicated when there are fewer
-than ranks), so the attention backend and the KV pool are sized per rank. Norms, RoPE tables
-and everything else stay replicated.
+than ranks), so the attention backend and the KV pool (``compile.backend.kv_layout(model)``) are
+sized per rank. Norms, RoPE tables and everything else stay replicated.
 
 The model is loaded first through the zoo's usual path (``from_hf`` / ``copy_from_hf``, full
 size), then sharded in place: the full tensors are freed as each module is replaced.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from torch import nn
 
@@ -88,14 +86,4 @@ def _shard_mlp(mlp: LlamaMLP, tp: ParallelGroup) -> None:
     mlp.down_proj = RowParallelLinear.from_full(mlp.down_proj, i0, i_r, tp)
 
 
-def per_rank_config(config, tp: ParallelGroup):
-    """``config`` with this rank's ``num_attention_heads`` / ``num_key_value_heads`` (what the
-    KV pools of one rank are sized by); ``config`` itself when ``tp.size == 1``."""
-    if tp.size == 1:
-        return config
-    hq_r, hkv_r, _ = tp_heads(config.num_attention_heads, config.num_key_value_heads, tp)
-    return dataclasses.replace(config, num_attention_heads=hq_r, num_key_value_heads=hkv_r,
-                               head_dim=config.head_dim)
-
-
-__all__ = ["tensor_parallel", "per_rank_config"]
+__all__ = ["tensor_parallel"]

@@ -14,10 +14,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from compile.backend.attention_backend import XPUAttentionBackend
-from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.batch.memory_pool import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
-                                 ReqToTokenPool, SWAKVPool)
+from compile.backend import XPUAttentionBackend
+from compile.batch import (ForwardBatch, ForwardMode, MHATokenToKVPool, MLATokenToKVPool,
+                           PageAllocator, ReqToTokenPool, SWAKVPool, SpecInfo)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.models import ModelConfig
 from compile.models.llama import LlamaForCausalLM

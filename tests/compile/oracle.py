@@ -17,10 +17,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.backend.attention_backend import XPUAttentionBackend
-from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.backend.layer import PagedAttention
-from compile.batch.memory_pool import MHATokenToKVPool, PageAllocator, ReqToTokenPool, SWAKVPool
+from compile.backend import PagedAttention, XPUAttentionBackend
+from compile.batch import (ForwardBatch, ForwardMode, MHATokenToKVPool, PageAllocator,
+                           ReqToTokenPool, SWAKVPool, SpecInfo)
 from compile.engine.model_runner import ModelRunnerInfo
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -8,7 +8,7 @@ metadata address changes. A small graph runner is emulated: its own static ``req
 import pytest
 import torch
 
-from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
+from compile.batch import ForwardBatch, ForwardMode, SpecInfo
 from tests.compile.oracle import Harness, assert_close
 
 MAX_BS = 4

@@ -16,12 +16,11 @@ import math
 import pytest
 import torch
 
-from compile.graphs.forward_context import set_forward_context
-from compile.backend.layer import PagedAttention
-from compile.batch.memory_pool import MLATokenToKVPool
+from compile.graphs import PiecewiseModel, set_forward_context
+from compile.backend import PagedAttention
+from compile.batch import MLATokenToKVPool
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.models.llama import LlamaAttention
-from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import enable_split_op, unified_attention
 from tests.compile.compile_helpers import Harness, MLAHarness, tiny_model
 

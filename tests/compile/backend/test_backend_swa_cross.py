@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from compile.batch.forward_batch import ForwardMode
+from compile.batch import ForwardMode
 from tests.compile.oracle import Harness, Req, assert_close, attention_oracle
 
 

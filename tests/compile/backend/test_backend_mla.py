@@ -7,10 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compile.backend.attention_backend import XPUAttentionBackend
-from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo
-from compile.backend.layer import PagedAttention
-from compile.batch.memory_pool import MLATokenToKVPool, PageAllocator, ReqToTokenPool
+from compile.backend import PagedAttention, XPUAttentionBackend
+from compile.batch import (ForwardBatch, ForwardMode, MLATokenToKVPool, PageAllocator,
+                           ReqToTokenPool, SpecInfo)
 from compile.engine.model_runner import ModelRunnerInfo
 from tests.compile.oracle import assert_close, attention_oracle
 

@@ -7,7 +7,7 @@ ancestors (and itself), in tree order, with the query at the last position.
 import pytest
 import torch
 
-from compile.batch.forward_batch import ForwardMode, SpecInfo
+from compile.batch import ForwardMode, SpecInfo
 from tests.compile.oracle import Harness, assert_close, attention_oracle
 
 

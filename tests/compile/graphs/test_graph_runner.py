@@ -15,12 +15,11 @@ import torch
 from expecttest import TestCase
 
 from compile.graphs import device as dev
-from compile.batch.forward_batch import ForwardMode, SpecInfo
-from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.graph_runner import GraphRunner, full_and_piecewise
-from compile.graphs.piecewise import PiecewiseModel
+from compile.batch import ForwardMode, SpecInfo
+from compile.engine import Engine, SamplingParams
+from compile.graphs import GraphRunner, PiecewiseModel, full_and_piecewise
 from tests.compile.compile_helpers import Harness, tiny_model
-from tests.compile.test_piecewise import _eager, _make_step
+from tests.compile.graphs.test_piecewise import _eager, _make_step
 from tests.markers import requires_gpu_graphs
 
 # batch sizes in request counts: grow, shrink across buckets, shrink inside one, grow again

@@ -3,14 +3,9 @@ target-verify batches of random lengths and batch sizes, through ``torch.compile
 ``compile_model`` and ``PiecewiseModel``, each step equal to eager, with the number of Dynamo
 graphs (and piecewise compiles and captures) asserted against a bound written as a formula.
 
-Before the fixes these schedules failed with Dynamo's ``FailOnRecompileLimitHit``:
-``compile_model`` compiled again for every new ``max_seqlen_q`` of an extend step (its layer
-regions read the batch through the forward context, a global, and Dynamo specialises ints read
-from globals), and every ``PiecewiseModel`` of a process added entries to one shared recompile
-budget on the model's ``forward`` (its own backend fails the others' BACKEND_MATCH guard), so the
-ninth model failed however few steps it ran: what
-``test_piecewise.py::TestPiecewiseCapture::test_extend_capture_varying_lengths_...`` hit on the
-H200 after the other tests of the process.
+Each ``PiecewiseModel`` has its own recompile budget: with one budget shared by every model of
+a process on the model's ``forward`` (its own backend fails the others' BACKEND_MATCH guard),
+the ninth model would fail with ``FailOnRecompileLimitHit`` however few steps it ran.
 
 The draft length of verify steps is fixed per schedule, as in an engine (sglang's
 ``speculative_num_draft_tokens``); everything else is drawn at random with a fixed seed.
@@ -28,7 +23,7 @@ import torch
 
 from compile.graphs import device as dev
 from compile.graphs.compiled_model import GRAPHS_BOUND, compile_model
-from compile.graphs.piecewise import PiecewiseModel
+from compile.graphs import PiecewiseModel
 from tests.compile.compile_helpers import Harness, eager_without_split_op, tiny_model
 from tests.markers import requires_gpu_graphs
 
@@ -143,8 +138,6 @@ def compiled_schedule(forward, backend: CountingBackend, model, h, seed: int) ->
 
 
 def test_compile_model_graphs_bounded_over_a_random_schedule():
-    """Decode and verify steps run in reusable layer regions, extend steps as a plain
-    torch.compile (both where this torch has region reuse)."""
     model = tiny_model(num_layers=1)
     h = Harness(model, max_reqs=ROWS, context=CONTEXT)
     backend = CountingBackend()

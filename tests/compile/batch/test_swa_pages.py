@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.engine.engine import Engine, SamplingParams
-from compile.batch.memory_pool import SWAKVPool
+from compile.backend import kv_layout
+from compile.engine import Engine, SamplingParams
+from compile.batch import SWAKVPool
 from compile.models import Gemma3Config, Gemma3ForCausalLM
 from compile.batch.swa_pages import SWAPageAllocator, kv_cache_bytes, swa_pages_per_request
 from tests.compile.compile_helpers import TINY, pool_buffers, tiny_model
@@ -128,7 +129,7 @@ def test_kv_cache_bytes_equals_the_engines_pools():
         engine = Engine(model, page_size=4, max_running=2, max_context_len=40,
                         max_total_tokens=80, chunked_prefill_size=CHUNK, swa_pool=swa_pool)
         got = sum(b.numel() * b.element_size() for b in pool_buffers(engine.token_to_kv_pool))
-        want = kv_cache_bytes(model.config, 40, page_size=4, prefill_chunk=CHUNK,
+        want = kv_cache_bytes(kv_layout(model), 40, page_size=4, prefill_chunk=CHUNK,
                               num_requests=2, dtype=torch.float32)
         assert got == (want.full if swa_pool is False else want.hybrid)
     assert 0 < want.saved_fraction < 1

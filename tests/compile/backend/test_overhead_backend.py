@@ -9,10 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compile.backend.attention_backend import XPUAttentionBackend
-from compile.batch.forward_batch import ForwardMode
-from compile.backend.layer import PagedAttention
-from compile.batch.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from compile.backend import PagedAttention, XPUAttentionBackend
+from compile.batch import ForwardMode, MHATokenToKVPool, ReqToTokenPool
 from compile.engine.model_runner import ModelRunnerInfo
 from tests.compile.oracle import Harness, assert_close
 import xpu_ops

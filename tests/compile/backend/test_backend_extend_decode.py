@@ -5,7 +5,7 @@ each compared with the float64 oracle over logical token sequences."""
 import pytest
 import torch
 
-from compile.batch.forward_batch import ForwardMode
+from compile.batch import ForwardMode
 from tests.compile.oracle import Harness, assert_close
 
 PAGE_SIZES = [1, 16, 64]

@@ -4,8 +4,8 @@ SWA translation, MLA rows."""
 import pytest
 import torch
 
-from compile.batch.memory_pool import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
-                                 ReqToTokenPool, SWAKVPool)
+from compile.batch import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+                           ReqToTokenPool, SWAKVPool)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

@@ -4,7 +4,7 @@ backend's chunked-local layers against the float64 oracle."""
 import pytest
 import torch
 
-from compile.batch.forward_batch import ForwardMode
+from compile.batch import ForwardMode
 from compile.backend.local_attention import make_local_attention_virtual_batches
 from tests.compile.oracle import Harness, assert_close
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import compile.engine.sampling
-from compile.engine.sampling import SamplingParams, sample
+from compile.engine import SamplingParams, sample
 
 
 @pytest.mark.parametrize("kwargs, error, pattern", [

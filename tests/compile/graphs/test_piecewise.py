@@ -14,7 +14,7 @@ import torch
 from expecttest import TestCase
 
 from compile.graphs import device as dev
-from compile.batch.forward_batch import ForwardMode
+from compile.batch import ForwardMode
 from compile.graphs.forward_context import (BatchDescriptor, GraphMode, get_forward_context,
                                             has_forward_context, set_forward_context)
 from compile.graphs.graph_wrapper import GraphWrapper

@@ -10,8 +10,8 @@ one process on an unsharded copy of the same random model and compares:
   collectives counted in every Dynamo graph.
 - ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
   (replicated on both ranks), untied LM head, sinks.
-- ``dcp``: DCP=2 eager, page size 2 (virtual pages of 4 tokens, each rank storing 2 of them),
-  sinks.
+- ``dcp``: DCP=2 piecewise (the DCP backend writes the split op's output), page size 2 (virtual
+  pages of 4 tokens, each rank storing 2 of them), sinks.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from compile.backend.parallel_state import ParallelConfig, ParallelGroup, all_reduce, tp_heads
-from compile.engine.engine import Engine, SamplingParams
-from compile.graphs.piecewise import compile_piecewise
+from compile.engine import Engine, SamplingParams
+from compile.graphs import compile_piecewise, full_and_piecewise
 from compile.models.tensor_parallel import tensor_parallel
 from tests.compile.compile_helpers import tiny_model
 
@@ -38,7 +38,9 @@ SCENARIOS = {  # name -> tiny_model overrides
     "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
     "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
     "dcp": dict(attention_sinks=True),
+    "tp_graphs": dict(),   # GPU only (tests/compile/engine/test_parallel_gpu.py)
 }
+CPU_SCENARIOS = ("tp", "tp_kv1", "dcp")
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor")
 
 
@@ -55,11 +57,12 @@ class Recorder:
 
 
 def generate(model, forward=None, parallel: Optional[ParallelConfig] = None):
-    """``(token ids per prompt, logits per step, engine)`` of a greedy run (5 prefill tokens a
-    step, so the first prompt prefills over a cached prefix)."""
+    """``(token ids per prompt, logits per step, engine)`` of a greedy run: 9 prefill tokens a
+    step, so both extend steps hold 2 requests and the second prompt's last 2 tokens extend
+    over its cached first 2; then 5 decode steps of 3 requests."""
     rec = Recorder(model if forward is None else forward)
     engine = Engine(model, forward=rec, page_size=2, max_running=4, max_context_len=32,
-                    max_total_tokens=128, chunked_prefill_size=5, parallel=parallel)
+                    max_total_tokens=128, chunked_prefill_size=9, parallel=parallel)
     tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
     return tokens, rec.logits, engine
 
@@ -73,13 +76,18 @@ def collective_counts(graphs: list) -> list[dict[str, int]]:
     return out
 
 
-def _scenario(name: str, group: ParallelGroup) -> dict:
-    model = tiny_model(LAYERS, **SCENARIOS[name])
+def _scenario(name: str, group: ParallelGroup, device: str = "cpu") -> dict:
+    model = tiny_model(LAYERS, device=device, **SCENARIOS[name])
     if name == "dcp":
-        tokens, logits, engine = generate(model, parallel=ParallelConfig(dcp=group))
+        torch._dynamo.reset()
+        pieces = compile_piecewise(model, inductor=False)
+        tokens, logits, engine = generate(model, pieces, ParallelConfig(dcp=group))
         return dict(tokens=tokens, logits=logits, pool_slots=engine.token_to_kv_pool.size)
     model = tensor_parallel(model, group)
     heads = model.model.layers[0].self_attn.attn.tp_q_head_num
+    if name == "tp_graphs":   # GPU only: decode steps captured whole, NCCL inside the graphs
+        tokens, logits, _ = generate(model, full_and_piecewise(model), ParallelConfig(tp=group))
+        return dict(tokens=tokens, logits=logits)
     if name != "tp":
         torch._dynamo.reset()
         pieces = compile_piecewise(model, inductor=False)
@@ -100,13 +108,18 @@ def _scenario(name: str, group: ParallelGroup) -> dict:
                 graph_breaks=breaks, hq=heads)
 
 
-def _worker(rank: int, world: int, path: str) -> None:
+def _worker(rank: int, world: int, path: str, device: str = "cpu",
+            names: tuple = tuple(SCENARIOS)) -> None:
+    """One rank: gloo on the CPU; on GPUs NCCL, rank ``r`` on ``cuda:r``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}/init", rank=rank,
-                            world_size=world)
+    if device != "cpu":
+        device = f"{device}:{rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl",
+                            init_method=f"file://{path}/init", rank=rank, world_size=world)
     try:
         group = ParallelGroup.of(dist.group.WORLD)
-        results = {name: _scenario(name, group) for name in SCENARIOS}
+        results = {name: _scenario(name, group, device) for name in names}
         torch.save(results, os.path.join(path, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -116,7 +129,7 @@ def _worker(rank: int, world: int, path: str) -> None:
 def ranks(tmp_path_factory) -> list[dict]:
     """Each rank's results (``_scenario``), from one 2-process spawn."""
     path = str(tmp_path_factory.mktemp("parallel"))
-    mp.spawn(_worker, args=(2, path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, path, "cpu", CPU_SCENARIOS), nprocs=2, join=True)
     return [torch.load(os.path.join(path, f"rank{r}.pt")) for r in range(2)]
 
 
@@ -124,15 +137,15 @@ def ranks(tmp_path_factory) -> list[dict]:
 def single() -> dict:
     """The same runs in this process on unsharded models: ``name -> (tokens, logits)``."""
     torch.manual_seed(0)
-    return {name: generate(tiny_model(LAYERS, **over))[:2] for name, over in SCENARIOS.items()}
+    return {name: generate(tiny_model(LAYERS, **SCENARIOS[name]))[:2] for name in CPU_SCENARIOS}
 
 
-def _assert_same_run(result: dict, expected) -> None:
+def _assert_same_run(result: dict, expected, tol: float = 1e-5) -> None:
     tokens, logits = expected
     assert result["tokens"] == tokens
     assert len(result["logits"]) == len(logits)
     for got, want in zip(result["logits"], logits):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("name", ["tp_kv1", "dcp"])
@@ -158,7 +171,8 @@ def test_tp_fullgraph_has_collectives_and_no_breaks(ranks, single):
         assert result["graph_breaks"] == 0
         # per graph: 1 embedding + 2 per layer (o_proj, down_proj) all-reduces; 1 logits gather
         want = {"all_reduce": 1 + 2 * LAYERS, "all_gather_into_tensor": 1}
-        assert result["collectives"] and all(c == want for c in result["collectives"])
+        assert all(c == want for c in result["collectives"])
+        assert len(result["collectives"]) == 2   # dynamic=True: one extend, one decode graph
 
 
 def test_tp_piecewise_splits_only_at_attention(ranks):
@@ -168,6 +182,14 @@ def test_tp_piecewise_splits_only_at_attention(ranks):
         assert stats["graphs"] >= 2   # extend and decode
         assert stats["split_ops"] == LAYERS * stats["graphs"]
         assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
+
+
+def test_dcp_rejects_a_hybrid_swa_pool():
+    model = tiny_model(LAYERS, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=4)
+    two = ParallelConfig(dcp=ParallelGroup(0, 2, group=object()))   # no collective runs
+    with pytest.raises(NotImplementedError, match="expected an MHATokenToKVPool"):
+        Engine(model, page_size=2, max_total_tokens=64, parallel=two)
 
 
 def test_tp_of_one_rank_is_the_plain_model():

@@ -17,10 +17,11 @@ from compile.__main__ import main
 from compile.engine.cli_check import attention_kinds, check_model, format_attention, format_result
 from compile.models.config import SUPPORTED_MODEL_TYPES
 from compile.models.gguf import gguf_architecture
-from compile.batch.swa_pages import kv_cache_bytes
+from compile.backend import kv_layout
+from compile.batch import kv_cache_bytes
 from tests.compile.compile_helpers import tiny_model
-from tests.compile.test_cli import _one_line_exit_2
-from tests.compile.test_swa_pages import WINDOW, tiny_gemma3
+from tests.compile.engine.test_cli import _one_line_exit_2
+from tests.compile.batch.test_swa_pages import WINDOW, tiny_gemma3
 
 
 def test_check_reports_gemma3_attention_kinds_and_kv_memory():
@@ -28,7 +29,7 @@ def test_check_reports_gemma3_attention_kinds_and_kv_memory():
     result = check_model(tiny_gemma3())
     assert result.ok, result
     assert result.attention == [f"sliding window {WINDOW}", "global", f"sliding window {WINDOW}"]
-    want = kv_cache_bytes(tiny_gemma3().config, 8192, page_size=16, dtype=torch.float32)
+    want = kv_cache_bytes(kv_layout(tiny_gemma3()), 8192, page_size=16, dtype=torch.float32)
     assert result.kv_bytes == want and want.hybrid < want.full
     text = format_result("g3", result, "eager")
     assert "  attention: 2 x sliding window 4 (layers 0, 2), 1 x global (layers 1)\n" in text
