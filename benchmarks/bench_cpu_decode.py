@@ -6,8 +6,8 @@ tokens each with the stop tokens ignored, so both run the same number of batch-`
 steps (``b`` = the number of prompts):
 
 - engine: ``compile.engine.engine.Engine`` in eager mode (the main job's path: paged KV cache, the
-  default provider of each op); per step ``EngineStats.decode_seconds`` over its decode steps
-  (model forward, host metadata and sampling, as the main job times them).
+  default provider of each op); per step the time of each ``engine.step()`` that only decodes
+  (model forward, host metadata and sampling).
 - transformers: one left-padded batch through ``model.generate`` (its default dynamic cache and
   attention implementation); per step ``(t(N) - t(1)) / (N - 1)`` with ``t(n)`` the time of a
   ``generate`` of ``n`` new tokens (so the prefill cancels).
@@ -15,7 +15,11 @@ steps (``b`` = the number of prompts):
 Rounds alternate the two (``--rounds``); the table reports each side's median and the ratio
 engine tokens/s over transformers tokens/s (>= 1: the engine is at least as fast).
 
-    python benchmarks/bench_cpu_decode.py --threads 1            # the CPU figure in RESULTS.md
+    python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # the CPU figure in RESULTS.md
+
+``--clock cpu`` times this thread's CPU time instead of wall time: with ``--threads 1`` every
+op runs on the calling thread, so the figure leaves out the time other processes hold the
+cores (wall time on the shared 2-core machine moves by +-30 % between runs).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -33,8 +38,9 @@ from compile.models import from_hf
 
 
 def engine_step_seconds(model, prompt_ids: list[list[int]], new_tokens: int,
-                        page_size: int) -> float:
-    """Seconds per decode step of the eager engine over ``prompt_ids`` (stops ignored)."""
+                        page_size: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per decode step of the eager engine over ``prompt_ids`` (stops ignored): the
+    ``clock`` time of each ``engine.step()`` that prefilled nothing, averaged."""
     longest = max(len(p) for p in prompt_ids) + new_tokens
     total = sum(len(p) + new_tokens for p in prompt_ids)
     engine = Engine(model, page_size=page_size, max_running=len(prompt_ids),
@@ -43,13 +49,18 @@ def engine_step_seconds(model, prompt_ids: list[list[int]], new_tokens: int,
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())
     for p in prompt_ids:
         engine.add_request(p, sampling)
+    seconds, steps = 0.0, 0
     while engine.has_work():
+        prefilled = engine.stats.prefill_tokens
+        t0 = clock()
         engine.step()
-    stats = engine.stats
-    return stats.decode_seconds / max(stats.decode_tokens // len(prompt_ids), 1)
+        if engine.stats.prefill_tokens == prefilled:  # a decode step
+            seconds, steps = seconds + clock() - t0, steps + 1
+    return seconds / max(steps, 1)
 
 
-def hf_step_seconds(hf_model, prompt_ids: list[list[int]], new_tokens: int) -> float:
+def hf_step_seconds(hf_model, prompt_ids: list[list[int]], new_tokens: int,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per decode step of ``transformers``' ``generate`` on one left-padded batch."""
     width = max(len(p) for p in prompt_ids)
     ids = torch.zeros(len(prompt_ids), width, dtype=torch.long)
@@ -58,10 +69,10 @@ def hf_step_seconds(hf_model, prompt_ids: list[list[int]], new_tokens: int) -> f
         ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
 
     def generate(n: int) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         hf_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
                           min_new_tokens=n, pad_token_id=0)
-        return time.perf_counter() - t0
+        return clock() - t0
     return (generate(new_tokens) - generate(1)) / (new_tokens - 1)
 
 
@@ -71,7 +82,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this thread's CPU time (with --threads 1 all the work runs on it; "
+                        "robust on a shared machine, where wall time includes waiting)")
     args = p.parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_model, tokenizer = load_model(None, dtype=torch.float32)
@@ -84,15 +99,15 @@ def main(argv=None) -> None:
         hf_step_seconds(hf_model, prompt_ids, 4)
         for _ in range(args.rounds):
             engine_s.append(engine_step_seconds(model, prompt_ids, args.max_new_tokens,
-                                                args.page_size))
-            hf_s.append(hf_step_seconds(hf_model, prompt_ids, args.max_new_tokens))
+                                                args.page_size, clock))
+            hf_s.append(hf_step_seconds(hf_model, prompt_ids, args.max_new_tokens, clock))
     b = len(prompt_ids)
     eng, hf = statistics.median(engine_s), statistics.median(hf_s)
     from xpu_ops import providers
     provider = providers.select("flash_attn_with_kvcache", torch.device("cpu")).provider
     print(f"# bench_cpu_decode: SmolLM2-135M-Instruct, {b} prompts, {args.max_new_tokens} new "
           f"tokens each, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
-          f"provider {provider}\n")
+          f"provider {provider}, {args.clock} clock\n")
     print("| decode (batch {}) | ms/step | tokens/s |\n|---|---:|---:|".format(b))
     print(f"| engine, eager | {eng * 1e3:.1f} | {b / eng:.1f} |")
     print(f"| transformers generate, eager | {hf * 1e3:.1f} | {b / hf:.1f} |")

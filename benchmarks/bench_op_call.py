@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 import xpu_ops
 from compile.graphs import device as dev
-from bench_model import build, decode_batch, make_forward, step_seconds  # benchmarks/ on sys.path
+from bench_model import (build, decode_batch, make_forward, paged_step,  # benchmarks/ on sys.path
+                         step_seconds)
 
 RESULTS = Path(__file__).parent / "results"
 HQ, HKV, D = 32, 8, 64  # Llama-3.2-1B attention shape
@@ -159,8 +160,9 @@ def merge_row(args, device: torch.device) -> dict:
     return {name: latency_us(fn, device, args.warmup, args.iters) for name, fn in calls.items()}
 
 
-def model_rows(args) -> list[dict]:
-    """Table 3: eager and ``compile_model`` decode steps (ms), with host ms per step."""
+def model_rows(args, on_row: Callable[[list[dict]], object] = lambda rows: None) -> list[dict]:
+    """Table 3: eager and ``compile_model`` decode steps (ms), with host ms per step;
+    ``on_row(rows)`` after each batch size."""
     if not args.batches:
         return []
     model = build(argparse.Namespace(layers=args.layers, hidden=args.hidden, dtype=args.dtype,
@@ -172,9 +174,11 @@ def model_rows(args) -> list[dict]:
         for mode in ("eager", "compiled"):
             torch._dynamo.reset()
             forward = make_forward(model, mode)
-            step, host = step_seconds(forward, ids, fb, args.model_warmup, args.steps)
+            step, host = step_seconds(paged_step(forward, ids, fb), fb.device, args.model_warmup,
+                                      args.steps)
             row[mode], row[f"{mode}_host"] = step * 1e3, host * 1e3
         rows.append(row)
+        on_row(rows)
         print(f"b={b}: eager {row['eager']:.2f} ms (host {row['eager_host']:.2f}), "
               f"compile_model {row['compiled']:.2f} ms (host {row['compiled_host']:.2f})",
               flush=True)
@@ -266,9 +270,14 @@ def main(argv=None) -> None:
         attention = attention_row(args, args.device)
         store = store_row(args, args.device)
         merge = merge_row(args, args.device)
-    models = model_rows(args)
+    write(args, attention, store, merge, [])  # each table is written as soon as it is done
+    models = model_rows(args, lambda rows: write(args, attention, store, merge, rows))
+    print(write(args, attention, store, merge, models))
+
+
+def write(args, attention: dict, store: dict, merge: dict, models: list[dict]) -> str:
+    """The report; also ``bench_op_call.md`` and ``.json`` under ``--out-dir`` when given."""
     text = report(args, attention, store, merge, models)
-    print(text)
     if args.out_dir:
         out = Path(args.out_dir) / "bench_op_call"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,6 +285,7 @@ def main(argv=None) -> None:
         out.with_suffix(".json").write_text(json.dumps(
             {"attention_us": attention, "store_us": store, "merge_us": merge, "model_ms": models,
              "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    return text
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ kernel to the operator that launched it; the operator's tensors give the bytes (
 exact for matrix products, the argument sizes otherwise (an upper bound for gathers; attention
 counts its whole KV pool, which ``bench_model``'s batch sizes to the tokens read plus under one
 page per request). Inductor's Triton kernels are launched under a record of their own name with
-their buffers as arguments, each read or written once. Kernels of neither kind show "-".
+their buffers as arguments, each read or written once; those bytes count only where the
+uncaptured step runs the same Inductor graphs (``SAME_INDUCTOR_GRAPHS``: piece graphs fuse and
+name kernels differently). Kernels without bytes show "-".
 Writes ``profile_decode_b{b}.md`` and ``.json`` per batch under ``--out``; prints the tables.
 """
 
@@ -43,6 +45,12 @@ ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "l
                  "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
 PROFILER_DTYPES = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half",
                    torch.float32: "float"}
+# mode -> the uncaptured mode whose profiled step gives the bytes: the same operators; for the
+# modes in SAME_INDUCTOR_GRAPHS also the same Inductor graphs (piece graphs name their fused
+# kernels differently from whole-model graphs, so the others take operator bytes only)
+UNCAPTURED = {"eager": "eager", "compiled": "compiled", "graphs_compiled": "compiled",
+              "piecewise": "compiled", "graphs": "compiled"}
+SAME_INDUCTOR_GRAPHS = ("compiled", "graphs_compiled", "dense")
 MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1}  # op -> index of its first matrix
 # CPU operators that allocate or make views: no data moved, not kernels
 METADATA_OPS = {"aten::empty", "aten::empty_strided", "aten::view", "aten::_unsafe_view",
@@ -106,21 +114,23 @@ def kernel_times(step, device: str, steps: int) -> dict[str, list]:
     return out
 
 
-def launching_op(event, kernel: str):
+def launching_op(event, kernel: str | None):
     """The nearest enclosing event with profiled shapes that launched ``kernel``: an operator
     (``ns::name``) or Inductor's launch record of a Triton kernel (named like the kernel, its
-    buffers as arguments)."""
+    buffers as arguments; None: operators only)."""
     while event is not None and not (event.input_shapes and ("::" in event.name
                                                              or event.name == kernel)):
         event = event.cpu_parent
     return event
 
 
-def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16") -> dict[str, int]:
+def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16", *,
+                 inductor_records: bool = True) -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
     are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
     among them); one profiled step with shapes. ``assumed_dtype`` (a profiler dtype name) stands
-    for every tensor where the profiler records no dtypes."""
+    for every tensor where the profiler records no dtypes; ``inductor_records=False`` ignores
+    Inductor's launch records (their kernels get no bytes)."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
     if device == "cpu":
@@ -130,7 +140,7 @@ def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16") -> dic
     by_op: dict[tuple, tuple[object, list[str]]] = {}  # (thread, start, name) names an event
     unknown = set()
     for event, name in launches:
-        op = launching_op(event, name)
+        op = launching_op(event, name if inductor_records else None)
         if op is None:
             unknown.add(name)
         else:
@@ -186,10 +196,11 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
         uncaptured = dense_step(model, b, args.context, args.dense_gqa, compile_mode=None)
     else:
         step = paged_step(make_forward(model, args.mode), ids, fb)
-        uncaptured = paged_step(make_forward(model, "compiled"), ids, fb)
+        uncaptured = paged_step(make_forward(model, UNCAPTURED.get(args.mode, "compiled")), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
-    nbytes = kernel_bytes(uncaptured, args.device, PROFILER_DTYPES[args.dtype])
+    nbytes = kernel_bytes(uncaptured, args.device, PROFILER_DTYPES[args.dtype],
+                          inductor_records=args.mode in SAME_INDUCTOR_GRAPHS)
     rows = profile_rows(times, nbytes, args.steps, bandwidth)
     kernel_us = sum(r["us"] for r in rows)
     known = [r for r in rows if r["bytes"] is not None]

@@ -33,7 +33,7 @@ from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
-                                         quiet_unless_rank_zero, start_parallel)
+                                         quiet_unless_rank_zero, shard_model, start_parallel)
 from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
                             full_and_piecewise)
 
@@ -238,7 +238,6 @@ def cmd_generate(args) -> int:
     """
     from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
-    from compile.models.tensor_parallel import tensor_parallel
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -249,9 +248,14 @@ def cmd_generate(args) -> int:
     torch._dynamo.utils.counters.clear()
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
-        model = tensor_parallel(from_hf(hf_model, dtype=dtype, device=device), args.parallel.tp)
-    print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
-          f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode})")
+        model = from_hf(hf_model, dtype=dtype, device=device)
+    model = shard_model(args, model)
+    ranks = "" if args.parallel.tp.size * args.parallel.dcp.size == 1 else (
+        f", tp {args.parallel.tp.size}, dcp {args.parallel.dcp.size}")
+    with quiet_unless_rank_zero():
+        print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
+              f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode}"
+              f"{ranks})")
     prompts = read_prompts(args)
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)

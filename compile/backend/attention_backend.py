@@ -30,14 +30,13 @@ from torch import Tensor
 
 import xpu_ops
 
+from compile.backend import mla_attention, spec_metadata
 from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
-                                 paged_metadata, swa_metadata, uniform_cu_seqlens)
+                                                paged_metadata, swa_metadata, uniform_cu_seqlens)
 from compile.backend.backend_graph import GraphMetadataMixin
-from compile.batch.forward_batch import ForwardBatch
-from compile.backend.local_attention import local_chunks_per_request, make_local_attention_virtual_batches
-from compile.batch.memory_pool import KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
-from compile.backend import mla_attention
-from compile.backend import spec_metadata
+from compile.backend.local_attention import (local_chunks_per_request,
+                                             make_local_attention_virtual_batches)
+from compile.batch import ForwardBatch, KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

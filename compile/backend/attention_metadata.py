@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from compile.backend.local_attention import LocalAttentionMetadata
-from compile.batch.memory_pool import KVWriteLoc
+from compile.batch import KVWriteLoc
 
 
 @dataclasses.dataclass

@@ -47,8 +47,7 @@ import xpu_ops
 
 from compile.backend.attention_metadata import cu_seqlens, paged_metadata, uniform_cu_seqlens
 from compile.backend.parallel_state import ParallelGroup, all_gather
-from compile.batch.forward_batch import ForwardBatch
-from compile.batch.memory_pool import MHATokenToKVPool
+from compile.batch import ForwardBatch, MHATokenToKVPool
 
 
 @dataclasses.dataclass
@@ -105,7 +104,7 @@ class DCPAttentionBackend:
             its ``page_size`` is the virtual page size ``pool.page_size * dcp_group.size``.
     Raises:
         ValueError: a page size that is not the pool's times the group size.
-        NotImplementedError: a pool other than ``MHATokenToKVPool``.
+        NotImplementedError: a pool other than ``MHATokenToKVPool``, or an fp8 KV cache.
     """
 
     def __init__(self, model_runner):
@@ -120,6 +119,10 @@ class DCPAttentionBackend:
                                       f"{type(self.pool).__name__}; expected an "
                                       "MHATokenToKVPool (hybrid SWA and MLA pools are not "
                                       "supported with --dcp).")
+        if self.pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise NotImplementedError(f"DCPAttentionBackend: KV cache dtype {self.pool.dtype} "
+                                      "is not supported; expected a float16, bfloat16 or "
+                                      "float32 cache with --dcp.")
         if self.page_size != self.pool.page_size * self.dcp.size:
             raise ValueError(f"DCPAttentionBackend: model_runner.page_size is not the virtual "
                              f"page size; expected pool.page_size * dcp_size = "

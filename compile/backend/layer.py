@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from compile.batch.kv_layout import KVLayout
+from compile.batch import KVLayout
 
 
 class PagedAttention(nn.Module):

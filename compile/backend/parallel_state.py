@@ -112,11 +112,6 @@ class ParallelConfig:
     tp: ParallelGroup = ParallelGroup()
     dcp: ParallelGroup = ParallelGroup()
 
-    @property
-    def is_single(self) -> bool:
-        """True when neither kind of parallelism is on."""
-        return self.tp.size == 1 and self.dcp.size == 1
-
 
 def init_parallel(tp_size: int = 1, dcp_size: int = 1, backend: Optional[str] = None
                   ) -> ParallelConfig:
@@ -152,14 +147,5 @@ def init_parallel(tp_size: int = 1, dcp_size: int = 1, backend: Optional[str] = 
                           dcp=ParallelGroup(rank // tp_size, dcp_size, dcp))
 
 
-def broadcast_object(obj, src: int = 0):
-    """``obj`` of world rank ``src`` on every rank (itself without a process group)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-__all__ = ["ParallelGroup", "ParallelConfig", "tp_heads", "all_reduce", "all_gather", "init_parallel",
-           "broadcast_object"]
+__all__ = ["ParallelGroup", "ParallelConfig", "tp_heads", "all_reduce", "all_gather",
+           "init_parallel"]

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m compile generate --tp 2 --device cpu --model tiny --verify
     torchrun --nproc-per-node 2 -m compile generate --dcp 2 --device cpu --model tiny --verify
-    torchrun --nproc-per-node 2 -m compile generate --tp 2 --device cuda --mode graphs
+    torchrun --nproc-per-node 2 -m compile generate --model tiny --tp 2 --device cuda --mode graphs
 
 Every rank loads the full checkpoint, shards it (``compile.models.tensor_parallel``), and runs
 the same engine schedule; the logits are equal on every rank (all-reduced or gathered), so greedy
@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from typing import Iterator
 
 import torch
 
 from compile.backend.parallel_state import ParallelConfig, init_parallel
 from compile.engine.cli_args import positive_int
+from compile.models.tensor_parallel import tensor_parallel
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +59,16 @@ def start_parallel(args, device: torch.device) -> tuple[ParallelConfig, torch.de
     return init_parallel(args.tp, args.dcp, backend=backend), device
 
 
+def shard_model(args, model):
+    """``tensor_parallel(model, args.parallel.tp)`` for ``generate``: a model that ``--tp``
+    cannot split (heads or intermediate size not divisible, MLA or expert layers) exits with a
+    one-line argument error (status 2) instead of a traceback."""
+    try:
+        return tensor_parallel(model, args.parallel.tp)
+    except (ValueError, NotImplementedError) as e:
+        args.error(f"argument --tp: {e}")
+
+
 def is_rank_zero() -> bool:
     """True in single-process runs and on world rank 0."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -72,7 +82,7 @@ def quiet_unless_rank_zero() -> Iterator[None]:
         return
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         yield
-    sys.stdout.flush()
 
 
-__all__ = ["add_parallel_arguments", "start_parallel", "is_rank_zero", "quiet_unless_rank_zero"]
+__all__ = ["add_parallel_arguments", "start_parallel", "shard_model", "is_rank_zero",
+           "quiet_unless_rank_zero"]

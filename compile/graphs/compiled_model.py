@@ -20,7 +20,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from compile.batch.forward_batch import ForwardMode
+from compile.batch import ForwardMode
 from compile.graphs.forward_context import set_forward_context
 
 # How many graphs Dynamo compiles for a zoo model, and the budget that lets all of them compile

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from torch import Tensor
 
-from compile.batch.forward_batch import ForwardBatch
+from compile.batch import ForwardBatch
 from compile.graphs import device as dev
 from compile.graphs.forward_context import (BatchDescriptor, GraphMode, get_forward_context,
                                             set_forward_context)

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from compile.batch.forward_batch import ForwardBatch
+from compile.batch import ForwardBatch
 from compile.graphs.forward_context import BatchDescriptor
 
 

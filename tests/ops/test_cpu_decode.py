@@ -116,3 +116,32 @@ def test_a_batch_of_no_request_returns_empty_results():
         torch.randn(0, 1, 4, 8), k_cache, v_cache, cache_seqlens=torch.zeros(0, dtype=I32),
         page_table=torch.zeros(0, 2, dtype=I32), return_softmax_lse=True)
     assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_strided_caches_and_out_of_range_page_ids_match_the_oracle(layout):
+    """Both gathers (one ``index_select`` of a contiguous cache, an index by page and offset of
+    any other) and both ways of handling hidden keys (read another key of the request, or
+    zero what was read): an out-of-range page id inside the lengths hides its keys, a request
+    whose every page is out of range gives 0 and LSE -inf, NaN between the pages never leaks."""
+    args, kwargs = _decode_call(CASES[0], MASKS[0], torch.float32, seed=11)
+    if layout == "strided":  # every other page of a buffer twice as long, NaN between them
+        for i in (1, 2):
+            buf = torch.full((2 * args[i].shape[0], *args[i].shape[1:]), float("nan"))
+            buf[::2] = args[i]
+            args[i] = buf[::2]
+    assert args[1].is_contiguous() == (layout == "contiguous")
+    # The oracle reads page ids in range only; hidden keys 0-3 of request 1 are its
+    # cache_leftpad 4, and request 0 (no key visible) gives 0 and -inf.
+    oracle_args = list(args)
+    oracle_args[12] = torch.tensor([0, 4, 0], dtype=I32)
+    want, want_lse = oracle.flash_attn_with_kvcache(*oracle_args, **kwargs)
+    want[0], want_lse[:, 0] = 0.0, float("-inf")
+    table = args[4].clone()
+    table[0, :2] = args[1].shape[0] + 5   # request 0 (5 keys on pages 0, 1): nothing visible
+    table[1, 0] = -1                      # request 1 (17 keys): keys 0-3 hidden
+    args[4] = table
+    assert cpu_decode.applies(args[0], args[1], args[5], 1, *args[7:11], *args[12:])
+    with xpu_ops.use_provider("reference"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)

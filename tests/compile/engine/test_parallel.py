@@ -9,7 +9,7 @@ one process on an unsharded copy of the same random model and compares:
   (vocabulary-parallel embedding and LM head over one matrix, vocabulary padded), the
   collectives counted in every Dynamo graph.
 - ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
-  (replicated on both ranks), untied LM head, sinks.
+  (replicated on both ranks), untied LM head, sinks, biases on every projection.
 - ``dcp``: DCP=2 piecewise (the DCP backend writes the split op's output), page size 2 (virtual
   pages of 4 tokens, each rank storing 2 of them), sinks.
 """
@@ -36,7 +36,8 @@ NEW_TOKENS = 5
 LAYERS = 2
 SCENARIOS = {  # name -> tiny_model overrides
     "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
-    "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
+    "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True, attention_bias=True,
+                   o_proj_bias=True, mlp_bias=True),   # row-parallel biases added once
     "dcp": dict(attention_sinks=True),
     "tp_graphs": dict(),   # GPU only (tests/compile/engine/test_parallel_gpu.py)
 }
@@ -184,12 +185,16 @@ def test_tp_piecewise_splits_only_at_attention(ranks):
         assert stats["pieces"] == (LAYERS + 1) * stats["graphs"]
 
 
-def test_dcp_rejects_a_hybrid_swa_pool():
-    model = tiny_model(LAYERS, layer_types=["sliding_attention", "full_attention"],
-                       sliding_window=4)
+@pytest.mark.parametrize("overrides, kv_dtype, message", [
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4), None,
+     "expected an MHATokenToKVPool"),
+    (dict(), torch.float8_e4m3fn, "KV cache dtype torch.float8_e4m3fn is not supported"),
+])
+def test_dcp_rejects_what_it_cannot_serve(overrides, kv_dtype, message):
+    model = tiny_model(LAYERS, **overrides)
     two = ParallelConfig(dcp=ParallelGroup(0, 2, group=object()))   # no collective runs
-    with pytest.raises(NotImplementedError, match="expected an MHATokenToKVPool"):
-        Engine(model, page_size=2, max_total_tokens=64, parallel=two)
+    with pytest.raises(NotImplementedError, match=message):
+        Engine(model, page_size=2, max_total_tokens=64, kv_dtype=kv_dtype, parallel=two)
 
 
 def test_tp_of_one_rank_is_the_plain_model():
@@ -234,3 +239,19 @@ def test_cli_tp_needs_one_process_per_rank(monkeypatch, capsys):
 def test_cli_dcp_is_not_captured_whole(monkeypatch, capsys):
     err = _cli_error(monkeypatch, capsys, "2", "--dcp", "2", "--mode", "graphs")
     assert "argument --dcp: DCP steps are not captured as whole-step graphs" in err
+
+
+def test_cli_tp_that_cannot_split_the_heads_is_a_one_line_error(capsys):
+    # SmolLM2-135M (the default model) has 9 query heads: `--tp 2` must not end in a traceback.
+    import argparse
+
+    from compile.engine.cli_args import CliParser
+    from compile.engine.cli_parallel import shard_model
+    parser = CliParser(prog="generate")
+    args = argparse.Namespace(parallel=ParallelConfig(tp=ParallelGroup(0, 3, group=object())),
+                              error=parser.error)
+    with pytest.raises(SystemExit) as exit_info:
+        shard_model(args, tiny_model(num_layers=1))   # 4 query heads, 2 KV heads over 3 ranks
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "argument --tp: tp_heads: num_heads=4 / num_kv_heads=2 cannot be split over 3" in err
