@@ -1,7 +1,7 @@
 """Backend wing: `XPUAttentionBackend` (sglang's `AttentionBackend` role). Metadata builders per
 forward mode (host, once per step), the per-layer forward (save KV, attend, cascade merge),
 `PagedAttention` (sglang's `RadixAttention` role) and `kv_layout(model)`, local attention, MLA
-and speculative-decoding metadata. Imports the batch wing and `xpu_ops`; never the engine wing."""
+and speculative-decoding metadata. Imports the batch wing and `xpu_ops`; never the models, graphs or engine wings."""
 
 from compile.backend.attention_backend import XPUAttentionBackend
 from compile.backend.layer import PagedAttention, attention_layers, kv_layout

@@ -139,12 +139,13 @@ def kv_layout(model: nn.Module) -> KVLayout:
         ValueError: ``model`` has no ``PagedAttention`` layer, or two layers disagree on Hkv, D
             or Dv.
 
-    >>> from compile.models import LlamaForCausalLM, ModelConfig
-    >>> cfg = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-    ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    ...                   layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    >>> kv_layout(LlamaForCausalLM(cfg))
-    KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), sliding_window=8, kv_lora_rank=0)
+    >>> from torch import nn
+    >>> layers = nn.ModuleList([PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=0,
+    ...                                        sliding_window_size=7),
+    ...                         PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=1)])
+    >>> kv_layout(layers)
+    KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), \
+sliding_window=8, kv_lora_rank=0)
     """
     layers = attention_layers(model)
     if not layers:

@@ -62,14 +62,15 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
     """One pool holding every layer of ``layout``: ``MLATokenToKVPool`` when ``kv_lora_rank``,
     else ``MHATokenToKVPool``; ``size`` token slots per layer (page 0 included).
 
+    Raises:
+        TypeError: ``layout`` is not a ``KVLayout``.
+
     >>> import torch
     >>> from compile.batch.kv_layout import KVLayout, make_kv_pool
     >>> pool = make_kv_pool(KVLayout(num_layers=2, head_num=1, head_dim=8, v_head_dim=8),
     ...                     size=32, page_size=16, dtype=torch.float32, device="cpu")
     >>> tuple(pool.get_key_buffer(1).shape)
     (32, 1, 8)
-    Raises:
-        TypeError: ``layout`` is not a ``KVLayout``.
     """
     check_layout("make_kv_pool", layout)
     if layout.kv_lora_rank:

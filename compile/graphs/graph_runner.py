@@ -15,8 +15,9 @@ Per step:
    (``compile/graphs/step_buffers.py``).
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
    ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): one warm-up step per descriptor
-   (compilation and autotuning), then capture, then replays of the whole step (attention included). Inside it, a
-   ``PiecewiseModel`` forward neither pads nor captures its pieces (they see FULL).
+   (compilation and autotuning), then capture, then replays of the whole step (attention
+   included). Inside it, a ``PiecewiseModel`` forward neither pads nor captures its pieces
+   (they see FULL).
 3. Any other step (extend, mixed, draft extend, topk > 1, idle, too many requests) builds its
    metadata with ``init_forward_metadata`` and runs ``forward`` (a ``PiecewiseModel`` then pads
    it to a token bucket and replays its pieces).

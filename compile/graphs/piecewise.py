@@ -7,7 +7,7 @@ the model (``(input_ids [T], positions [T], forward_batch) -> logits``) once the
 
 How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
 
-1. ``PiecewiseModel`` copies ``input_ids``/``positions`` into static buffers padded to the
+1. ``PiecewiseModel`` copies ``input_ids``/``positions`` into its ``TokenBuffers`` padded to the
    smallest bucket ``B >= T`` (padded tail zeroed) and sets the forward context
    (``num_tokens=T``, ``BatchDescriptor(PIECEWISE, mode, B)``).
 2. Dynamo runs the model's graph for the step's mode (token dim dynamic); ``PiecewiseBackend``
@@ -36,9 +36,9 @@ How a step runs (CUDA/XPU, any mode but idle, ``T <= max(graph_sizes)``):
 What it does not do: capture attention itself (``compile/graphs/graph_runner.py`` captures whole
 steps; ``graph_runner.full_and_piecewise`` composes the two: full graphs for decode, pieces for
 the rest; inside a full-graph step the forward context carries a FULL descriptor, so this model
-neither pads nor captures), capture steps past the largest bucket or idle steps, share captured graphs between the
-Dynamo graphs of different modes (each mode's pieces capture their own graphs per bucket), or
-check input addresses on every replay (``debug=True`` does). On the CPU the same split and
+neither pads nor captures), capture steps past the largest bucket or idle steps, share captured
+graphs between the Dynamo graphs of different modes (each mode's pieces capture their own graphs
+per bucket), or check input addresses on every replay (``debug=True`` does). On the CPU the same split and
 Inductor pieces run without capture; ``emulate_graphs=True`` runs the whole bucket, capture and
 replay bookkeeping there with ``EmulatedGraph`` stand-ins (tests).
 """
@@ -60,6 +60,7 @@ from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture
                           is_split_node, per_step_placeholders, split_graph)
 from compile.graphs.graph_wrapper import GraphWrapper
 from compile.graphs.split_op import enable_split_op
+from compile.graphs.step_buffers import TokenBuffers
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -223,23 +224,10 @@ class PiecewiseModel(nn.Module):
                                                   **_OWN_RECOMPILE_BUDGET)
         n = self.graph_sizes[-1] if self.graph_sizes else 0
         self.max_graph_size = n
-        self.register_buffer("static_input_ids", torch.zeros(n, dtype=torch.long,
-                                                             device=self.device),
-                             persistent=False)
-        self.register_buffer("static_positions", torch.zeros(n, dtype=torch.long,
-                                                             device=self.device),
-                             persistent=False)
+        self.tokens = TokenBuffers(n, self.device, dynamic=True)
         # Per step: one table lookup for the bucket, views made (and marked dynamic) once.
         self._bucket = [None] + [self.graph_sizes[bisect.bisect_left(self.graph_sizes, t)]
                                  for t in range(1, n + 1)]
-        self._static_views = {size: self._static_view(size) for size in self.graph_sizes}
-
-    def _static_view(self, size: int) -> tuple[Tensor, Tensor]:
-        ids, pos = self.static_input_ids[:size], self.static_positions[:size]
-        if size >= 2:  # 0 and 1 are specialised by Dynamo anyway
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(pos, 0)
-        return ids, pos
 
     def compiled_pieces(self) -> list[GraphWrapper]:
         """The ``GraphWrapper`` of every piece compiled so far, in graph order."""
@@ -269,12 +257,7 @@ class PiecewiseModel(nn.Module):
         size = None if in_full_step else self.graph_size_for(n, forward_batch)
         desc = None
         if size is not None:
-            ids, pos = self._static_views[size]
-            ids[:n].copy_(input_ids)
-            ids[n:].zero_()
-            pos[:n].copy_(positions)
-            pos[n:].zero_()
-            input_ids, positions = ids, pos
+            input_ids, positions = self.tokens.load(size, input_ids, positions)
             desc = BatchDescriptor(GraphMode.PIECEWISE, forward_batch.forward_mode, size)
         elif n >= 2:
             torch._dynamo.mark_dynamic(input_ids, 0)

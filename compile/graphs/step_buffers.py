@@ -1,4 +1,8 @@
-"""``StepBuffers``: the fixed-address inputs of every captured full step of one runner.
+"""``StepBuffers`` and ``TokenBuffers``: the fixed-address inputs of captured steps.
+
+``TokenBuffers`` holds the model's ``input_ids`` and ``positions``, padded to a bucket; the
+piecewise model feeds its pieces from one, and ``StepBuffers`` (a runner's whole-step inputs)
+holds one beside the batch and metadata buffers.
 
 A device graph reads the addresses it saw at capture, so each input of a captured step lives
 in a buffer allocated once, for the largest bucket: the model's ``input_ids`` and ``positions``,
@@ -29,6 +33,43 @@ from compile.batch import ForwardBatch
 from compile.graphs.forward_context import BatchDescriptor
 
 
+class TokenBuffers:
+    """Fixed ``input_ids`` and ``positions`` [max_tokens] int64 and their leading views.
+
+    Args:
+        max_tokens: tokens of the largest bucket. device: where they live.
+        dynamic: mark every view of two or more tokens dynamic (``torch._dynamo.mark_dynamic``
+            on dim 0), so Dynamo traces one graph for all buckets of a mode.
+    """
+
+    def __init__(self, max_tokens: int, device, *, dynamic: bool = False):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.dynamic = dynamic
+        self._views: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def views(self, size: int) -> tuple[Tensor, Tensor]:
+        """``(input_ids[:size], positions[:size])``, the same view objects at every call."""
+        if size not in self._views:
+            ids, pos = self.input_ids[:size], self.positions[:size]
+            if self.dynamic and size >= 2:  # 0 and 1 are specialised by Dynamo anyway
+                torch._dynamo.mark_dynamic(ids, 0)
+                torch._dynamo.mark_dynamic(pos, 0)
+            self._views[size] = (ids, pos)
+        return self._views[size]
+
+    def load(self, size: int, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Copy the step's tokens into the views of bucket ``size``, padded tail zeroed."""
+        ids, pos = self.views(size)
+        n = input_ids.shape[0]
+        ids[:n].copy_(input_ids)
+        ids[n:].zero_()
+        pos[:n].copy_(positions)
+        pos[n:].zero_()
+        return ids, pos
+
+
 class StepBuffers:
     """Fixed buffers for captured steps of up to ``max_bs`` requests and ``max_num_tokens``
     query tokens (and KV slots: a draft-decode round writes ``num_steps`` per request).
@@ -38,7 +79,8 @@ class StepBuffers:
         max_bs: requests of the largest bucket.
         max_num_tokens: query tokens (and ``out_cache_loc`` slots) of the largest bucket.
     Attributes:
-        input_ids, positions, out_cache_loc: [max_num_tokens] int64.
+        tokens: ``TokenBuffers`` of ``input_ids`` and ``positions`` [max_num_tokens].
+        out_cache_loc: [max_num_tokens] int64.
         req_pool_indices: [max_bs] int64. seq_lens: [max_bs] int32 (``seq_lens_cpu`` its host
             twin).
         metadata: ``AttentionMetadata.tensors()`` name -> buffer.
@@ -48,8 +90,7 @@ class StepBuffers:
     def __init__(self, backend, max_bs: int, max_num_tokens: int):
         self.backend, self.max_bs, self.max_num_tokens = backend, max_bs, max_num_tokens
         i64 = dict(dtype=torch.int64, device=backend.device)
-        self.input_ids = torch.zeros(max_num_tokens, **i64)
-        self.positions = torch.zeros(max_num_tokens, **i64)
+        self.tokens = TokenBuffers(max_num_tokens, backend.device)
         self.out_cache_loc = torch.zeros(max_num_tokens, **i64)
         self.req_pool_indices = torch.zeros(max_bs, **i64)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
@@ -68,23 +109,22 @@ class StepBuffers:
         """
         bs, fill = desc.bucket, self.backend.get_cuda_graph_seq_len_fill_value()
         n = bs * tokens_per_req
-        for buf, values, pad, size in ((self.input_ids, input_ids, 0, n),
-                                       (self.positions, positions, 0, n),
-                                       (self.out_cache_loc, fb.out_cache_loc, 0,
+        ids, pos = self.tokens.load(n, input_ids, positions)
+        for buf, values, pad, size in ((self.out_cache_loc, fb.out_cache_loc, 0,
                                         bs * slots_per_req),
                                        (self.req_pool_indices, fb.req_pool_indices, 0, bs),
                                        (self.seq_lens, fb.seq_lens, fill, bs),
                                        (self.seq_lens_cpu, fb.seq_lens_cpu, fill, bs)):
             buf[:values.shape[0]].copy_(values)
             buf[values.shape[0]:size].fill_(pad)
-        static = self._batch(desc, fb, n, bs * slots_per_req)
+        static = self._batch(desc, fb, pos, bs * slots_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
         static.spec_info = fb.spec_info  # host-side facts only (topk, draft count, steps)
         self.bound[desc] = self.backend.init_forward_metadata_out_graph(
             static, self.metadata, self.bound.get(desc))
-        return self.input_ids[:n], self.positions[:n], static
+        return ids, pos, static
 
-    def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, n: int, slots: int
+    def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, positions: Tensor, slots: int
                ) -> ForwardBatch:
         """The ``ForwardBatch`` over the buffers for ``desc`` (made at its first step)."""
         static: Optional[ForwardBatch] = self._batches.get(desc)
@@ -94,11 +134,11 @@ class StepBuffers:
                 forward_mode=fb.forward_mode, batch_size=bs,
                 req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
                 seq_lens_cpu=self.seq_lens_cpu[:bs], out_cache_loc=self.out_cache_loc[:slots],
-                positions=self.positions[:n], spec_info=fb.spec_info)
+                positions=positions, spec_info=fb.spec_info)
             static.attn_backend, static.token_to_kv_pool = fb.attn_backend, fb.token_to_kv_pool
             static.req_to_token_pool = fb.req_to_token_pool
             self._batches[desc] = static
         return static
 
 
-__all__ = ["StepBuffers"]
+__all__ = ["TokenBuffers", "StepBuffers"]

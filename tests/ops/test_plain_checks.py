@@ -23,7 +23,7 @@ def _attention():
                                                        softcap=0.0, num_splits=0)
 
     def fast(*t):
-        return paged_attention._is_plain_valid_call(*t, True, 1, 0.0, 0)
+        return paged_attention._is_plain_valid_flash_attn_with_kvcache(*t, True, 1, 0.0, 0)
     return args, full, fast
 
 
@@ -33,13 +33,13 @@ def _store():
 
     def full(*t):
         kv_cache._check_store_kv_cache(*t, None, None)
-    return args, full, kv_cache._is_plain_valid_store
+    return args, full, kv_cache._is_plain_valid_store_kv_cache
 
 
 def _merge():
     args = [torch.randn(3, 2, 8), torch.randn(3, 2), torch.randn(3, 2, 8), torch.randn(3, 2),
             torch.empty(3, 2, 8), torch.empty(3, 2)]
-    return args, merge_state._check_merge_state_v2, merge_state._is_plain_valid_merge
+    return args, merge_state._check_merge_state_v2, merge_state._is_plain_valid_merge_state_v2
 
 
 def _variants(t: torch.Tensor):

@@ -72,7 +72,7 @@ def _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> None
         _check_scale(fn, "v_scale", v_scale, v_cache)
 
 
-def _is_plain_valid_store(k_cache, v_cache, loc, k, v) -> bool:
+def _is_plain_valid_store_kv_cache(k_cache, v_cache, loc, k, v) -> bool:
     """True for a call of the plain form that ``_check_store_kv_cache`` accepts: no scales, the
     caches in the rows' float dtype, every size consistent, one device. Attribute reads and
     integer comparisons only; False sends the call through the full checks."""
@@ -96,7 +96,7 @@ def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, 
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Op form of ``store_kv_cache`` (all arguments explicit)."""
     if not (k_scale is None and v_scale is None
-            and _is_plain_valid_store(k_cache, v_cache, loc, k, v)):
+            and _is_plain_valid_store_kv_cache(k_cache, v_cache, loc, k, v)):
         _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 

@@ -32,7 +32,7 @@ def _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
         check_shape(fn, arg, s, (num_tokens, num_heads), "[N, H]")
 
 
-def _is_plain_valid_merge(v_a, s_a, v_b, s_b, v_merged, s_merged) -> bool:
+def _is_plain_valid_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged) -> bool:
     """True when ``_check_merge_state_v2`` accepts the call: attribute reads and integer
     comparisons only; False sends the call through the full checks, which name what is wrong."""
     dtype, shape, f32 = v_a.dtype, v_a.shape, torch.float32
@@ -47,7 +47,7 @@ def _is_plain_valid_merge(v_a, s_a, v_b, s_b, v_merged, s_merged) -> bool:
 def merge_state_v2_op(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, v_merged: Tensor,
                       s_merged: Tensor) -> None:
     """Op form of ``merge_state_v2``: writes ``v_merged`` and ``s_merged`` in place."""
-    if not _is_plain_valid_merge(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    if not _is_plain_valid_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
         _check_merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged)
 
 

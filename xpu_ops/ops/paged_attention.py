@@ -92,9 +92,10 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
         check_num_splits(fn, num_splits)
 
 
-def _is_plain_valid_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                         no_extras: bool, max_seqlen_q: int, softcap: float,
-                         num_splits: int) -> bool:
+def _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
+                                            cu_seqlens_q, out, no_extras: bool,
+                                            max_seqlen_q: int, softcap: float,
+                                            num_splits: int) -> bool:
     """True for a call of the plain form that ``_check_flash_attn_with_kvcache`` accepts: no
     optional tensor (``no_extras``), K/V in q's float dtype, int32 metadata, every size
     consistent, one device. Attribute reads and integer comparisons only (the op's tensors are
@@ -146,8 +147,9 @@ def flash_attn_with_kvcache_op(
     """
     no_extras = (qv is None and q_descale is None and k_descale is None and v_descale is None
                  and sinks is None and cache_leftpad is None and bidirectional_block_ids is None)
-    if not _is_plain_valid_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
-                                no_extras, max_seqlen_q, softcap, num_splits):
+    if not _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
+                                                   cu_seqlens_q, out, no_extras, max_seqlen_q,
+                                                   softcap, num_splits):
         _check_flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,

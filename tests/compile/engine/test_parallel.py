@@ -9,7 +9,7 @@ one process on an unsharded copy of the same random model and compares:
   (vocabulary-parallel embedding and LM head over one matrix, vocabulary padded), the
   collectives counted in every Dynamo graph.
 - ``tp_kv1``: TP=2 piecewise (split at attention, pieces run uncompiled), one KV head
-  (replicated on both ranks), untied LM head, sinks.
+  (replicated on both ranks), untied LM head, sinks, biases on every projection.
 - ``dcp``: DCP=2 piecewise (the DCP backend writes the split op's output), page size 2 (virtual
   pages of 4 tokens, each rank storing 2 of them), sinks.
 """
@@ -36,7 +36,8 @@ NEW_TOKENS = 5
 LAYERS = 2
 SCENARIOS = {  # name -> tiny_model overrides
     "tp": dict(tie_word_embeddings=True, vocab_size=63),   # 63: padded to 2 x 32 rows
-    "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True),
+    "tp_kv1": dict(num_key_value_heads=1, attention_sinks=True, attention_bias=True,
+                   o_proj_bias=True, mlp_bias=True),   # row-parallel biases added once
     "dcp": dict(attention_sinks=True),
     "tp_graphs": dict(),   # GPU only (tests/compile/engine/test_parallel_gpu.py)
 }

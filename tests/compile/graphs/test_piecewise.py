@@ -278,8 +278,8 @@ class TestEmulatedCapture(TestCase):
                                 debug=debug)
             h.lens = [0] * len(h.lens)  # fresh requests
             _run_steps(self, pw, model, h, [("extend", [0, 1], [1, 2])] * 3)  # captured
-            ids, pos = pw._static_views[4]
-            pw._static_views[4] = (ids.clone(), pos.clone())  # a bug: inputs fed elsewhere
+            ids, pos = pw.tokens.views(4)
+            pw.tokens._views[4] = (ids.clone(), pos.clone())  # a bug: inputs fed elsewhere
             ids, pos, fb = h.extend([0, 1], [2, 1])
             if debug:
                 with self.assertRaisesRegex(RuntimeError, "input 0 of piece 0 moved"), \
