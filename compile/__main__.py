@@ -43,6 +43,9 @@ DEFAULT_PROMPTS = [
     "Explain what a paged KV cache is in one sentence.",
     "List three prime numbers.",
 ]
+DESCRIPTION = ("Run models through the paged-attention stack: generate text (generate), trace "
+               "a model for graph breaks, recompiles and its piecewise split (check), time "
+               "decode per mode (bench).")
 MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
@@ -74,8 +77,8 @@ FORWARDS: dict[str, Callable] = {
 def read_prompts(args) -> list[str]:
     """Prompts from ``--prompt``, then ``--prompts-file`` (its non-blank lines, read and checked
     at parse time by ``cli_args.prompt_lines``); the defaults only when neither is given."""
-    prompts = list(args.prompt or []) + list(args.prompts_file or [])
-    return prompts or list(DEFAULT_PROMPTS)
+    given = [*(getattr(args, "prompt", None) or ()), *(getattr(args, "prompts_file", None) or ())]
+    return given or list(DEFAULT_PROMPTS)
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -271,14 +274,17 @@ def cmd_generate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m compile`` parser: ``generate``, ``bench`` and the check subcommand."""
-    parser = CliParser(prog="python -m compile", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="python -m compile", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("--prompt", action="append", type=prompt_text,
-                   help="a user prompt, not blank (repeatable)")
-    g.add_argument("--prompts-file", type=prompt_lines,
-                   help="UTF-8 file with one prompt per line (blank lines skipped; at least one)")
+    g.add_argument("--prompt", action="append", type=prompt_text, default=argparse.SUPPRESS,
+                   help="a user prompt, not blank (repeatable); default, without --prompt and "
+                        f"--prompts-file: the {len(DEFAULT_PROMPTS)} built-in prompts")
+    g.add_argument("--prompts-file", type=prompt_lines, default=argparse.SUPPRESS,
+                   help="UTF-8 file with one prompt per line (blank lines skipped; at least "
+                        f"one), read after --prompt; default: the {len(DEFAULT_PROMPTS)} "
+                        "built-in prompts")
     g.add_argument("--max-new-tokens", type=positive_int, default=32,
                    help="tokens to generate per prompt")
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",

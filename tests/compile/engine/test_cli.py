@@ -288,3 +288,18 @@ def test_bench_runs_a_smoke_table(tmp_path, capsys):
     assert rc == 0, out
     assert re.search(r"b=1 eager: [\d.]+ tok/s", out) and re.search(r"b=2 eager: ", out), out
     assert (tmp_path / "bench.md").is_file(), sorted(tmp_path.iterdir())
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_texts_state_the_real_defaults(capsys):
+    top = _help(capsys)
+    assert "``" not in top and "generate" in top and "check" in top, top
+    gen = " ".join(_help(capsys, "generate").split())   # argparse wraps lines
+    assert "(default: None)" not in gen, gen            # --prompt/--prompts-file/--model
+    assert gen.count("the 4 built-in prompts") == 2, gen
