@@ -31,7 +31,7 @@ import torch
 from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
                                      prompt_lines, prompt_text, temperature)
 from compile.engine.cli_check import add_parser as add_check_parser
-from compile.engine.cli_models import ModelLoadError, pick_device
+from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, shard_model, start_parallel)
 from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
@@ -351,10 +351,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     User errors in the arguments (a value out of range, a blank prompt or prompts file, a
     missing or non-GGUF model path, ``--verify`` without ``--temperature 0``, an unavailable
-    ``--device``) exit with status 2 and one line on stderr before anything loads
-    (``compile.engine.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
-    prompt longer than the model's positions, found once the model is loaded. Unparsed
-    arguments are passed on only to ``bench``.
+    ``--device``, an ``XPU_OPS_PROVIDER`` or ``XPU_OPS_TRITON_PATHS`` that cannot serve it)
+    exit with status 2 and one line on stderr before anything loads (``compile.engine.cli_args``,
+    ``cli_models.check_ops_environment``); so do a model file that fails to load
+    (``ModelLoadError``) and a prompt longer than the model's positions, found once the model is
+    loaded. Unparsed arguments are passed on only to ``bench``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -368,8 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"got --temperature {args.temperature:g}")
     if getattr(args, "device", None) is not None:
         try:
-            pick_device(args.device)
-        except RuntimeError as e:
+            check_ops_environment(pick_device(args.device).type)
+        except (RuntimeError, ValueError) as e:
             error(str(e))
     try:
         return args.func(args)

@@ -303,3 +303,18 @@ def test_help_texts_state_the_real_defaults(capsys):
     gen = " ".join(_help(capsys, "generate").split())   # argparse wraps lines
     assert "(default: None)" not in gen, gen            # --prompt/--prompts-file/--model
     assert gen.count("the 4 built-in prompts") == 2, gen
+
+
+@pytest.mark.parametrize("provider, pattern", [
+    ("bogus", r"'bogus' is not a provider; expected one of"),
+    ("triton", r"XPU_OPS_PROVIDER: expected a provider that runs store_kv_cache on cpu, got "
+               r"'triton' \(Triton compiles for GPUs only")])
+def test_a_provider_that_cannot_run_is_a_one_line_error(provider, pattern, xpu_env, capsys,
+                                                        no_loading):
+    xpu_env("TRITON_INTERPRET", None)
+    xpu_env("XPU_OPS_PROVIDER", provider)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "tiny", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert re.search(pattern, err), err
