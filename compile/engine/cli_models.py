@@ -137,4 +137,5 @@ def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
 
 
 __all__ = ["pick_device", "check_ops_environment", "ENGINE_OPS", "TINY", "TINY_CONFIG",
-           "ByteTokenizer", "tiny_hf_model", "load_model", "ModelLoadError", "LOAD_ERRORS", "user_model_errors"]
+           "ByteTokenizer", "tiny_hf_model", "load_model", "ModelLoadError", "LOAD_ERRORS",
+           "user_model_errors"]
