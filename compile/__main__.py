@@ -33,7 +33,8 @@ from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
-                                         quiet_unless_rank_zero, shard_model, start_parallel)
+                                         quiet_unless_rank_zero, shard_model, start_parallel,
+                                         unsupported_by_dcp)
 from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
                             full_and_piecewise)
 
@@ -263,7 +264,8 @@ def cmd_generate(args) -> int:
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
-    outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
+    with unsupported_by_dcp(args):
+        outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if (args.verify and is_rank_zero()
