@@ -31,9 +31,10 @@ import torch
 from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
                                      prompt_lines, prompt_text, temperature)
 from compile.engine.cli_check import add_parser as add_check_parser
-from compile.engine.cli_models import ModelLoadError, pick_device
+from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
-                                         quiet_unless_rank_zero, shard_model, start_parallel)
+                                         quiet_unless_rank_zero, shard_model, start_parallel,
+                                         unsupported_by_dcp)
 from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
                             full_and_piecewise)
 
@@ -43,6 +44,9 @@ DEFAULT_PROMPTS = [
     "Explain what a paged KV cache is in one sentence.",
     "List three prime numbers.",
 ]
+DESCRIPTION = ("Run models through the paged-attention stack: generate text (generate), trace "
+               "a model for graph breaks, recompiles and its piecewise split (check), time "
+               "decode per mode (bench).")
 MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
@@ -74,8 +78,8 @@ FORWARDS: dict[str, Callable] = {
 def read_prompts(args) -> list[str]:
     """Prompts from ``--prompt``, then ``--prompts-file`` (its non-blank lines, read and checked
     at parse time by ``cli_args.prompt_lines``); the defaults only when neither is given."""
-    prompts = list(args.prompt or []) + list(args.prompts_file or [])
-    return prompts or list(DEFAULT_PROMPTS)
+    given = [*(getattr(args, "prompt", None) or ()), *(getattr(args, "prompts_file", None) or ())]
+    return given or list(DEFAULT_PROMPTS)
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -260,7 +264,8 @@ def cmd_generate(args) -> int:
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
-    outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
+    with unsupported_by_dcp(args):
+        outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if (args.verify and is_rank_zero()
@@ -271,14 +276,17 @@ def cmd_generate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m compile`` parser: ``generate``, ``bench`` and the check subcommand."""
-    parser = CliParser(prog="python -m compile", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="python -m compile", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("--prompt", action="append", type=prompt_text,
-                   help="a user prompt, not blank (repeatable)")
-    g.add_argument("--prompts-file", type=prompt_lines,
-                   help="UTF-8 file with one prompt per line (blank lines skipped; at least one)")
+    g.add_argument("--prompt", action="append", type=prompt_text, default=argparse.SUPPRESS,
+                   help="a user prompt, not blank (repeatable); default, without --prompt and "
+                        f"--prompts-file: the {len(DEFAULT_PROMPTS)} built-in prompts")
+    g.add_argument("--prompts-file", type=prompt_lines, default=argparse.SUPPRESS,
+                   help="UTF-8 file with one prompt per line (blank lines skipped; at least "
+                        f"one), read after --prompt; default: the {len(DEFAULT_PROMPTS)} "
+                        "built-in prompts")
     g.add_argument("--max-new-tokens", type=positive_int, default=32,
                    help="tokens to generate per prompt")
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
@@ -345,10 +353,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     User errors in the arguments (a value out of range, a blank prompt or prompts file, a
     missing or non-GGUF model path, ``--verify`` without ``--temperature 0``, an unavailable
-    ``--device``) exit with status 2 and one line on stderr before anything loads
-    (``compile.engine.cli_args``); so do a model file that fails to load (``ModelLoadError``) and a
-    prompt longer than the model's positions, found once the model is loaded. Unparsed
-    arguments are passed on only to ``bench``.
+    ``--device``, an ``XPU_OPS_PROVIDER`` or ``XPU_OPS_TRITON_PATHS`` that cannot serve it)
+    exit with status 2 and one line on stderr before anything loads (``compile.engine.cli_args``,
+    ``cli_models.check_ops_environment``); so do a model file that fails to load
+    (``ModelLoadError``) and a prompt longer than the model's positions, found once the model is
+    loaded. Unparsed arguments are passed on only to ``bench``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -362,8 +371,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"got --temperature {args.temperature:g}")
     if getattr(args, "device", None) is not None:
         try:
-            pick_device(args.device)
-        except RuntimeError as e:
+            check_ops_environment(pick_device(args.device).type)
+        except (RuntimeError, ValueError) as e:
             error(str(e))
     try:
         return args.func(args)

@@ -41,3 +41,12 @@ def test_unknown_provider_exits_2_with_a_message(xpu_env, capsys):
     xpu_env("XPU_OPS_PROVIDER", "bogus")
     assert main(["info", "--device", "cpu"]) == 2
     assert "'bogus' is not a provider" in capsys.readouterr().err
+
+
+def test_unknown_device_type_exits_2_naming_the_choices(capsys):
+    # The ops have kernels for cpu, cuda and xpu only: any other device type is a typo.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--device", "bogus"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "argument --device: invalid choice: 'bogus'" in err and "'xpu'" in err, err

@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     """Entry point of ``python -m xpu_ops``; returns the exit status (2: bad XPU_OPS_PROVIDER)."""
     parser = argparse.ArgumentParser(prog="python -m xpu_ops", description=__doc__)
     parser.add_argument("command", choices=["info"], help="info: providers per device and op")
-    parser.add_argument("--device", action="append", help="device type(s) to report "
-                        "(default: cpu plus every available accelerator)")
+    parser.add_argument("--device", action="append", choices=sorted(providers.DISPATCH_KEYS),
+                        help="device type(s) to report (default: cpu plus every available "
+                             "accelerator)")
     args = parser.parse_args(argv)
     try:
         info(args.device or _devices())

@@ -75,6 +75,28 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+ENGINE_OPS = ("store_kv_cache", "flash_attn_with_kvcache")  # what every attention layer calls
+
+
+def check_ops_environment(device_type: str) -> None:
+    """Check xpu_ops' environment before a model loads: ``XPU_OPS_PROVIDER`` names a provider
+    that runs ``ENGINE_OPS`` on ``device_type``, and ``XPU_OPS_TRITON_PATHS`` (read when the
+    providers load) names known kernel paths.
+
+    Raises:
+        ValueError: naming the variable, what it must be and what it is.
+    """
+    from xpu_ops import providers
+
+    forced = providers.forced_provider()
+    for op in ENGINE_OPS:
+        why = dict(providers.candidates(op, device_type))
+        if forced is not None and why[forced] is not None:
+            raise ValueError(f"XPU_OPS_PROVIDER: expected a provider that runs {op} on "
+                             f"{device_type}, got {forced!r} ({why[forced]}). Unset it to use "
+                             f"the best available one.")
+
+
 class ModelLoadError(ValueError):
     """A model the user named (a ``.gguf`` file or a folder) could not be read or converted;
     ``python -m compile`` reports it as a one-line argument error."""
@@ -114,5 +136,6 @@ def load_model(name: Optional[str], dtype: torch.dtype = torch.float32):
     return load_hf(name, dtype=dtype)
 
 
-__all__ = ["pick_device", "TINY", "TINY_CONFIG", "ByteTokenizer", "tiny_hf_model",
-           "load_model", "ModelLoadError", "LOAD_ERRORS", "user_model_errors"]
+__all__ = ["pick_device", "check_ops_environment", "ENGINE_OPS", "TINY", "TINY_CONFIG",
+           "ByteTokenizer", "tiny_hf_model", "load_model", "ModelLoadError", "LOAD_ERRORS",
+           "user_model_errors"]

@@ -69,6 +69,19 @@ def shard_model(args, model):
         args.error(f"argument --tp: {e}")
 
 
+@contextlib.contextmanager
+def unsupported_by_dcp(args) -> Iterator[None]:
+    """Inside the block, under ``--dcp`` > 1, a ``NotImplementedError`` (a KV pool or attention
+    kind that decode context parallelism does not split: hybrid SWA, MLA, sliding-window or
+    chunked-local layers) exits with a one-line ``--dcp`` error (status 2)."""
+    try:
+        yield
+    except NotImplementedError as e:
+        if args.dcp == 1:
+            raise
+        args.error(f"argument --dcp: {e}")
+
+
 def is_rank_zero() -> bool:
     """True in single-process runs and on world rank 0."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -84,5 +97,5 @@ def quiet_unless_rank_zero() -> Iterator[None]:
         yield
 
 
-__all__ = ["add_parallel_arguments", "start_parallel", "shard_model", "is_rank_zero",
-           "quiet_unless_rank_zero"]
+__all__ = ["add_parallel_arguments", "start_parallel", "shard_model", "unsupported_by_dcp",
+           "is_rank_zero", "quiet_unless_rank_zero"]

@@ -288,3 +288,33 @@ def test_bench_runs_a_smoke_table(tmp_path, capsys):
     assert rc == 0, out
     assert re.search(r"b=1 eager: [\d.]+ tok/s", out) and re.search(r"b=2 eager: ", out), out
     assert (tmp_path / "bench.md").is_file(), sorted(tmp_path.iterdir())
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_texts_state_the_real_defaults(capsys):
+    top = _help(capsys)
+    assert "``" not in top and "generate" in top and "check" in top, top
+    gen = " ".join(_help(capsys, "generate").split())   # argparse wraps lines
+    assert "(default: None)" not in gen, gen            # --prompt/--prompts-file/--model
+    assert gen.count("the 4 built-in prompts") == 2, gen
+
+
+@pytest.mark.parametrize("provider, pattern", [
+    ("bogus", r"'bogus' is not a provider; expected one of"),
+    ("triton", r"XPU_OPS_PROVIDER: expected a provider that runs store_kv_cache on cpu, got "
+               r"'triton' \(Triton compiles for GPUs only")])
+def test_a_provider_that_cannot_run_is_a_one_line_error(provider, pattern, xpu_env, capsys,
+                                                        no_loading):
+    xpu_env("TRITON_INTERPRET", None)
+    xpu_env("XPU_OPS_PROVIDER", provider)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "tiny", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert re.search(pattern, err), err

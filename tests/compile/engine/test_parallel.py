@@ -255,3 +255,24 @@ def test_cli_tp_that_cannot_split_the_heads_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert "argument --tp: tp_heads: num_heads=4 / num_kv_heads=2 cannot be split over 3" in err
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_cli_dcp_refusal_is_a_one_line_error(dcp, capsys):
+    # --dcp with a model DCP does not split (Gemma 3's hybrid SWA pool) must not end in a
+    # traceback; without --dcp the same error is internal and keeps it.
+    import argparse
+
+    from compile.engine.cli_args import CliParser
+    from compile.engine.cli_parallel import unsupported_by_dcp
+    args = argparse.Namespace(dcp=dcp, error=CliParser(prog="generate").error)
+    refusal = NotImplementedError("DCPAttentionBackend: the KV pool is a HybridSWAKVPool")
+    with pytest.raises(SystemExit if dcp > 1 else NotImplementedError) as raised:
+        with unsupported_by_dcp(args):
+            raise refusal
+    err = capsys.readouterr().err
+    if dcp > 1:
+        assert raised.value.code == 2 and err.count("\n") == 1, err
+        assert "argument --dcp: DCPAttentionBackend: the KV pool is a HybridSWAKVPool" in err
+    else:
+        assert raised.value is refusal and err == ""
