@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import xpu_ops  # noqa: E402
 from xpu_ops.triton import _common  # noqa: E402
 from xpu_ops.triton import paged_attention as pa  # noqa: E402
+from xpu_ops.testing import recorded_triton_launches  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
@@ -160,19 +161,11 @@ def variant_config(w, variant):
 
 def launched_paths(fn) -> str:
     """The tiles and kernel-path constexprs ``fn``'s launch resolved to (one call, spied)."""
-    seen = []
-    real = pa.launch
-
-    def spy(kernel, grid, device, *args, **kwargs):
-        seen.append(kwargs)
-        return real(kernel, grid, device, *args, **kwargs)
-    pa.launch = spy
     try:
-        fn()
+        with recorded_triton_launches() as seen:
+            fn()
     except Exception as e:
         return f"failed: {type(e).__name__}: {str(e)[:300]}"
-    finally:
-        pa.launch = real
     keys = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "EVEN_D", "PHASES", "TMA", "WS",
             "num_warps", "num_stages")
     return ", ".join(f"{k}={seen[0][k]}" for k in keys) if seen else "no launch"

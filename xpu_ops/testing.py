@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -532,3 +533,29 @@ def _apply_rotary_emb_samples(device, dtype, gen):
             positions[0] = seqlen_ro - 1
         yield ((x, angle.cos().to(dt).to(device), angle.sin().to(dt).to(device),
                 positions.to(device)), dict(interleaved=interleaved))
+
+
+@contextlib.contextmanager
+def recorded_triton_launches() -> Iterator[list]:
+    """Record the keyword launch parameters (tile sizes, kernel-path constexprs, ``num_warps``,
+    ``num_stages``) of every kernel launch the Triton ``paged_attention`` provider makes inside
+    the block; the launches still run. Yields the list the records are appended to, one dict per
+    launch. For tests and benchmarks that check which kernel path a call took.
+
+    >>> with recorded_triton_launches() as launches:
+    ...     pass
+    >>> launches
+    []
+    """
+    from xpu_ops.triton import paged_attention as pa
+    seen: list = []
+    real = pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs)
+        return real(kernel, grid, device, *args, **kwargs)
+    pa.launch = spy
+    try:
+        yield seen
+    finally:
+        pa.launch = real

@@ -262,21 +262,12 @@ def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, d
     k_descale, v_descale = descales or (None, None)
     config = pa.default_config(q, v, max_seqlen_q, k.shape[2], frozenset(paths), k.shape[1])
     out = torch.full_like(q, float("nan"))
-    seen = []
-    real = pa.launch
-
-    def spy(kernel, grid, device, *args, **kwargs):
-        seen.append(kwargs)
-        return real(kernel, grid, device, *args, **kwargs)
-    pa.launch = spy
-    try:
+    with xt.recorded_triton_launches() as seen:
         pa.paged_attention(q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
                            max_seqlen_q=max_seqlen_q, max_kv_len=table.shape[1] * k.shape[1],
                            qv=None, q_descale=None, k_descale=k_descale, v_descale=v_descale,
                            sinks=None, softmax_scale=q.shape[-1] ** -0.5, window_left=window,
                            window_right=0 if causal else -1, softcap=0.0, config=config)
-    finally:
-        pa.launch = real
     with xpu_ops.use_provider("reference"):
         ref = xpu_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table,
                                               cu_seqlens_q=cu, max_seqlen_q=max_seqlen_q,

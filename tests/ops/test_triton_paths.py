@@ -59,15 +59,10 @@ def _interpret():  # Triton's lazily imported modules check the interpreter flag
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches():
     """The constexpr keywords of every kernel launch made through ``paged_attention``."""
-    seen = []
-
-    def spy(kernel, grid, device, *args, **kwargs):
-        seen.append(kwargs)
-        return _common.launch(kernel, grid, device, *args, **kwargs)
-    monkeypatch.setattr(pa, "launch", spy)
-    return seen
+    with xt.recorded_triton_launches() as seen:
+        yield seen
 
 
 def _launch_with(paths, args, kwargs):
