@@ -34,7 +34,8 @@ import xpu_ops
 from compile.backend import mla_attention, spec_metadata
 from compile.backend.base_backend import AttentionBackend, SharedReadEnds
 from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
-                                                paged_metadata, swa_metadata, uniform_cu_seqlens)
+                                                paged_metadata, query_block_ids, slot_metadata,
+                                                swa_metadata, uniform_cu_seqlens)
 from compile.backend.backend_graph import GraphMetadataMixin
 from compile.backend.local_attention import (local_chunks_per_request,
                                              make_local_attention_virtual_batches)
@@ -55,6 +56,8 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
             (duck-typed: ``model_config``, ``tp_size``, ``device``, ``page_size``,
             ``req_to_token_pool``, ``token_to_kv_pool``, ``kv_cache_dtype``, ``server_args``,
             ``sliding_window_size``, ``attention_chunk_size``, ``is_hybrid_swa``).
+            ``server_args.enable_deterministic_inference`` pins ``num_splits=1`` (and MLA's
+            ``num_kv_splits=1``) in every call, as sglang 0.5.23.
         skip_prefill: accepted for sglang compatibility (draft-decode backends).
         speculative_step_id: which draft step this backend runs (draft decode).
         topk: draft branches per request (0: take ``server_args.speculative_eagle_topk``).
@@ -88,6 +91,14 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
             getattr(args, "speculative_num_steps", 0) or 0)
         self.speculative_num_draft_tokens = int(
             getattr(args, "speculative_num_draft_tokens", 0) or 0)
+        # sglang's --enable-deterministic-inference: one pass over the keys in every call, so
+        # a request's result does not depend on the rest of its batch.
+        self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        self.num_splits = 1 if self.deterministic else 0
+        self.num_kv_splits = 1 if self.deterministic else -1
+        # Gemma-3 image blocks of an EXTEND step, set by the model after the metadata (sglang
+        # 0.5.23): int32 ids over whole sequences (prefix then new tokens), -1 for text.
+        self.bidirectional_block_ids: Optional[Tensor] = None
         self.forward_metadata: Optional[AttentionMetadata] = None
         # (layer_id, b, Hkv, device, inference mode) -> two [b, Hkv] float32, see descales()
         self._descale_buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -108,10 +119,16 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
     def build_metadata(self, fb: ForwardBatch, graph: bool = False) -> AttentionMetadata:
         """Metadata of ``fb`` (``graph=True`` pads local virtual batches to a fixed count)."""
         mode = fb.forward_mode
+        self.bidirectional_block_ids = None        # the model sets it again for image steps
         if fb.encoder_lens is not None and not (
                 mode.is_decode() or mode.is_extend(include_draft_extend_v2=True)):
             raise NotImplementedError(f"XPUAttentionBackend: encoder-decoder batches in mode "
                                       f"{mode.name} are not supported.")
+        if graph and self._decoder_unaligned(fb):
+            raise NotImplementedError(
+                f"XPUAttentionBackend: encoder lengths {fb.encoder_lens_cpu} that are not "
+                f"multiples of page_size {self.page_size} need a token-slot table, which graph "
+                f"buffers do not hold; run these steps eagerly.")
         plain = False  # main's lengths are the batch's own (host copies in fb)
         if mode.is_idle():
             meta = self._idle_metadata()
@@ -142,27 +159,35 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
             cu_q = cu_seqlens(fb.extend_seq_lens.to(torch.int32))
             max_q = max(fb.extend_seq_lens_cpu) if b else 0
         max_k = int(fb.seq_lens_cpu.max()) if b else 0
-        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_q, fb.seq_lens, max_q,
-                              max_k, self.page_size, col_offset=self._decoder_offset(fb))
+        rows = fb.req_pool_indices
+        if self._decoder_unaligned(fb):
+            main = slot_metadata(self.req_to_token, rows, cu_q, fb.seq_lens, max_q, max_k,
+                                 col_offset=fb.encoder_lens)
+        else:
+            main = paged_metadata(self.req_to_token, rows, cu_q, fb.seq_lens, max_q, max_k,
+                                  self.page_size, col_offset=fb.encoder_lens)
         return AttentionMetadata(main=main, write=KVWriteLoc(loc=fb.out_cache_loc))
 
-    def _decoder_offset(self, fb: ForwardBatch) -> Optional[Tensor]:
-        """Encoder-decoder: decoder tokens follow the ``encoder_lens[r]`` encoder tokens."""
-        if fb.encoder_lens is None:
-            return None
-        if any(n % self.page_size for n in fb.encoder_lens_cpu):
-            raise NotImplementedError(
-                f"XPUAttentionBackend: encoder lengths {fb.encoder_lens_cpu} that are not "
-                f"multiples of page_size {self.page_size} are not supported; pad the encoder "
-                f"tokens to whole pages.")
-        return fb.encoder_lens
+    def _decoder_unaligned(self, fb: ForwardBatch) -> bool:
+        """Encoder-decoder batch whose decoder tokens (``req_to_token`` columns from
+        ``encoder_lens[r]``) do not start on a page boundary: the decoder's self attention then
+        reads a token-slot table (``slot_metadata``) instead of page ids."""
+        return fb.encoder_lens is not None and any(n % self.page_size
+                                                   for n in fb.encoder_lens_cpu)
 
     def _verify_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """TARGET_VERIFY: chain (topk 1) or tree cascade (topk > 1)."""
-        d = fb.spec_info.draft_token_num or self.speculative_num_draft_tokens
+        """TARGET_VERIFY: chain (topk 1) or tree cascade (topk > 1).
+
+        A chain is ``spec_info.num_tokens_per_req`` tokens wide per request (sglang 0.5.23:
+        DSpark's draft block reuses TARGET_VERIFY with its own width), ``draft_token_num`` when
+        the spec input sets none; a tree is ``draft_token_num`` wide (its mask's size).
+        """
+        spec = fb.spec_info
+        d = spec.draft_token_num or self.speculative_num_draft_tokens
         write = KVWriteLoc(loc=fb.out_cache_loc)
         if self._topk(fb) <= 1:
-            main = spec_metadata.verify_chain(fb, self.req_to_token, self.page_size, d)
+            width = spec.num_tokens_per_req if spec.num_tokens_per_req > 0 else d
+            main = spec_metadata.verify_chain(fb, self.req_to_token, self.page_size, width)
             return AttentionMetadata(main=main, write=write)
         prefix, expand, mask = spec_metadata.verify_tree(fb, self.req_to_token, self.page_size, d)
         swa_spec = None
@@ -199,11 +224,21 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
         if fb.encoder_lens is not None:
             meta.encoder = self._encoder_metadata(fb, main)
             meta.write.encoder_loc = fb.encoder_out_cache_loc
-        if self.use_mla and fb.forward_mode.is_decode() and fb.spec_info is None:
-            heads = self.num_heads or 128
-            size = xpu_ops.flash_mla_get_workspace_size(
-                self.max_context_len if graph else main.max_seqlen_k, main.batch_size, heads)
-            meta.mla_workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self.use_mla and not meta.cascade:
+            meta.mla_workspace = self._mla_workspace(fb, main, graph)
+
+    def _mla_workspace(self, fb: ForwardBatch, main: PagedAttnMetadata, graph: bool) -> Tensor:
+        """Scratch of ``flash_mla_decode`` (plain DECODE) or ``flash_mla_prefill`` (every other
+        absorbed call of ``main``)."""
+        max_k = self.max_context_len if graph else main.max_seqlen_k
+        heads = self.num_heads or 128
+        if fb.forward_mode.is_decode() and fb.spec_info is None:
+            size = xpu_ops.flash_mla_decode_get_workspace_size(
+                max_k, main.batch_size, heads, num_kv_splits=self.num_kv_splits)
+        else:
+            size = xpu_ops.flash_mla_prefill_get_workspace_size(
+                max_k, main.batch_size, heads, num_kv_splits=self.num_kv_splits)
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _local_metadata(self, main: PagedAttnMetadata, graph: bool,
                         fb: Optional[ForwardBatch] = None) -> PagedAttnMetadata:
@@ -244,7 +279,7 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
 
         Returns ``[tokens, Hq * Dv]``; the MLA MHA prefill path
         (``forward_batch.attn_attend_prefix_cache is not None``) returns ``(out [tokens, Hq, Dv],
-        lse [Hq, tokens] float32)`` when it attends a prefix chunk or ``mha_return_lse``.
+        lse [tokens, Hq] float32)`` when it attends a prefix chunk or ``mha_return_lse``.
         """
         mode = forward_batch.forward_mode
         if (self.use_mla and forward_batch.attn_attend_prefix_cache is not None
@@ -271,8 +306,21 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
         call, causal, cascade = self.select_call(meta, layer)
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
-                    expand=meta.expand if cascade else None)
+                    expand=meta.expand if cascade else None,
+                    block_ids=self._query_block_ids(fb, meta, call, q3.shape[0]))
         return out.view(-1, hq * dv)
+
+    def _query_block_ids(self, fb: ForwardBatch, meta: AttentionMetadata,
+                         call: PagedAttnMetadata, total_q: int) -> Optional[Tensor]:
+        """Gemma-3 image blocks of this call as the op takes them (``[total_q]``, new tokens
+        only), or None: only EXTEND/MIXED calls over ``meta.main`` or its SWA twin carry
+        them (never cross attention, cascades or local virtual batches)."""
+        ids = self.bidirectional_block_ids
+        if ids is None or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
+            return None
+        if call is not meta.main and call is not meta.swa:
+            return None
+        return query_block_ids(ids, meta.main, total_q)
 
     def _metadata(self) -> AttentionMetadata:
         if self.forward_metadata is None:
@@ -313,7 +361,8 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
 
     def select_call(self, meta: AttentionMetadata, layer
                     ) -> tuple[PagedAttnMetadata, bool, bool]:
-        """``(call, causal, cascade)`` of ``layer`` in this batch.
+        """``(call, causal, cascade)`` of ``layer`` in this batch (never causal for a
+        non-causal ``layer.attn_type``).
 
         Raises:
             NotImplementedError: a layer kind this mode cannot serve, naming both.
@@ -324,6 +373,11 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
                 raise NotImplementedError("XPUAttentionBackend: a cross-attention layer in a "
                                           "batch without encoder_lens is not supported.")
             return meta.encoder, False, False
+        call, causal, cascade = self._select_self_call(meta, layer, windowed)
+        return call, causal and layer.causal, cascade
+
+    def _select_self_call(self, meta: AttentionMetadata, layer, windowed: bool
+                          ) -> tuple[PagedAttnMetadata, bool, bool]:
         if meta.cascade:
             if windowed and meta.swa_spec is not None:
                 return meta.swa_spec, True, False
@@ -365,21 +419,24 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
 
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
-               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None
-               ) -> None:
-        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
+               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None,
+               block_ids: Optional[Tensor] = None) -> None:
+        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``;
+        ``block_ids`` (``[total_q]``, no cascade): Gemma-3 image blocks inside the causal pass.
+        Every call passes ``num_splits`` (1 under deterministic inference)."""
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
+        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window,
+                  num_splits=self.num_splits)
         if expand is None:
             xpu_ops.flash_attn_with_kvcache(
                 q3, k_cache, v_cache, qv=qv, causal=causal, sinks=sinks, out=out,
                 cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                 cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
-                k_descale=k_descale, v_descale=v_descale, softmax_scale=layer.scaling,
-                softcap=layer.logit_cap, window_size=window)
+                k_descale=k_descale, v_descale=v_descale, bidirectional_block_ids=block_ids,
+                **kw)
             return
-        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window)
         args = dict(cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                     cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
                     k_descale=k_descale, v_descale=v_descale)
