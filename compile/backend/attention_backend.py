@@ -12,7 +12,8 @@ Per mode (``main`` call; ``b`` requests):
 - DECODE: 1 query/request, ``cache_seqlens = seq_lens``. With ``spec_info`` (a draft step):
   topk 1 adds ``speculative_step_id + 1``; topk > 1 is a cascade (prefix pass, non-causal, plus
   each branch's own draft slots).
-- EXTEND / MIXED / DRAFT_EXTEND: ``extend_seq_lens`` causal queries over ``seq_lens`` keys.
+- EXTEND / MIXED / DRAFT_EXTEND_V2 (and EXTEND with a draft input): ``extend_seq_lens`` causal
+  queries over ``seq_lens`` keys.
 - TARGET_VERIFY: D queries; topk 1: causal over ``seq_lens + D``; topk > 1: cascade with the
   tree mask (sliding-window layers: one merged row per draft).
 - IDLE: empty output.
@@ -31,17 +32,23 @@ from torch import Tensor
 import xpu_ops
 
 from compile.backend import mla_attention, spec_metadata
+from compile.backend.base_backend import AttentionBackend, SharedReadEnds
 from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                                 paged_metadata, swa_metadata, uniform_cu_seqlens)
 from compile.backend.backend_graph import GraphMetadataMixin
 from compile.backend.local_attention import (local_chunks_per_request,
                                              make_local_attention_virtual_batches)
-from compile.batch import ForwardBatch, KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
+from compile.batch import (ForwardBatch, ForwardMode, KVWriteLoc, MHATokenToKVPool,
+                           MLATokenToKVPool)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-class XPUAttentionBackend(GraphMetadataMixin):
+class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
     """Attention backend for every sglang forward mode on XPU, CUDA and CPU.
+
+    It subclasses ``AttentionBackend`` (sglang 0.5.23's interface, ``base_backend.py``): every
+    flag and hook sglang's runners read exists with sglang's meaning; the overrides below say
+    where this backend's answer differs.
 
     Args:
         model_runner: sglang ``ModelRunner`` or ``compile.engine.model_runner.ModelRunnerInfo``
@@ -101,7 +108,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def build_metadata(self, fb: ForwardBatch, graph: bool = False) -> AttentionMetadata:
         """Metadata of ``fb`` (``graph=True`` pads local virtual batches to a fixed count)."""
         mode = fb.forward_mode
-        if fb.encoder_lens is not None and not (mode.is_decode() or mode.is_extend()):
+        if fb.encoder_lens is not None and not (
+                mode.is_decode() or mode.is_extend(include_draft_extend_v2=True)):
             raise NotImplementedError(f"XPUAttentionBackend: encoder-decoder batches in mode "
                                       f"{mode.name} are not supported.")
         plain = False  # main's lengths are the batch's own (host copies in fb)
@@ -126,7 +134,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
             loc=torch.zeros(0, dtype=torch.int64, device=self.device)))
 
     def _decode_or_extend_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND (``extend_seq_lens``)."""
+        """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND_V2 (``extend_seq_lens``)."""
         b = fb.batch_size
         if fb.forward_mode.is_decode():
             cu_q, max_q = uniform_cu_seqlens(b, 1, self.device), 1
@@ -229,18 +237,10 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     # ----------------------------------------------------------------- run (per layer)
 
-    def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
-        """Dispatch on the mode (sglang's ``AttentionBackend.forward``)."""
-        if forward_batch.forward_mode.is_idle():
-            return q.new_empty((0, layer.tp_q_head_num * layer.v_head_dim))
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs):
-        """EXTEND, MIXED, DRAFT_EXTEND and TARGET_VERIFY.
+        """EXTEND, MIXED, DRAFT_EXTEND_V2 and TARGET_VERIFY (``AttentionBackend.forward``
+        routes every mode but DECODE and IDLE here).
 
         Returns ``[tokens, Hq * Dv]``; the MLA MHA prefill path
         (``forward_batch.attn_attend_prefix_cache is not None``) returns ``(out [tokens, Hq, Dv],
@@ -248,7 +248,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         """
         mode = forward_batch.forward_mode
         if (self.use_mla and forward_batch.attn_attend_prefix_cache is not None
-                and not mode.is_target_verify() and not mode.is_draft_extend()):
+                and not mode.is_target_verify() and not forward_batch.is_draft_extend()):
             return mla_attention.mha_prefill(self, q, k, v, layer, forward_batch)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -400,6 +400,33 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value of padded graph rows (sglang: 1, so no request is empty)."""
         return 1
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        """The same for sglang's CPU graph runner (which asks this name on a CPU)."""
+        return 1
+
+    # ----------------------------------------------------------------- declarations
+
+    def shared_read_ends(self, fm: ForwardMode) -> SharedReadEnds:
+        """PRE_REPLAY for the graph-captured modes (DECODE, TARGET_VERIFY, IDLE): every read of
+        ``req_to_token``, ``seq_lens`` and the spec input happens on the host in the metadata
+        prep, and a replay reads only the runner's step buffers and this backend's metadata
+        copies. UNKNOWN for the eager modes, whose layers read ``out_cache_loc`` and the MLA
+        prefix-chunk tensors of the batch itself."""
+        if fm.is_cuda_graph():
+            return SharedReadEnds.PRE_REPLAY
+        return SharedReadEnds.UNKNOWN
+
+    def glue_target_verify_metadata(self) -> str:
+        """Why target-verify metadata cannot go into sglang's glue graph: it is built on the
+        host (``seq_lens_cpu`` bounds the page-table gather)."""
+        return ("XPUAttentionBackend builds target-verify metadata on the host from seq_lens_cpu; "
+                "it has no in-graph metadata prep")
+
+    def glue_draft_metadata(self) -> str:
+        """Why draft metadata cannot go into sglang's glue graph (host-built, as above)."""
+        return ("XPUAttentionBackend builds draft metadata on the host from seq_lens_cpu; it has "
+                "no in-graph metadata prep")
 
 
 __all__ = ["XPUAttentionBackend"]

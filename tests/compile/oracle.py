@@ -206,7 +206,7 @@ class Harness:
             req_pool_indices=torch.tensor([r.row for r in reqs], **i64),
             seq_lens=torch.tensor(list(seq_lens), **i64), out_cache_loc=out_cache_loc,
             spec_info=spec_info, **kw)
-        if mode.is_extend_or_draft_extend_or_mixed():
+        if mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True):
             prefix = [s - n for s, n in zip(seq_lens, new_lens)]
             fb.extend_seq_lens = torch.tensor(list(new_lens), dtype=torch.int32)
             fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)

@@ -41,7 +41,7 @@ def test_mixed_chunked_prefill_and_decode():
 
 def test_draft_extend_is_causal_extend():
     h = Harness(16, seed=4)
-    _run(h, ForwardMode.DRAFT_EXTEND, [33, 16], [3, 2])
+    _run(h, ForwardMode.DRAFT_EXTEND_V2, [33, 16], [3, 2])
 
 
 def test_idle_returns_empty():
