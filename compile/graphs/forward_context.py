@@ -43,12 +43,16 @@ class BatchDescriptor:
         forward_mode: the batch's ``ForwardMode``; ``draft``: a draft-decode step (DECODE with
             ``spec_info``).
         bucket: what the step is padded to: requests for ``FULL``, tokens for ``PIECEWISE``.
+        topk: branches per request of a speculative step (0: none; above 1: a cascade).
+        step: the draft step (``speculative_step_id``) of a draft-decode step.
     """
 
     graph_mode: GraphMode
     forward_mode: Any
     bucket: int
     draft: bool = False
+    topk: int = 0
+    step: int = 0
 
 
 @dataclasses.dataclass

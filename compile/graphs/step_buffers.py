@@ -14,7 +14,7 @@ step (``load``):
    with ``seq_lens`` = the backend's fill value (1) and KV slot 0 (the reserved padding slot).
 2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
 3. Build the step's metadata once, on the host, straight into the metadata buffers
-   (``backend.init_forward_metadata_out_graph``: bound at a descriptor's first step, refilled
+   (``backend.fill_graph_metadata``: bound at a descriptor's first step, refilled
    in place after), and make it the backend's ``forward_metadata``.
 
 The metadata is rebuilt from the whole padded batch every step, so shrinking or growing batches
@@ -119,8 +119,9 @@ class StepBuffers:
             buf[values.shape[0]:size].fill_(pad)
         static = self._batch(desc, fb, pos, bs * slots_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
-        static.spec_info = fb.spec_info  # host-side facts only (topk, draft count, steps)
-        self.bound[desc] = self.backend.init_forward_metadata_out_graph(
+        # host-side facts (topk, draft count, steps; a tree mask padded to the bucket)
+        static.spec_info = self.backend.graph_spec_info(fb.spec_info, fb.seq_lens, bs)
+        self.bound[desc] = self.backend.fill_graph_metadata(
             static, self.metadata, self.bound.get(desc))
         return ids, pos, static
 

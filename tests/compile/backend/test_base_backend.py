@@ -28,11 +28,7 @@ BASE = SPEC["AttentionBackend"]
 POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
 
 # Members whose signature here differs from 0.5.23's, each with the reason; empty when none.
-KNOWN_DEVIATIONS = {
-    "init_forward_metadata_out_graph": "takes (forward_batch, buffers, bound=None): the graph "
-                                       "runner owns the step buffers (compile/graphs), "
-                                       "pending issue 18 part B",
-}
+KNOWN_DEVIATIONS: dict[str, str] = {}
 
 
 def signature_mismatch(base_params: list, fn) -> Optional[str]:
