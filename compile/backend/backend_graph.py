@@ -15,7 +15,9 @@ buffers (``compile/graphs/step_buffers.py``); the backend only sizes and fills t
 It does not capture anything itself or own ``out_cache_loc``/``seq_lens``: the runner's step
 buffers hold those. Supported: DECODE (plain, and draft steps with any topk: the cascade's
 expand tables are sized for the bucket's maximum), TARGET_VERIFY (chain and tree, the merged
-per-draft SWA tables included) and IDLE; other modes raise ``NotImplementedError``.
+per-draft SWA tables included), draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input,
+as many tokens per request in every request) and IDLE; other modes raise
+``NotImplementedError``.
 
 sglang's own graph runners call ``init_cuda_graph_state(max_bs, max_num_tokens)`` and
 ``init_forward_metadata_out_graph(fb, in_capture)``: thin wrappers over the same two steps
@@ -146,12 +148,26 @@ class GraphMetadataMixin:
 
     def graph_mode_unsupported(self, fb) -> Optional[str]:
         """Why ``fb``'s mode cannot keep its metadata in fixed buffers, or None (DECODE, draft
-        decode and TARGET_VERIFY with any topk, IDLE)."""
+        decode and TARGET_VERIFY with any topk, draft extend, IDLE)."""
         mode = fb.forward_mode
-        if mode.is_decode() or mode.is_target_verify() or mode.is_idle():
+        if mode.is_decode() or mode.is_target_verify() or mode.is_idle() or fb.is_draft_extend():
             return None
         return (f"graph metadata for mode {mode.name} is not supported; graphs cover DECODE, "
-                f"TARGET_VERIFY and IDLE.")
+                f"TARGET_VERIFY, draft extend (DRAFT_EXTEND_V2, EXTEND with a draft input) and "
+                f"IDLE.")
+
+    def shares_graph_buffers(self, other) -> bool:
+        """Whether ``other``'s graph-captured steps may use this backend's metadata buffers:
+        the same pool and page table and every fact ``metadata_buffers`` sizes them by (the
+        step backends of one ``XPUMultiStepDraftBackend``)."""
+        facts = ("device", "page_size", "max_context_len", "attention_chunk_size",
+                 "sliding_window_size", "is_hybrid_swa", "use_mla", "num_heads",
+                 "speculative_num_draft_tokens")
+        return other is self or (
+            isinstance(other, GraphMetadataMixin)
+            and other.token_to_kv_pool is self.token_to_kv_pool
+            and other.req_to_token is self.req_to_token
+            and all(getattr(other, f) == getattr(self, f) for f in facts))
 
     def graph_spec_info(self, spec_info, seq_lens: Tensor, batch_size: int):
         """``spec_info`` of a batch padded to ``batch_size`` requests (``padded_spec_info``:

@@ -10,7 +10,9 @@ Per step:
 
 1. A step it can capture (``can_run``: DECODE; TARGET_VERIFY with ``draft_token_num`` drafts,
    a chain (topk 1) or a tree (topk > 1: the cascade); draft DECODE with topk 1 or ``topk``;
-   at most ``max(batch_sizes)`` requests) is padded to the smallest request bucket ``bs``:
+   draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input) of ``draft_token_num`` tokens
+   in every request; at most ``max(batch_sizes)`` requests) is padded to the smallest request
+   bucket ``bs``:
    ``StepBuffers.load`` copies it into the runner's fixed buffers and writes its metadata into
    them (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket).
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
@@ -18,7 +20,7 @@ Per step:
    (compilation and autotuning), then capture, then replays of the whole step (attention
    included). Inside it, a ``PiecewiseModel`` forward neither pads nor captures its pieces
    (they see FULL).
-3. Any other step (extend, mixed, draft extend, idle, too many requests) builds its
+3. Any other step (extend, mixed, ragged draft extend, idle, too many requests) builds its
    metadata with ``init_forward_metadata`` and runs ``forward`` (a ``PiecewiseModel`` then pads
    it to a token bucket and replays its pieces).
 
@@ -54,7 +56,8 @@ class GraphRunner:
         forward: what runs and is captured (default ``model``; ``PiecewiseModel`` in
             ``full_and_piecewise``; ``compile_model(model)``).
         batch_sizes: request buckets (a batch of ``b`` requests uses the smallest ``>= b``).
-        draft_token_num: D of the TARGET_VERIFY steps captured (0: verify runs ``forward``).
+        draft_token_num: D of the TARGET_VERIFY and draft-extend steps captured (0: they run
+            ``forward``).
         speculative_num_steps: draft steps per round of the draft-decode steps captured (their
             ``out_cache_loc`` holds the whole round, ``topk * num_steps`` slots per request; 0:
             one per branch).
@@ -119,6 +122,9 @@ class GraphRunner:
         if mode.is_target_verify() and spec is not None and self.draft_token_num:
             d = self.draft_token_num
             return (d, d) if spec.draft_token_num == d else None
+        if fb.is_draft_extend() and self.draft_token_num:
+            d = self.draft_token_num
+            return (d, d) if all(n == d for n in fb.extend_seq_lens_cpu) else None
         return None
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -138,12 +144,13 @@ class GraphRunner:
         self.static_steps += 1
         with set_forward_context(self.layers, static, bs * q, desc):
             out = self.graph(ids, pos)
-        return out[:input_ids.shape[0]].clone()
+        rows = input_ids.shape[0] if out.shape[0] == bs * q else fb.batch_size  # per token/req
+        return out[:rows].clone()
 
     @staticmethod
     def _descriptor(fb: ForwardBatch, bs: int) -> BatchDescriptor:
         spec, backend = fb.spec_info, fb.attn_backend
-        draft = spec is not None and fb.forward_mode.is_decode()
+        draft = spec is not None and spec.is_draft_input()
         return BatchDescriptor(GraphMode.FULL, fb.forward_mode, bs, draft=draft,
                                topk=0 if spec is None else max(spec.topk, 1),
                                step=backend.speculative_step_id if draft else 0)
@@ -156,9 +163,10 @@ class GraphRunner:
         if self.buffers is None:
             per_req = max(1, self.draft_token_num, self.topk * max(self.num_steps, 1))
             self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req)
-        elif fb.attn_backend is not self.buffers.backend:
-            raise RuntimeError("GraphRunner: the batch's attn_backend differs from the one the "
-                               "step buffers were made for; expected one backend per runner.")
+        elif not self.buffers.backend.shares_graph_buffers(fb.attn_backend):
+            raise RuntimeError("GraphRunner: the batch's attn_backend cannot use the step "
+                               "buffers made for another backend; expected one backend per "
+                               "runner, or the step backends of one XPUMultiStepDraftBackend.")
         return self.buffers
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile.backend.multi_step_draft import XPUMultiStepDraftBackend
 from compile.batch import ForwardMode, SpecInfo
 from compile.graphs import GraphRunner
 from compile.graphs import device as dev
@@ -77,6 +78,23 @@ def _draft_batch(h, probe, b, topk, steps, step):
         r for r in range(b) for _ in range(topk)]
 
 
+def _draft_extend_batch(h, probe, b, d, mode):
+    """A draft-extend batch (``mode`` DRAFT_EXTEND_V2, or EXTEND with a draft input) of ``b``
+    new requests, ``d`` causal new tokens each over a random prefix."""
+    lids = sorted({layer.kv_cache_layer_id for layer in probe.layers})
+    prefixes = torch.randint(0, MAX_PREFIX, (b,), generator=h.gen).tolist()
+    reqs = [h.add_request(p, layers=lids) for p in prefixes]
+    loc = torch.cat([h.alloc_slots(r, p, d) for r, p in zip(reqs, prefixes)])
+    spec = SpecInfo(topk=1, num_tokens_per_req=d)
+    assert spec.is_draft_input()
+    fb = h.batch(mode, reqs, [d] * b, loc, [p + d for p in prefixes], spec_info=spec)
+    fb.token_to_kv_pool, fb.req_to_token_pool = h.pool, h.req_pool
+    ids = _ids(h, b * d)
+    pos = torch.cat([p + torch.arange(d) for p in prefixes])
+    seen = [ids[t - t % d:t + 1] for t in range(b * d)]  # causal within the request
+    return reqs, fb, ids, pos, seen, [r for r in range(b) for _ in range(d)]
+
+
 def _addresses(meta):
     return {name: t.data_ptr() for name, t in meta.tensors()}
 
@@ -138,6 +156,106 @@ def test_tree_draft_decode_in_graphs_equals_oracle(page_size):
                          emulate_graphs=True, debug=True)
     _run_schedule(h, probe, runner, lambda b: _draft_batch(h, probe, b, topk, steps, step))
     assert {(d.draft, d.topk, d.step) for d in runner.graph.entries} == {(True, topk, step)}
+
+
+@pytest.mark.parametrize("page_size,mode", [(1, ForwardMode.DRAFT_EXTEND_V2),
+                                             (16, ForwardMode.EXTEND),
+                                             (64, ForwardMode.DRAFT_EXTEND_V2)],
+                         ids=["ps1-v2", "ps16-extend", "ps64-v2"])
+def test_draft_extend_in_graphs_equals_oracle(page_size, mode):
+    """Draft extend of D tokens per request (causal over prefix + new tokens, a sliding-window
+    layer too) through replayed graphs; ragged widths run uncaptured."""
+    d = 4
+    h = _harness(page_size, 330 + page_size, num_layers=2, draft_tokens=d, window=5)
+    probe = AttentionProbe(h, [h.layer(0), h.layer(1, sliding_window_size=5)])
+    runner = GraphRunner(probe, batch_sizes=BUCKETS, draft_token_num=d, emulate_graphs=True,
+                         debug=True)
+    _run_schedule(h, probe, runner, lambda b: _draft_extend_batch(h, probe, b, d, mode))
+    assert {(x.forward_mode, x.draft) for x in runner.graph.entries} == {(mode, True)}
+    _, fb, *_ = _draft_extend_batch(h, probe, 2, d, mode)
+    fb.extend_seq_lens_cpu = [d, d - 1]
+    assert not runner.can_run(fb)
+
+
+def _draft_round(h, probe, runner, multi, b):
+    """One draft round of ``b`` new requests through ``runner``: forward ``i`` with
+    ``multi.attn_backends[i]`` attends each branch's drafts 0..i (step i writes column i), then
+    the same round eagerly. Every forward equals the oracle."""
+    topk, steps = multi.topk, multi.speculative_num_steps
+    prefixes = torch.randint(0, MAX_PREFIX, (b,), generator=h.gen).tolist()
+    reqs = [h.add_request(p, layers=(0,)) for p in prefixes]
+    if topk == 1:  # a chain: the round's slots follow the prefix in req_to_token
+        loc = torch.stack([h.alloc_slots(r, p, steps) for r, p in zip(reqs, prefixes)])
+    else:  # trees: the round's own slots, laid out (b, topk, steps)
+        scratch = h.add_request(0)
+        loc = h.alloc_slots(scratch, 0, b * topk * steps).view(b, topk, steps)
+        h.req_pool.free(scratch.row)
+    fb = h.batch(ForwardMode.DECODE, reqs, [topk] * b, loc.reshape(-1), prefixes,
+                 spec_info=SpecInfo(topk=topk, spec_steps=steps))
+    fb.token_to_kv_pool, fb.req_to_token_pool = h.pool, h.req_pool
+    ids = _ids(h, b * topk * (steps - 1)).view(b * topk, steps - 1)
+    rows = [r for r in range(b) for _ in range(topk)]
+    expected = [tree_oracle(h, probe, reqs, ids[:, i], list(ids[:, :i + 1]), rows)
+                for i in range(steps - 1)]
+    pos = [torch.tensor([prefixes[r] + i for r in rows]) for i in range(steps - 1)]
+    assert runner.can_run(fb)
+    with torch.no_grad():
+        for i, backend in enumerate(multi.attn_backends):
+            fb.attn_backend = backend
+            assert_close(runner(ids[:, i].contiguous(), pos[i], fb), expected[i])
+        multi.init_forward_metadata(fb)
+        for i, backend in enumerate(multi.attn_backends):
+            fb.attn_backend = backend
+            assert_close(probe(ids[:, i].contiguous(), pos[i], fb), expected[i])
+    h.req_pool.free([r.row for r in reqs])
+
+
+@pytest.mark.parametrize("page_size,topk", [(1, 2), (16, 1), (64, 3)])
+def test_multi_step_draft_rounds_in_graphs_equal_oracle(page_size, topk):
+    """``XPUMultiStepDraftBackend``: its step backends share the runner's step buffers, one
+    graph per (bucket, step), each replay refilled by its own step backend."""
+    steps = 4
+    h = _harness(page_size, 340 + page_size)
+    probe = AttentionProbe(h, [h.layer(0, logit_cap=3.0)],
+                           sinks=torch.randn(h.hq, generator=h.gen))
+    multi = XPUMultiStepDraftBackend(h.runner, topk=topk, speculative_num_steps=steps)
+    runner = GraphRunner(probe, batch_sizes=BUCKETS, speculative_num_steps=steps, topk=topk,
+                         emulate_graphs=True, debug=True)
+    for b in SIZES:
+        _draft_round(h, probe, runner, multi, b)
+    assert (runner.captures, runner.replays) == (steps - 1, steps - 1)  # bucket 4, each step
+    assert {(d.bucket, d.step) for d in runner.graph.entries} == {(4, i) for i in range(3)}
+    assert runner.buffers.backend is multi.attn_backends[0]
+
+
+def test_multi_step_sglang_hooks_and_bad_arguments():
+    """sglang's runner calls reach every step backend: each binds its own metadata at capture
+    (its branch sees ``step + 1`` drafts) and refills it in place at replay."""
+    h = _harness(16, 345)
+    with pytest.raises(ValueError, match="expected topk >= 1 and speculative_num_steps >= 2"):
+        XPUMultiStepDraftBackend(h.runner, topk=2, speculative_num_steps=1)
+    multi = XPUMultiStepDraftBackend(h.runner, topk=2, speculative_num_steps=3)
+    multi.init_cuda_graph_state(4, 4 * 2 * 3)
+    reqs = [h.add_request(p) for p in (5, 20)]
+    loc = h.alloc_slots(h.add_request(0), 0, 2 * 2 * 3)
+    fb = h.batch(ForwardMode.IDLE, reqs, [2, 2], loc, [5, 20], spec_info=SpecInfo(topk=2))
+    multi.init_forward_metadata_out_graph(fb, in_capture=True)  # seen as DECODE
+    bound = [b.forward_metadata for b in multi.attn_backends]
+    assert [m.expand.cache_seqlens.tolist() for m in bound] == [[1] * 4, [2] * 4]
+    multi.init_forward_metadata_out_graph(fb)
+    multi.init_forward_metadata_in_graph(fb)
+    assert all(b.forward_metadata is m for b, m in zip(multi.attn_backends, bound))
+
+
+def test_step_buffers_refuse_an_unrelated_backend():
+    h = _harness(16, 350)
+    probe = AttentionProbe(h, [h.layer(0)])
+    runner = GraphRunner(probe, batch_sizes=BUCKETS, speculative_num_steps=3,
+                         emulate_graphs=True)
+    _draft_round(h, probe, runner, XPUMultiStepDraftBackend(h.runner, 1, 3), 2)
+    other = _harness(16, 351, context_len=256)  # another pool and page table
+    with pytest.raises(RuntimeError, match="cannot use the step buffers"):
+        _draft_round(other, probe, runner, XPUMultiStepDraftBackend(other.runner, 1, 3), 2)
 
 
 @requires_gpu_graphs
