@@ -11,6 +11,8 @@ split by position, so target verify on them uses one merged row per draft instea
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,27 @@ def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
     index = (start[:, None, None] + i[None, :, None] * (lens + d)[:, None, None]
              + lens[:, None, None] + i[None, None, :])
     return custom_mask.to(torch.bool)[index.reshape(-1)].view(b, d, d)
+
+
+def padded_spec_info(spec_info, seq_lens: Tensor, batch_size: int):
+    """``spec_info`` of a batch padded to ``batch_size`` requests (a graph bucket).
+
+    A tree mask (either layout) becomes ``[batch_size, D, D]`` bool: the real requests' rows,
+    then padded requests whose drafts each see only themselves (their slots are the padding
+    slot). Anything else is returned unchanged.
+
+    Args:
+        spec_info: a ``SpecInfo`` or None. seq_lens: [b] prefix lengths of the real requests
+            (decode sglang's flattened mask). batch_size: the bucket, ``>= b``.
+    """
+    if spec_info is None or spec_info.custom_mask is None:
+        return spec_info
+    mask = spec_info.custom_mask
+    d = mask.shape[-1] if mask.dim() == 3 else spec_info.draft_token_num
+    mask = draft_mask(mask, seq_lens, d)
+    eye = torch.eye(d, dtype=torch.bool, device=mask.device)
+    pad = eye.expand(batch_size - mask.shape[0], d, d)
+    return dataclasses.replace(spec_info, custom_mask=torch.cat([mask, pad]))
 
 
 def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
@@ -131,5 +154,5 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
     return out_cache_loc.view(rows, num_steps)[:, step_id]
 
 
-__all__ = ["draft_mask", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
+__all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
            "verify_tree_swa", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]

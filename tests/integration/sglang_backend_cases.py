@@ -13,6 +13,9 @@ sets ``TRITON_INTERPRET=1`` on a CPU).
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -197,3 +200,15 @@ def test_target_verify_topk1(page_size):
     h.backend.init_forward_metadata(batch)
     out = h.backend.forward(q.view(-1, HQ * D), k, v, h.layer, batch).view(-1, HQ, D)
     _assert_close(out, h.expected(q, total, [num_draft] * 3))
+
+
+def test_interface_data_matches_the_wheel():
+    """``tests/compile/backend/sglang_interface.json`` (the CPU test's data) is what
+    ``scripts/dump_sglang_interface.py`` reads from this sglang now."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "dump_sglang_interface", root / "scripts" / "dump_sglang_interface.py")
+    dump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dump)
+    stored = json.loads((root / "tests/compile/backend/sglang_interface.json").read_text())
+    assert dump.describe() == stored

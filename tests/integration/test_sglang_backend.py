@@ -22,8 +22,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 SGLANG_ENV = ROOT / ".venv-sglang"
 CASES = HERE / "sglang_backend_cases.py"
 # 4 cases (extend with and without a cached prefix, decode, target verify) x 2 page sizes x
-# 2 providers (reference, Triton through its interpreter).
-EXPECTED_PASSED = 4 * 2 * 2
+# 2 providers (reference, Triton through its interpreter), plus the interface data check once
+# per provider (the provider fixture is autouse).
+EXPECTED_PASSED = 4 * 2 * 2 + 2
 
 
 @pytest.mark.skipif(not (SGLANG_ENV / ".xpu-ops-installed").exists(),
