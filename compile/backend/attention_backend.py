@@ -182,8 +182,12 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
             return AttentionMetadata(main=main, write=write)
         prefix, expand = spec_metadata.draft_decode_tree(fb, self.req_to_token, self.page_size,
                                                          topk, step, steps)
+        swa_spec = None
+        if self.sliding_window_size is not None or self.is_hybrid_swa:
+            swa_spec = spec_metadata.draft_decode_tree_swa(fb, self.token_to_kv_pool,
+                                                           self.req_to_token, topk, step, steps)
         return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand)
+                                 expand=expand, swa_spec=swa_spec)
 
     def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata, graph: bool,
                             plain: bool = False) -> None:
@@ -262,7 +266,7 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
         meta = self._metadata()
         if self.use_mla:
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
-                                                  meta, **kwargs)
+                                                  meta, sinks=sinks, **kwargs)
         if k is not None and save_kv_cache:
             self.save_kv(layer, k, v, meta)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
@@ -330,8 +334,9 @@ class XPUAttentionBackend(GraphMetadataMixin, AttentionBackend):
             if windowed or (layer.use_irope and self.attention_chunk_size):
                 raise NotImplementedError(
                     "XPUAttentionBackend: sliding-window or chunked-local layers with "
-                    "speculative topk > 1 are not supported (target verify needs the model "
-                    "runner's sliding_window_size set; draft decode is not supported).")
+                    "speculative topk > 1 are not supported (sliding-window layers need the "
+                    "model runner's sliding_window_size set; chunked-local layers are not "
+                    "supported).")
             return meta.main, meta.causal, True
         if layer.use_irope and meta.local is not None:
             return meta.local, True, False

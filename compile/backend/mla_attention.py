@@ -4,7 +4,8 @@ The MLA pool stores per token one row ``[R + r]``: the compressed KV (latent, R)
 (r). With weight absorption the query is ``q_nope [tokens, H, R]`` (in the latent space) and
 ``q_rope [tokens, H, r]``; scores are ``q_nope.latent + q_rope.rope`` and values the latents:
 
-- plain decode: ``flash_mla_decode`` (split-KV; workspace from the metadata);
+- plain decode: ``flash_mla_decode`` (split-KV; workspace from the metadata); with attention
+  sinks (which it does not take) the paged call below;
 - every other absorbed mode (extend, verify, draft): ``flash_attn_with_kvcache`` with
   ``q = q_rope`` over the rope part as keys, ``qv = q_nope`` over the latent part as values;
 - MHA prefill (``forward_batch.attn_attend_prefix_cache is not None``): the model decompresses
@@ -65,7 +66,7 @@ def forward_absorbed(backend, q: Tensor, k: Optional[Tensor], v: Optional[Tensor
     out = backend.output_buffer(fb, q_nope, heads, rank)
     kv = _latent_cache(pool, layer)                                        # [slots, 1, R + r]
     call, causal, cascade = backend.select_call(meta, layer)
-    if meta.mla_workspace is not None and not cascade and call is meta.main:
+    if meta.mla_workspace is not None and not cascade and call is meta.main and sinks is None:
         res = xpu_ops.flash_mla_decode(q_nope.contiguous(), q_rope.contiguous(),
                                        kv.view(-1, call.page_size, rank + rope),
                                        call.cache_seqlens, call.page_table, meta.mla_workspace,
