@@ -162,8 +162,8 @@ class ForwardBatch:
         extend_seq_lens / extend_prefix_lens (+ ``_cpu`` lists): new and cached tokens per
             request in EXTEND/MIXED/DRAFT_EXTEND_V2.
         encoder_lens / encoder_lens_cpu: [b] encoder tokens per request (encoder-decoder); they
-            occupy the first ``encoder_lens[r]`` columns of ``req_to_token`` (a multiple of
-            page_size), decoder tokens follow; ``seq_lens`` counts decoder tokens only.
+            occupy the first ``encoder_lens[r]`` columns of ``req_to_token`` (any length),
+            decoder tokens follow; ``seq_lens`` counts decoder tokens only.
         encoder_out_cache_loc: [sum encoder_lens] int64 slots for the encoder's K/V.
         spec_info: SpecInfo or None.
         attn_attend_prefix_cache, prefix_chunk_idx, prefix_chunk_cu_seq_lens,

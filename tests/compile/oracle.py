@@ -28,7 +28,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
                      q_pos: Optional[Sequence[int]] = None, causal: bool = True,
                      window_left: int = -1, chunk: int = 0, softcap: float = 0.0,
-                     sinks: Optional[Tensor] = None, qv: Optional[Tensor] = None) -> Tensor:
+                     sinks: Optional[Tensor] = None, qv: Optional[Tensor] = None,
+                     block_ids: Optional[Sequence[int]] = None) -> Tensor:
     """Dense attention of one request, float64.
 
     Args:
@@ -38,12 +39,16 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
         chunk: chunked-local attention, keys in the query's chunk only (0: off).
         softcap: s = cap * tanh(s / cap). sinks: [Hq] extra logits in the denominator.
         qv: [Lq, Hq, Dv], adds qv.v to the scores (absorbed MLA).
+        block_ids: [Lk] bidirectional block id of each position (-1: none): a query also sees
+            the later keys of its own block (Gemma-3 image tokens), within the window.
     Returns:
         [Lq, Hq, Dv] float64; rows with no visible key are 0.
     """
     q, k, v = q.double(), k.double(), v.double()
     lq, hq, _ = q.shape
     lk, hkv = k.shape[0], k.shape[1]
+    if lk == 0:                                  # no key at all: every row is empty
+        return q.new_zeros(lq, hq, v.shape[-1])
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     pos = torch.tensor(list(q_pos) if q_pos is not None else range(lk - lq, lk))[:, None]
@@ -51,6 +56,9 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
     mask = torch.ones(lq, lk, dtype=torch.bool)
     if causal:
         mask &= j <= pos
+    if block_ids is not None:
+        ids = torch.tensor(list(block_ids))
+        mask |= (ids[pos] == ids[j]) & (ids[j] >= 0)
     if window_left >= 0:
         mask &= j >= pos - window_left
     if chunk:
@@ -238,8 +246,11 @@ class Harness:
 
     def step(self, mode: ForwardMode, reqs: Sequence[Req], new_lens: Sequence[int],
              layers: Sequence[PagedAttention], scale: float = 1.0, write: bool = True,
-             sinks=None) -> tuple[list[Tensor], list[Tensor]]:
-        """Append ``new_lens[r]`` tokens to each request and run every layer once.
+             sinks=None, block_ids: Optional[Tensor] = None
+             ) -> tuple[list[Tensor], list[Tensor]]:
+        """Append ``new_lens[r]`` tokens to each request and run every layer once
+        (``block_ids``: the backend's Gemma-3 ids over whole sequences, set after the metadata
+        as the model does).
 
         Returns ``(outputs, queries)`` per layer, outputs ``[T, Hq * Dv]`` (float64 copies).
         """
@@ -248,6 +259,7 @@ class Harness:
         seq_lens = [s + n for s, n in zip(starts, new_lens)]
         fb = self.batch(mode, reqs, new_lens, loc, seq_lens)
         self.backend.init_forward_metadata(fb)
+        self.backend.bidirectional_block_ids = block_ids
         outs, qs = [], []
         for layer in layers:
             t = sum(new_lens)
@@ -272,17 +284,20 @@ class Harness:
             r.v[layer_id] = torch.cat([r.v[layer_id], vq])
             off += n
 
-    def expected(self, reqs, new_lens, layer: PagedAttention, q: Tensor, sinks=None) -> Tensor:
-        """Oracle output ``[T, Hq * Dv]`` for a causal step of ``layer``."""
+    def expected(self, reqs, new_lens, layer: PagedAttention, q: Tensor, sinks=None,
+                 block_ids=None) -> Tensor:
+        """Oracle output ``[T, Hq * Dv]`` for a step of ``layer`` (causal unless the layer's
+        ``attn_type`` is not; ``block_ids``: per request, ids over its whole sequence)."""
         outs, off = [], 0
         w = layer.sliding_window_size
         lid = layer.kv_cache_layer_id
-        for r, n in zip(reqs, new_lens):
+        for i, (r, n) in enumerate(zip(reqs, new_lens)):
             qr = q[off:off + n].view(n, self.hq, self.d)
             o = attention_oracle(qr, r.k[lid], r.v[lid], scale=layer.scaling,
-                                 window_left=w if w >= 0 else -1,
+                                 causal=layer.causal, window_left=w if w >= 0 else -1,
                                  chunk=(self.chunk or 0) if layer.use_irope else 0,
-                                 softcap=layer.logit_cap, sinks=sinks)
+                                 softcap=layer.logit_cap, sinks=sinks,
+                                 block_ids=None if block_ids is None else block_ids[i])
             outs.append(o.reshape(n, -1))
             off += n
         return torch.cat(outs)

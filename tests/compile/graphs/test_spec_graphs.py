@@ -121,7 +121,8 @@ def test_mla_decode_in_graphs_equals_oracle(page_size, sinks, monkeypatch):
     buffer of the step buffers (sinks: the paged call, which takes them)."""
     calls = []
     real = xpu_ops.flash_mla_decode
-    monkeypatch.setattr(xpu_ops, "flash_mla_decode", lambda *a: calls.append(a[5]) or real(*a))
+    monkeypatch.setattr(xpu_ops, "flash_mla_decode",
+                        lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     h = _mla_harness(page_size, 360 + page_size)
     probe = AttentionProbe(h, [h.layer(0)],
                            sinks=torch.randn(h.hq, generator=h.gen) if sinks else None)
