@@ -116,7 +116,8 @@ def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
     max_k = int(fb.seq_lens_cpu.max()) if b else 0
     prefix, drafts = _swa_slots(pool, token_table(req_to_token, fb.req_pool_indices, max_k),
                                 fb.out_cache_loc.view(b, num_draft))
-    table, lens = xpu_ops.prepare_swa_spec_page_table(prefix, fb.seq_lens.to(torch.int32), drafts, mask)
+    table, lens = xpu_ops.prepare_swa_spec_page_table(prefix, fb.seq_lens.to(torch.int32),
+                                                      drafts, mask)
     cu_q = uniform_cu_seqlens(b * num_draft, 1, table.device)
     return PagedAttnMetadata(cu_seqlens_q=cu_q, cache_seqlens=lens, page_table=table,
                              max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
@@ -180,6 +181,6 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
     return out_cache_loc.view(rows, num_steps)[:, step_id]
 
 
-__all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
-           "verify_tree_swa", "draft_decode_chain", "draft_decode_tree", "draft_decode_tree_swa",
-           "draft_write_loc"]
+__all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain",
+           "verify_tree", "verify_tree_swa", "draft_decode_chain", "draft_decode_tree",
+           "draft_decode_tree_swa", "draft_write_loc"]
