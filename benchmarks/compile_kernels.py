@@ -43,6 +43,7 @@ def workloads():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     return [
         ("decode page 1", [1] * 64, [4096] * 64, 1, 32, 8, 128, 128, bf16, False, -1, False),
+        ("decode b1 16k page 64", [1], [16384], 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 16", [1] * 64, [4096] * 64, 16, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 128", [1] * 64, [4096] * 64, 128, 32, 8, 128, 128, bf16, False, -1, False),

@@ -77,8 +77,8 @@ class Harness:
                                      device="cpu", enable_memory_saver=False)
         for buffer in (*self.pool.k_buffer, *self.pool.v_buffer):
             buffer.fill_(float("nan"))                 # never-written slots must not be read
-        req_pool = ReqToTokenPool(size=batch + 1, max_context_len=CONTEXT_LEN, device="cpu",
-                                  enable_memory_saver=False)
+        self.req_pool = req_pool = ReqToTokenPool(size=batch + 1, max_context_len=CONTEXT_LEN,
+                                                  device="cpu", enable_memory_saver=False)
         pages = torch.randperm(batch * CONTEXT_LEN // page_size, generator=self.gen)
         self.slots = (pages.view(batch, -1, 1) * page_size
                       + torch.arange(page_size)).view(batch, CONTEXT_LEN)
@@ -109,17 +109,22 @@ class Harness:
         loc, k, v = self.tokens([0] * self.batch, prefix_lens)
         self.pool.set_kv_buffer(self.layer, KVWriteLoc(loc), k, v, None, None)
 
+    def make_batch(self, mode, seq_lens: torch.Tensor, loc: torch.Tensor,
+                   **batch_fields) -> ForwardBatch:
+        """sglang's ``ForwardBatch`` of every request, writing the new tokens to ``loc``."""
+        return ForwardBatch(
+            forward_mode=mode, batch_size=self.batch, input_ids=torch.zeros_like(loc),
+            req_pool_indices=self.req_pool_indices, seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens.clone(), out_cache_loc=loc, seq_lens_sum=int(seq_lens.sum()),
+            **batch_fields)
+
     def forward(self, mode, seq_lens, new_lens, **batch_fields) -> tuple[torch.Tensor, list]:
         """``backend.forward`` of ``new_lens[i]`` new tokens per request after
         ``seq_lens[i] - new_lens[i]`` cached ones; returns ``(out [total_q, HQ, D], q)``."""
         seq_lens, new_lens = torch.tensor(seq_lens), torch.tensor(new_lens)
         loc, k, v = self.tokens(seq_lens - new_lens, seq_lens)
         q = torch.randn(loc.shape[0], HQ, D, generator=self.gen)
-        batch = ForwardBatch(
-            forward_mode=mode, batch_size=self.batch, input_ids=torch.zeros_like(loc),
-            req_pool_indices=self.req_pool_indices, seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens.clone(), out_cache_loc=loc, seq_lens_sum=int(seq_lens.sum()),
-            **batch_fields)
+        batch = self.make_batch(mode, seq_lens, loc, **batch_fields)
         self.backend.init_forward_metadata(batch)
         out = self.backend.forward(q.view(-1, HQ * D), k, v, self.layer, batch)
         return out.view(-1, HQ, D), q

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import (ENABLED_PATHS, available, cdiv, descriptors_supported, launch, next_pow2,
+from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
 from .paged_attention_kernel import _paged_attention_kernel
 
@@ -51,19 +51,28 @@ class _Config:
     dv_split: int = 1
 
 
+# page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
+# 16-key pages, 64-key tiles of per-key addresses were up to 10 % faster than one-page tiles).
+PAGE_TILE_MIN_KEYS = 32
+
+
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int, paths: frozenset = ENABLED_PATHS,
+                 elem_bytes: int, paths: Optional[frozenset] = None,
                  page_size: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
-    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on.
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``; None: ``launch_paths`` of the launch's
+    kind) on.
 
-    With ``page_tiles``, a decode tile holds one whole page where pages have 16 or more keys
-    (BLOCK_N = page_size when smaller than the default), so its K/V addresses come from one
-    page id and the compiler can stage the loads through shared memory; the pipeline deepens
-    to keep as many bytes in flight (at most 8 stages)."""
+    With ``page_tiles``, a decode tile holds one whole page where pages have
+    ``PAGE_TILE_MIN_KEYS`` or more keys (BLOCK_N = page_size when smaller than the default), so
+    its K/V addresses come from one page id and the compiler can stage the loads through shared
+    memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages)."""
+    decode = rows_per_request <= 64
+    paths = launch_paths(decode) if paths is None else paths
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
-    if ("page_tiles" in paths and rows_per_request <= 64 and page_size is not None
-            and 16 <= page_size < tiles.block_n and page_size == next_pow2(page_size)):
+    if ("page_tiles" in paths and decode and page_size is not None
+            and PAGE_TILE_MIN_KEYS <= page_size < tiles.block_n
+            and page_size == next_pow2(page_size)):
         stages = min(8, tiles.num_stages * tiles.block_n // page_size)
         tiles = dataclasses.replace(tiles, block_n=page_size, num_stages=stages)
     return with_paths(tiles, paths)
@@ -79,11 +88,11 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
-                   paths: frozenset = ENABLED_PATHS,
+                   paths: Optional[frozenset] = None,
                    page_size: Optional[int] = None) -> _Config:
-    """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
-    ``paged_attention(..., config=default_config(..., paths))``). ``page_size``: of a paged
-    cache (None: ragged K/V)."""
+    """The config a launch on these tensors picks, with ``paths`` on (None: the defaults;
+    benchmarks A/B paths with ``paged_attention(..., config=default_config(..., paths))``).
+    ``page_size``: of a paged cache (None: ragged K/V)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
     return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
@@ -112,19 +121,49 @@ def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad:
     return _Config(128, 128, 8, 2)     # H200 sweep: 3.59 ms vs 4.21 for (128, 64, 8, 3)
 
 
-def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int,
-                    decode: bool) -> int:
-    """KV splits from shapes only (never tensor values).
+# Decode: splits until the grid holds this many programs per multiprocessor, each split of at
+# least DECODE_SPLIT_KEYS keys; a full grid cuts only requests longer than DECODE_CHUNK_KEYS
+# (H200 sweep, 132 SMs, b = 1..64 x 1k..16k keys: 2 programs per SM and >= 256 keys per split
+# were within ~10 % of the best split count of every row; b = 64 x 4096 was fastest unsplit).
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_SPLIT_KEYS = 256
+DECODE_CHUNK_KEYS = 4096
+DECODE_MAX_CHUNKS = 8
+# Prefill and extend: splits only while the grid holds fewer than this many programs per SM.
+PREFILL_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
 
-    Enough programs to give every multiprocessor ~4 (few long requests), each split at least
-    4 key tiles, at most 64. Decode-like launches also cut contexts into chunks of >= 512 keys,
-    up to 8 (H200 sweep: 8 splits is within noise of the best for 64 x 4096 and 8 x 32768, and
-    0.80 -> 0.89 of copy bandwidth for 64 requests of uniform [100, 8000] lengths, because a
-    fixed chunk balances long and short requests).
+
+def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int,
+                decode: bool) -> tuple[int, int]:
+    """``(num_splits, min_split_tiles)`` of a launch, from shapes only (never tensor values).
+
+    The kernel gives each split of a program an even share of the program's visible key tiles,
+    but at least ``min_split_tiles`` of them (``max(min_split_tiles, cdiv(tiles, num_splits))``
+    for each request's own length), so a short request uses only its first splits and a graph
+    captured at a wide page table still splits the lengths it replays with. ``programs``: the
+    grid without splits; ``max_kv_len``: the page table's capacity in tokens.
+
+    - Decode-like launches (at most two row tiles per request) with fewer than
+      ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor (small batches): as many splits as
+      reach that, of at least ``DECODE_SPLIT_KEYS`` keys each.
+    - Other decode launches: requests longer than ``DECODE_CHUNK_KEYS`` are cut into chunks of
+      at least that many keys (at most ``DECODE_MAX_CHUNKS``), which balances mixed lengths.
+    - Prefill and extend: splits only to fill the device, each of >= 4 tiles.
+
+    >>> plan_splits(torch.device("cpu"), programs=1, max_kv_len=4096, block_n=16, decode=True)
+    (8, 16)
     """
-    fill = round(4 * num_sms(device) / max(programs, 1))
-    chunks = min(8, cdiv(max_kv_len, 512)) if decode else 1
-    return max(1, min(max(fill, chunks), cdiv(max_kv_len, 4 * block_n), 64))
+    tiles = cdiv(max(max_kv_len, 1), block_n)
+    if not decode:
+        fill = round(PREFILL_PROGRAMS_PER_SM * num_sms(device) / max(programs, 1))
+        return max(1, min(fill, cdiv(tiles, 4), MAX_SPLITS)), 4
+    want = cdiv(DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
+    if want > 1:
+        return (max(1, min(want, cdiv(max_kv_len, DECODE_SPLIT_KEYS), MAX_SPLITS)),
+                cdiv(DECODE_SPLIT_KEYS, block_n))
+    return (max(1, min(DECODE_MAX_CHUNKS, cdiv(max_kv_len, DECODE_CHUNK_KEYS))),
+            cdiv(DECODE_CHUNK_KEYS, block_n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +204,10 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
-        num_splits = plan_num_splits(device, grid_m * batch * num_heads_kv, max_kv_len,
-                                     cfg.block_n, decode=m_blocks <= 2)
+        num_splits, min_split_tiles = plan_splits(device, grid_m * batch * num_heads_kv,
+                                                  max_kv_len, cfg.block_n, decode=m_blocks <= 2)
+    else:  # forced: every request's keys shared evenly by all splits
+        min_split_tiles = 1
     if paged:
         kp, ks, kh = k_strides[:3]
         vp, vs, vh = v_strides[:3]
@@ -188,8 +229,8 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
         q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
         out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
         *meta_strides, float(softmax_scale), float(softcap), int(window_left),
-        int(window_right), group, num_heads_kv, head_dim, head_dim_v,
-        cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits), total_q, k_shape[0],
+        int(window_right), group, num_heads_kv, head_dim, head_dim_v, min_split_tiles,
+        total_q, k_shape[0],
         k_shape[0], max_seqlen_q, max_kv_len)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
@@ -266,7 +307,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
         max_kv_len: bound on keys per request from shapes (tokens), used to choose splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
-        num_splits: force the KV split count (tests, benchmarks); default chosen from shapes.
+        num_splits: force the KV split count (tests, benchmarks; each request's keys shared
+            evenly by the splits); default planned from shapes (``plan_splits``).
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
