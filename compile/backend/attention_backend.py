@@ -123,7 +123,7 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         meta = self._metadata()
         if self.use_mla:
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
-                                                  meta, **kwargs)
+                                                  meta, sinks=sinks, **kwargs)
         if k is not None and save_kv_cache:
             self.save_kv(layer, k, v, meta)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
@@ -210,8 +210,9 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
             if windowed or (layer.use_irope and self.attention_chunk_size):
                 raise NotImplementedError(
                     "XPUAttentionBackend: sliding-window or chunked-local layers with "
-                    "speculative topk > 1 are not supported (target verify needs the model "
-                    "runner's sliding_window_size set; draft decode is not supported).")
+                    "speculative topk > 1 are not supported (sliding-window layers need the "
+                    "model runner's sliding_window_size set; chunked-local layers are not "
+                    "supported).")
             return meta.main, meta.causal, True
         if layer.use_irope and meta.local is not None:
             return meta.local, True, False

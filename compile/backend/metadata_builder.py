@@ -137,8 +137,12 @@ class MetadataBuilderMixin:
             return AttentionMetadata(main=main, write=write)
         prefix, expand = spec_metadata.draft_decode_tree(fb, self.req_to_token, self.page_size,
                                                          topk, step, steps)
+        swa_spec = None
+        if self.sliding_window_size is not None or self.is_hybrid_swa:
+            swa_spec = spec_metadata.draft_decode_tree_swa(fb, self.token_to_kv_pool,
+                                                           self.req_to_token, topk, step, steps)
         return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand)
+                                 expand=expand, swa_spec=swa_spec)
 
     def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata, graph: bool,
                             plain: bool = False) -> None:

@@ -176,10 +176,11 @@ def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
                        **piecewise_kwargs) -> GraphRunner:
     """The serving path: whole-step graphs for fixed-shape steps, pieces for the rest.
 
-    Returns ``GraphRunner(model, forward=PiecewiseModel(model, ...))``: decode, verify and
-    draft steps (chains and trees) of at most ``max(batch_sizes)`` requests replay one device graph per
-    request bucket, recorded through the piecewise model (its pieces as compiled code, the
-    split op's attention on the step buffers' metadata); every other step runs the
+    Returns ``GraphRunner(model, forward=PiecewiseModel(model, ...))``: decode, verify, draft
+    decode (chains and trees) and uniform draft-extend steps of at most ``max(batch_sizes)``
+    requests replay one device graph per request bucket, recorded through the piecewise model
+    (its pieces as compiled code, the split op's attention on the step buffers' metadata);
+    every other step runs the
     ``PiecewiseModel``: pieces captured per token bucket, attention eager between them. Both
     kinds share one graph memory pool.
 

@@ -180,15 +180,17 @@ def test_draft_decode_tree_cascade(page_size):
     assert_close(out, torch.cat(rows))
 
 
-def test_sliding_window_draft_decode_tree_not_implemented():
-    h = Harness(16, seed=61, topk=2, num_steps=2, window=4)
+def test_chunked_local_draft_decode_tree_not_implemented():
+    """Sliding-window layers take merged per-branch rows (tests/compile/graphs/
+    test_spec_graphs.py); chunked-local layers with topk > 1 still raise, naming the kind."""
+    h = Harness(16, seed=61, topk=2, num_steps=2, chunk=16)
     reqs = [h.add_request(5)]
     scratch = h.add_request(0)
     loc = h.alloc_slots(scratch, 0, 4)
     fb = h.batch(ForwardMode.DECODE, reqs, [2], loc, [5], spec_info=SpecInfo(topk=2))
     h.backend.init_forward_metadata(fb)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        h.layer(sliding_window_size=4)(torch.zeros(2, h.hq * h.d), None, None, fb)
+    with pytest.raises(NotImplementedError, match="chunked-local layers are not supported"):
+        h.layer(use_irope=True)(torch.zeros(2, h.hq * h.d), None, None, fb)
 
 
 def test_deterministic_cascade_passes_one_split_each(monkeypatch):

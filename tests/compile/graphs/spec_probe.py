@@ -1,7 +1,8 @@
 """An attention-only model for graph tests of the speculative modes, and its float64 oracle.
 
-``AttentionProbe`` maps token id ``t`` to row ``t`` of fixed random q/k/v tables per layer, so a
-step's inputs are fresh random vectors the test knows exactly; its output is every layer's
+``AttentionProbe`` maps token id ``t`` to row ``t`` of fixed random q/k/v tables per layer (on
+an MLA harness: q and the latent key, whose first ``dv`` entries are the value), so a step's
+inputs are fresh random vectors the test knows exactly; its output is every layer's
 attention side by side. A ``GraphRunner`` runs it like a model (its step buffers, metadata
 refill, emulated capture and replay), and the oracle (``tests/compile/oracle.py``) recomputes
 each query row from the logical K/V: cached prefix plus the draft tokens the row may see.
@@ -35,13 +36,22 @@ class AttentionProbe(nn.Module):
         n, dv = len(layers), layers[0].v_head_dim
         self.register_buffer("q", h.rand(n, vocab, h.hq * h.d).to(h.dtype))
         self.register_buffer("k", h.rand(n, vocab, h.hkv, h.d).to(h.dtype))
-        self.register_buffer("v", h.rand(n, vocab, h.hkv, dv).to(h.dtype))
+        self.mla_rank = dv if h.mla else 0  # MLA: the value is the key's latent part
+        self.register_buffer("v", self.k[..., :dv].clone() if h.mla
+                             else h.rand(n, vocab, h.hkv, dv).to(h.dtype))
         self.sinks = sinks
         self.anchor = nn.Parameter(torch.zeros(1))  # runners read the device off a parameter
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch) -> Tensor:
-        outs = [layer(self.q[i][input_ids], self.k[i][input_ids], self.v[i][input_ids],
-                      forward_batch, sinks=self.sinks) for i, layer in enumerate(self.layers)]
+        outs = []
+        for i, layer in enumerate(self.layers):
+            q, k = self.q[i][input_ids], self.k[i][input_ids]
+            if self.mla_rank:  # absorbed MLA: latent and rope key parts, no separate value
+                r = self.mla_rank
+                outs.append(layer(q, k[..., :r], None, forward_batch, k_rope=k[..., r:],
+                                  sinks=self.sinks))
+            else:
+                outs.append(layer(q, k, self.v[i][input_ids], forward_batch, sinks=self.sinks))
         return torch.cat(outs, dim=-1)
 
 
@@ -62,7 +72,8 @@ def tree_oracle(h: Harness, probe: AttentionProbe, reqs, ids: Tensor, seen: Sequ
             vals = torch.cat([reqs[r].v[lid], h.quantize(probe.v[i][seen[t]].double())])
             o = attention_oracle(probe.q[i][ids[t]].double().view(1, h.hq, h.d), keys, vals,
                                  scale=layer.scaling, softcap=layer.logit_cap,
-                                 window_left=w if w >= 0 else -1, sinks=probe.sinks)
+                                 window_left=w if w >= 0 else -1, sinks=probe.sinks,
+                                 chunk=(h.chunk or 0) if layer.use_irope else 0)
             per_layer.append(o.reshape(1, -1))
         rows.append(torch.cat(per_layer, dim=-1))
     return torch.cat(rows)
