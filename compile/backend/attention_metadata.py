@@ -163,6 +163,37 @@ def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q:
                              page_size=page_size)
 
 
+def slot_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q: Tensor,
+                  cache_seqlens: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  col_offset: Tensor) -> PagedAttnMetadata:
+    """A call over a token-slot table (``page_size`` 1): request ``r``'s keys are the slots in
+    ``req_to_token`` columns ``col_offset[r] ...``, wherever they fall in their pages (decoder
+    tokens after an encoder whose length is not a page multiple)."""
+    slots = token_table(req_to_token, req_pool_indices, max_seqlen_k, col_offset)
+    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens_q, cache_seqlens=_int32(cache_seqlens),
+                             page_table=_int32(slots), max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, page_size=1)
+
+
+def query_block_ids(block_ids: Tensor, main: PagedAttnMetadata, total_q: int) -> Tensor:
+    """Per-query ``bidirectional_block_ids [total_q]`` int32 of ids given over whole sequences.
+
+    Args:
+        block_ids: [sum(cache_seqlens)] ids over each request's cached prefix then its new
+            tokens, requests packed (sglang 0.5.23's Gemma-3 layout; -1: no block).
+        main: the extend call (``cu_seqlens_q`` new tokens over ``cache_seqlens`` keys).
+        total_q: new tokens in the batch (``q.shape[0]``; no host sync).
+    Returns:
+        The ids of the new tokens only, in query order (the op's layout: a cached key never
+        needs an id, it precedes every query of its request).
+    """
+    cu_q, k_lens = main.cu_seqlens_q, main.cache_seqlens.long()
+    q_lens = (cu_q[1:] - cu_q[:-1]).long()
+    first_new = torch.cumsum(k_lens, 0) - q_lens          # whole-sequence row of each first query
+    shift = torch.repeat_interleave(first_new - cu_q[:-1], q_lens, output_size=total_q)
+    return block_ids[torch.arange(total_q, device=block_ids.device) + shift].to(torch.int32)
+
+
 def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
                  main: PagedAttnMetadata, col_offset: Optional[Tensor] = None
                  ) -> PagedAttnMetadata:
@@ -175,4 +206,5 @@ def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
 
 
 __all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "uniform_cu_seqlens",
-           "token_table", "page_table_from_tokens", "paged_metadata", "swa_metadata"]
+           "token_table", "page_table_from_tokens", "paged_metadata", "slot_metadata",
+           "query_block_ids", "swa_metadata"]

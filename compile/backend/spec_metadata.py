@@ -11,6 +11,8 @@ split by position, so target verify on them uses one merged row per draft instea
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,27 @@ def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
     index = (start[:, None, None] + i[None, :, None] * (lens + d)[:, None, None]
              + lens[:, None, None] + i[None, None, :])
     return custom_mask.to(torch.bool)[index.reshape(-1)].view(b, d, d)
+
+
+def padded_spec_info(spec_info, seq_lens: Tensor, batch_size: int):
+    """``spec_info`` of a batch padded to ``batch_size`` requests (a graph bucket).
+
+    A tree mask (either layout) becomes ``[batch_size, D, D]`` bool: the real requests' rows,
+    then padded requests whose drafts each see only themselves (their slots are the padding
+    slot). Anything else is returned unchanged.
+
+    Args:
+        spec_info: a ``SpecInfo`` or None. seq_lens: [b] prefix lengths of the real requests
+            (decode sglang's flattened mask). batch_size: the bucket, ``>= b``.
+    """
+    if spec_info is None or spec_info.custom_mask is None:
+        return spec_info
+    mask = spec_info.custom_mask
+    d = mask.shape[-1] if mask.dim() == 3 else spec_info.draft_token_num
+    mask = draft_mask(mask, seq_lens, d)
+    eye = torch.eye(d, dtype=torch.bool, device=mask.device)
+    pad = eye.expand(batch_size - mask.shape[0], d, d)
+    return dataclasses.replace(spec_info, custom_mask=torch.cat([mask, pad]))
 
 
 def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
@@ -91,16 +114,43 @@ def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
     SWA-pool slots (translated when ``pool`` has a full-to-SWA mapping)."""
     b = fb.batch_size
     max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    prefix = token_table(req_to_token, fb.req_pool_indices, max_k)
-    drafts = fb.out_cache_loc.view(b, num_draft)
-    if hasattr(pool, "translate_loc_from_full_to_swa"):
-        prefix = pool.translate_loc_from_full_to_swa(prefix)
-        drafts = pool.translate_loc_from_full_to_swa(drafts)
-    table, lens = xpu_ops.prepare_swa_spec_page_table(
-        prefix.to(torch.int32), fb.seq_lens.to(torch.int32), drafts.to(torch.int32), mask)
+    prefix, drafts = _swa_slots(pool, token_table(req_to_token, fb.req_pool_indices, max_k),
+                                fb.out_cache_loc.view(b, num_draft))
+    table, lens = xpu_ops.prepare_swa_spec_page_table(prefix, fb.seq_lens.to(torch.int32),
+                                                      drafts, mask)
     cu_q = uniform_cu_seqlens(b * num_draft, 1, table.device)
     return PagedAttnMetadata(cu_seqlens_q=cu_q, cache_seqlens=lens, page_table=table,
                              max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
+
+
+def draft_decode_tree_swa(fb, pool, req_to_token: Tensor, topk: int, step_id: int,
+                          num_steps: int) -> PagedAttnMetadata:
+    """Draft decode topk > 1 on sliding-window layers: one row per branch, its request's prefix
+    then its own ``step_id + 1`` draft slots (the query is the last key, so the causal window
+    applies as in decode), in SWA-pool slots when ``pool`` has a full-to-SWA mapping.
+
+    Each branch is a one-chain tree of ``prepare_swa_spec_page_table``; the row of its last
+    draft is kept. ``out_cache_loc`` holds the round laid out ``(b, topk, num_steps)``.
+    """
+    b, n = fb.batch_size, step_id + 1
+    max_k = int(fb.seq_lens_cpu.max()) if b else 0
+    rows = torch.arange(b, device=fb.seq_lens.device).repeat_interleave(topk)
+    prefix, drafts = _swa_slots(pool, token_table(req_to_token, fb.req_pool_indices, max_k),
+                                fb.out_cache_loc.view(b * topk, num_steps)[:, :n])
+    chain = torch.ones(n, n, dtype=torch.bool, device=rows.device).tril()
+    table, lens = xpu_ops.prepare_swa_spec_page_table(
+        prefix[rows], fb.seq_lens.to(torch.int32)[rows], drafts, chain.expand(b * topk, n, n))
+    last = torch.arange(b * topk, device=rows.device) * n + n - 1
+    return PagedAttnMetadata(cu_seqlens_q=uniform_cu_seqlens(b * topk, 1, rows.device),
+                             cache_seqlens=lens[last], page_table=table[last], max_seqlen_q=1,
+                             max_seqlen_k=max_k + n, page_size=1)
+
+
+def _swa_slots(pool, *slots: Tensor) -> list[Tensor]:
+    """Token slots int32 (new tensors), translated into the SWA pool when ``pool`` has one."""
+    if hasattr(pool, "translate_loc_from_full_to_swa"):
+        slots = tuple(pool.translate_loc_from_full_to_swa(s) for s in slots)
+    return [s.to(torch.int32) for s in slots]
 
 
 def draft_decode_chain(fb, req_to_token: Tensor, page_size: int, step_id: int
@@ -131,5 +181,6 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
     return out_cache_loc.view(rows, num_steps)[:, step_id]
 
 
-__all__ = ["draft_mask", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
-           "verify_tree_swa", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]
+__all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain",
+           "verify_tree", "verify_tree_swa", "draft_decode_chain", "draft_decode_tree",
+           "draft_decode_tree_swa", "draft_write_loc"]

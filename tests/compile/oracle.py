@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from compile.backend import PagedAttention, XPUAttentionBackend
-from compile.batch import (ForwardBatch, ForwardMode, MHATokenToKVPool, PageAllocator,
-                           ReqToTokenPool, SWAKVPool, SpecInfo)
+from compile.batch import (ForwardBatch, ForwardMode, MHATokenToKVPool, MLATokenToKVPool,
+                           PageAllocator, ReqToTokenPool, SWAKVPool, SpecInfo)
 from compile.engine.model_runner import ModelRunnerInfo
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -28,7 +28,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
                      q_pos: Optional[Sequence[int]] = None, causal: bool = True,
                      window_left: int = -1, chunk: int = 0, softcap: float = 0.0,
-                     sinks: Optional[Tensor] = None, qv: Optional[Tensor] = None) -> Tensor:
+                     sinks: Optional[Tensor] = None, qv: Optional[Tensor] = None,
+                     block_ids: Optional[Sequence[int]] = None) -> Tensor:
     """Dense attention of one request, float64.
 
     Args:
@@ -38,12 +39,16 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
         chunk: chunked-local attention, keys in the query's chunk only (0: off).
         softcap: s = cap * tanh(s / cap). sinks: [Hq] extra logits in the denominator.
         qv: [Lq, Hq, Dv], adds qv.v to the scores (absorbed MLA).
+        block_ids: [Lk] bidirectional block id of each position (-1: none): a query also sees
+            the later keys of its own block (Gemma-3 image tokens), within the window.
     Returns:
         [Lq, Hq, Dv] float64; rows with no visible key are 0.
     """
     q, k, v = q.double(), k.double(), v.double()
     lq, hq, _ = q.shape
     lk, hkv = k.shape[0], k.shape[1]
+    if lk == 0:                                  # no key at all: every row is empty
+        return q.new_zeros(lq, hq, v.shape[-1])
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     pos = torch.tensor(list(q_pos) if q_pos is not None else range(lk - lq, lk))[:, None]
@@ -51,13 +56,17 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
     mask = torch.ones(lq, lk, dtype=torch.bool)
     if causal:
         mask &= j <= pos
+    if block_ids is not None:
+        ids = torch.tensor(list(block_ids))
+        mask |= (ids[pos] == ids[j]) & (ids[j] >= 0)
     if window_left >= 0:
         mask &= j >= pos - window_left
     if chunk:
         mask &= (j // chunk) == (pos // chunk)
-    s = torch.einsum("qhd,khd->hqk", q, k)
+    # [H, Lq, D] @ [H, D, Lk] (matmul, not einsum: einsum costs ~2 ms a call on the CPU here)
+    s = q.transpose(0, 1) @ k.permute(1, 2, 0)
     if qv is not None:
-        s = s + torch.einsum("qhd,khd->hqk", qv.double(), v)
+        s = s + qv.double().transpose(0, 1) @ v.permute(1, 2, 0)
     s = s * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
@@ -67,7 +76,7 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, scale: float,
     m = s.amax(-1, keepdim=True).clamp(min=-1e300)
     p = torch.exp(s - m)
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-300)
-    out = torch.einsum("hqk,khd->qhd", p[..., :lk], v)
+    out = (p[..., :lk] @ v.transpose(0, 1)).transpose(0, 1)
     return torch.where(mask.any(-1)[:, None, None], out, 0.0)
 
 
@@ -91,6 +100,8 @@ class Harness:
         num_layers: layers in the pool. dtype: q/k/v dtype. kv_dtype: cache dtype (fp8 ok).
         swa_layers/window: hybrid SWA pool with these layer ids and HF window W.
         chunk: attention_chunk_size. topk/num_steps/draft_tokens: speculative settings.
+        mla: an MLA latent pool (``MLATokenToKVPool``, one KV head): the cached row of a token
+            is its key ``[d]`` (latent ``dv`` then rope ``d - dv``), its value the latent part.
     """
 
     def __init__(self, page_size: int, *, hq: int = 4, hkv: int = 2, d: int = 32,
@@ -98,7 +109,7 @@ class Harness:
                  kv_dtype=None, num_pages: Optional[int] = None, context_len: int = 512,
                  seed: int = 0, swa_layers: Sequence[int] = (), window: Optional[int] = None,
                  chunk: Optional[int] = None, topk: int = 0, num_steps: int = 0,
-                 draft_tokens: int = 0, step_id: int = 0):
+                 draft_tokens: int = 0, step_id: int = 0, mla: bool = False):
         self.gen = torch.Generator().manual_seed(seed)
         self.ps, self.hq, self.hkv, self.d = page_size, hq, hkv, d
         self.dv = d if dv is None else dv
@@ -110,7 +121,14 @@ class Harness:
         self.swa_layers = tuple(swa_layers)
         kw = dict(page_size=page_size, dtype=self.kv_dtype, head_num=hkv, head_dim=d,
                   device="cpu", v_head_dim=self.dv)
-        if self.swa_layers:
+        self.mla = mla
+        if mla:
+            if hkv != 1 or self.dv >= d:
+                raise ValueError(f"Harness: an MLA pool has one KV head and dv < d; expected "
+                                 f"hkv 1 and dv < {d}, got hkv {hkv}, dv {self.dv}.")
+            self.pool = MLATokenToKVPool(num_pages * page_size, page_size, self.kv_dtype,
+                                         self.dv, d - self.dv, num_layers, "cpu")
+        elif self.swa_layers:
             full = [i for i in range(num_layers) if i not in self.swa_layers]
             self.pool = SWAKVPool(num_pages * page_size, num_pages * page_size,
                                   self.swa_layers, full, **kw)
@@ -130,6 +148,9 @@ class Harness:
                                            speculative_num_steps=num_steps)
 
     def _buffers(self):
+        if self.mla:
+            yield from self.pool.kv_buffer
+            return
         if self.swa_layers:
             pools = [self.pool.full_kv_pool, self.pool.swa_kv_pool]
         else:
@@ -168,6 +189,9 @@ class Harness:
         if self.swa_layers and self.pool.is_swa_layer(layer_id):
             slots = self.pool.translate_loc_from_full_to_swa(slots)
         kb, vb = self._buffer_of(layer_id)
+        if self.mla:  # the latent row is the key; the value is its first dv entries
+            kb[slots] = k.to(kb.dtype)
+            return
         if self.kv_dtype in FP8:
             kb[slots] = (k.float() / scale).to(self.kv_dtype)
             vb[slots] = (v.float() / scale).to(self.kv_dtype)
@@ -190,7 +214,7 @@ class Harness:
         slots = self.alloc_slots(req, 0, prefix_len)
         for lid in layers:
             k = self.rand(prefix_len, self.hkv, self.d)
-            v = self.rand(prefix_len, self.hkv, self.dv)
+            v = k[..., :self.dv] if self.mla else self.rand(prefix_len, self.hkv, self.dv)
             self.write_direct(lid, slots, k, v, scale)
             req.k[lid], req.v[lid] = self.quantize(k, scale), self.quantize(v, scale)
         return req
@@ -206,7 +230,7 @@ class Harness:
             req_pool_indices=torch.tensor([r.row for r in reqs], **i64),
             seq_lens=torch.tensor(list(seq_lens), **i64), out_cache_loc=out_cache_loc,
             spec_info=spec_info, **kw)
-        if mode.is_extend_or_draft_extend_or_mixed():
+        if mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True):
             prefix = [s - n for s, n in zip(seq_lens, new_lens)]
             fb.extend_seq_lens = torch.tensor(list(new_lens), dtype=torch.int32)
             fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
@@ -222,8 +246,11 @@ class Harness:
 
     def step(self, mode: ForwardMode, reqs: Sequence[Req], new_lens: Sequence[int],
              layers: Sequence[PagedAttention], scale: float = 1.0, write: bool = True,
-             sinks=None) -> tuple[list[Tensor], list[Tensor]]:
-        """Append ``new_lens[r]`` tokens to each request and run every layer once.
+             sinks=None, block_ids: Optional[Tensor] = None
+             ) -> tuple[list[Tensor], list[Tensor]]:
+        """Append ``new_lens[r]`` tokens to each request and run every layer once
+        (``block_ids``: the backend's Gemma-3 ids over whole sequences, set after the metadata
+        as the model does).
 
         Returns ``(outputs, queries)`` per layer, outputs ``[T, Hq * Dv]`` (float64 copies).
         """
@@ -232,6 +259,7 @@ class Harness:
         seq_lens = [s + n for s, n in zip(starts, new_lens)]
         fb = self.batch(mode, reqs, new_lens, loc, seq_lens)
         self.backend.init_forward_metadata(fb)
+        self.backend.bidirectional_block_ids = block_ids
         outs, qs = [], []
         for layer in layers:
             t = sum(new_lens)
@@ -256,17 +284,20 @@ class Harness:
             r.v[layer_id] = torch.cat([r.v[layer_id], vq])
             off += n
 
-    def expected(self, reqs, new_lens, layer: PagedAttention, q: Tensor, sinks=None) -> Tensor:
-        """Oracle output ``[T, Hq * Dv]`` for a causal step of ``layer``."""
+    def expected(self, reqs, new_lens, layer: PagedAttention, q: Tensor, sinks=None,
+                 block_ids=None) -> Tensor:
+        """Oracle output ``[T, Hq * Dv]`` for a step of ``layer`` (causal unless the layer's
+        ``attn_type`` is not; ``block_ids``: per request, ids over its whole sequence)."""
         outs, off = [], 0
         w = layer.sliding_window_size
         lid = layer.kv_cache_layer_id
-        for r, n in zip(reqs, new_lens):
+        for i, (r, n) in enumerate(zip(reqs, new_lens)):
             qr = q[off:off + n].view(n, self.hq, self.d)
             o = attention_oracle(qr, r.k[lid], r.v[lid], scale=layer.scaling,
-                                 window_left=w if w >= 0 else -1,
+                                 causal=layer.causal, window_left=w if w >= 0 else -1,
                                  chunk=(self.chunk or 0) if layer.use_irope else 0,
-                                 softcap=layer.logit_cap, sinks=sinks)
+                                 softcap=layer.logit_cap, sinks=sinks,
+                                 block_ids=None if block_ids is None else block_ids[i])
             outs.append(o.reshape(n, -1))
             off += n
         return torch.cat(outs)
