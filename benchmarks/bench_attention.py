@@ -173,7 +173,7 @@ def launched_paths(fn) -> str:
         return f"failed: {type(e).__name__}: {str(e)[:300]}"
     keys = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "EVEN_D", "PHASES", "TMA", "WS",
             "num_warps", "num_stages")
-    return ", ".join(f"{k}={seen[0][k]}" for k in keys) if seen else "no launch"
+    return ", ".join(f"{k}={seen[0].get(k, '-')}" for k in keys) if seen else "no launch"
 
 
 def launcher_fn(w, causal, window=-1, num_splits=None, config=None):

@@ -25,6 +25,7 @@ import xpu_ops
 
 xpu_ops.compat.install_sgl_kernel_shim()
 
+from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config  # noqa: E402
 from sglang.srt.configs.model_config import AttentionArch  # noqa: E402
 from sglang.srt.layers.attention.xpu_backend import XPUAttentionBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -53,10 +54,12 @@ def provider(request):
 @pytest.fixture(scope="module", autouse=True)
 def published_config():
     """The process-wide config sglang's backends read (``get_parallel()``, ``get_spec()``...):
-    a default ``ServerArgs`` on the CPU, published as sglang's own test helpers do."""
+    a default ``ServerArgs`` on the CPU with device graphs off (its encoder-decoder path
+    requires that), resolved and published as sglang's own test helpers do."""
     reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    args = ServerArgs(model_path="dummy", device="cpu", disable_cuda_graph=True)
+    parse_cuda_graph_config(args)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     yield
     reset_context()
 
@@ -69,7 +72,8 @@ class Harness:
     its token ``t`` stores.
     """
 
-    def __init__(self, page_size: int, batch: int = 3, seed: int = 0):
+    def __init__(self, page_size: int, batch: int = 3, seed: int = 0,
+                 encoder_decoder: bool = False):
         self.gen = torch.Generator().manual_seed(seed)
         self.batch, self.page_size = batch, page_size
         self.pool = MHATokenToKVPool(size=batch * CONTEXT_LEN, page_size=page_size,
@@ -87,7 +91,7 @@ class Harness:
         runner = SimpleNamespace(
             model_config=SimpleNamespace(context_len=CONTEXT_LEN, attention_arch=AttentionArch.MHA,
                                          hf_text_config=SimpleNamespace(num_attention_heads=HQ),
-                                         is_encoder_decoder=False),
+                                         is_encoder_decoder=encoder_decoder),
             sliding_window_size=None, device="cpu", req_to_token_pool=req_pool,
             token_to_kv_pool=self.pool, kv_cache_dtype=torch.float32,
             kv_cache_dtype_str="auto", page_size=page_size, is_hybrid_swa=False,

@@ -7,8 +7,9 @@ contents into this project's pools (``Twin``: same slots, same ``req_to_token``)
 backends on the same queries and new K/V, and requires both outputs to equal the float64 oracle
 and each other. The modes are the ones 0.5.23 serves that ``sglang_backend_cases.py`` does not
 cover: DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_tokens_per_req``, an
-ENCODER_ONLY (non-causal) layer, and Gemma-3 image blocks (``bidirectional_block_ids`` over
-whole sequences, with a cached prefix); plus the four base modes again, side by side.
+ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over whole
+sequences, with a cached prefix), and encoder-decoder self and cross attention with encoder
+lengths that are not page multiples; plus extend and decode again, side by side.
 """
 
 from __future__ import annotations
@@ -53,16 +54,23 @@ class Twin:
         self.backend = ours.XPUAttentionBackend(runner)
         self.layer = ours.PagedAttention(HQ, D, SCALE, HKV, 0, **layer_kw)
 
-    def forward(self, sglang_batch, q, k, v, spec_info=None, block_ids=None):
-        """This backend's output ``[total_q, HQ, D]`` for sglang's batch ``sglang_batch``."""
+    def batch(self, sglang_batch, spec_info=None) -> ours_batch.ForwardBatch:
+        """This project's ``ForwardBatch`` of sglang's ``sglang_batch`` (its metadata built)."""
         fb = ours_batch.ForwardBatch(
             forward_mode=ours_batch.ForwardMode[sglang_batch.forward_mode.name],
             batch_size=sglang_batch.batch_size, req_pool_indices=sglang_batch.req_pool_indices,
             seq_lens=sglang_batch.seq_lens, out_cache_loc=sglang_batch.out_cache_loc,
             extend_seq_lens=sglang_batch.extend_seq_lens,
-            extend_prefix_lens=sglang_batch.extend_prefix_lens, spec_info=spec_info)
+            extend_prefix_lens=sglang_batch.extend_prefix_lens, spec_info=spec_info,
+            encoder_lens=sglang_batch.encoder_lens,
+            encoder_out_cache_loc=sglang_batch.encoder_out_cache_loc)
         fb.attn_backend = self.backend
         self.backend.init_forward_metadata(fb)
+        return fb
+
+    def forward(self, sglang_batch, q, k, v, spec_info=None, block_ids=None):
+        """This backend's output ``[total_q, HQ, D]`` for sglang's batch ``sglang_batch``."""
+        fb = self.batch(sglang_batch, spec_info)
         self.backend.bidirectional_block_ids = block_ids
         return self.layer(q.view(-1, HQ * D), k, v, fb).view(-1, HQ, D)
 
@@ -186,3 +194,41 @@ def test_gemma3_image_blocks_with_a_cached_prefix(page_size):
     expected = _expected(h, q, total, new, block_ids=per_request)
     _assert_all(theirs, mine, expected)
     assert not torch.allclose(expected, _expected(h, q, total, new)), "no block mattered"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_encoder_decoder_any_encoder_length(page_size):
+    # Decoder tokens follow each request's encoder tokens in req_to_token; 5 and 9 are not page
+    # multiples, so at page size 16 the decoder starts mid-page.
+    h = Harness(page_size, seed=16, encoder_decoder=True)
+    enc, prefix, new = [5, 16, 9], [0, 3, 7], [4, 2, 1]
+    h.store_prefix([e + p for e, p in zip(enc, prefix)])      # encoder tokens, decoder prefix
+    twin = Twin(h)
+    cross_theirs = RadixAttention(num_heads=HQ, head_dim=D, scaling=SCALE, num_kv_heads=HKV,
+                                  layer_id=0, is_cross_attention=True)
+    cross_mine = ours.PagedAttention(HQ, D, SCALE, HKV, 0, is_cross_attention=True)
+    total = [p + n for p, n in zip(prefix, new)]
+    start = torch.tensor([e + p for e, p in zip(enc, prefix)])
+    loc, k, v = h.tokens(start, start + torch.tensor(new))
+    fields = dict(_extend_fields(prefix, new), encoder_lens=torch.tensor(enc),
+                  encoder_lens_cpu=enc, encoder_out_cache_loc=h.tokens([0] * 3, enc)[0])
+    batch = h.make_batch(ForwardMode.EXTEND, torch.tensor(total), loc, **fields)
+    h.backend.init_forward_metadata(batch)
+    fb = twin.batch(batch)
+    q, qc = (torch.randn(loc.shape[0], HQ * D, generator=h.gen) for _ in range(2))
+    theirs = h.backend.forward(q, k, v, h.layer, batch).view(-1, HQ, D)
+    mine = twin.layer(q, k, v, fb).view(-1, HQ, D)
+    cross = (h.backend.forward(qc, None, None, cross_theirs, batch).view(-1, HQ, D),
+             cross_mine(qc, None, None, fb).view(-1, HQ, D))
+    self_rows, cross_rows, row = [], [], 0
+    for i, (e, t, n) in enumerate(zip(enc, total, new)):
+        keys, values = h.keys[i], h.values[i]
+        mask = oracle.visible_mask(n, t, causal=True)
+        self_rows.append(oracle.attend(q[row:row + n].view(n, HQ, D), keys[e:e + t],
+                                       values[e:e + t], mask, scale=SCALE)[0])
+        mask = oracle.visible_mask(n, e, causal=False)
+        cross_rows.append(oracle.attend(qc[row:row + n].view(n, HQ, D), keys[:e], values[:e],
+                                        mask, scale=SCALE)[0])
+        row += n
+    _assert_all(theirs, mine, torch.cat(self_rows))
+    _assert_all(*cross, torch.cat(cross_rows))

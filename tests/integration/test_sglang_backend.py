@@ -27,9 +27,9 @@ CASES = [HERE / "sglang_backend_cases.py", HERE / "sglang_parity_cases.py"]
 # Every case runs with 2 providers (reference, Triton through its interpreter; the provider
 # fixture is autouse). sglang_backend_cases: 4 cases (extend with and without a cached prefix,
 # decode, target verify) x 2 page sizes, plus the interface data check once. sglang_parity_cases:
-# 6 cases (extend and draft extend v2, decode, verify width, encoder-only, Gemma-3 image
-# blocks) x 2 page sizes.
-EXPECTED_PASSED = 2 * (4 * 2 + 1) + 2 * (6 * 2)
+# 7 cases (extend and draft extend v2, decode, verify width, encoder-only, Gemma-3 image
+# blocks, encoder-decoder) x 2 page sizes.
+EXPECTED_PASSED = 2 * (4 * 2 + 1) + 2 * (7 * 2)
 
 
 @pytest.mark.skipif(not (SGLANG_ENV / ".xpu-ops-installed").exists(),

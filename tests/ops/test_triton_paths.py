@@ -104,7 +104,8 @@ def _check_paths(case, paths, launches):
     if args[6].shape[0]:
         assert launches, "no kernel launch"
         expected = _expected_paths(case, frozenset(paths))
-        assert {key: launches[0][key] for key in expected} == expected
+        # the plain kernel has no TMA constexpr: it never takes descriptors
+        assert {key: launches[0].get(key, False) for key in expected} == expected
     assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
 
 

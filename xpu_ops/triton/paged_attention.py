@@ -1,11 +1,15 @@
-"""Launcher of the paged-attention kernel (``paged_attention_kernel.py``) and its provider ops.
+"""Launcher of the paged-attention kernels (``paged_attention_kernel.py``) and its provider ops.
 
 ``paged_attention`` turns a call's shapes, strides and scalars into the kernel's grid, tile config
-(``_Config``: tiles plus the optional kernel paths of ``_common.OPTIONAL_PATHS``, each applied where
-the launch allows it, ``_kernel_paths``), split count and scalar arguments, once per call shape
-(``_launch_params``, cached), and launches; ``flash_attn_with_kvcache`` is the ``triton``
-provider's op. Grid, tiles, splits, scratch and counter sizes depend only on shapes and the
-device's multiprocessor count, never on tensor values, so a launch can be captured in a graph.
+(``_Config``: tiles plus the kernel paths of ``_common.OPTIONAL_PATHS``, each applied where the
+launch allows it, ``_kernel_paths``), split plan (``plan_splits``), kernel and scalar arguments,
+once per call shape (``_launch_params``, cached), and launches; ``flash_attn_with_kvcache`` is the
+``triton`` provider's op. The plain form of a call (``_plain_launch``: a paged cache, none of
+the rare features) takes ``_paged_attention_plain_kernel``, which binds 45 arguments where
+``_paged_attention_kernel`` binds 94 (Triton's binder costs host time per argument on every
+launch); both run the same program. Grid, tiles, splits, scratch and counter sizes depend only on
+shapes and the device's multiprocessor count, never on tensor values, so a launch can be
+captured in a graph.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor
 from .. import providers
 from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
-from .paged_attention_kernel import _paged_attention_kernel
+from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,11 +174,12 @@ def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: i
 class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
     grid: tuple[int, int, int]
-    scalars: tuple  # the kernel's arguments after its 17 tensors (strides, sizes, scalars)
+    scalars: tuple  # the kernel's arguments after its tensors (strides, sizes, scalars)
     meta: dict      # constexprs and launch options
     num_splits: int
     dv_pad: int
     num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
+    plain: bool     # _paged_attention_plain_kernel (else _paged_attention_kernel)
 
 
 @functools.lru_cache(maxsize=512)
@@ -184,23 +189,24 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                    softmax_scale: float, softcap: float, window_left: int, window_right: int,
                    num_splits: Optional[int], config: Optional[_Config], part_strides,
                    lse_stride: int, meta_strides: tuple, layout: tuple) -> _LaunchParams:
-    """Grid, tile config, split count and every scalar argument of one call shape (cached: a
-    decode step repeats the same shape in every layer, so this runs once per shape).
+    """Grid, tile config, split count, kernel and every scalar argument of one call shape
+    (cached: a decode step repeats the same shape in every layer, so this runs once per shape).
     ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured).
-    ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned."""
+    ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned.
+
+    The plain form (``_plain_launch``) takes the kernel with 27 arguments and 16 constexprs;
+    every other call the full one (67 and 25)."""
     total_q, num_heads_q, head_dim = q_shape
-    head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
-    has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
-    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
+    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(v_shape[-1]))
     elem = torch.empty((), dtype=q_dtype).element_size()
     page_size = k_shape[1] if paged else 1
     cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
                                  page_size=page_size if paged else None)
-    cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
+    cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, v_shape[-1]),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
-                                                         out_strides), has_qv)
+                                                         out_strides), flags[0])
     m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
@@ -208,38 +214,75 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                                                   max_kv_len, cfg.block_n, decode=m_blocks <= 2)
     else:  # forced: every request's keys shared evenly by all splits
         min_split_tiles = 1
+    upcast = device.type == "cpu" and q_dtype != torch.float32
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
+                PAGE_SIZE=page_size, USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits,
+                PRECISION="ieee" if q_dtype == torch.float32 or upcast else None, UPCAST=upcast,
+                PAGE_TILES=paths["PAGE_TILES"], EVEN_D=paths["EVEN_D"], PHASES=paths["PHASES"])
+    head = (q_strides[0], q_strides[1])
+    scalars = (float(softmax_scale), float(softcap), int(window_left), int(window_right))
+    plain = _plain_launch(paged, flags, paths, k_strides, v_strides, meta_strides,
+                          part_strides, lse_stride == total_q,
+                          num_splits * total_q * num_heads_q * (dv_pad + 1))
+    if plain:
+        scalars = (*head, *k_strides[:3], *out_strides[:2], pt_strides[0], *scalars,
+                   min_split_tiles, total_q, k_shape[0], max_seqlen_q, max_kv_len)
+        meta.update(GROUP_SIZE=group, NUM_HEADS_KV=num_heads_kv, HEAD_DIM=head_dim,
+                    HEAD_DIM_V=v_shape[-1])
+    else:
+        scalars = _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides,
+                                pt_strides, paged, flags[0], part_strides, lse_stride,
+                                meta_strides, scalars, (num_splits, total_q, num_heads_q, dv_pad),
+                                (group, num_heads_kv, head_dim, v_shape[-1], min_split_tiles,
+                                 total_q, k_shape[0], k_shape[0], max_seqlen_q, max_kv_len))
+        meta.update(PAGED=paged, **dict(zip(_FLAG_NAMES, flags)), TMA=paths["TMA"],
+                    WS=paths["WS"], GROUP=paths["GROUP"], DV_SPLIT=paths["DV_SPLIT"])
+    meta.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
+                         dv_pad, grid_m * batch * num_heads_kv, plain)
+
+
+_FLAG_NAMES = ("HAS_QV", "HAS_Q_DESCALE", "HAS_K_DESCALE", "HAS_V_DESCALE", "HAS_SINKS",
+               "HAS_K_START", "HAS_BLOCK_IDS", "HAS_Q_USED")
+# _metadata_strides of the plain form: unit-stride cache_seqlens, cu_seqlens_q and page-table
+# rows, no ragged K/V, sinks, descales, leftpad, blocks or seqused_q.
+_PLAIN_METADATA_STRIDES = (1, 1, 0, 1) + (0,) * 10
+
+
+def _plain_launch(paged: bool, flags: tuple, paths: dict, k_strides, v_strides, meta_strides,
+                  part_strides, lse_contiguous: bool, scratch_elems: int) -> bool:
+    """Whether a call takes ``_paged_attention_plain_kernel``: a paged cache whose K and V
+    share strides, none of the rare features (``flags``) or kernel paths it leaves out (TMA,
+    warp specialisation, split latent columns), unit-stride metadata, the launcher's own
+    scratch (int32-addressable) and a contiguous LSE."""
+    return (paged and not any(flags) and not paths["TMA"] and paths["DV_SPLIT"] == 1
+            and k_strides[:3] == v_strides[:3] and meta_strides == _PLAIN_METADATA_STRIDES
+            and part_strides is None and lse_contiguous and scratch_elems < 2 ** 31)
+
+
+def _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides, pt_strides,
+                  paged: bool, has_qv: bool, part_strides, lse_stride: int, meta_strides: tuple,
+                  scalars: tuple, scratch_shape: tuple, sizes: tuple) -> tuple:
+    """The scalar arguments of ``_paged_attention_kernel`` after its 20 tensors: strides (of
+    the caller's scratch, or of fresh contiguous ``scratch_shape = (splits, total_q, Hq,
+    Dv_pad)`` partials), ``scalars`` (scale, softcap, window) and ``sizes``."""
     if paged:
-        kp, ks, kh = k_strides[:3]
-        vp, vs, vh = v_strides[:3]
+        kv = (*k_strides[:3], *v_strides[:3])
         pt_stride = pt_strides[0]
     else:
-        kp, ks, kh, vp, vs, vh = 0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1]
+        kv = (0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1])
         pt_stride = 0
-    if num_splits > 1:
+    splits, total_q, num_heads_q, dv_pad = scratch_shape
+    if splits > 1:
         if part_strides is None:  # fresh contiguous scratch
             part_strides = ((total_q * num_heads_q * dv_pad, num_heads_q * dv_pad, dv_pad),
                             (total_q * num_heads_q, num_heads_q))
-        (ps, pt_, ph), (ls, lt) = part_strides[0][:3], part_strides[1][:2]
+        part = (*part_strides[0][:3], *part_strides[1][:2])
     else:
-        ps = pt_ = ph = ls = lt = 0
-    upcast = device.type == "cpu" and q_dtype != torch.float32
-    precision = "ieee" if q_dtype == torch.float32 or upcast else None
+        part = (0,) * 5
     qv_s = qv_strides if has_qv else q_strides
-    scalars = (
-        q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
-        out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
-        *meta_strides, float(softmax_scale), float(softcap), int(window_left),
-        int(window_right), group, num_heads_kv, head_dim, head_dim_v, min_split_tiles,
-        total_q, k_shape[0],
-        k_shape[0], max_seqlen_q, max_kv_len)
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
-                PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
-                HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
-                HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
-                USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
-                UPCAST=upcast, **paths, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
-                         dv_pad, grid_m * batch * num_heads_kv)
+    return (q_strides[0], q_strides[1], *kv, qv_s[0], qv_s[1], out_strides[0], out_strides[1],
+            lse_stride, pt_stride, *part, *meta_strides, *scalars, *sizes)
 
 
 def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: int, group: int,
@@ -352,6 +395,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         (q.element_size(), k.element_size(), out.element_size(),
          all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    if params.plain:
+        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse, o_part,
+               counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+               **params.meta)
+        return lse
     if params.meta["TMA"] and q.device.type == "cuda":
         set_descriptor_allocator()
     launch(_paged_attention_kernel, params.grid, q.device,
@@ -378,12 +426,17 @@ def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sin
 def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                    dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
-    (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
+    (partials uninitialised, counters zero; the plain kernel's are one buffer, ``o_part``), or
+    ``dummy`` (one split: unused)."""
     splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
     total_q, num_heads_q = q.shape[0], q.shape[1]
-    if scratch is None:
+    if params.plain:  # [splits, total_q, Hq, Dv_pad] partial outputs, then their LSEs
+        part = torch.empty(splits * total_q * num_heads_q * (params.dv_pad + 1),
+                           dtype=torch.float32, device=q.device)
+        scratch = (part, dummy)
+    elif scratch is None:
         scratch = (torch.empty((splits, total_q, num_heads_q, params.dv_pad),
                                dtype=torch.float32, device=q.device),
                    torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,

@@ -1,4 +1,4 @@
-"""The paged-attention kernel: one Triton kernel for prefill, extend and decode.
+"""The paged-attention kernels: one Triton program for prefill, extend and decode, two entries.
 
 ``_paged_attention_kernel`` computes FlashAttention-2 style online-softmax attention of packed
 queries over keys that live either in a paged cache (``PAGED``: key ``j`` of request ``r`` sits in
@@ -18,6 +18,14 @@ path ``page_tiles``, decode's default) and a power-of-two page size, a tile that
 ``BLOCK_N`` boundary covers ``BLOCK_N / page_size`` whole pages or lies inside one page, so the
 kernel loads one page id per page, multiplies in int64 once per page and adds int32 in-page slot
 offsets (``_page_tile_rows``); with power-of-two head dims the K/V loads carry no column mask.
+
+Entries: ``_paged_attention_kernel`` takes every argument (67 runtime, 25 constexprs: any
+metadata layout, every feature and kernel path); ``_paged_attention_plain_kernel`` takes the
+plain form of a call (a paged cache whose K and V share strides, unit-stride metadata, none of
+descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 27 runtime, 16 constexprs; model
+constants such as the head counts and dims are constexprs) and passes constants for the rest.
+Triton's binder costs host time per argument on every launch, so the common call binds less
+than half as many. Both call ``_attend`` at their top level, which Triton inlines.
 
 Kernel paths (``_common.OPTIONAL_PATHS``) are constexprs (``PAGE_TILES``, ``PHASES``, ``TMA``,
 ``WS``, ``DV_SPLIT``) that the launcher (``paged_attention.py``) sets where a launch allows them;
@@ -80,6 +88,77 @@ def _request_geometry(CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_
 
 @triton.jit
 def _paged_attention_kernel(
+    Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
+    CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
+    K_START, BLOCK_IDS, Q_USED,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
+    stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+    stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+    stride_block_ids, stride_q_used,
+    softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
+    head_dim_v, min_split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_K_START: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
+    HAS_Q_USED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
+    PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+):
+    # Every feature: any metadata layout, descales, sinks, qv (absorbed MLA), leftpad,
+    # bidirectional blocks, seqused_q, ragged K/V, caller scratch, every kernel path.
+    _attend(Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
+            CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS, K_START, BLOCK_IDS, Q_USED, stride_qt,
+            stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
+            stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+            stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+            stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+            stride_block_ids, stride_q_used, softmax_scale, softcap, window_left, window_right,
+            group, num_heads_kv, head_dim, head_dim_v, min_split_tiles, total_q, total_k,
+            num_pages, max_seqlen_q, max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE,
+            PAGED, HAS_QV, HAS_Q_DESCALE, HAS_K_DESCALE, HAS_V_DESCALE, HAS_SINKS, HAS_K_START,
+            HAS_BLOCK_IDS, HAS_Q_USED, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST, PAGE_TILES,
+            EVEN_D, PHASES, TMA, WS, GROUP, DV_SPLIT)
+
+
+@triton.jit
+def _paged_attention_plain_kernel(
+    Q, K, V, O, LSE, SCRATCH, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt_b,
+    softmax_scale, softcap, window_left, window_right, min_split_tiles, total_q, num_pages,
+    max_seqlen_q, max_kv_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_HEADS_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr, PHASES: tl.constexpr,
+):
+    # The plain form (most decode and prefill calls): a paged cache whose K and V share strides,
+    # unit-stride metadata, none of the rare features, the launcher's scratch: one fp32 buffer,
+    # partial outputs [splits, total_q, Hq, DV_PAD] then partial LSEs [splits, total_q, Hq].
+    # Model constants are constexprs and derivable strides are not passed, so a launch binds 27
+    # arguments and 16 constexprs instead of 67 and 25.
+    HQ: tl.constexpr = GROUP_SIZE * NUM_HEADS_KV
+    part_s = total_q * (HQ * DV_PAD)
+    _attend(Q, K, V, Q, O, LSE, SCRATCH, SCRATCH + NUM_SPLITS * part_s, COUNTERS,
+            CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_Q, None, None, None, None, None, None, None,
+            stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_kp, stride_ks,
+            stride_kh, stride_qt, stride_qh, stride_ot, stride_oh, total_q, stride_pt_b, part_s,
+            HQ * DV_PAD, DV_PAD, total_q * HQ, HQ, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            softmax_scale, softcap, window_left, window_right, GROUP_SIZE, NUM_HEADS_KV,
+            HEAD_DIM, HEAD_DIM_V, min_split_tiles, total_q, num_pages, num_pages, max_seqlen_q,
+            max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, True, False, False, False,
+            False, False, False, False, False, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST,
+            PAGE_TILES, EVEN_D, PHASES, False, False, 1, 1)
+
+
+@triton.jit
+def _attend(
     Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
     CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
     K_START, BLOCK_IDS, Q_USED,
