@@ -511,6 +511,10 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     def cfgs(shapes):
         return () if quick else tuple((f"cfg={c}", {"config": pa._Config(*c)}) for c in shapes)
     small_splits = tuple((f"splits={n}", {"num_splits": n}) for n in (4, 16, 32, 64))
+    # deeper K/V pipelines for one-page (64-key) decode tiles: 6 stages fit in shared memory
+    deep = tuple((f"page_tiles {c[2]} warps {c[3]} stages",
+                  {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
+                 for c in ((16, 64, 2, 6), (16, 64, 4, 6), (16, 64, 4, 4)))
     vd = tuple(x for x in variants if x in DECODE_VARIANTS)
     decode = dict(kind="bw", causal=False, variants=vd)
     prefill = dict(kind="flops", causal=True, page=64,
@@ -522,7 +526,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=16, sweep=splits((1, 2, 4, 8)), **decode),
         dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
-             page=64, sweep=splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS), **decode),
+             page=64, sweep=(deep if quick else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep),
+             **decode),
         dict(name="decode 64x4096 page 128", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=128, peers=("sdpa", "flashinfer"), **decode),
         dict(name="decode fp8 KV 64x4096 page 64", target=">= 0.92 copy", k_lens=b64,
@@ -539,11 +544,12 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 1x4096 page 64, 128k table", target="-", k_lens=[4096],
              q_lens=[1], page=64, peers=(), table_tokens=131072, sweep=small_splits, **decode),
         dict(name="decode 1x16384 page 64", target="-", k_lens=[16384], q_lens=[1],
-             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep, **decode),
         dict(name="decode 4x4096 page 16", target="-", k_lens=[4096] * 4,
              q_lens=[1] * 4, page=16, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
         dict(name="decode 8x4096 page 64", target="-", k_lens=[4096] * 8,
-             q_lens=[1] * 8, page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+             q_lens=[1] * 8, page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep,
+             **decode),
         dict(name="prefill 8x4096 causal page 64", target=">= 0.85 SDPA", k_lens=[4096] * 8,
              q_lens=[4096] * 8, peers=("sdpa", "flex", "flashinfer"), sweep=cfgs(PREFILL_CFGS),
              **prefill),
