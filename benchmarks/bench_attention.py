@@ -314,11 +314,12 @@ ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
 
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
-                  variants=(), window=-1, kv_dtype=None, table_tokens=0):
-    """One workload: the op, each kernel variant through the launcher, peers, sweeps."""
+                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D):
+    """One workload: the op, each kernel variant through the launcher, peers, sweeps (the
+    peers assume head dim ``D``)."""
     print(f"== {name}", flush=True)
-    w = make_paged(k_lens, q_lens, page, kv_dtype=kv_dtype, table_tokens=table_tokens)
-    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
+    w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
+    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
                                    kv_elem=w["k"].element_size(), window=window)
     t = measure(op_fn(w, causal, window, "triton"))
     timed = {}
@@ -539,6 +540,9 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
              **decode),
         # small batches (issue 20: b = 1 decode fills a fraction of the device): the plan's
         # split count against forced ones, also under a 128k-token page table (a graph's)
+        dict(name="decode 1x1024 D64 page 16, 2k table (Llama-3.2-1B)", target="-",
+             k_lens=[1024], q_lens=[1], page=16, d=64, peers=(), table_tokens=2048,
+             sweep=tuple((f"splits={n}", {"num_splits": n}) for n in (4, 8, 16)), **decode),
         dict(name="decode 1x4096 page 64", target="-", k_lens=[4096], q_lens=[1],
              page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
         dict(name="decode 1x4096 page 64, 128k table", target="-", k_lens=[4096],

@@ -163,7 +163,36 @@ def mla_tree(kind, device=CPU):
     run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
 
 
+def tiny_llama_draft_extend(device=CPU):
+    """DRAFT_EXTEND_V2 steps of the tiny Llama: its LM head picks each request's last token
+    from the step buffers' ``extend_seq_lens`` inside the graph; the runner returns one row
+    per request, as eager does."""
+    d = 3
+    model = tiny_model(device=device)
+    h = ModelHarness(model, page_size=16, device=device)
+    with torch.no_grad():
+        model(*h.extend([0, 1, 2, 3], [17, 3, 40, 16]))
+    runner = GraphRunner(model, batch_sizes=(2, 4), draft_token_num=d, debug=True,
+                         emulate_graphs=torch.device(device).type == CPU)
+    for rows in ([0, 1, 2], [3, 1], [0, 1, 2, 3], [2, 0], [1, 2, 3]):
+        ids, pos, fb = h.extend(rows, [d] * len(rows), init=False)
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND_V2
+        fb.spec_info = SpecInfo(topk=1, num_tokens_per_req=d)
+        assert runner.can_run(fb)
+        with torch.no_grad():
+            out = runner(ids, pos, fb)
+            h.backend.init_forward_metadata(fb)
+            ref = model(ids, pos, fb)
+        assert out.shape == ref.shape == (len(rows), model.config.vocab_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert (runner.captures, runner.replays) == (2, 1)  # bucket 4: 3 steps, 2: 2 steps
+
+
 # ------------------------------------------------------------------ CPU (emulated graphs)
+
+def test_tiny_llama_draft_extend_in_graphs_equals_eager():
+    tiny_llama_draft_extend()
+
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_tree_verify_in_graphs_equals_oracle(page_size):
@@ -276,6 +305,9 @@ class TestDeviceGraphs:
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_tiny_llama_draft_extend(self):
+        tiny_llama_draft_extend(dev.as_device())
 
     def test_tiny_llama_tree_verify_replay_equals_eager(self):
         """Tree verify steps of the tiny Llama replay what eager computes, and the metadata
