@@ -314,11 +314,12 @@ ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
 
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
-                  variants=(), window=-1, kv_dtype=None, table_tokens=0):
-    """One workload: the op, each kernel variant through the launcher, peers, sweeps."""
+                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D):
+    """One workload: the op, each kernel variant through the launcher, peers, sweeps (the
+    peers assume head dim ``D``)."""
     print(f"== {name}", flush=True)
-    w = make_paged(k_lens, q_lens, page, kv_dtype=kv_dtype, table_tokens=table_tokens)
-    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
+    w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
+    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
                                    kv_elem=w["k"].element_size(), window=window)
     t = measure(op_fn(w, causal, window, "triton"))
     timed = {}
@@ -511,6 +512,10 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     def cfgs(shapes):
         return () if quick else tuple((f"cfg={c}", {"config": pa._Config(*c)}) for c in shapes)
     small_splits = tuple((f"splits={n}", {"num_splits": n}) for n in (4, 16, 32, 64))
+    # deeper K/V pipelines for one-page (64-key) decode tiles: 6 stages fit in shared memory
+    deep = tuple((f"page_tiles {c[2]} warps {c[3]} stages",
+                  {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
+                 for c in ((16, 64, 2, 6), (16, 64, 4, 6), (16, 64, 4, 4)))
     vd = tuple(x for x in variants if x in DECODE_VARIANTS)
     decode = dict(kind="bw", causal=False, variants=vd)
     prefill = dict(kind="flops", causal=True, page=64,
@@ -522,7 +527,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=16, sweep=splits((1, 2, 4, 8)), **decode),
         dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
-             page=64, sweep=splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS), **decode),
+             page=64, sweep=(deep if quick else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep),
+             **decode),
         dict(name="decode 64x4096 page 128", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=128, peers=("sdpa", "flashinfer"), **decode),
         dict(name="decode fp8 KV 64x4096 page 64", target=">= 0.92 copy", k_lens=b64,
@@ -534,16 +540,20 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
              **decode),
         # small batches (issue 20: b = 1 decode fills a fraction of the device): the plan's
         # split count against forced ones, also under a 128k-token page table (a graph's)
+        dict(name="decode 1x1024 D64 page 16, 2k table (Llama-3.2-1B)", target="-",
+             k_lens=[1024], q_lens=[1], page=16, d=64, peers=(), table_tokens=2048,
+             sweep=tuple((f"splits={n}", {"num_splits": n}) for n in (4, 8, 16)), **decode),
         dict(name="decode 1x4096 page 64", target="-", k_lens=[4096], q_lens=[1],
              page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
         dict(name="decode 1x4096 page 64, 128k table", target="-", k_lens=[4096],
              q_lens=[1], page=64, peers=(), table_tokens=131072, sweep=small_splits, **decode),
         dict(name="decode 1x16384 page 64", target="-", k_lens=[16384], q_lens=[1],
-             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep, **decode),
         dict(name="decode 4x4096 page 16", target="-", k_lens=[4096] * 4,
              q_lens=[1] * 4, page=16, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
         dict(name="decode 8x4096 page 64", target="-", k_lens=[4096] * 8,
-             q_lens=[1] * 8, page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+             q_lens=[1] * 8, page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep,
+             **decode),
         dict(name="prefill 8x4096 causal page 64", target=">= 0.85 SDPA", k_lens=[4096] * 8,
              q_lens=[4096] * 8, peers=("sdpa", "flex", "flashinfer"), sweep=cfgs(PREFILL_CFGS),
              **prefill),

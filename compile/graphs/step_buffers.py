@@ -130,6 +130,8 @@ class StepBuffers:
             buf[:values.shape[0]].copy_(values)
             buf[values.shape[0]:size].fill_(pad)
         static = self._batch(desc, fb, pos, tokens_per_req, slots_per_req)
+        if static.extend_seq_lens is not None:
+            self.extend_seq_lens[:bs].fill_(tokens_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
         # host-side facts (topk, draft count, steps; a tree mask padded to the bucket)
         static.spec_info = self.backend.graph_spec_info(fb.spec_info, fb.seq_lens, bs)
@@ -147,7 +149,6 @@ class StepBuffers:
             bs = desc.bucket
             extend = {}
             if fb.extend_seq_lens is not None:
-                self.extend_seq_lens[:bs].fill_(tokens_per_req)
                 extend = dict(extend_seq_lens=self.extend_seq_lens[:bs],
                               extend_seq_lens_cpu=[tokens_per_req] * bs)
             static = ForwardBatch(

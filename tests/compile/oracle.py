@@ -102,6 +102,7 @@ class Harness:
         chunk: attention_chunk_size. topk/num_steps/draft_tokens: speculative settings.
         mla: an MLA latent pool (``MLATokenToKVPool``, one KV head): the cached row of a token
             is its key ``[d]`` (latent ``dv`` then rope ``d - dv``), its value the latent part.
+        device: where pools, tables and batches live (the logical K/V stay on the host).
     """
 
     def __init__(self, page_size: int, *, hq: int = 4, hkv: int = 2, d: int = 32,
@@ -109,30 +110,32 @@ class Harness:
                  kv_dtype=None, num_pages: Optional[int] = None, context_len: int = 512,
                  seed: int = 0, swa_layers: Sequence[int] = (), window: Optional[int] = None,
                  chunk: Optional[int] = None, topk: int = 0, num_steps: int = 0,
-                 draft_tokens: int = 0, step_id: int = 0, mla: bool = False):
+                 draft_tokens: int = 0, step_id: int = 0, mla: bool = False,
+                 device="cpu"):
         self.gen = torch.Generator().manual_seed(seed)
         self.ps, self.hq, self.hkv, self.d = page_size, hq, hkv, d
         self.dv = d if dv is None else dv
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
-        self.chunk = chunk
+        self.chunk, self.device = chunk, torch.device(device)
         num_pages = num_pages or max(2 + 2048 // page_size, 48)
-        self.req_pool = ReqToTokenPool(16, context_len, "cpu")
-        self.alloc = PageAllocator(num_pages, page_size, "cpu", generator=self.gen)
+        self.req_pool = ReqToTokenPool(16, context_len, self.device)
+        self.alloc = PageAllocator(num_pages, page_size, self.device, generator=self.gen)
         self.swa_layers = tuple(swa_layers)
         kw = dict(page_size=page_size, dtype=self.kv_dtype, head_num=hkv, head_dim=d,
-                  device="cpu", v_head_dim=self.dv)
+                  device=self.device, v_head_dim=self.dv)
         self.mla = mla
         if mla:
             if hkv != 1 or self.dv >= d:
                 raise ValueError(f"Harness: an MLA pool has one KV head and dv < d; expected "
                                  f"hkv 1 and dv < {d}, got hkv {hkv}, dv {self.dv}.")
             self.pool = MLATokenToKVPool(num_pages * page_size, page_size, self.kv_dtype,
-                                         self.dv, d - self.dv, num_layers, "cpu")
+                                         self.dv, d - self.dv, num_layers, self.device)
         elif self.swa_layers:
             full = [i for i in range(num_layers) if i not in self.swa_layers]
             self.pool = SWAKVPool(num_pages * page_size, num_pages * page_size,
                                   self.swa_layers, full, **kw)
-            self.swa_alloc = PageAllocator(num_pages, page_size, "cpu", generator=self.gen)
+            self.swa_alloc = PageAllocator(num_pages, page_size, self.device,
+                                           generator=self.gen)
         else:
             self.pool = MHATokenToKVPool(num_pages * page_size, layer_num=num_layers, **kw)
         self._poison()
@@ -140,7 +143,7 @@ class Harness:
                                speculative_num_draft_tokens=draft_tokens)
         self.runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=context_len, num_attention_heads=hq),
-            tp_size=1, device=torch.device("cpu"), page_size=page_size,
+            tp_size=1, device=self.device, page_size=page_size,
             req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool,
             kv_cache_dtype=self.kv_dtype, server_args=args, sliding_window_size=window,
             attention_chunk_size=chunk, is_hybrid_swa=bool(self.swa_layers))
@@ -163,7 +166,7 @@ class Harness:
         """NaN everywhere except the padding page 0 (finite random data)."""
         for buf in self._buffers():
             buf.copy_(torch.full(buf.shape, math.nan).to(buf.dtype))
-            buf[:self.ps] = self.rand(self.ps, *buf.shape[1:]).to(buf.dtype)
+            buf[:self.ps] = self.rand(self.ps, *buf.shape[1:]).to(buf)
 
     def rand(self, *shape) -> Tensor:
         return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
@@ -190,13 +193,13 @@ class Harness:
             slots = self.pool.translate_loc_from_full_to_swa(slots)
         kb, vb = self._buffer_of(layer_id)
         if self.mla:  # the latent row is the key; the value is its first dv entries
-            kb[slots] = k.to(kb.dtype)
+            kb[slots] = k.to(kb)
             return
         if self.kv_dtype in FP8:
-            kb[slots] = (k.float() / scale).to(self.kv_dtype)
-            vb[slots] = (v.float() / scale).to(self.kv_dtype)
+            kb[slots] = (k.float() / scale).to(kb)
+            vb[slots] = (v.float() / scale).to(vb)
         else:
-            kb[slots], vb[slots] = k.to(kb.dtype), v.to(vb.dtype)
+            kb[slots], vb[slots] = k.to(kb), v.to(vb)
 
     def alloc_slots(self, req: Req, start: int, n: int) -> Tensor:
         slots = self.alloc.alloc_extend(self.req_pool, req.row, start, n)
@@ -224,7 +227,7 @@ class Harness:
     def batch(self, mode: ForwardMode, reqs: Sequence[Req], new_lens: Sequence[int],
               out_cache_loc: Tensor, seq_lens: Sequence[int], spec_info=None,
               **kw) -> ForwardBatch:
-        i64 = dict(dtype=torch.int64)
+        i64 = dict(dtype=torch.int64, device=self.device)
         fb = ForwardBatch(
             forward_mode=mode, batch_size=len(reqs),
             req_pool_indices=torch.tensor([r.row for r in reqs], **i64),
@@ -232,8 +235,9 @@ class Harness:
             spec_info=spec_info, **kw)
         if mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True):
             prefix = [s - n for s, n in zip(seq_lens, new_lens)]
-            fb.extend_seq_lens = torch.tensor(list(new_lens), dtype=torch.int32)
-            fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+            fb.extend_seq_lens = torch.tensor(list(new_lens), dtype=torch.int32,
+                                              device=self.device)
+            fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=self.device)
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(new_lens), prefix
             fb.extend_num_tokens = sum(new_lens)
         fb.attn_backend = self.backend
@@ -241,7 +245,7 @@ class Harness:
 
     def poisoned_output(self, fb: ForwardBatch, tokens: int, layer: PagedAttention) -> Tensor:
         fb._attn_output = torch.full((tokens, layer.tp_q_head_num * layer.v_head_dim),
-                                     math.nan, dtype=self.dtype)
+                                     math.nan, dtype=self.dtype, device=self.device)
         return fb._attn_output
 
     def step(self, mode: ForwardMode, reqs: Sequence[Req], new_lens: Sequence[int],
@@ -267,12 +271,13 @@ class Harness:
             k, v = self.rand(t, self.hkv, self.d), self.rand(t, self.hkv, self.dv)
             out = self.poisoned_output(fb, t, layer)
             writes = write and layer.kv_sharing_target_layer_id is None
-            kk, vv = (k.to(self.dtype), v.to(self.dtype)) if writes else (None, None)
-            res = layer(q.to(self.dtype), kk, vv, fb, sinks=sinks)
+            dev = dict(dtype=self.dtype, device=self.device)
+            kk, vv = (k.to(**dev), v.to(**dev)) if writes else (None, None)
+            res = layer(q.to(**dev), kk, vv, fb, sinks=sinks)
             assert res.data_ptr() == out.data_ptr()
             if writes:
                 self._append(reqs, new_lens, layer.layer_id, k, v, scale)
-            outs.append(res.double().clone())
+            outs.append(res.to("cpu", torch.float64, copy=True))
             qs.append(q.to(self.dtype).double())
         return outs, qs
 

@@ -30,7 +30,7 @@ from sglang.srt.configs.model_config import AttentionArch  # noqa: E402
 from sglang.srt.layers.attention.xpu_backend import XPUAttentionBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (KVWriteLoc, MHATokenToKVPool,  # noqa: E402
-                                              ReqToTokenPool)
+                                              MLATokenToKVPool, ReqToTokenPool)
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode,  # noqa: E402
                                                           ForwardBatch, ForwardMode)
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context  # noqa: E402
@@ -42,6 +42,8 @@ from ..ops import oracle  # noqa: E402
 HQ, HKV, D = 4, 2, 64
 CONTEXT_LEN = 64
 SCALE = D ** -0.5
+MLA_HEADS, MLA_R, MLA_ROPE = 4, 32, 16         # query heads, latent rank, rope dim
+MLA_SCALE = (MLA_R + MLA_ROPE) ** -0.5
 ATOL = 1e-5
 
 
@@ -69,17 +71,24 @@ class Harness:
 
     Request ``i`` owns the token slots ``slots[i]`` (its pages shuffled across the pool) and the
     row ``req_pool_indices[i]`` of ``req_to_token``; ``keys[i, t]`` / ``values[i, t]`` are what
-    its token ``t`` stores.
+    its token ``t`` stores. With ``mla`` the pool is sglang's MLA pool: ``keys[i, t]`` is the
+    ``[1, MLA_R + MLA_ROPE]`` latent-and-rope row, ``values`` its latent part, and the layer
+    has ``MLA_HEADS`` query heads.
     """
 
     def __init__(self, page_size: int, batch: int = 3, seed: int = 0,
-                 encoder_decoder: bool = False):
+                 encoder_decoder: bool = False, mla: bool = False):
         self.gen = torch.Generator().manual_seed(seed)
-        self.batch, self.page_size = batch, page_size
-        self.pool = MHATokenToKVPool(size=batch * CONTEXT_LEN, page_size=page_size,
-                                     dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1,
-                                     device="cpu", enable_memory_saver=False)
-        for buffer in (*self.pool.k_buffer, *self.pool.v_buffer):
+        self.batch, self.page_size, self.mla = batch, page_size, mla
+        kw = dict(size=batch * CONTEXT_LEN, page_size=page_size, dtype=torch.float32,
+                  layer_num=1, device="cpu", enable_memory_saver=False)
+        if mla:
+            self.pool = MLATokenToKVPool(kv_lora_rank=MLA_R, qk_rope_head_dim=MLA_ROPE, **kw)
+            buffers = self.pool.kv_buffer
+        else:
+            self.pool = MHATokenToKVPool(head_num=HKV, head_dim=D, **kw)
+            buffers = (*self.pool.k_buffer, *self.pool.v_buffer)
+        for buffer in buffers:
             buffer.fill_(float("nan"))                 # never-written slots must not be read
         self.req_pool = req_pool = ReqToTokenPool(size=batch + 1, max_context_len=CONTEXT_LEN,
                                                   device="cpu", enable_memory_saver=False)
@@ -89,18 +98,26 @@ class Harness:
         self.req_pool_indices = torch.randperm(batch, generator=self.gen) + 1   # row 0: padding
         req_pool.req_to_token[self.req_pool_indices] = self.slots.to(req_pool.req_to_token.dtype)
         runner = SimpleNamespace(
-            model_config=SimpleNamespace(context_len=CONTEXT_LEN, attention_arch=AttentionArch.MHA,
-                                         hf_text_config=SimpleNamespace(num_attention_heads=HQ),
-                                         is_encoder_decoder=encoder_decoder),
+            model_config=SimpleNamespace(
+                context_len=CONTEXT_LEN, attention_arch=AttentionArch.MLA if mla else
+                AttentionArch.MHA, is_encoder_decoder=encoder_decoder,
+                hf_text_config=SimpleNamespace(num_attention_heads=MLA_HEADS if mla else HQ)),
             sliding_window_size=None, device="cpu", req_to_token_pool=req_pool,
             token_to_kv_pool=self.pool, kv_cache_dtype=torch.float32,
             kv_cache_dtype_str="auto", page_size=page_size, is_hybrid_swa=False,
             is_draft_worker=False)
         self.backend = XPUAttentionBackend(runner)
-        self.layer = RadixAttention(num_heads=HQ, head_dim=D, scaling=SCALE, num_kv_heads=HKV,
-                                    layer_id=0)
-        self.keys = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
-        self.values = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
+        if mla:
+            self.layer = RadixAttention(num_heads=MLA_HEADS, head_dim=MLA_R + MLA_ROPE,
+                                        scaling=MLA_SCALE, num_kv_heads=1, layer_id=0,
+                                        v_head_dim=MLA_R)
+            self.keys = torch.randn(batch, CONTEXT_LEN, 1, MLA_R + MLA_ROPE, generator=self.gen)
+            self.values = self.keys[..., :MLA_R]
+        else:
+            self.layer = RadixAttention(num_heads=HQ, head_dim=D, scaling=SCALE,
+                                        num_kv_heads=HKV, layer_id=0)
+            self.keys = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
+            self.values = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
 
     def tokens(self, start, stop):
         """Slots, keys and values of tokens ``start[i]:stop[i]`` of every request, packed."""
@@ -111,7 +128,11 @@ class Harness:
     def store_prefix(self, prefix_lens) -> None:
         """Write each request's first ``prefix_lens[i]`` tokens with the pool's own writer."""
         loc, k, v = self.tokens([0] * self.batch, prefix_lens)
-        self.pool.set_kv_buffer(self.layer, KVWriteLoc(loc), k, v, None, None)
+        if self.mla:
+            self.pool.set_mla_kv_buffer(self.layer, KVWriteLoc(loc), k[..., :MLA_R],
+                                        k[..., MLA_R:])
+        else:
+            self.pool.set_kv_buffer(self.layer, KVWriteLoc(loc), k, v, None, None)
 
     def make_batch(self, mode, seq_lens: torch.Tensor, loc: torch.Tensor,
                    **batch_fields) -> ForwardBatch:

@@ -8,8 +8,9 @@ backends on the same queries and new K/V, and requires both outputs to equal the
 and each other. The modes are the ones 0.5.23 serves that ``sglang_backend_cases.py`` does not
 cover: DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_tokens_per_req``, an
 ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over whole
-sequences, with a cached prefix), and encoder-decoder self and cross attention with encoder
-lengths that are not page multiples; plus extend and decode again, side by side.
+sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
+lengths that are not page multiples, and absorbed MLA (``flash_mla_prefill`` for extend and
+verify, ``flash_mla_decode``); plus extend and decode again, side by side.
 """
 
 from __future__ import annotations
@@ -28,10 +29,20 @@ from compile import batch as ours_batch
 from compile.engine.model_runner import ModelRunnerInfo
 
 from ..ops import oracle
-from .sglang_backend_cases import (CONTEXT_LEN, D, HKV, HQ, SCALE, Harness, _assert_close,
-                                   _verify_input, provider, published_config)
+from .sglang_backend_cases import (CONTEXT_LEN, D, HKV, HQ, MLA_HEADS, MLA_R, MLA_ROPE,
+                                   MLA_SCALE, SCALE, Harness, _assert_close, _verify_input,
+                                   published_config)
 
-__all__ = ["provider", "published_config"]      # the fixtures, active in this module too
+__all__ = ["published_config"]                  # the fixture, active in this module too
+
+
+@pytest.fixture(autouse=True)
+def provider():
+    """The reference provider only: these cases compare the two backends' metadata and calls;
+    the providers are compared with the oracle op by op in tests/ops and in
+    sglang_backend_cases.py."""
+    with xpu_ops.use_provider("reference"):
+        yield "reference"
 
 
 class Twin:
@@ -39,20 +50,29 @@ class Twin:
     the cached prefix is stored and before sglang's step writes the new tokens)."""
 
     def __init__(self, h: Harness, **layer_kw):
-        rows = h.pool.k_buffer[0].shape[0]
-        self.pool = ours_batch.MHATokenToKVPool(rows, h.page_size, torch.float32, HKV, D,
-                                                layer_num=1, device="cpu")
-        self.pool.k_buffer[0].copy_(h.pool.k_buffer[0])
-        self.pool.v_buffer[0].copy_(h.pool.v_buffer[0])
+        if h.mla:
+            rows = h.pool.kv_buffer[0].shape[0]
+            self.pool = ours_batch.MLATokenToKVPool(rows, h.page_size, torch.float32, MLA_R,
+                                                    MLA_ROPE, 1, "cpu")
+            self.pool.kv_buffer[0].copy_(h.pool.kv_buffer[0])
+            self.layer = ours.PagedAttention(MLA_HEADS, MLA_R + MLA_ROPE, MLA_SCALE, 1, 0,
+                                             v_head_dim=MLA_R)
+        else:
+            rows = h.pool.k_buffer[0].shape[0]
+            self.pool = ours_batch.MHATokenToKVPool(rows, h.page_size, torch.float32, HKV, D,
+                                                    layer_num=1, device="cpu")
+            self.pool.k_buffer[0].copy_(h.pool.k_buffer[0])
+            self.pool.v_buffer[0].copy_(h.pool.v_buffer[0])
+            self.layer = ours.PagedAttention(HQ, D, SCALE, HKV, 0, **layer_kw)
         req_pool = ours_batch.ReqToTokenPool(h.req_pool.req_to_token.shape[0], CONTEXT_LEN, "cpu")
         req_pool.req_to_token.copy_(h.req_pool.req_to_token.to(req_pool.req_to_token.dtype))
         runner = ModelRunnerInfo(
-            model_config=SimpleNamespace(context_len=CONTEXT_LEN, num_attention_heads=HQ),
+            model_config=SimpleNamespace(context_len=CONTEXT_LEN,
+                                         num_attention_heads=MLA_HEADS if h.mla else HQ),
             tp_size=1, device=torch.device("cpu"), page_size=h.page_size,
             req_to_token_pool=req_pool, token_to_kv_pool=self.pool,
             kv_cache_dtype=torch.float32, server_args=SimpleNamespace(speculative_eagle_topk=1))
         self.backend = ours.XPUAttentionBackend(runner)
-        self.layer = ours.PagedAttention(HQ, D, SCALE, HKV, 0, **layer_kw)
 
     def batch(self, sglang_batch, spec_info=None) -> ours_batch.ForwardBatch:
         """This project's ``ForwardBatch`` of sglang's ``sglang_batch`` (its metadata built)."""
@@ -232,3 +252,44 @@ def test_encoder_decoder_any_encoder_length(page_size):
         row += n
     _assert_all(theirs, mine, torch.cat(self_rows))
     _assert_all(*cross, torch.cat(cross_rows))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE,
+                                  ForwardMode.TARGET_VERIFY], ids=lambda mode: mode.name)
+def test_mla_absorbed(page_size, mode):
+    # 0.5.23: flash_mla_prefill for extend and verify, flash_mla_decode for decode.
+    h = Harness(page_size, seed=17, mla=True)
+    prefix = [9, 0, 33]
+    new = {ForwardMode.EXTEND: [5, 12, 1], ForwardMode.DECODE: [1, 1, 1],
+           ForwardMode.TARGET_VERIFY: [3, 3, 3]}[mode]
+    if mode == ForwardMode.DECODE:
+        prefix = [p + 4 for p in prefix]                  # decode needs a cached prefix
+    h.store_prefix(prefix)
+    twin = Twin(h)
+    start = torch.tensor(prefix)
+    stop = start + torch.tensor(new)
+    loc, k, _ = h.tokens(start, stop)
+    fields, spec, our_spec = {}, None, None
+    if mode == ForwardMode.EXTEND:
+        fields = _extend_fields(prefix, new)
+    if mode == ForwardMode.TARGET_VERIFY:
+        spec = _verify_input(3, 3, prefix)
+        our_spec = ours_batch.SpecInfo(topk=1, draft_token_num=3)
+    seq_lens = start if mode == ForwardMode.TARGET_VERIFY else stop
+    batch = h.make_batch(mode, seq_lens, loc, spec_info=spec, **fields)
+    h.backend.init_forward_metadata(batch)
+    fb = twin.batch(batch, our_spec)
+    q = torch.randn(loc.shape[0], MLA_HEADS * (MLA_R + MLA_ROPE), generator=h.gen)
+    k_nope, k_rope = k[..., :MLA_R], k[..., MLA_R:]
+    theirs = h.backend.forward(q, k_nope, k_nope, h.layer, batch, k_rope=k_rope)
+    mine = twin.layer(q, k_nope, None, fb, k_rope=k_rope)
+    rows, row = [], 0
+    q3 = q.view(-1, MLA_HEADS, MLA_R + MLA_ROPE)
+    for i, (t, n) in enumerate(zip(stop.tolist(), new)):
+        mask = oracle.visible_mask(n, t, causal=True)
+        rows.append(oracle.attend(q3[row:row + n], h.keys[i, :t], h.values[i, :t], mask,
+                                  scale=MLA_SCALE)[0])
+        row += n
+    _assert_all(theirs.view(-1, MLA_HEADS, MLA_R), mine.view(-1, MLA_HEADS, MLA_R),
+                torch.cat(rows))

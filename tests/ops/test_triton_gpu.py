@@ -294,6 +294,27 @@ def test_small_batch_split_decode_graph_replays_other_lengths():
         assert _rel(out, ref) < 1e-2, new_lens
 
 
+@pytest.mark.parametrize("page_size", [64, 16, 1])
+def test_plain_kernel_equals_the_full_kernel_bitwise(page_size, monkeypatch):
+    """The plain entry (derived strides, constexpr head counts and dims) and the full entry run
+    one program: the same decode and extend calls give the same bits through either."""
+    from xpu_ops.triton import paged_attention as pa
+    outs = []
+    for plain in (True, False):
+        if not plain:
+            monkeypatch.setattr(pa, "_plain_launch", lambda *a, **kw: False)
+        with xt.recorded_triton_launches() as launches:
+            for k_lens, q_lens in (([9000, 1, 333, 4096], [1, 1, 1, 1]), ([2000, 77], [300, 5])):
+                q, k, v, lens, table, cu = paged_case(k_lens, q_lens, page_size)
+                with xpu_ops.use_provider("triton"):
+                    outs.append(xpu_ops.flash_attn_with_kvcache(
+                        q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu,
+                        max_seqlen_q=max(q_lens), causal=True, return_softmax_lse=True))
+        assert all(("GROUP_SIZE" in launch) == plain for launch in launches)
+    for (out, lse), (out_full, lse_full) in zip(outs[:2], outs[2:]):
+        assert torch.equal(out, out_full) and torch.equal(lse, lse_full)
+
+
 def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, descales=None,
                         window=-1):
     """The launcher with the default tiles and exactly the optional ``paths`` on, into a

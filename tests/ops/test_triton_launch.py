@@ -1,10 +1,19 @@
-"""Which attention kernel a call binds, and how many arguments Triton's binder sees.
+"""How ``paged_attention`` plans a launch: its split-KV plan and which kernel entry it binds.
 
-The plain form of a call (paged cache, K and V with the same strides, unit-stride metadata,
-none of the rare features, the launcher's own scratch) takes ``_paged_attention_plain_kernel``
-(27 arguments and 16 constexprs, plus ``num_warps``/``num_stages``); every other call takes
-``_paged_attention_kernel`` (67 and 25). Both run the same program (``_attend``), so each case
-also checks the result against the float64 oracle under Triton's interpreter.
+Splits (``plan_splits``) depend on shapes only (a graph captures them); the kernel then cuts
+each request's own visible keys into even shares of at least ``min_split_tiles`` tiles. The
+planning tests restate the goal on an H200-sized machine (132 multiprocessors): at small batch
+every (request, KV head) pair spreads over enough splits to keep the device busy, whatever the
+request's length and however wide the page table. The kernel tests run under Triton's
+interpreter against the float64 oracle, with page tables far wider than the lengths, garbage
+page ids and NaN slots past each request, NaN-poisoned outputs and scratch, and check from the
+partial LSEs which splits did work.
+
+Entries: the plain form of a call (paged cache, K and V with the same strides, unit-stride
+metadata, none of the rare features, the launcher's own scratch) takes
+``_paged_attention_plain_kernel`` (27 arguments and 16 constexprs, plus ``num_warps``/
+``num_stages``); every other call takes ``_paged_attention_kernel`` (67 and 25). Both run the
+same program (``_attend``), so each case is also checked against the oracle.
 """
 
 from __future__ import annotations
@@ -25,7 +34,18 @@ in_subprocess = pytest.mark.skipif(not INTERPRETED, reason="Triton was imported 
                                    "before this module; test_rerun_in_subprocess covers it")
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 
-PLAIN, FULL = "_paged_attention_plain_kernel", "_paged_attention_kernel"
+H200_SMS = 132
+CUDA = torch.device("cuda")  # the plan reads only the device type and the (patched) SM count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _working_splits(tiles: int, num_splits: int, min_split_tiles: int) -> int:
+    """Splits that get at least one of a request's ``tiles`` key tiles (the kernel's rule)."""
+    share = max(min_split_tiles, _cdiv(tiles, num_splits))
+    return min(num_splits, _cdiv(tiles, share))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,6 +54,102 @@ def _interpret():  # Triton's lazily imported modules check the interpreter flag
     mp.setenv("TRITON_INTERPRET", "1")
     yield
     mp.undo()
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(pa, "num_sms", lambda device: H200_SMS)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("length", [1024, 4096, 32768])
+@pytest.mark.parametrize("wide_table", [False, True], ids=["table-fits", "table-128k"])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_small_batch_decode_keeps_every_multiprocessor_busy(h200, batch, length, wide_table,
+                                                            block_n):
+    """b = 1..8 decode with 8 KV heads: the programs that get keys cover the device, or every
+    256-key piece of the requests when there are fewer, also when the page table holds 128k
+    tokens; no split is shorter than 256 keys."""
+    programs = batch * 8
+    capacity = 131072 if wide_table else length
+    splits, min_tiles = pa.plan_splits(CUDA, programs, capacity, block_n, decode=True)
+    busy = programs * _working_splits(_cdiv(length, block_n), splits, min_tiles)
+    assert busy >= min(H200_SMS, programs * _cdiv(length, 256)), (splits, min_tiles)
+    assert min_tiles * block_n >= 256 and splits <= 64
+
+
+@pytest.mark.parametrize("length, block_n, splits, min_tiles", [
+    (4096, 64, 1, 64), (4096, 16, 1, 256), (8000, 64, 2, 64), (32768, 64, 8, 64)])
+def test_large_batch_decode_cuts_only_requests_over_4096_keys(h200, length, block_n, splits,
+                                                              min_tiles):
+    """64 requests x 8 KV heads already fill the device: a request is cut only into chunks of
+    >= 4096 keys (64 x 4096 ran fastest unsplit), at most 8."""
+    assert pa.plan_splits(CUDA, 512, length, block_n, decode=True) == (splits, min_tiles)
+
+
+def test_prefill_splits_only_a_small_grid_and_keeps_four_tiles_per_split(h200):
+    assert pa.plan_splits(CUDA, 4096, 4096, 128, decode=False) == (1, 4)
+    assert pa.plan_splits(CUDA, 128, 8192, 128, decode=False) == (4, 4)
+
+
+# (cache_seqlens, page_size, Hq, Hkv): one request (16 planned splits on 8 "multiprocessors"),
+# page 1 (per-key addressing), 16 (a page per tile), 64 (tiles inside a page); three requests,
+# one empty and one of one key (6 splits).
+WIDE_CASES = [([40], 16, 2, 1), ([37], 1, 4, 1), ([90], 64, 4, 1), ([50, 0, 1], 16, 1, 1)]
+
+
+def _wide_decode(lens, page, hq, hkv, seed):
+    """Decode inputs with a page table over 1000 keys wider than the longest request (more
+    than 64 key tiles of 16: a fixed chunk of its capacity per split would exceed 2 tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+    extra = 1024 // page
+    (k, v), table, seqlens = xt.paged_kv_cache(gen, lens, page, [(hkv, 16), (hkv, 16)],
+                                               dtype=torch.float32, device="cpu",
+                                               extra_columns=extra)
+    q = torch.randn(len(lens), hq, 16, generator=gen)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    return [q, k, v, seqlens, table, cu, out, *[None] * 7]
+
+
+@in_subprocess
+@pytest.mark.parametrize("case", WIDE_CASES, ids=["ps16", "ps1-gqa4", "ps64", "ps16-batch3"])
+def test_planned_splits_share_each_length_and_match_oracle(case, monkeypatch):
+    """Automatic splits over a wide page table (8 "multiprocessors" and one-tile splits: the
+    small-batch plan at the interpreter's scale): the output and LSE match the oracle, and
+    exactly the splits that a request's own length gives a share wrote a finite partial LSE;
+    the others, and a request with one working split (it writes the result itself), leave the
+    NaN-poisoned scratch alone. Fixed chunks of the table's capacity would have left every split
+    but the first idle."""
+    monkeypatch.setattr(pa, "num_sms", lambda device: 8)
+    monkeypatch.setattr(pa, "DECODE_SPLIT_KEYS", 16)
+    lens, page, hq, hkv = case
+    args = _wide_decode(lens, page, hq, hkv, seed=len(lens) + page)
+    q, k, v, seqlens, table, cu, out = args[:7]
+    capacity = table.shape[1] * page
+    splits, min_tiles = pa.plan_splits(q.device, len(lens) * hkv, capacity, 16, decode=True)
+    scratch = (torch.full((splits, len(lens), hq, 16), float("nan")),
+               torch.full((splits, len(lens), hq), float("nan")))
+    with xt.recorded_triton_launches() as launches:
+        lse = pa.paged_attention(q, k, v, out, seqlens, cu, page_table=table, cu_seqlens_k=None,
+                                 max_seqlen_q=1, max_kv_len=capacity, qv=None, q_descale=None,
+                                 k_descale=None, v_descale=None, sinks=None, softmax_scale=0.25,
+                                 window_left=-1, window_right=0, softcap=0.0, scratch=scratch)
+    assert launches[0]["NUM_SPLITS"] == splits
+    want, want_lse = oracle.flash_attn_with_kvcache(
+        *args, max_seqlen_q=1, softmax_scale=0.25, causal=True, window_size_left=-1,
+        window_size_right=0, softcap=0.0, num_splits=0)
+    assert_matches_oracle(out, want, torch.float32, lse, want_lse)
+    working = [_working_splits(_cdiv(n, 16), splits, min_tiles) for n in lens]
+    assert max(working) > 1, (splits, min_tiles)
+    for r, n in enumerate(working):
+        part_lse = scratch[1][:, r]
+        written = n if n > 1 else 0
+        assert torch.isfinite(part_lse[:written]).all(), (r, part_lse)
+        assert torch.isnan(part_lse[written:]).all(), (r, part_lse)
+
+
+PLAIN, FULL = "_paged_attention_plain_kernel", "_paged_attention_kernel"
 
 
 @pytest.fixture
