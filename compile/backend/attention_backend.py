@@ -26,8 +26,9 @@ from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMeta
                                                 query_block_ids)
 from compile.backend.backend_graph import GraphMetadataMixin
 from compile.backend.base_backend import AttentionBackend, SharedReadEnds
+from compile.backend.layer import is_causal
 from compile.backend.metadata_builder import MetadataBuilderMixin
-from compile.batch import ForwardBatch, ForwardMode, MLATokenToKVPool
+from compile.batch import ForwardBatch, ForwardMode, MLATokenToKVPool, is_draft_extend
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -109,7 +110,7 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         """
         mode = forward_batch.forward_mode
         if (self.use_mla and forward_batch.attn_attend_prefix_cache is not None
-                and not mode.is_target_verify() and not forward_batch.is_draft_extend()):
+                and not mode.is_target_verify() and not is_draft_extend(forward_batch)):
             return mla_attention.mha_prefill(self, q, k, v, layer, forward_batch)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -200,7 +201,7 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
                                           "batch without encoder_lens is not supported.")
             return meta.encoder, False, False
         call, causal, cascade = self._select_self_call(meta, layer, windowed)
-        return call, causal and layer.causal, cascade
+        return call, causal and is_causal(layer), cascade
 
     def _select_self_call(self, meta: AttentionMetadata, layer, windowed: bool
                           ) -> tuple[PagedAttnMetadata, bool, bool]:

@@ -111,6 +111,9 @@ class MetadataBuilderMixin:
         A chain is ``spec_info.num_tokens_per_req`` tokens wide per request (sglang 0.5.23:
         DSpark's draft block reuses TARGET_VERIFY with its own width), ``draft_token_num`` when
         the spec input sets none; a tree is ``draft_token_num`` wide (its mask's size).
+
+        Raises:
+            NotImplementedError: a tree whose ``num_tokens_per_req`` is not its width.
         """
         spec = fb.spec_info
         d = spec.draft_token_num or self.speculative_num_draft_tokens
@@ -119,6 +122,11 @@ class MetadataBuilderMixin:
             width = spec.num_tokens_per_req if spec.num_tokens_per_req > 0 else d
             main = spec_metadata.verify_chain(fb, self.req_to_token, self.page_size, width)
             return AttentionMetadata(main=main, write=write)
+        if 0 < spec.num_tokens_per_req != d:
+            raise NotImplementedError(
+                f"XPUAttentionBackend: a tree target verify (topk > 1) is draft_token_num = {d} "
+                f"tokens wide per request; expected spec_info.num_tokens_per_req {d}, got "
+                f"{spec.num_tokens_per_req}.")
         prefix, expand, mask = spec_metadata.verify_tree(fb, self.req_to_token, self.page_size, d)
         meta = AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
                                  expand=expand)

@@ -66,3 +66,14 @@ def test_image_blocks_do_not_outlive_their_step():
     outs, qs = h.step(ForwardMode.DECODE, reqs, [1], [layer])   # the model sets none now
     assert h.backend.bidirectional_block_ids is None
     assert_close(outs[0], h.expected(reqs, [1], layer, qs[0]))
+
+
+def test_is_causal_reads_sglangs_layer_fields():
+    # Any layer with sglang's fields (its RadixAttention has a string-valued AttentionType).
+    from types import SimpleNamespace
+
+    from compile.backend.layer import is_causal
+    kind = SimpleNamespace(value="encoder_only")
+    assert not is_causal(SimpleNamespace(is_cross_attention=False, attn_type=kind))
+    assert is_causal(SimpleNamespace(is_cross_attention=False))
+    assert not is_causal(SimpleNamespace(is_cross_attention=True))

@@ -90,6 +90,13 @@ def test_target_verify_width_from_num_tokens_per_req(page_size):
     assert_close(outs[0], h.expected(reqs, [2] * 4, layer, qs[0]))
 
 
+def test_target_verify_tree_width_must_be_its_mask():
+    h = Harness(16, seed=26, topk=2, draft_tokens=4)
+    masks = [_random_tree(h.gen, 4)]
+    with pytest.raises(NotImplementedError, match="num_tokens_per_req 4, got 2"):
+        _verify(h, [5], 4, [h.layer()], masks, spec_kw=dict(num_tokens_per_req=2))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("flat", [False, True])
 def test_target_verify_tree_cascade(page_size, flat):
