@@ -127,7 +127,7 @@ def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
     k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor],
-    cache_leftpad: Optional[Tensor], bidirectional_block_ids: Optional[Tensor], *,
+    cache_leftpad: Optional[Tensor], bidirectional_block_ids: Optional[Tensor],
     max_seqlen_q: int, softmax_scale: float, causal: bool, window_size_left: int,
     window_size_right: int, softcap: float, num_splits: int,
 ) -> Tensor:
@@ -155,12 +155,16 @@ def flash_attn_with_kvcache_op(
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
             max_seqlen_q=max_seqlen_q, softcap=softcap, num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
-        return {"softcap": no_cap_if_infinite(softcap)}
+        return (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+                k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
+                max_seqlen_q, softmax_scale, causal, window_size_left, window_size_right,
+                no_cap_if_infinite(softcap), num_splits)
+    return None
 
 
 @flash_attn_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-      k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
+      k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
       softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits):
     _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
@@ -302,12 +306,13 @@ def flash_attn_with_kvcache(
     else:
         check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
+    softmax_scale = float_scalar(fn, "softmax_scale", softmax_scale)
+    softcap = float_scalar(fn, "softcap", softcap)
+    # Positional, in schema order: keyword arguments cost the dispatcher a dict per call.
+    lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
-        k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
-        max_seqlen_q=max_seqlen_q, softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale),
-        causal=causal, window_size_left=left, window_size_right=right,
-        softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
+        k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
+        softmax_scale, causal, left, right, softcap, num_splits)
     result, lse = _unpacked(out, out3, lse, batch_shape, mergeable)
     return (result, lse) if return_softmax_lse else result
 

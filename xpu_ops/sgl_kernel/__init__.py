@@ -89,7 +89,7 @@ def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, ma
                     supports=limits.flash_attn_with_kvcache)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
+                            bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, num_splits):
     """sgl_kernel ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
@@ -115,7 +115,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 @providers.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_varlen_func)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap,
                            num_splits):
     """sgl_kernel ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).

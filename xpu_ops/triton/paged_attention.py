@@ -379,7 +379,7 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
                     out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
+                            bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, num_splits):
     """Triton ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
