@@ -6,12 +6,14 @@ on contiguous K/V, FlexAttention over the paged cache, the reference provider, F
 imports). Writes ``attention.md`` (table), ``attention.png`` (plot) and ``attention.json`` to
 ``--out``. Times are medians of ``triton.testing.do_bench`` (device events) after warm-up.
 
-``--variant`` A/B-tests kernel paths in the same process: ``baseline`` is today's default
-kernel, every other name an optional path of ``xpu_ops.triton._common.OPTIONAL_PATHS``; each is
-timed through the launcher with the default tile config and only that path on (the ``triton ms``
-column is the op call with the process's defaults, ``XPU_OPS_TRITON_PATHS``).
+``--variant`` A/B-tests kernel paths in the same process: ``baseline`` is the portable kernel
+(no optional path), every other name a path of ``xpu_ops.triton._common.OPTIONAL_PATHS``; each
+is timed through the launcher with the default tile config and only that path on (the ``triton
+ms`` column is the op call with the process's defaults: ``DEFAULT_PATHS`` of each launch kind, or
+``XPU_OPS_TRITON_PATHS``). ``--only`` keeps the rows whose names contain one of its substrings.
 
     python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
+    python benchmarks/bench_attention.py --quick --only "decode 1x,decode 4x" --out /tmp/small
 """
 
 from __future__ import annotations
@@ -101,12 +103,15 @@ def ceilings():
 
 
 # ---- workloads ---------------------------------------------------------------------------------
-def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D, kv_dtype=None):
+def make_paged(k_lens, q_lens, page_size, hq=HQ, hkv=HKV, d=D, kv_dtype=None, table_tokens=0):
+    """Random paged K/V, shuffled pages; the page table is ``table_tokens`` wide when that is
+    more than the longest request (a graph's table: the split plan sees its capacity)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     pages = [-(-k // page_size) for k in k_lens]
     num_pages = sum(pages)
     perm = torch.randperm(num_pages, device=DEV, generator=gen).int()
-    table = torch.zeros(len(k_lens), max(pages), dtype=torch.int32, device=DEV)
+    width = max(max(pages), -(-table_tokens // page_size))
+    table = torch.zeros(len(k_lens), width, dtype=torch.int32, device=DEV)
     start = 0
     for r, used in enumerate(pages):
         table[r, :used] = perm[start:start + used]
@@ -168,7 +173,7 @@ def launched_paths(fn) -> str:
         return f"failed: {type(e).__name__}: {str(e)[:300]}"
     keys = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "EVEN_D", "PHASES", "TMA", "WS",
             "num_warps", "num_stages")
-    return ", ".join(f"{k}={seen[0][k]}" for k in keys) if seen else "no launch"
+    return ", ".join(f"{k}={seen[0].get(k, '-')}" for k in keys) if seen else "no launch"
 
 
 def launcher_fn(w, causal, window=-1, num_splits=None, config=None):
@@ -309,11 +314,12 @@ ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
 
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
-                  variants=(), window=-1, kv_dtype=None):
-    """One workload: the op, each kernel variant through the launcher, peers, sweeps."""
+                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D):
+    """One workload: the op, each kernel variant through the launcher, peers, sweeps (the
+    peers assume head dim ``D``)."""
     print(f"== {name}", flush=True)
-    w = make_paged(k_lens, q_lens, page, kv_dtype=kv_dtype)
-    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, D, D, causal,
+    w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
+    nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
                                    kv_elem=w["k"].element_size(), window=window)
     t = measure(op_fn(w, causal, window, "triton"))
     timed = {}
@@ -438,7 +444,7 @@ def table(rows, copy_tbs, mm_tflops, header):
     lines += ["", "`x peer` = peer time / triton time (> 1: triton faster). `missing`: the peer "
               "could not run this shape in this process (see the log); `-`: not applicable. "
               "Variant columns: the launcher with the default tiles and only that kernel path "
-              "on (`baseline`: today's default kernel)."]
+              "on (`baseline`: the portable kernel, no optional path)."]
     return "\n".join(lines)
 
 
@@ -480,8 +486,9 @@ def parse_variants(spec: str) -> tuple[str, ...]:
 def variant_help() -> str:
     paths = "; ".join(f"{k}: {v}" for k, v in _common.OPTIONAL_PATHS.items())
     return ("kernel paths to time side by side, comma-separated, 'all' (default) or 'none'. "
-            f"baseline: today's default kernel; {paths}. The op-call column uses the process "
-            "defaults (XPU_OPS_TRITON_PATHS, read once at import). Decode rows time only "
+            f"baseline: the portable kernel; {paths}. The op-call column uses the process "
+            "defaults (DEFAULT_PATHS per launch kind, or XPU_OPS_TRITON_PATHS, read once at "
+            "import). Decode rows time only "
             f"those of {DECODE_VARIANTS}, the MLA row those of {MLA_VARIANTS}, attention rows "
             "all but mla_split.")
 
@@ -504,6 +511,11 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
 
     def cfgs(shapes):
         return () if quick else tuple((f"cfg={c}", {"config": pa._Config(*c)}) for c in shapes)
+    small_splits = tuple((f"splits={n}", {"num_splits": n}) for n in (4, 16, 32, 64))
+    # deeper K/V pipelines for one-page (64-key) decode tiles: 6 stages fit in shared memory
+    deep = tuple((f"page_tiles {c[2]} warps {c[3]} stages",
+                  {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
+                 for c in ((16, 64, 2, 6), (16, 64, 4, 6), (16, 64, 4, 4)))
     vd = tuple(x for x in variants if x in DECODE_VARIANTS)
     decode = dict(kind="bw", causal=False, variants=vd)
     prefill = dict(kind="flops", causal=True, page=64,
@@ -515,7 +527,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=16, sweep=splits((1, 2, 4, 8)), **decode),
         dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
-             page=64, sweep=splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS), **decode),
+             page=64, sweep=(deep if quick else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep),
+             **decode),
         dict(name="decode 64x4096 page 128", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=128, peers=("sdpa", "flashinfer"), **decode),
         dict(name="decode fp8 KV 64x4096 page 64", target=">= 0.92 copy", k_lens=b64,
@@ -524,6 +537,22 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
              q_lens=[1] * 8, page=64, sweep=splits((8, 16, 24, 32)), **decode),
         dict(name="decode 64 x U[100,8000]", target=">= 0.90 copy", k_lens=uniform, q_lens=one,
              page=64, peers=("reference", "flex", "flashinfer"), sweep=splits((1, 2, 4, 8)),
+             **decode),
+        # small batches (issue 20: b = 1 decode fills a fraction of the device): the plan's
+        # split count against forced ones, also under a 128k-token page table (a graph's)
+        dict(name="decode 1x1024 D64 page 16, 2k table (Llama-3.2-1B)", target="-",
+             k_lens=[1024], q_lens=[1], page=16, d=64, peers=(), table_tokens=2048,
+             sweep=tuple((f"splits={n}", {"num_splits": n}) for n in (4, 8, 16)), **decode),
+        dict(name="decode 1x4096 page 64", target="-", k_lens=[4096], q_lens=[1],
+             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+        dict(name="decode 1x4096 page 64, 128k table", target="-", k_lens=[4096],
+             q_lens=[1], page=64, peers=(), table_tokens=131072, sweep=small_splits, **decode),
+        dict(name="decode 1x16384 page 64", target="-", k_lens=[16384], q_lens=[1],
+             page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep, **decode),
+        dict(name="decode 4x4096 page 16", target="-", k_lens=[4096] * 4,
+             q_lens=[1] * 4, page=16, peers=("sdpa", "flashinfer"), sweep=small_splits, **decode),
+        dict(name="decode 8x4096 page 64", target="-", k_lens=[4096] * 8,
+             q_lens=[1] * 8, page=64, peers=("sdpa", "flashinfer"), sweep=small_splits + deep,
              **decode),
         dict(name="prefill 8x4096 causal page 64", target=">= 0.85 SDPA", k_lens=[4096] * 8,
              q_lens=[4096] * 8, peers=("sdpa", "flex", "flashinfer"), sweep=cfgs(PREFILL_CFGS),
@@ -548,7 +577,8 @@ def late_variants(spec: dict, row: Row) -> None:
     if not late:
         return
     print(f"== {spec['name']} (late variants)", flush=True)
-    w = make_paged(spec["k_lens"], spec["q_lens"], spec["page"], kv_dtype=spec.get("kv_dtype"))
+    w = make_paged(spec["k_lens"], spec["q_lens"], spec["page"], kv_dtype=spec.get("kv_dtype"),
+                   table_tokens=spec.get("table_tokens", 0))
     for v in late:
         fn = launcher_fn(w, spec["causal"], spec.get("window", -1), config=variant_config(w, v))
         print(f"    variant {v}: {launched_paths(fn)}", flush=True)
@@ -582,19 +612,25 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="skip the sweeps and slow peers")
     ap.add_argument("--variant", default="all", help=variant_help())
+    ap.add_argument("--only", default="", help="comma list of substrings: time only the rows "
+                    "whose names contain one (MLA: 'MLA')")
     args = ap.parse_args()
+    only = [x for x in args.only.split(",") if x]
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-    specs = workloads(args.quick, parse_variants(args.variant))
+    specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
+             if not only or any(x in spec["name"] for x in only)]
     rows = [run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
                                                       if v not in LATE_VARIANTS)))
             for spec in specs]
-    rows.append(run_mla("MLA decode H128 R512 r64 64x4096", ">= 0.50 matmul",
-                        sweep=MLA_QUICK_CFGS if args.quick else MLA_CFGS,
-                        variants=parse_variants(args.variant)))
+    mla = "MLA decode H128 R512 r64 64x4096"
+    if not only or any(x in mla for x in only):
+        rows.append(run_mla(mla, ">= 0.50 matmul",
+                            sweep=MLA_QUICK_CFGS if args.quick else MLA_CFGS,
+                            variants=parse_variants(args.variant)))
     write_results(rows, copy_tbs, mm_tflops, args.out)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
           flush=True)

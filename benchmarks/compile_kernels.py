@@ -43,6 +43,7 @@ def workloads():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     return [
         ("decode page 1", [1] * 64, [4096] * 64, 1, 32, 8, 128, 128, bf16, False, -1, False),
+        ("decode b1 16k page 64", [1], [16384], 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 16", [1] * 64, [4096] * 64, 16, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 128", [1] * 64, [4096] * 64, 128, 32, 8, 128, 128, bf16, False, -1, False),
@@ -93,9 +94,11 @@ def launch_args(case, paths, sms, tiles=None):
                                  None, None),
             (2, k.element_size(), 2, True))
     dummy = torch.empty(1, dtype=torch.float32, device=meta)
-    tensors = [q, k, v, q if qv is None else qv, out, dummy, dummy, dummy,
-               torch.empty(1, dtype=torch.int32, device=meta), lens, table, lens, lens,
-               dummy, descale if descale is not None else dummy,
+    counters = torch.empty(1, dtype=torch.int32, device=meta)
+    if params.plain:
+        return [q, k, v, out, dummy, dummy, counters, lens, table, lens], params
+    tensors = [q, k, v, q if qv is None else qv, out, dummy, dummy, dummy, counters, lens, table,
+               lens, lens, dummy, descale if descale is not None else dummy,
                descale if descale is not None else dummy, dummy, dummy, dummy, dummy]
     return tensors, params
 
@@ -103,7 +106,7 @@ def launch_args(case, paths, sms, tiles=None):
 def compile_one(case, paths, arch, sms, tiles=None):
     """Compile one launch; returns (constexpr summary, resource usage)."""
     tensors, params = launch_args(case, paths, sms, tiles)
-    kernel = pa._paged_attention_kernel
+    kernel = pa._paged_attention_plain_kernel if params.plain else pa._paged_attention_kernel
     names = kernel.arg_names
     options = {k: params.meta[k] for k in ("num_warps", "num_stages")}
     constexprs = {k: v for k, v in params.meta.items() if k not in options}
@@ -124,9 +127,9 @@ def compile_one(case, paths, arch, sms, tiles=None):
                                                   and val != 0)}
     src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    summary = ", ".join(f"{k}={params.meta[k]}" for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS",
-                                                           "PAGE_TILES", "PHASES", "TMA", "WS",
-                                                           "DV_SPLIT", "num_warps"))
+    summary = ", ".join(f"{k}={params.meta.get(k, '-')}" for k in (
+        "BLOCK_M", "BLOCK_N", "NUM_SPLITS", "PAGE_TILES", "PHASES", "TMA", "WS", "DV_SPLIT",
+        "num_warps")) + (", plain kernel" if params.plain else "")
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return summary, (f"{resources(compiled.asm['cubin'])}, dynamic shared "
                      f"{compiled.metadata.shared // 1024} KiB")

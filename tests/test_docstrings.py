@@ -15,7 +15,7 @@ MODULES = sorted(name for _, name, _ in pkgutil.walk_packages(xpu_ops.__path__, 
 MODULES += sorted(name for _, name, _ in pkgutil.walk_packages(compile_graphs.__path__,
                                                                "compile.graphs."))
 MODULES += ["compile.backend.parallel_state", "compile.backend.dcp_attention",
-            "compile.backend.layer", "compile.batch.kv_layout",
+            "compile.backend.layer", "compile.backend.multi_step_draft", "compile.batch.kv_layout",
             "compile.models.parallel", "compile.models.tensor_parallel"]
 
 

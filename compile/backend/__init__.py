@@ -4,6 +4,7 @@ forward mode (host, once per step), the per-layer forward (save KV, attend, casc
 and speculative-decoding metadata. Imports the batch wing and `xpu_ops`; never the models, graphs or engine wings."""
 
 from compile.backend.attention_backend import XPUAttentionBackend
-from compile.backend.layer import PagedAttention, attention_layers, kv_layout
+from compile.backend.layer import AttentionType, PagedAttention, attention_layers, kv_layout
 
-__all__ = ["XPUAttentionBackend", "PagedAttention", "attention_layers", "kv_layout"]
+__all__ = ["XPUAttentionBackend", "AttentionType", "PagedAttention", "attention_layers",
+           "kv_layout"]

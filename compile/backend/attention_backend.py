@@ -1,21 +1,12 @@
 """``XPUAttentionBackend``: sglang's attention-backend interface over the ``xpu_ops`` operators.
 
 Plan/run split (as FlashInfer): ``init_forward_metadata(forward_batch)`` runs on the host once
-per batch and builds ``AttentionMetadata`` (see ``compile.backend.attention_metadata`` for the metadata
-of every mode); ``forward`` runs per layer, inside compiled or captured code, and only launches
-ops: ``store_kv_cache`` for the new K/V, ``flash_attn_with_kvcache`` (``flash_mla_decode`` for
-MLA decode, ``flash_attn_varlen_func`` for MLA's MHA prefill), and ``merge_state_v2`` for the
-cascade passes of speculative trees.
-
-Per mode (``main`` call; ``b`` requests):
-
-- DECODE: 1 query/request, ``cache_seqlens = seq_lens``. With ``spec_info`` (a draft step):
-  topk 1 adds ``speculative_step_id + 1``; topk > 1 is a cascade (prefix pass, non-causal, plus
-  each branch's own draft slots).
-- EXTEND / MIXED / DRAFT_EXTEND: ``extend_seq_lens`` causal queries over ``seq_lens`` keys.
-- TARGET_VERIFY: D queries; topk 1: causal over ``seq_lens + D``; topk > 1: cascade with the
-  tree mask (sliding-window layers: one merged row per draft).
-- IDLE: empty output.
+per batch and builds ``AttentionMetadata`` (``compile.backend.metadata_builder`` per mode,
+``compile.backend.attention_metadata`` for its fields); ``forward`` runs per layer, inside
+compiled or captured code, and only launches ops: ``store_kv_cache`` for the new K/V,
+``flash_attn_with_kvcache`` (``flash_mla_decode`` / ``flash_mla_prefill`` for absorbed MLA,
+``flash_attn_varlen_func`` for MLA's MHA prefill), and ``merge_state_v2`` for the cascade
+passes of speculative trees.
 
 Layers pick their variant: sliding-window layers (``window_size = (W - 1, 0)``, SWA-pool table on
 hybrid pools), chunked-local layers (virtual batches), cross attention (encoder keys), MLA.
@@ -30,24 +21,31 @@ from torch import Tensor
 
 import xpu_ops
 
-from compile.backend import mla_attention, spec_metadata
-from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
-                                                paged_metadata, swa_metadata, uniform_cu_seqlens)
+from compile.backend import mla_attention
+from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata,
+                                                query_block_ids)
 from compile.backend.backend_graph import GraphMetadataMixin
-from compile.backend.local_attention import (local_chunks_per_request,
-                                             make_local_attention_virtual_batches)
-from compile.batch import ForwardBatch, KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool
+from compile.backend.base_backend import AttentionBackend, SharedReadEnds
+from compile.backend.layer import is_causal
+from compile.backend.metadata_builder import MetadataBuilderMixin
+from compile.batch import ForwardBatch, ForwardMode, MLATokenToKVPool, is_draft_extend
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-class XPUAttentionBackend(GraphMetadataMixin):
+class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBackend):
     """Attention backend for every sglang forward mode on XPU, CUDA and CPU.
+
+    It subclasses ``AttentionBackend`` (sglang 0.5.23's interface, ``base_backend.py``): every
+    flag and hook sglang's runners read exists with sglang's meaning; the overrides below say
+    where this backend's answer differs.
 
     Args:
         model_runner: sglang ``ModelRunner`` or ``compile.engine.model_runner.ModelRunnerInfo``
             (duck-typed: ``model_config``, ``tp_size``, ``device``, ``page_size``,
             ``req_to_token_pool``, ``token_to_kv_pool``, ``kv_cache_dtype``, ``server_args``,
             ``sliding_window_size``, ``attention_chunk_size``, ``is_hybrid_swa``).
+            ``server_args.enable_deterministic_inference`` pins ``num_splits=1`` (and MLA's
+            ``num_kv_splits=1``) in every call, as sglang 0.5.23.
         skip_prefill: accepted for sglang compatibility (draft-decode backends).
         speculative_step_id: which draft step this backend runs (draft decode).
         topk: draft branches per request (0: take ``server_args.speculative_eagle_topk``).
@@ -81,6 +79,14 @@ class XPUAttentionBackend(GraphMetadataMixin):
             getattr(args, "speculative_num_steps", 0) or 0)
         self.speculative_num_draft_tokens = int(
             getattr(args, "speculative_num_draft_tokens", 0) or 0)
+        # sglang's --enable-deterministic-inference: one pass over the keys in every call, so
+        # a request's result does not depend on the rest of its batch.
+        self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        self.num_splits = 1 if self.deterministic else 0
+        self.num_kv_splits = 1 if self.deterministic else -1
+        # Gemma-3 image blocks of an EXTEND step, set by the model after the metadata (sglang
+        # 0.5.23): int32 ids over whole sequences (prefix then new tokens), -1 for text.
+        self.bidirectional_block_ids: Optional[Tensor] = None
         self.forward_metadata: Optional[AttentionMetadata] = None
         # (layer_id, b, Hkv, device, inference mode) -> two [b, Hkv] float32, see descales()
         self._descale_buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -91,164 +97,20 @@ class XPUAttentionBackend(GraphMetadataMixin):
         """Build ``self.forward_metadata`` for this batch (host, once for all layers)."""
         self.forward_metadata = self.build_metadata(forward_batch)
 
-    def _topk(self, fb: ForwardBatch) -> int:
-        spec_topk = getattr(fb.spec_info, "topk", 0) if fb.spec_info is not None else 0
-        return max(self.topk or spec_topk or 1, 1)
-
-    def _num_steps(self, fb: ForwardBatch) -> int:
-        return max(self.speculative_num_steps or getattr(fb.spec_info, "spec_steps", 0) or 1, 1)
-
-    def build_metadata(self, fb: ForwardBatch, graph: bool = False) -> AttentionMetadata:
-        """Metadata of ``fb`` (``graph=True`` pads local virtual batches to a fixed count)."""
-        mode = fb.forward_mode
-        if fb.encoder_lens is not None and not (mode.is_decode() or mode.is_extend()):
-            raise NotImplementedError(f"XPUAttentionBackend: encoder-decoder batches in mode "
-                                      f"{mode.name} are not supported.")
-        plain = False  # main's lengths are the batch's own (host copies in fb)
-        if mode.is_idle():
-            meta = self._idle_metadata()
-        elif mode.is_target_verify():
-            meta = self._verify_metadata(fb)
-        elif mode.is_decode() and fb.spec_info is not None:
-            meta = self._draft_decode_metadata(fb)
-        else:
-            meta, plain = self._decode_or_extend_metadata(fb), True
-        self._add_layer_variants(fb, meta, graph, plain)
-        return meta
-
-    def _idle_metadata(self) -> AttentionMetadata:
-        z = torch.zeros(0, dtype=torch.int32, device=self.device)
-        main = PagedAttnMetadata(cu_seqlens_q=torch.zeros(1, dtype=torch.int32,
-                                                          device=self.device),
-                                 cache_seqlens=z, page_table=z.view(0, 0), max_seqlen_q=0,
-                                 max_seqlen_k=0, page_size=self.page_size)
-        return AttentionMetadata(main=main, write=KVWriteLoc(
-            loc=torch.zeros(0, dtype=torch.int64, device=self.device)))
-
-    def _decode_or_extend_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND (``extend_seq_lens``)."""
-        b = fb.batch_size
-        if fb.forward_mode.is_decode():
-            cu_q, max_q = uniform_cu_seqlens(b, 1, self.device), 1
-        else:
-            cu_q = cu_seqlens(fb.extend_seq_lens.to(torch.int32))
-            max_q = max(fb.extend_seq_lens_cpu) if b else 0
-        max_k = int(fb.seq_lens_cpu.max()) if b else 0
-        main = paged_metadata(self.req_to_token, fb.req_pool_indices, cu_q, fb.seq_lens, max_q,
-                              max_k, self.page_size, col_offset=self._decoder_offset(fb))
-        return AttentionMetadata(main=main, write=KVWriteLoc(loc=fb.out_cache_loc))
-
-    def _decoder_offset(self, fb: ForwardBatch) -> Optional[Tensor]:
-        """Encoder-decoder: decoder tokens follow the ``encoder_lens[r]`` encoder tokens."""
-        if fb.encoder_lens is None:
-            return None
-        if any(n % self.page_size for n in fb.encoder_lens_cpu):
-            raise NotImplementedError(
-                f"XPUAttentionBackend: encoder lengths {fb.encoder_lens_cpu} that are not "
-                f"multiples of page_size {self.page_size} are not supported; pad the encoder "
-                f"tokens to whole pages.")
-        return fb.encoder_lens
-
-    def _verify_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """TARGET_VERIFY: chain (topk 1) or tree cascade (topk > 1)."""
-        d = fb.spec_info.draft_token_num or self.speculative_num_draft_tokens
-        write = KVWriteLoc(loc=fb.out_cache_loc)
-        if self._topk(fb) <= 1:
-            main = spec_metadata.verify_chain(fb, self.req_to_token, self.page_size, d)
-            return AttentionMetadata(main=main, write=write)
-        prefix, expand, mask = spec_metadata.verify_tree(fb, self.req_to_token, self.page_size, d)
-        swa_spec = None
-        if self.sliding_window_size is not None or self.is_hybrid_swa:
-            swa_spec = spec_metadata.verify_tree_swa(fb, self.token_to_kv_pool,
-                                                     self.req_to_token, mask, d)
-        return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand, swa_spec=swa_spec)
-
-    def _draft_decode_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """DECODE with ``spec_info``: draft step ``speculative_step_id``."""
-        topk, steps, step = self._topk(fb), self._num_steps(fb), self.speculative_step_id
-        rows = fb.batch_size * topk
-        write = KVWriteLoc(loc=spec_metadata.draft_write_loc(fb.out_cache_loc, rows, steps, step))
-        if topk <= 1:
-            main = spec_metadata.draft_decode_chain(fb, self.req_to_token, self.page_size, step)
-            return AttentionMetadata(main=main, write=write)
-        prefix, expand = spec_metadata.draft_decode_tree(fb, self.req_to_token, self.page_size,
-                                                         topk, step, steps)
-        return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand)
-
-    def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata, graph: bool,
-                            plain: bool = False) -> None:
-        """SWA tables, local virtual batches, encoder metadata and the MLA workspace
-        (``plain``: ``meta`` is ``_decode_or_extend_metadata``'s, its lengths are on the host)."""
-        pool, main = self.token_to_kv_pool, meta.main
-        offset = None if fb.encoder_lens is None else fb.encoder_lens
-        if hasattr(pool, "translate_loc_from_full_to_swa"):
-            meta.swa = swa_metadata(pool, self.req_to_token, fb.req_pool_indices, main, offset)
-            meta.write.swa_loc = pool.translate_loc_from_full_to_swa(meta.write.loc)
-        if self.attention_chunk_size and not meta.cascade and main.batch_size:
-            meta.local = self._local_metadata(main, graph, fb if plain else None)
-        if fb.encoder_lens is not None:
-            meta.encoder = self._encoder_metadata(fb, main)
-            meta.write.encoder_loc = fb.encoder_out_cache_loc
-        if self.use_mla and fb.forward_mode.is_decode() and fb.spec_info is None:
-            heads = self.num_heads or 128
-            size = xpu_ops.flash_mla_get_workspace_size(
-                self.max_context_len if graph else main.max_seqlen_k, main.batch_size, heads)
-            meta.mla_workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
-
-    def _local_metadata(self, main: PagedAttnMetadata, graph: bool,
-                        fb: Optional[ForwardBatch] = None) -> PagedAttnMetadata:
-        """Chunked-local virtual batch of ``main``; its lengths come from ``fb``'s host copies
-        when given (DECODE/EXTEND: ``main`` is built from them), else from the device (a sync)."""
-        chunk = int(self.attention_chunk_size)
-        pad_to = None
-        if graph:
-            pad_to = main.batch_size * local_chunks_per_request(main.max_seqlen_q, chunk)
-        if fb is None:
-            cu_q, k_lens = main.cu_seqlens_q.cpu(), main.cache_seqlens.cpu()
-        elif fb.forward_mode.is_decode():
-            cu_q, k_lens = uniform_cu_seqlens(fb.batch_size, 1, "cpu"), fb.seq_lens_cpu
-        else:
-            q_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32)
-            cu_q, k_lens = cu_seqlens(q_lens), fb.seq_lens_cpu
-        local = make_local_attention_virtual_batches(chunk, cu_q, k_lens, main.page_table,
-                                                     self.page_size, pad_to=pad_to)
-        max_q = main.max_seqlen_q if graph else local.max_seqlen_q
-        return PagedAttnMetadata(cu_seqlens_q=local.cu_seqlens_q,
-                                 cache_seqlens=local.cache_seqlens, page_table=local.page_table,
-                                 max_seqlen_q=max_q, max_seqlen_k=chunk,
-                                 page_size=self.page_size)
-
-    def _encoder_metadata(self, fb: ForwardBatch, main: PagedAttnMetadata) -> PagedAttnMetadata:
-        """Cross attention: ``main``'s queries over the encoder tokens (req_to_token columns
-        ``0 .. encoder_lens[r] - 1``), non-causal."""
-        max_enc = max(fb.encoder_lens_cpu) if fb.encoder_lens_cpu else 0
-        return paged_metadata(self.req_to_token, fb.req_pool_indices, main.cu_seqlens_q,
-                              fb.encoder_lens, main.max_seqlen_q, max_enc, self.page_size)
-
     # ----------------------------------------------------------------- run (per layer)
-
-    def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
-        """Dispatch on the mode (sglang's ``AttentionBackend.forward``)."""
-        if forward_batch.forward_mode.is_idle():
-            return q.new_empty((0, layer.tp_q_head_num * layer.v_head_dim))
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs):
-        """EXTEND, MIXED, DRAFT_EXTEND and TARGET_VERIFY.
+        """EXTEND, MIXED, DRAFT_EXTEND_V2 and TARGET_VERIFY (``AttentionBackend.forward``
+        routes every mode but DECODE and IDLE here).
 
         Returns ``[tokens, Hq * Dv]``; the MLA MHA prefill path
         (``forward_batch.attn_attend_prefix_cache is not None``) returns ``(out [tokens, Hq, Dv],
-        lse [Hq, tokens] float32)`` when it attends a prefix chunk or ``mha_return_lse``.
+        lse [tokens, Hq] float32)`` when it attends a prefix chunk or ``mha_return_lse``.
         """
         mode = forward_batch.forward_mode
         if (self.use_mla and forward_batch.attn_attend_prefix_cache is not None
-                and not mode.is_target_verify() and not mode.is_draft_extend()):
+                and not mode.is_target_verify() and not is_draft_extend(forward_batch)):
             return mla_attention.mha_prefill(self, q, k, v, layer, forward_batch)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -262,7 +124,7 @@ class XPUAttentionBackend(GraphMetadataMixin):
         meta = self._metadata()
         if self.use_mla:
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
-                                                  meta, **kwargs)
+                                                  meta, sinks=sinks, **kwargs)
         if k is not None and save_kv_cache:
             self.save_kv(layer, k, v, meta)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
@@ -271,8 +133,21 @@ class XPUAttentionBackend(GraphMetadataMixin):
         call, causal, cascade = self.select_call(meta, layer)
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
-                    expand=meta.expand if cascade else None)
+                    expand=meta.expand if cascade else None,
+                    block_ids=self._query_block_ids(fb, meta, call, q3.shape[0]))
         return out.view(-1, hq * dv)
+
+    def _query_block_ids(self, fb: ForwardBatch, meta: AttentionMetadata,
+                         call: PagedAttnMetadata, total_q: int) -> Optional[Tensor]:
+        """Gemma-3 image blocks of this call as the op takes them (``[total_q]``, new tokens
+        only), or None: only EXTEND/MIXED calls over ``meta.main`` or its SWA twin carry
+        them (never cross attention, cascades or local virtual batches)."""
+        ids = self.bidirectional_block_ids
+        if ids is None or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
+            return None
+        if call is not meta.main and call is not meta.swa:
+            return None
+        return query_block_ids(ids, meta.main, total_q)
 
     def _metadata(self) -> AttentionMetadata:
         if self.forward_metadata is None:
@@ -313,7 +188,8 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     def select_call(self, meta: AttentionMetadata, layer
                     ) -> tuple[PagedAttnMetadata, bool, bool]:
-        """``(call, causal, cascade)`` of ``layer`` in this batch.
+        """``(call, causal, cascade)`` of ``layer`` in this batch (never causal for a
+        non-causal ``layer.attn_type``).
 
         Raises:
             NotImplementedError: a layer kind this mode cannot serve, naming both.
@@ -324,14 +200,21 @@ class XPUAttentionBackend(GraphMetadataMixin):
                 raise NotImplementedError("XPUAttentionBackend: a cross-attention layer in a "
                                           "batch without encoder_lens is not supported.")
             return meta.encoder, False, False
+        call, causal, cascade = self._select_self_call(meta, layer, windowed)
+        return call, causal and is_causal(layer), cascade
+
+    def _select_self_call(self, meta: AttentionMetadata, layer, windowed: bool
+                          ) -> tuple[PagedAttnMetadata, bool, bool]:
         if meta.cascade:
             if windowed and meta.swa_spec is not None:
                 return meta.swa_spec, True, False
-            if windowed or (layer.use_irope and self.attention_chunk_size):
+            if layer.use_irope and meta.local_spec is not None:
+                return meta.local_spec, True, False
+            if windowed:
                 raise NotImplementedError(
-                    "XPUAttentionBackend: sliding-window or chunked-local layers with "
-                    "speculative topk > 1 are not supported (target verify needs the model "
-                    "runner's sliding_window_size set; draft decode is not supported).")
+                    "XPUAttentionBackend: a sliding-window layer with speculative topk > 1 "
+                    "needs the model runner's sliding_window_size set (the per-draft rows are "
+                    "built only then); got none.")
             return meta.main, meta.causal, True
         if layer.use_irope and meta.local is not None:
             return meta.local, True, False
@@ -365,21 +248,24 @@ class XPUAttentionBackend(GraphMetadataMixin):
 
     def attend(self, q3: Tensor, k_cache: Tensor, v_cache: Tensor, call: PagedAttnMetadata,
                layer, out: Tensor, *, causal: bool, sinks: Optional[Tensor] = None,
-               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None
-               ) -> None:
-        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``."""
+               expand: Optional[PagedAttnMetadata] = None, qv: Optional[Tensor] = None,
+               block_ids: Optional[Tensor] = None) -> None:
+        """One paged call into ``out``, or a cascade (``expand`` given) merged into ``out``;
+        ``block_ids`` (``[total_q]``, no cascade): Gemma-3 image blocks inside the causal pass.
+        Every call passes ``num_splits`` (1 under deterministic inference)."""
         w = layer.sliding_window_size
         window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
+        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window,
+                  num_splits=self.num_splits)
         if expand is None:
             xpu_ops.flash_attn_with_kvcache(
                 q3, k_cache, v_cache, qv=qv, causal=causal, sinks=sinks, out=out,
                 cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                 cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
-                k_descale=k_descale, v_descale=v_descale, softmax_scale=layer.scaling,
-                softcap=layer.logit_cap, window_size=window)
+                k_descale=k_descale, v_descale=v_descale, bidirectional_block_ids=block_ids,
+                **kw)
             return
-        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window)
         args = dict(cache_seqlens=call.cache_seqlens, page_table=call.page_table,
                     cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q,
                     k_descale=k_descale, v_descale=v_descale)
@@ -400,6 +286,33 @@ class XPUAttentionBackend(GraphMetadataMixin):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value of padded graph rows (sglang: 1, so no request is empty)."""
         return 1
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        """The same for sglang's CPU graph runner (which asks this name on a CPU)."""
+        return 1
+
+    # ----------------------------------------------------------------- declarations
+
+    def shared_read_ends(self, fm: ForwardMode) -> SharedReadEnds:
+        """PRE_REPLAY for the graph-captured modes (DECODE, TARGET_VERIFY, IDLE): every read of
+        ``req_to_token``, ``seq_lens`` and the spec input happens on the host in the metadata
+        prep, and a replay reads only the runner's step buffers and this backend's metadata
+        copies. UNKNOWN for the eager modes, whose layers read ``out_cache_loc`` and the MLA
+        prefix-chunk tensors of the batch itself."""
+        if fm.is_cuda_graph():
+            return SharedReadEnds.PRE_REPLAY
+        return SharedReadEnds.UNKNOWN
+
+    def glue_target_verify_metadata(self) -> str:
+        """Why target-verify metadata cannot go into sglang's glue graph: it is built on the
+        host (``seq_lens_cpu`` bounds the page-table gather)."""
+        return ("XPUAttentionBackend builds target-verify metadata on the host from seq_lens_cpu; "
+                "it has no in-graph metadata prep")
+
+    def glue_draft_metadata(self) -> str:
+        """Why draft metadata cannot go into sglang's glue graph (host-built, as above)."""
+        return ("XPUAttentionBackend builds draft metadata on the host from seq_lens_cpu; it has "
+                "no in-graph metadata prep")
 
 
 __all__ = ["XPUAttentionBackend"]

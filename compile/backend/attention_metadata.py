@@ -63,8 +63,10 @@ class AttentionMetadata:
         swa: ``main`` with the page table translated into the SWA pool (hybrid SWA models).
         expand: cascade pass of speculative trees, one query per request-branch/draft over a
             token-slot table (``page_size 1``), non-causal, merged with ``main`` by LSE.
-        swa_spec: target verify topk > 1 on sliding-window layers: one row per draft with the
-            prefix plus its allowed drafts (``prepare_swa_spec_page_table``), causal, slot table.
+        swa_spec: a tree (topk > 1) on sliding-window layers: one row per draft (verify) or
+            branch (draft decode), the prefix plus the drafts it sees, causal, slot table
+            (``compile/backend/spec_rows.py``).
+        local_spec: the same rows on chunked-local layers, cut to each query's chunk.
         local: chunked-local (iRoPE) virtual batch of ``main``.
         encoder: cross attention: ``main``'s queries over ``encoder_lens`` keys, non-causal.
         write: slots for the new K/V of this batch.
@@ -80,6 +82,7 @@ class AttentionMetadata:
     swa: Optional[PagedAttnMetadata] = None
     expand: Optional[PagedAttnMetadata] = None
     swa_spec: Optional[PagedAttnMetadata] = None
+    local_spec: Optional[PagedAttnMetadata] = None
     local: Optional[LocalAttentionMetadata] = None
     encoder: Optional[PagedAttnMetadata] = None
     mla_workspace: Optional[Tensor] = None
@@ -163,6 +166,37 @@ def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q:
                              page_size=page_size)
 
 
+def slot_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q: Tensor,
+                  cache_seqlens: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  col_offset: Tensor) -> PagedAttnMetadata:
+    """A call over a token-slot table (``page_size`` 1): request ``r``'s keys are the slots in
+    ``req_to_token`` columns ``col_offset[r] ...``, wherever they fall in their pages (decoder
+    tokens after an encoder whose length is not a page multiple)."""
+    slots = token_table(req_to_token, req_pool_indices, max_seqlen_k, col_offset)
+    return PagedAttnMetadata(cu_seqlens_q=cu_seqlens_q, cache_seqlens=_int32(cache_seqlens),
+                             page_table=_int32(slots), max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, page_size=1)
+
+
+def query_block_ids(block_ids: Tensor, main: PagedAttnMetadata, total_q: int) -> Tensor:
+    """Per-query ``bidirectional_block_ids [total_q]`` int32 of ids given over whole sequences.
+
+    Args:
+        block_ids: [sum(cache_seqlens)] ids over each request's cached prefix then its new
+            tokens, requests packed (sglang 0.5.23's Gemma-3 layout; -1: no block).
+        main: the extend call (``cu_seqlens_q`` new tokens over ``cache_seqlens`` keys).
+        total_q: new tokens in the batch (``q.shape[0]``; no host sync).
+    Returns:
+        The ids of the new tokens only, in query order (the op's layout: a cached key never
+        needs an id, it precedes every query of its request).
+    """
+    cu_q, k_lens = main.cu_seqlens_q, main.cache_seqlens.long()
+    q_lens = (cu_q[1:] - cu_q[:-1]).long()
+    first_new = torch.cumsum(k_lens, 0) - q_lens          # whole-sequence row of each first query
+    shift = torch.repeat_interleave(first_new - cu_q[:-1], q_lens, output_size=total_q)
+    return block_ids[torch.arange(total_q, device=block_ids.device) + shift].to(torch.int32)
+
+
 def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
                  main: PagedAttnMetadata, col_offset: Optional[Tensor] = None
                  ) -> PagedAttnMetadata:
@@ -175,4 +209,5 @@ def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
 
 
 __all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "uniform_cu_seqlens",
-           "token_table", "page_table_from_tokens", "paged_metadata", "swa_metadata"]
+           "token_table", "page_table_from_tokens", "paged_metadata", "slot_metadata",
+           "query_block_ids", "swa_metadata"]

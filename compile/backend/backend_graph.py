@@ -6,15 +6,22 @@ buffers (``compile/graphs/step_buffers.py``); the backend only sizes and fills t
 
 1. ``graph_metadata_buffers(max_bs, max_num_tokens)`` allocates them (page tables as wide as
    ``context_len``, local-attention and SWA tables included).
-2. ``init_forward_metadata_out_graph(fb, buffers, bound=None)`` (host, before each captured or
-   replayed step) builds the batch's metadata once and writes it into the buffers: bound to
-   their leading slices when ``bound`` is None (a descriptor's first step), else copied into
+2. ``fill_graph_metadata(fb, buffers, bound=None)`` (host, before each captured or replayed
+   step) builds the batch's metadata once and writes it into the buffers: bound to their
+   leading slices when ``bound`` is None (a descriptor's first step), else copied into
    ``bound``'s tensors in place; addresses never change. It returns that metadata and makes it
    ``forward_metadata``, which the captured layers read.
 
-It does not capture anything itself, keep state per batch shape, or own ``out_cache_loc``/
-``seq_lens``: the runner's step buffers hold those. Supported: DECODE (plain, and draft steps
-with topk 1) and TARGET_VERIFY with topk 1; other modes raise ``NotImplementedError``.
+It does not capture anything itself or own ``out_cache_loc``/``seq_lens``: the runner's step
+buffers hold those. Supported: DECODE (plain, and draft steps with any topk: the cascade's
+expand tables are sized for the bucket's maximum), TARGET_VERIFY (chain and tree, the merged
+per-draft SWA tables included), draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input,
+as many tokens per request in every request) and IDLE; other modes raise
+``NotImplementedError``.
+
+sglang's own graph runners call ``init_cuda_graph_state(max_bs, max_num_tokens)`` and
+``init_forward_metadata_out_graph(fb, in_capture)``: thin wrappers over the same two steps
+whose buffers the backend holds, bound once per (mode, batch size) at capture.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import Tensor
 import xpu_ops
 
 from compile.backend.local_attention import local_chunks_per_request
+from compile.backend.spec_metadata import padded_spec_info
 
 _EXTERNAL = ("write.loc", "write.encoder_loc")  # the runner's step buffers hold these
 
@@ -44,7 +52,10 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
 
     Page tables are as wide as ``context_len`` (in pages); the SWA table and translated write
     slots exist only for hybrid SWA pools, the local-attention tables only with an
-    ``attention_chunk_size``, the MLA workspace only for MLA.
+    ``attention_chunk_size``, the MLA workspace only for MLA. The cascade's expand tables hold
+    one row per query token (a tree's draft or branch), as wide as a request's tokens; the
+    merged rows of trees one row per query token, as wide as ``context_len`` plus a request's
+    tokens (sliding-window models) or as the chunk (chunked-local models).
     """
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
@@ -52,6 +63,13 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
            "main.cache_seqlens": torch.zeros(max_bs, **i32),
            "main.page_table": torch.zeros(max_bs, max_pages, **i32)}
+    buf.update(_slot_call_buffers("expand", max_num_tokens, q_per_req, dev))
+    if backend.sliding_window_size is not None or backend.is_hybrid_swa:
+        buf.update(_slot_call_buffers("swa_spec", max_num_tokens,
+                                      backend.max_context_len + q_per_req, dev))
+    if backend.attention_chunk_size:
+        buf.update(_slot_call_buffers("local_spec", max_num_tokens,
+                                      int(backend.attention_chunk_size), dev))
     if hasattr(backend.token_to_kv_pool, "translate_loc_from_full_to_swa"):
         buf["swa.page_table"] = torch.zeros(max_bs, max_pages, **i32)
         buf["write.swa_loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -66,6 +84,14 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
                                                     backend.num_heads or 128)
         buf["mla_workspace"] = torch.empty(size, dtype=torch.uint8, device=dev)
     return buf
+
+
+def _slot_call_buffers(part: str, rows: int, width: int, device) -> dict[str, Tensor]:
+    """Buffers of a one-query-per-row call over a token-slot table ``[rows, width]``."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return {f"{part}.cu_seqlens_q": torch.zeros(rows + 1, **i32),
+            f"{part}.cache_seqlens": torch.zeros(rows, **i32),
+            f"{part}.page_table": torch.zeros(rows, width, **i32)}
 
 
 def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = _EXTERNAL):
@@ -124,18 +150,34 @@ class GraphMetadataMixin:
         return metadata_buffers(self, max_bs, max_num_tokens)
 
     def graph_mode_unsupported(self, fb) -> Optional[str]:
-        """Why ``fb``'s mode cannot keep its metadata in fixed buffers, or None (DECODE, and
-        TARGET_VERIFY / draft decode with topk 1, and IDLE)."""
+        """Why ``fb``'s mode cannot keep its metadata in fixed buffers, or None (DECODE, draft
+        decode and TARGET_VERIFY with any topk, draft extend, IDLE)."""
         mode = fb.forward_mode
-        ok = mode.is_decode() or mode.is_target_verify() or mode.is_idle()
-        if not ok or (fb.spec_info is not None and self._topk(fb) > 1):
-            return (f"graph metadata for mode {mode.name} with topk "
-                    f"{self._topk(fb) if fb.spec_info is not None else 0} is not supported; "
-                    f"graphs cover DECODE and TARGET_VERIFY/draft decode with topk 1.")
-        return None
+        if mode.is_decode() or mode.is_target_verify() or mode.is_idle() or fb.is_draft_extend():
+            return None
+        return (f"graph metadata for mode {mode.name} is not supported; graphs cover DECODE, "
+                f"TARGET_VERIFY, draft extend (DRAFT_EXTEND_V2, EXTEND with a draft input) and "
+                f"IDLE.")
 
-    def init_forward_metadata_out_graph(self, forward_batch, buffers: dict[str, Tensor],
-                                        bound=None):
+    def shares_graph_buffers(self, other) -> bool:
+        """Whether ``other``'s graph-captured steps may use this backend's metadata buffers:
+        the same pool and page table and every fact ``metadata_buffers`` sizes them by (the
+        step backends of one ``XPUMultiStepDraftBackend``)."""
+        facts = ("device", "page_size", "max_context_len", "attention_chunk_size",
+                 "sliding_window_size", "is_hybrid_swa", "use_mla", "num_heads",
+                 "speculative_num_draft_tokens")
+        return other is self or (
+            isinstance(other, GraphMetadataMixin)
+            and other.token_to_kv_pool is self.token_to_kv_pool
+            and other.req_to_token is self.req_to_token
+            and all(getattr(other, f) == getattr(self, f) for f in facts))
+
+    def graph_spec_info(self, spec_info, seq_lens: Tensor, batch_size: int):
+        """``spec_info`` of a batch padded to ``batch_size`` requests (``padded_spec_info``:
+        tree masks as ``[batch_size, D, D]``); ``seq_lens`` are the real requests'."""
+        return padded_spec_info(spec_info, seq_lens, batch_size)
+
+    def fill_graph_metadata(self, forward_batch, buffers: dict[str, Tensor], bound=None):
         """Host side of a captured step: build the metadata once, bind it to ``buffers``
         (``bound`` None) or refill ``bound`` in place; returns it (also ``forward_metadata``).
 
@@ -158,6 +200,36 @@ class GraphMetadataMixin:
             refill_metadata(bound, fresh)
         self.forward_metadata = bound
         return bound
+
+    # sglang 0.5.23's graph-runner hooks (its runners keep no step buffers of their own)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the backend-held graph buffers (``graph_metadata_buffers``)."""
+        self.cuda_graph_buffers = self.graph_metadata_buffers(max_bs, max_num_tokens)
+        self.cuda_graph_metadata = {}
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Fill the backend-held buffers for a captured (``in_capture``) or replayed step.
+
+        Raises:
+            RuntimeError: ``init_cuda_graph_state`` was not called, or a replay of a
+                (mode, batch size) that was never captured.
+        """
+        if getattr(self, "cuda_graph_buffers", None) is None:
+            raise RuntimeError("XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
+                               "buffers; expected init_cuda_graph_state(max_bs, max_num_tokens) "
+                               "first, got none.")
+        fb = forward_batch
+        key = (fb.forward_mode, fb.spec_info is not None, fb.batch_size)
+        if not in_capture and key not in self.cuda_graph_metadata:
+            raise RuntimeError(f"XPUAttentionBackend.init_forward_metadata_out_graph: replay "
+                               f"of {key} without a capture; expected in_capture=True first.")
+        bound = None if in_capture else self.cuda_graph_metadata[key]
+        self.cuda_graph_metadata[key] = self.fill_graph_metadata(fb, self.cuda_graph_buffers,
+                                                                 bound)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Graph-recorded metadata work: none (all of it is host-side, out of the graph)."""
 
 
 __all__ = ["GraphMetadataMixin", "metadata_buffers", "bind_metadata", "refill_metadata"]

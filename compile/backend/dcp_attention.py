@@ -132,7 +132,8 @@ class DCPAttentionBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build ``self.forward_metadata`` for ``fb`` (host, once per step)."""
         mode = fb.forward_mode
-        if fb.spec_info is not None or not (mode.is_decode() or mode.is_extend()):
+        if fb.spec_info is not None or not (
+                mode.is_decode() or mode.is_extend(include_draft_extend_v2=True)):
             raise NotImplementedError(f"DCPAttentionBackend: forward mode {mode.name} is not "
                                       "supported; expected DECODE or EXTEND/MIXED without "
                                       "speculative decoding.")

@@ -7,12 +7,41 @@ forwards to the batch's attention backend, which writes the new K/V into the poo
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import enum
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from compile.batch import KVLayout
+
+
+class AttentionType(enum.Enum):
+    """A self-attention layer's mask kind (sglang's ``AttentionType``, string-valued).
+
+    DECODER: causal. DECODER_BIDIRECTIONAL (a decoder layer without the causal mask, e.g.
+    DFlash's draft layers) and ENCODER_ONLY: every query sees all keys of its request.
+    """
+
+    DECODER = "decoder"
+    DECODER_BIDIRECTIONAL = "decoder_bidirectional"
+    ENCODER_ONLY = "encoder_only"
+
+
+def is_causal(layer) -> bool:
+    """Whether ``layer`` (a ``PagedAttention`` or sglang's ``RadixAttention``) masks causally:
+    not for cross attention, nor for the non-causal ``attn_type`` values."""
+    kind = getattr(layer, "attn_type", AttentionType.DECODER)
+    return not layer.is_cross_attention and kind.value == AttentionType.DECODER.value
+
+
+def _attention_type(value) -> AttentionType:
+    try:
+        return AttentionType(value)
+    except ValueError:
+        raise ValueError(f"PagedAttention: attn_type is not an AttentionType; expected one of "
+                         f"{[t.value for t in AttentionType]}, got {value!r}. Pass "
+                         f"compile.backend.AttentionType.<NAME>.") from None
 
 
 class PagedAttention(nn.Module):
@@ -30,20 +59,27 @@ class PagedAttention(nn.Module):
         use_irope: chunked local attention (Llama 4 iRoPE layers, ``attention_chunk_size``).
         kv_sharing_target_layer_id: read the KV cache of that layer instead (cross-layer KV
             sharing; such layers are called with ``k = v = None``).
+        attn_type: ``AttentionType`` (or its string value): DECODER (causal, the default) or a
+            non-causal kind.
         prefix, quant_config: accepted for sglang compatibility.
     Attributes:
         tp_q_head_num, tp_k_head_num, tp_v_head_num, qk_head_dim, head_dim, v_head_dim,
         scaling, layer_id, logit_cap, sliding_window_size, is_cross_attention, use_irope:
-            as above (sglang's names).
+            attn_type: as above (sglang's names).
+        causal: False for cross attention and the non-causal ``attn_type`` values.
         k_scale, v_scale: None or float32 one-element tensors, fp8 KV-cache scales (stored
             value = k / k_scale); ``k_scale_float``/``v_scale_float`` the same as floats.
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or an unknown
+            ``attn_type``.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
                  layer_id: int, logit_cap: float = 0.0, v_head_dim: int = -1,
                  sliding_window_size: int = -1, is_cross_attention: bool = False,
                  use_irope: bool = False, kv_sharing_target_layer_id: Optional[int] = None,
-                 prefix: str = "", quant_config=None, **kwargs):
+                 prefix: str = "", quant_config=None,
+                 attn_type: Union[AttentionType, str] = AttentionType.DECODER, **kwargs):
         super().__init__()
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"PagedAttention: num_heads {num_heads} is not a multiple of "
@@ -61,12 +97,18 @@ class PagedAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.use_irope = use_irope
         self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
+        self.attn_type = _attention_type(attn_type)
         # Piecewise mode: the graphs wing installs its split op here (enable_split_op).
         self.split_op: Optional[Callable] = None
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
         self.v_scale_float: Optional[float] = None
+
+    @property
+    def causal(self) -> bool:
+        """``is_causal(self)``."""
+        return is_causal(self)
 
     @property
     def kv_cache_layer_id(self) -> int:
@@ -169,4 +211,4 @@ sliding_window=8, kv_lora_rank=0)
                     sliding_window=window, kv_lora_rank=rank)
 
 
-__all__ = ["PagedAttention", "attention_layers", "kv_layout"]
+__all__ = ["AttentionType", "PagedAttention", "attention_layers", "is_causal", "kv_layout"]

@@ -5,11 +5,17 @@ The MLA pool stores per token one row ``[R + r]``: the compressed KV (latent, R)
 ``q_rope [tokens, H, r]``; scores are ``q_nope.latent + q_rope.rope`` and values the latents:
 
 - plain decode: ``flash_mla_decode`` (split-KV; workspace from the metadata);
-- every other absorbed mode (extend, verify, draft): ``flash_attn_with_kvcache`` with
-  ``q = q_rope`` over the rope part as keys, ``qv = q_nope`` over the latent part as values;
+- extend, target verify and draft steps over the main call: ``flash_mla_prefill`` (sglang
+  0.5.23's absorbed prefill), ragged queries over the paged latent cache;
+- what ``flash_mla_prefill`` cannot take (cascade trees, sinks, softcap, an fp8 cache, the
+  sliding-window or chunked-local variants): ``flash_attn_with_kvcache`` with ``q = q_rope``
+  over the rope part as keys, ``qv = q_nope`` over the latent part as values;
 - MHA prefill (``forward_batch.attn_attend_prefix_cache is not None``): the model decompresses
   K/V itself; ``flash_attn_varlen_func`` over one prefix chunk (non-causal) or over the new tokens
-  (causal), returning the LSE the model merges with ``merge_state_v2``.
+  (causal), returning the LSE ``[tokens, H]`` (sglang 0.5.23's layout, ``merge_state_v2``'s)
+  that the model merges with ``merge_state_v2``.
+
+Under deterministic inference both MLA ops run with ``num_kv_splits=1``.
 
 MHA prefill reads no cache.
 """
@@ -65,12 +71,18 @@ def forward_absorbed(backend, q: Tensor, k: Optional[Tensor], v: Optional[Tensor
     out = backend.output_buffer(fb, q_nope, heads, rank)
     kv = _latent_cache(pool, layer)                                        # [slots, 1, R + r]
     call, causal, cascade = backend.select_call(meta, layer)
-    if meta.mla_workspace is not None and not cascade and call is meta.main:
-        res = xpu_ops.flash_mla_decode(q_nope.contiguous(), q_rope.contiguous(),
-                                       kv.view(-1, call.page_size, rank + rope),
-                                       call.cache_seqlens, call.page_table, meta.mla_workspace,
-                                       layer.scaling)
-        out.copy_(res)
+    latent_op = (meta.mla_workspace is not None and not cascade and call is meta.main
+                 and sinks is None and not layer.logit_cap and kv.dtype == q_nope.dtype)
+    if latent_op and fb.forward_mode.is_decode() and fb.spec_info is None:
+        out.copy_(xpu_ops.flash_mla_decode(
+            q_nope.contiguous(), q_rope.contiguous(), kv.view(-1, call.page_size, rank + rope),
+            call.cache_seqlens, call.page_table, meta.mla_workspace, layer.scaling,
+            num_kv_splits=backend.num_kv_splits))
+    elif latent_op:
+        out.copy_(xpu_ops.flash_mla_prefill(
+            q_nope, q_rope, kv.view(-1, call.page_size, rank + rope), call.cu_seqlens_q,
+            call.cache_seqlens, call.max_seqlen_q, call.page_table, meta.mla_workspace,
+            layer.scaling, causal=causal, num_kv_splits=backend.num_kv_splits))
     else:
         paged = kv.view(-1, call.page_size, 1, rank + rope)
         backend.attend(q_rope, paged[..., rank:], paged[..., :rank], call, layer, out,
@@ -88,7 +100,7 @@ def mha_prefill(backend, q: Tensor, k: Tensor, v: Tensor, layer, fb):
             tokens (``attn_attend_prefix_cache``, cu from ``prefix_chunk_cu_seq_lens``) or the
             new tokens themselves (causal).
     Returns:
-        ``(out [tokens, H, Dv], lse [H, tokens] float32)`` for a prefix chunk or with
+        ``(out [tokens, H, Dv], lse [tokens, H] float32)`` for a prefix chunk or with
         ``mha_return_lse``; else ``out`` as ``[tokens, H * Dv]``.
     """
     main = backend._metadata().main
@@ -105,7 +117,10 @@ def mha_prefill(backend, q: Tensor, k: Tensor, v: Tensor, layer, fb):
         q3, k, v, main.cu_seqlens_q, cu_k, max_seqlen_q=main.max_seqlen_q, max_seqlen_k=max_k,
         softmax_scale=layer.scaling, causal=causal, softcap=layer.logit_cap,
         return_softmax_lse=want_lse)
-    return res if want_lse else res.view(-1, heads * dv)
+    if not want_lse:
+        return res.view(-1, heads * dv)
+    out, lse = res
+    return out, lse.transpose(0, 1).contiguous()
 
 
 __all__ = ["forward_absorbed", "mha_prefill"]

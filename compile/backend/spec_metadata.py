@@ -4,20 +4,20 @@ Chains (``topk == 1``) are ordinary causal attention over ``req_to_token``, whic
 the draft tokens' slots. Trees (``topk > 1``) use cascade attention, as sglang's FlashAttention
 backend: a *prefix* pass of every draft/branch query over the request's cached prefix
 (non-causal, with LSE) and an *expand* pass of each query over the draft tokens it may see, on a
-token-slot table (page_size 1 view), merged with ``merge_state_v2``. Sliding-window layers cannot
-split by position, so target verify on them uses one merged row per draft instead
-(``prepare_swa_spec_page_table``).
+token-slot table (page_size 1 view), merged with ``merge_state_v2``. Sliding-window and
+chunked-local layers cannot split a tree by position; they take one merged row per query
+instead (``compile/backend/spec_rows.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-import xpu_ops
-
-from compile.backend.attention_metadata import (PagedAttnMetadata, paged_metadata, token_table,
-                                 uniform_cu_seqlens)
+from compile.backend.attention_metadata import (PagedAttnMetadata, paged_metadata,
+                                                uniform_cu_seqlens)
 
 
 def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
@@ -38,6 +38,27 @@ def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
     index = (start[:, None, None] + i[None, :, None] * (lens + d)[:, None, None]
              + lens[:, None, None] + i[None, None, :])
     return custom_mask.to(torch.bool)[index.reshape(-1)].view(b, d, d)
+
+
+def padded_spec_info(spec_info, seq_lens: Tensor, batch_size: int):
+    """``spec_info`` of a batch padded to ``batch_size`` requests (a graph bucket).
+
+    A tree mask (either layout) becomes ``[batch_size, D, D]`` bool: the real requests' rows,
+    then padded requests whose drafts each see only themselves (their slots are the padding
+    slot). Anything else is returned unchanged.
+
+    Args:
+        spec_info: a ``SpecInfo`` or None. seq_lens: [b] prefix lengths of the real requests
+            (decode sglang's flattened mask). batch_size: the bucket, ``>= b``.
+    """
+    if spec_info is None or spec_info.custom_mask is None:
+        return spec_info
+    mask = spec_info.custom_mask
+    d = mask.shape[-1] if mask.dim() == 3 else spec_info.draft_token_num
+    mask = draft_mask(mask, seq_lens, d)
+    eye = torch.eye(d, dtype=torch.bool, device=mask.device)
+    pad = eye.expand(batch_size - mask.shape[0], d, d)
+    return dataclasses.replace(spec_info, custom_mask=torch.cat([mask, pad]))
 
 
 def expand_metadata(slots: Tensor, visible: Tensor) -> PagedAttnMetadata:
@@ -85,24 +106,6 @@ def verify_tree(fb, req_to_token: Tensor, page_size: int, num_draft: int
     return prefix, expand, mask
 
 
-def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
-                    ) -> PagedAttnMetadata:
-    """Target verify topk > 1 on SWA layers: one row per draft, prefix + allowed drafts, in
-    SWA-pool slots (translated when ``pool`` has a full-to-SWA mapping)."""
-    b = fb.batch_size
-    max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    prefix = token_table(req_to_token, fb.req_pool_indices, max_k)
-    drafts = fb.out_cache_loc.view(b, num_draft)
-    if hasattr(pool, "translate_loc_from_full_to_swa"):
-        prefix = pool.translate_loc_from_full_to_swa(prefix)
-        drafts = pool.translate_loc_from_full_to_swa(drafts)
-    table, lens = xpu_ops.prepare_swa_spec_page_table(
-        prefix.to(torch.int32), fb.seq_lens.to(torch.int32), drafts.to(torch.int32), mask)
-    cu_q = uniform_cu_seqlens(b * num_draft, 1, table.device)
-    return PagedAttnMetadata(cu_seqlens_q=cu_q, cache_seqlens=lens, page_table=table,
-                             max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
-
-
 def draft_decode_chain(fb, req_to_token: Tensor, page_size: int, step_id: int
                        ) -> PagedAttnMetadata:
     """Draft decode, topk 1: one query per request over prefix + ``step_id + 1`` drafts."""
@@ -131,5 +134,5 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
     return out_cache_loc.view(rows, num_steps)[:, step_id]
 
 
-__all__ = ["draft_mask", "expand_metadata", "prefix_metadata", "verify_chain", "verify_tree",
-           "verify_tree_swa", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]
+__all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain",
+           "verify_tree", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]

@@ -5,12 +5,14 @@ turns it into attention metadata once, on the host, before the model runs.
 
 Token layout per mode (``b = batch_size``):
 
-- EXTEND / MIXED / DRAFT_EXTEND: ``extend_seq_lens[r]`` new tokens per request, packed; keys are
-  the ``extend_prefix_lens[r]`` cached tokens plus the new ones (``seq_lens = prefix + extend``).
+- EXTEND / MIXED / DRAFT_EXTEND_V2: ``extend_seq_lens[r]`` new tokens per request, packed; keys
+  are the ``extend_prefix_lens[r]`` cached tokens plus the new ones (``seq_lens = prefix +
+  extend``). An EXTEND batch whose ``spec_info`` is a draft input is a draft extend as well.
 - DECODE: one new token per request (``topk`` per request for a draft step with ``topk > 1``);
   ``seq_lens`` counts the cached tokens *including* the new one.
-- TARGET_VERIFY: ``spec_info.draft_token_num`` draft tokens per request; ``seq_lens`` counts the
-  cached prefix only (drafts excluded), as sglang.
+- TARGET_VERIFY: ``spec_info.num_tokens_per_req`` tokens per request (``draft_token_num``
+  unless the spec input says otherwise); ``seq_lens`` counts the cached prefix only (drafts
+  excluded), as sglang.
 - IDLE: no tokens.
 """
 
@@ -25,19 +27,36 @@ from torch import Tensor
 
 
 class ForwardMode(enum.IntEnum):
-    """The kind of step a batch runs (sglang's ``ForwardMode`` subset)."""
+    """The kind of step a batch runs: sglang 0.5.23's ``ForwardMode`` subset, same names, values
+    and predicates (``tests/compile/backend/test_base_backend.py`` checks them against the
+    wheel's truth table)."""
 
     EXTEND = enum.auto()
     DECODE = enum.auto()
     MIXED = enum.auto()
     IDLE = enum.auto()
     TARGET_VERIFY = enum.auto()
-    DRAFT_EXTEND = enum.auto()
+    DRAFT_EXTEND_V2 = enum.auto()
 
-    def is_extend(self) -> bool:
-        """Modes with several new tokens per request (sglang counts TARGET_VERIFY here too)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
-                        ForwardMode.TARGET_VERIFY)
+    def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """Modes with several new tokens per request: EXTEND, MIXED, TARGET_VERIFY (sglang
+        counts verify here), and DRAFT_EXTEND_V2 when ``include_draft_extend_v2``."""
+        return (self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+                or (include_draft_extend_v2 and self == ForwardMode.DRAFT_EXTEND_V2))
+
+    def is_prefill(self, include_draft_extend_v2: bool = False) -> bool:
+        """sglang's other name for ``is_extend``."""
+        return self.is_extend(include_draft_extend_v2=include_draft_extend_v2)
+
+    def is_context_parallel_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """Modes a context-parallel prefill splits: EXTEND, MIXED (and DRAFT_EXTEND_V2 when
+        ``include_draft_extend_v2``)."""
+        return self.is_extend_or_draft_extend_or_mixed(
+            include_draft_extend_v2=include_draft_extend_v2)
+
+    def is_extend_without_speculative(self) -> bool:
+        """``is_extend()`` but not TARGET_VERIFY."""
+        return self.is_extend() and not self.is_target_verify()
 
     def is_decode(self) -> bool:
         """True for DECODE only."""
@@ -55,21 +74,35 @@ class ForwardMode(enum.IntEnum):
         """True for TARGET_VERIFY only."""
         return self == ForwardMode.TARGET_VERIFY
 
-    def is_draft_extend(self) -> bool:
-        """True for DRAFT_EXTEND only."""
-        return self == ForwardMode.DRAFT_EXTEND
+    def is_draft_extend_v2(self) -> bool:
+        """True for DRAFT_EXTEND_V2 only (the mode alone; an EXTEND batch with a draft input
+        is a draft extend too: ``ForwardBatch.is_draft_extend``)."""
+        return self == ForwardMode.DRAFT_EXTEND_V2
 
     def is_decode_or_idle(self) -> bool:
         """True for DECODE and IDLE."""
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
-    def is_extend_or_draft_extend_or_mixed(self) -> bool:
-        """True for EXTEND, DRAFT_EXTEND and MIXED (not TARGET_VERIFY)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED)
+    def is_extend_or_draft_extend_or_mixed(self, include_draft_extend_v2: bool = False) -> bool:
+        """EXTEND and MIXED, and DRAFT_EXTEND_V2 when ``include_draft_extend_v2`` (never
+        TARGET_VERIFY)."""
+        return (self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+                or (include_draft_extend_v2 and self == ForwardMode.DRAFT_EXTEND_V2))
 
     def is_cuda_graph(self) -> bool:
-        """Modes that graph runners capture (sglang: decode, target verify, idle)."""
+        """Modes that sglang's decode graph runner captures: DECODE, TARGET_VERIFY, IDLE."""
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+    def is_cpu_graph(self) -> bool:
+        """Modes that sglang's CPU graph runner captures: DECODE."""
+        return self == ForwardMode.DECODE
+
+
+class SpecInputType(enum.Enum):
+    """Which side of a speculative round a ``SpecInfo`` feeds (sglang's names)."""
+
+    EAGLE_DRAFT = enum.auto()
+    EAGLE_VERIFY = enum.auto()
 
 
 @dataclasses.dataclass
@@ -83,12 +116,43 @@ class SpecInfo:
             ``[b, D, D]`` bool (row i may see draft j) or sglang's flattened bool layout (per
             request a row-major ``[D, seq_len + D]`` block, concatenated).
         spec_steps: draft steps per round (informational).
+        num_tokens_per_req: query tokens per request of this step (sglang 0.5.23): the width of
+            a TARGET_VERIFY batch, which may differ from ``draft_token_num`` (DSpark's draft
+            block). -1: ``draft_token_num`` for a verify input, unset for a draft input.
+        spec_input_type: ``EAGLE_VERIFY`` or ``EAGLE_DRAFT``; None: a verify input when
+            ``draft_token_num > 0`` (only sglang's verify input carries one), else a draft input.
     """
 
     topk: int = 1
     draft_token_num: int = 0
     custom_mask: Optional[Tensor] = None
     spec_steps: int = 0
+    num_tokens_per_req: int = -1
+    spec_input_type: Optional[SpecInputType] = None
+
+    def __post_init__(self) -> None:
+        if self.spec_input_type is None:
+            self.spec_input_type = (SpecInputType.EAGLE_VERIFY if self.draft_token_num > 0
+                                    else SpecInputType.EAGLE_DRAFT)
+        if self.num_tokens_per_req < 0 and self.is_verify_input():
+            self.num_tokens_per_req = self.draft_token_num
+
+    def is_draft_input(self) -> bool:
+        """An input of the draft model (draft decode, draft extend)."""
+        return self.spec_input_type == SpecInputType.EAGLE_DRAFT
+
+    def is_verify_input(self) -> bool:
+        """An input of the target model's verify step."""
+        return self.spec_input_type == SpecInputType.EAGLE_VERIFY
+
+
+def is_draft_extend(forward_batch) -> bool:
+    """Whether ``forward_batch`` (this project's or sglang's ``ForwardBatch``) is a draft-model
+    extend: mode DRAFT_EXTEND_V2, or EXTEND with a draft ``spec_info`` (sglang 0.5.23's XPU
+    backend treats both alike)."""
+    mode, spec = forward_batch.forward_mode, forward_batch.spec_info
+    return mode.is_draft_extend_v2() or (
+        mode == ForwardMode.EXTEND and spec is not None and spec.is_draft_input())
 
 
 @dataclasses.dataclass
@@ -105,10 +169,10 @@ class ForwardBatch:
             ``[b * topk * num_steps]`` round, laid out ``(b, topk, step)``).
         positions: [total_q] int64 token positions (for the model's rotary embedding).
         extend_seq_lens / extend_prefix_lens (+ ``_cpu`` lists): new and cached tokens per
-            request in EXTEND/MIXED/DRAFT_EXTEND.
+            request in EXTEND/MIXED/DRAFT_EXTEND_V2.
         encoder_lens / encoder_lens_cpu: [b] encoder tokens per request (encoder-decoder); they
-            occupy the first ``encoder_lens[r]`` columns of ``req_to_token`` (a multiple of
-            page_size), decoder tokens follow; ``seq_lens`` counts decoder tokens only.
+            occupy the first ``encoder_lens[r]`` columns of ``req_to_token`` (any length),
+            decoder tokens follow; ``seq_lens`` counts decoder tokens only.
         encoder_out_cache_loc: [sum encoder_lens] int64 slots for the encoder's K/V.
         spec_info: SpecInfo or None.
         attn_attend_prefix_cache, prefix_chunk_idx, prefix_chunk_cu_seq_lens,
@@ -161,10 +225,14 @@ class ForwardBatch:
         if self.encoder_lens is not None and self.encoder_lens_cpu is None:
             self.encoder_lens_cpu = self.encoder_lens.cpu().tolist()
 
+    def is_draft_extend(self) -> bool:
+        """``is_draft_extend(self)``."""
+        return is_draft_extend(self)
+
     @property
     def device(self) -> torch.device:
         """Device of the batch's tensors (that of ``seq_lens``)."""
         return self.seq_lens.device
 
 
-__all__ = ["ForwardMode", "ForwardBatch", "SpecInfo"]
+__all__ = ["ForwardMode", "ForwardBatch", "SpecInfo", "SpecInputType", "is_draft_extend"]

@@ -40,15 +40,19 @@ class BatchDescriptor:
     Attributes:
         graph_mode: which kind of ``GraphWrapper`` captures this step (the others run their
             callable uncaptured).
-        forward_mode: the batch's ``ForwardMode``; ``draft``: a draft-decode step (DECODE with
-            ``spec_info``).
+        forward_mode: the batch's ``ForwardMode``; ``draft``: a draft-model step (its
+            ``spec_info`` is a draft input: draft decode or draft extend).
         bucket: what the step is padded to: requests for ``FULL``, tokens for ``PIECEWISE``.
+        topk: branches per request of a speculative step (0: none; above 1: a cascade).
+        step: the draft step (``speculative_step_id``) of a draft-decode step.
     """
 
     graph_mode: GraphMode
     forward_mode: Any
     bucket: int
     draft: bool = False
+    topk: int = 0
+    step: int = 0
 
 
 @dataclasses.dataclass

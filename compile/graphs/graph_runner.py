@@ -8,17 +8,19 @@ does.
 
 Per step:
 
-1. A step it can capture (``can_run``: DECODE; TARGET_VERIFY with topk 1 and
-   ``draft_token_num`` drafts; draft DECODE with topk 1; at most ``max(batch_sizes)``
-   requests) is padded to the smallest request bucket ``bs``: ``StepBuffers.load`` copies it
-   into the runner's fixed buffers and writes its metadata into them
-   (``compile/graphs/step_buffers.py``).
+1. A step it can capture (``can_run``: DECODE; TARGET_VERIFY with ``draft_token_num`` drafts,
+   a chain (topk 1) or a tree (topk > 1: the cascade); draft DECODE with topk 1 or ``topk``;
+   draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input) of ``draft_token_num`` tokens
+   in every request; at most ``max(batch_sizes)`` requests) is padded to the smallest request
+   bucket ``bs``:
+   ``StepBuffers.load`` copies it into the runner's fixed buffers and writes its metadata into
+   them (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket).
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
    ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): one warm-up step per descriptor
    (compilation and autotuning), then capture, then replays of the whole step (attention
    included). Inside it, a ``PiecewiseModel`` forward neither pads nor captures its pieces
    (they see FULL).
-3. Any other step (extend, mixed, draft extend, topk > 1, idle, too many requests) builds its
+3. Any other step (extend, mixed, ragged draft extend, idle, too many requests) builds its
    metadata with ``init_forward_metadata`` and runs ``forward`` (a ``PiecewiseModel`` then pads
    it to a token bucket and replays its pieces).
 
@@ -41,7 +43,7 @@ from compile.graphs.forward_context import (BatchDescriptor, GraphMode, get_forw
 from compile.graphs.graph_wrapper import GraphWrapper
 from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import layers_by_id
-from compile.graphs.step_buffers import StepBuffers
+from compile.graphs.step_buffers import StepBuffers, TokenBuffers
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -54,13 +56,18 @@ class GraphRunner:
         forward: what runs and is captured (default ``model``; ``PiecewiseModel`` in
             ``full_and_piecewise``; ``compile_model(model)``).
         batch_sizes: request buckets (a batch of ``b`` requests uses the smallest ``>= b``).
-        draft_token_num: D of the TARGET_VERIFY steps captured (0: verify runs ``forward``).
+        draft_token_num: D of the TARGET_VERIFY and draft-extend steps captured (0: they run
+            ``forward``).
         speculative_num_steps: draft steps per round of the draft-decode steps captured (their
-            ``out_cache_loc`` holds the whole round, ``num_steps`` slots per request; 0: one).
+            ``out_cache_loc`` holds the whole round, ``topk * num_steps`` slots per request; 0:
+            one per branch).
+        topk: branches per request of the tree draft-decode steps captured (their
+            ``spec_info.topk``; steps with topk 1 are captured too).
         capture: capture device graphs (default: when the model's device supports them).
         emulate_graphs: capture ``EmulatedGraph``s (CPU tests); implies ``capture``.
         debug: check on every replay that no input moved.
         graph_pool: a ``device.graph_pool_handle`` shared with other graphs (the pieces').
+        tokens: the ``TokenBuffers`` the step buffers use (the pieces'), or None for their own.
     Attributes:
         builds_metadata: True (the engine leaves the metadata to the runner).
         buffers: the ``StepBuffers`` (made at the first captured step).
@@ -72,12 +79,14 @@ class GraphRunner:
 
     def __init__(self, model, *, forward: Optional[Callable] = None,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, draft_token_num: int = 0,
-                 speculative_num_steps: int = 0, capture: Optional[bool] = None,
-                 emulate_graphs: bool = False, debug: bool = False, graph_pool=None):
+                 speculative_num_steps: int = 0, topk: int = 1, capture: Optional[bool] = None,
+                 emulate_graphs: bool = False, debug: bool = False, graph_pool=None,
+                 tokens: Optional[TokenBuffers] = None):
         self.model, self.forward = model, (model if forward is None else forward)
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         self.max_bs = self.batch_sizes[-1]
         self.draft_token_num, self.num_steps = int(draft_token_num), int(speculative_num_steps)
+        self.topk = max(int(topk), 1)
         self.device = next(model.parameters()).device
         if capture is None:
             capture = emulate_graphs or dev.supports_graphs(self.device)
@@ -88,6 +97,7 @@ class GraphRunner:
                                   capture=capture, emulate=emulate_graphs, debug=debug,
                                   pool=pool, warmup_calls=1)
         self.buffers: Optional[StepBuffers] = None
+        self.tokens = tokens
         self.static_steps = 0
 
     @property
@@ -105,16 +115,19 @@ class GraphRunner:
         mode, spec = fb.forward_mode, fb.spec_info
         if not 0 < fb.batch_size <= self.max_bs:
             return None
-        if spec is not None and max(spec.topk, 1) != 1:
-            return None  # trees: cascade metadata has no fixed buffers
         if mode.is_decode():
             if spec is None:
                 return 1, 1
-            slots = fb.out_cache_loc.shape[0] // fb.batch_size
-            return (1, slots) if slots in (1, self.num_steps) else None
+            topk, slots = max(spec.topk, 1), fb.out_cache_loc.shape[0] // fb.batch_size
+            if topk not in (1, self.topk) or slots not in (topk, topk * self.num_steps):
+                return None
+            return topk, slots
         if mode.is_target_verify() and spec is not None and self.draft_token_num:
             d = self.draft_token_num
             return (d, d) if spec.draft_token_num == d else None
+        if fb.is_draft_extend() and self.draft_token_num:
+            d = self.draft_token_num
+            return (d, d) if all(n == d for n in fb.extend_seq_lens_cpu) else None
         return None
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -129,13 +142,21 @@ class GraphRunner:
             return self.forward(input_ids, positions, forward_batch, **kwargs)
         fb, (q, slots) = forward_batch, shape
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, fb.batch_size)]
-        desc = BatchDescriptor(GraphMode.FULL, fb.forward_mode, bs,
-                               draft=fb.spec_info is not None and fb.forward_mode.is_decode())
+        desc = self._descriptor(fb, bs)
         ids, pos, static = self._buffers(fb).load(desc, input_ids, positions, fb, q, slots)
         self.static_steps += 1
         with set_forward_context(self.layers, static, bs * q, desc):
             out = self.graph(ids, pos)
-        return out[:input_ids.shape[0]].clone()
+        rows = input_ids.shape[0] if out.shape[0] == bs * q else fb.batch_size  # per token/req
+        return out[:rows].clone()
+
+    @staticmethod
+    def _descriptor(fb: ForwardBatch, bs: int) -> BatchDescriptor:
+        spec, backend = fb.spec_info, fb.attn_backend
+        draft = spec is not None and spec.is_draft_input()
+        return BatchDescriptor(GraphMode.FULL, fb.forward_mode, bs, draft=draft,
+                               topk=0 if spec is None else max(spec.topk, 1),
+                               step=backend.speculative_step_id if draft else 0)
 
     def _step(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """What the wrapper runs and captures: ``forward`` over the step buffers."""
@@ -143,25 +164,29 @@ class GraphRunner:
 
     def _buffers(self, fb: ForwardBatch) -> StepBuffers:
         if self.buffers is None:
-            per_req = max(1, self.draft_token_num, self.num_steps)
-            self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req)
-        elif fb.attn_backend is not self.buffers.backend:
-            raise RuntimeError("GraphRunner: the batch's attn_backend differs from the one the "
-                               "step buffers were made for; expected one backend per runner.")
+            per_req = max(1, self.draft_token_num, self.topk * max(self.num_steps, 1))
+            self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req,
+                                       self.tokens)
+        elif not self.buffers.backend.shares_graph_buffers(fb.attn_backend):
+            raise RuntimeError("GraphRunner: the batch's attn_backend cannot use the step "
+                               "buffers made for another backend; expected one backend per "
+                               "runner, or the step backends of one XPUMultiStepDraftBackend.")
         return self.buffers
 
 
 def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                        capture: Optional[bool] = None, draft_token_num: int = 0,
-                       speculative_num_steps: int = 0, **piecewise_kwargs) -> GraphRunner:
+                       speculative_num_steps: int = 0, topk: int = 1,
+                       **piecewise_kwargs) -> GraphRunner:
     """The serving path: whole-step graphs for fixed-shape steps, pieces for the rest.
 
-    Returns ``GraphRunner(model, forward=PiecewiseModel(model, ...))``: decode, topk-1 verify
-    and topk-1 draft steps of at most ``max(batch_sizes)`` requests replay one device graph per
-    request bucket, recorded through the piecewise model (its pieces as compiled code, the
-    split op's attention on the step buffers' metadata); every other step runs the
+    Returns ``GraphRunner(model, forward=PiecewiseModel(model, ...))``: decode, verify, draft
+    decode (chains and trees) and uniform draft-extend steps of at most ``max(batch_sizes)``
+    requests replay one device graph per request bucket, recorded through the piecewise model
+    (its pieces as compiled code, the split op's attention on the step buffers' metadata);
+    every other step runs the
     ``PiecewiseModel``: pieces captured per token bucket, attention eager between them. Both
-    kinds share one graph memory pool.
+    kinds share one graph memory pool and one pair of padded token buffers.
 
     Why: attention between pieces costs host time per layer, which decode, with little device
     work per step, cannot hide; extend steps have enough device work to hide it and too many
@@ -169,7 +194,7 @@ def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
 
     Args:
         model: as ``PiecewiseModel``'s (its attention layers are switched to the split op).
-        batch_sizes, draft_token_num, speculative_num_steps: as ``GraphRunner``'s.
+        batch_sizes, draft_token_num, speculative_num_steps, topk: as ``GraphRunner``'s.
         capture: capture device graphs, both kinds (default: when the device supports them).
         **piecewise_kwargs: ``PiecewiseModel`` options (``graph_sizes``, ``inductor``, ``debug``,
             ``emulate_graphs``, ``device``); ``debug`` and ``emulate_graphs`` apply to both.
@@ -181,9 +206,10 @@ def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     pw = PiecewiseModel(model, capture=capture, **piecewise_kwargs)
     return GraphRunner(model, forward=pw, batch_sizes=batch_sizes,
                        draft_token_num=draft_token_num,
-                       speculative_num_steps=speculative_num_steps, capture=capture,
+                       speculative_num_steps=speculative_num_steps, topk=topk, capture=capture,
                        emulate_graphs=piecewise_kwargs.get("emulate_graphs", False),
-                       debug=piecewise_kwargs.get("debug", False), graph_pool=pw.backend.pool)
+                       debug=piecewise_kwargs.get("debug", False), graph_pool=pw.backend.pool,
+                       tokens=pw.tokens)
 
 
 __all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "full_and_piecewise"]

@@ -12,9 +12,12 @@ step (``load``):
 
 1. Copy the batch into the leading slices of its bucket; padded requests point at request row 0
    with ``seq_lens`` = the backend's fill value (1) and KV slot 0 (the reserved padding slot).
+   Steps of several tokens per request (verify, draft extend) have the same count in every
+   request, padded ones included (a draft extend's ``extend_seq_lens`` are a fixed buffer:
+   the model's LM head reads them inside the graph).
 2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
 3. Build the step's metadata once, on the host, straight into the metadata buffers
-   (``backend.init_forward_metadata_out_graph``: bound at a descriptor's first step, refilled
+   (``backend.fill_graph_metadata``: bound at a descriptor's first step, refilled
    in place after), and make it the backend's ``forward_metadata``.
 
 The metadata is rebuilt from the whole padded batch every step, so shrinking or growing batches
@@ -75,11 +78,16 @@ class StepBuffers:
     query tokens (and KV slots: a draft-decode round writes ``num_steps`` per request).
 
     Args:
-        backend: the ``XPUAttentionBackend`` whose metadata the steps use.
+        backend: the ``XPUAttentionBackend`` whose metadata the steps use (steps of backends
+            that ``shares_graph_buffers`` with it, e.g. the draft steps of one round, fill the
+            same buffers: each step refills them before its replay).
         max_bs: requests of the largest bucket.
         max_num_tokens: query tokens (and ``out_cache_loc`` slots) of the largest bucket.
+        tokens: a ``TokenBuffers`` of at least ``max_num_tokens`` to use (a ``PiecewiseModel``'s:
+            a step is either captured whole or piecewise, so one pair of buffers serves both),
+            or None to make one.
     Attributes:
-        tokens: ``TokenBuffers`` of ``input_ids`` and ``positions`` [max_num_tokens].
+        tokens: ``TokenBuffers`` of ``input_ids`` and ``positions`` (>= max_num_tokens).
         out_cache_loc: [max_num_tokens] int64.
         req_pool_indices: [max_bs] int64. seq_lens: [max_bs] int32 (``seq_lens_cpu`` its host
             twin).
@@ -87,14 +95,18 @@ class StepBuffers:
         bound: ``BatchDescriptor`` -> the ``AttentionMetadata`` bound to ``metadata``.
     """
 
-    def __init__(self, backend, max_bs: int, max_num_tokens: int):
+    def __init__(self, backend, max_bs: int, max_num_tokens: int,
+                 tokens: Optional[TokenBuffers] = None):
         self.backend, self.max_bs, self.max_num_tokens = backend, max_bs, max_num_tokens
         i64 = dict(dtype=torch.int64, device=backend.device)
-        self.tokens = TokenBuffers(max_num_tokens, backend.device)
+        if tokens is None or tokens.input_ids.shape[0] < max_num_tokens:
+            tokens = TokenBuffers(max_num_tokens, backend.device)
+        self.tokens = tokens
         self.out_cache_loc = torch.zeros(max_num_tokens, **i64)
         self.req_pool_indices = torch.zeros(max_bs, **i64)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
         self.seq_lens_cpu = torch.zeros(max_bs, dtype=torch.int32)
+        self.extend_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
         self.metadata = backend.graph_metadata_buffers(max_bs, max_num_tokens)
         self.bound: dict[BatchDescriptor, Any] = {}
         self._batches: dict[BatchDescriptor, ForwardBatch] = {}
@@ -117,24 +129,34 @@ class StepBuffers:
                                        (self.seq_lens_cpu, fb.seq_lens_cpu, fill, bs)):
             buf[:values.shape[0]].copy_(values)
             buf[values.shape[0]:size].fill_(pad)
-        static = self._batch(desc, fb, pos, bs * slots_per_req)
+        static = self._batch(desc, fb, pos, tokens_per_req, slots_per_req)
+        if static.extend_seq_lens is not None:
+            self.extend_seq_lens[:bs].fill_(tokens_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
-        static.spec_info = fb.spec_info  # host-side facts only (topk, draft count, steps)
-        self.bound[desc] = self.backend.init_forward_metadata_out_graph(
+        # host-side facts (topk, draft count, steps; a tree mask padded to the bucket)
+        static.spec_info = self.backend.graph_spec_info(fb.spec_info, fb.seq_lens, bs)
+        self.bound[desc] = static.attn_backend.fill_graph_metadata(
             static, self.metadata, self.bound.get(desc))
         return ids, pos, static
 
-    def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, positions: Tensor, slots: int
-               ) -> ForwardBatch:
-        """The ``ForwardBatch`` over the buffers for ``desc`` (made at its first step)."""
+    def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, positions: Tensor,
+               tokens_per_req: int, slots_per_req: int) -> ForwardBatch:
+        """The ``ForwardBatch`` over the buffers for ``desc`` (made at its first step). An
+        extend-kind step (draft extend) has ``tokens_per_req`` new tokens in every request,
+        padded ones included, so its ``extend_seq_lens`` are constant."""
         static: Optional[ForwardBatch] = self._batches.get(desc)
         if static is None:
             bs = desc.bucket
+            extend = {}
+            if fb.extend_seq_lens is not None:
+                extend = dict(extend_seq_lens=self.extend_seq_lens[:bs],
+                              extend_seq_lens_cpu=[tokens_per_req] * bs)
             static = ForwardBatch(
                 forward_mode=fb.forward_mode, batch_size=bs,
                 req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-                seq_lens_cpu=self.seq_lens_cpu[:bs], out_cache_loc=self.out_cache_loc[:slots],
-                positions=positions, spec_info=fb.spec_info)
+                seq_lens_cpu=self.seq_lens_cpu[:bs],
+                out_cache_loc=self.out_cache_loc[:bs * slots_per_req], positions=positions,
+                spec_info=fb.spec_info, **extend)
             static.attn_backend, static.token_to_kv_pool = fb.attn_backend, fb.token_to_kv_pool
             static.req_to_token_pool = fb.req_to_token_pool
             self._batches[desc] = static

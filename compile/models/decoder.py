@@ -155,7 +155,8 @@ class DecoderForCausalLM(nn.Module):
         (see the class docstring)."""
         h = self.model(input_ids, positions, forward_batch)
         mode = forward_batch.forward_mode
-        if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed():
+        if not return_all_logits and mode.is_extend_or_draft_extend_or_mixed(
+                include_draft_extend_v2=True):
             h = h[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]  # [b], no host sync
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.logits_processor(h, weight)

@@ -13,6 +13,9 @@ sets ``TRITON_INTERPRET=1`` on a CPU).
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -22,11 +25,12 @@ import xpu_ops
 
 xpu_ops.compat.install_sgl_kernel_shim()
 
+from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config  # noqa: E402
 from sglang.srt.configs.model_config import AttentionArch  # noqa: E402
 from sglang.srt.layers.attention.xpu_backend import XPUAttentionBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (KVWriteLoc, MHATokenToKVPool,  # noqa: E402
-                                              ReqToTokenPool)
+                                              MLATokenToKVPool, ReqToTokenPool)
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode,  # noqa: E402
                                                           ForwardBatch, ForwardMode)
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context  # noqa: E402
@@ -38,6 +42,8 @@ from ..ops import oracle  # noqa: E402
 HQ, HKV, D = 4, 2, 64
 CONTEXT_LEN = 64
 SCALE = D ** -0.5
+MLA_HEADS, MLA_R, MLA_ROPE = 4, 32, 16         # query heads, latent rank, rope dim
+MLA_SCALE = (MLA_R + MLA_ROPE) ** -0.5
 ATOL = 1e-5
 
 
@@ -50,10 +56,12 @@ def provider(request):
 @pytest.fixture(scope="module", autouse=True)
 def published_config():
     """The process-wide config sglang's backends read (``get_parallel()``, ``get_spec()``...):
-    a default ``ServerArgs`` on the CPU, published as sglang's own test helpers do."""
+    a default ``ServerArgs`` on the CPU with device graphs off (its encoder-decoder path
+    requires that), resolved and published as sglang's own test helpers do."""
     reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    args = ServerArgs(model_path="dummy", device="cpu", disable_cuda_graph=True)
+    parse_cuda_graph_config(args)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     yield
     reset_context()
 
@@ -63,37 +71,53 @@ class Harness:
 
     Request ``i`` owns the token slots ``slots[i]`` (its pages shuffled across the pool) and the
     row ``req_pool_indices[i]`` of ``req_to_token``; ``keys[i, t]`` / ``values[i, t]`` are what
-    its token ``t`` stores.
+    its token ``t`` stores. With ``mla`` the pool is sglang's MLA pool: ``keys[i, t]`` is the
+    ``[1, MLA_R + MLA_ROPE]`` latent-and-rope row, ``values`` its latent part, and the layer
+    has ``MLA_HEADS`` query heads.
     """
 
-    def __init__(self, page_size: int, batch: int = 3, seed: int = 0):
+    def __init__(self, page_size: int, batch: int = 3, seed: int = 0,
+                 encoder_decoder: bool = False, mla: bool = False):
         self.gen = torch.Generator().manual_seed(seed)
-        self.batch, self.page_size = batch, page_size
-        self.pool = MHATokenToKVPool(size=batch * CONTEXT_LEN, page_size=page_size,
-                                     dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1,
-                                     device="cpu", enable_memory_saver=False)
-        for buffer in (*self.pool.k_buffer, *self.pool.v_buffer):
+        self.batch, self.page_size, self.mla = batch, page_size, mla
+        kw = dict(size=batch * CONTEXT_LEN, page_size=page_size, dtype=torch.float32,
+                  layer_num=1, device="cpu", enable_memory_saver=False)
+        if mla:
+            self.pool = MLATokenToKVPool(kv_lora_rank=MLA_R, qk_rope_head_dim=MLA_ROPE, **kw)
+            buffers = self.pool.kv_buffer
+        else:
+            self.pool = MHATokenToKVPool(head_num=HKV, head_dim=D, **kw)
+            buffers = (*self.pool.k_buffer, *self.pool.v_buffer)
+        for buffer in buffers:
             buffer.fill_(float("nan"))                 # never-written slots must not be read
-        req_pool = ReqToTokenPool(size=batch + 1, max_context_len=CONTEXT_LEN, device="cpu",
-                                  enable_memory_saver=False)
+        self.req_pool = req_pool = ReqToTokenPool(size=batch + 1, max_context_len=CONTEXT_LEN,
+                                                  device="cpu", enable_memory_saver=False)
         pages = torch.randperm(batch * CONTEXT_LEN // page_size, generator=self.gen)
         self.slots = (pages.view(batch, -1, 1) * page_size
                       + torch.arange(page_size)).view(batch, CONTEXT_LEN)
         self.req_pool_indices = torch.randperm(batch, generator=self.gen) + 1   # row 0: padding
         req_pool.req_to_token[self.req_pool_indices] = self.slots.to(req_pool.req_to_token.dtype)
         runner = SimpleNamespace(
-            model_config=SimpleNamespace(context_len=CONTEXT_LEN, attention_arch=AttentionArch.MHA,
-                                         hf_text_config=SimpleNamespace(num_attention_heads=HQ),
-                                         is_encoder_decoder=False),
+            model_config=SimpleNamespace(
+                context_len=CONTEXT_LEN, attention_arch=AttentionArch.MLA if mla else
+                AttentionArch.MHA, is_encoder_decoder=encoder_decoder,
+                hf_text_config=SimpleNamespace(num_attention_heads=MLA_HEADS if mla else HQ)),
             sliding_window_size=None, device="cpu", req_to_token_pool=req_pool,
             token_to_kv_pool=self.pool, kv_cache_dtype=torch.float32,
             kv_cache_dtype_str="auto", page_size=page_size, is_hybrid_swa=False,
             is_draft_worker=False)
         self.backend = XPUAttentionBackend(runner)
-        self.layer = RadixAttention(num_heads=HQ, head_dim=D, scaling=SCALE, num_kv_heads=HKV,
-                                    layer_id=0)
-        self.keys = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
-        self.values = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
+        if mla:
+            self.layer = RadixAttention(num_heads=MLA_HEADS, head_dim=MLA_R + MLA_ROPE,
+                                        scaling=MLA_SCALE, num_kv_heads=1, layer_id=0,
+                                        v_head_dim=MLA_R)
+            self.keys = torch.randn(batch, CONTEXT_LEN, 1, MLA_R + MLA_ROPE, generator=self.gen)
+            self.values = self.keys[..., :MLA_R]
+        else:
+            self.layer = RadixAttention(num_heads=HQ, head_dim=D, scaling=SCALE,
+                                        num_kv_heads=HKV, layer_id=0)
+            self.keys = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
+            self.values = torch.randn(batch, CONTEXT_LEN, HKV, D, generator=self.gen)
 
     def tokens(self, start, stop):
         """Slots, keys and values of tokens ``start[i]:stop[i]`` of every request, packed."""
@@ -104,7 +128,20 @@ class Harness:
     def store_prefix(self, prefix_lens) -> None:
         """Write each request's first ``prefix_lens[i]`` tokens with the pool's own writer."""
         loc, k, v = self.tokens([0] * self.batch, prefix_lens)
-        self.pool.set_kv_buffer(self.layer, KVWriteLoc(loc), k, v, None, None)
+        if self.mla:
+            self.pool.set_mla_kv_buffer(self.layer, KVWriteLoc(loc), k[..., :MLA_R],
+                                        k[..., MLA_R:])
+        else:
+            self.pool.set_kv_buffer(self.layer, KVWriteLoc(loc), k, v, None, None)
+
+    def make_batch(self, mode, seq_lens: torch.Tensor, loc: torch.Tensor,
+                   **batch_fields) -> ForwardBatch:
+        """sglang's ``ForwardBatch`` of every request, writing the new tokens to ``loc``."""
+        return ForwardBatch(
+            forward_mode=mode, batch_size=self.batch, input_ids=torch.zeros_like(loc),
+            req_pool_indices=self.req_pool_indices, seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens.clone(), out_cache_loc=loc, seq_lens_sum=int(seq_lens.sum()),
+            **batch_fields)
 
     def forward(self, mode, seq_lens, new_lens, **batch_fields) -> tuple[torch.Tensor, list]:
         """``backend.forward`` of ``new_lens[i]`` new tokens per request after
@@ -112,11 +149,7 @@ class Harness:
         seq_lens, new_lens = torch.tensor(seq_lens), torch.tensor(new_lens)
         loc, k, v = self.tokens(seq_lens - new_lens, seq_lens)
         q = torch.randn(loc.shape[0], HQ, D, generator=self.gen)
-        batch = ForwardBatch(
-            forward_mode=mode, batch_size=self.batch, input_ids=torch.zeros_like(loc),
-            req_pool_indices=self.req_pool_indices, seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens.clone(), out_cache_loc=loc, seq_lens_sum=int(seq_lens.sum()),
-            **batch_fields)
+        batch = self.make_batch(mode, seq_lens, loc, **batch_fields)
         self.backend.init_forward_metadata(batch)
         out = self.backend.forward(q.view(-1, HQ * D), k, v, self.layer, batch)
         return out.view(-1, HQ, D), q
@@ -197,3 +230,15 @@ def test_target_verify_topk1(page_size):
     h.backend.init_forward_metadata(batch)
     out = h.backend.forward(q.view(-1, HQ * D), k, v, h.layer, batch).view(-1, HQ, D)
     _assert_close(out, h.expected(q, total, [num_draft] * 3))
+
+
+def test_interface_data_matches_the_wheel():
+    """``tests/compile/backend/sglang_interface.json`` (the CPU test's data) is what
+    ``scripts/dump_sglang_interface.py`` reads from this sglang now."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "dump_sglang_interface", root / "scripts" / "dump_sglang_interface.py")
+    dump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dump)
+    stored = json.loads((root / "tests/compile/backend/sglang_interface.json").read_text())
+    assert dump.describe() == stored

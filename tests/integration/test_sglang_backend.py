@@ -1,6 +1,9 @@
-"""Integration: sglang 0.5.23's ``XPUAttentionBackend`` runs on xpu-ops (issue 14, item 5).
+"""Integration: sglang 0.5.23's ``XPUAttentionBackend`` runs on xpu-ops (issue 14, item 5), and
+matches this project's backend mode by mode (issue 18).
 
-The cases live in ``sglang_backend_cases.py`` and run in a child process, because they need
+The cases live in ``sglang_backend_cases.py`` (sglang's backend against the float64 oracle) and
+``sglang_parity_cases.py`` (sglang's backend and ``compile.backend.XPUAttentionBackend`` side by
+side on the same batches) and run in a child process, because they need
 sglang's import chain on the path (``.venv-sglang``, made by ``scripts/with-sglang.sh``) and a
 torchvision stand-in (``stand_ins/``) that must not leak into the rest of the suite (transformers
 would take it for the real package). Skipped, with the command that creates it, where
@@ -20,10 +23,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
 SGLANG_ENV = ROOT / ".venv-sglang"
-CASES = HERE / "sglang_backend_cases.py"
-# 4 cases (extend with and without a cached prefix, decode, target verify) x 2 page sizes x
-# 2 providers (reference, Triton through its interpreter).
-EXPECTED_PASSED = 4 * 2 * 2
+CASES = [HERE / "sglang_backend_cases.py", HERE / "sglang_parity_cases.py"]
+# sglang_backend_cases: 4 cases (extend with and without a cached prefix, decode, target verify)
+# x 2 page sizes, plus the interface data check, each with 2 providers (reference, Triton through
+# its interpreter; the provider fixture is autouse). sglang_parity_cases, reference provider
+# only: 7 cases (extend and draft extend v2, decode, verify width, encoder-only, Gemma-3 image
+# blocks, encoder-decoder) x 2 page sizes, and absorbed MLA in 3 modes x 2 page sizes.
+EXPECTED_PASSED = 2 * (4 * 2 + 1) + (7 * 2 + 3 * 2)
 
 
 @pytest.mark.skipif(not (SGLANG_ENV / ".xpu-ops-installed").exists(),
@@ -35,7 +41,7 @@ def test_sglang_xpu_backend_matches_oracle():
     env.pop("XPU_OPS_PROVIDER", None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         str(CASES.relative_to(ROOT))], cwd=ROOT, env=env, capture_output=True, text=True,
+         *(str(c.relative_to(ROOT)) for c in CASES)], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600)
     report = result.stdout + result.stderr
     assert result.returncode == 0, report

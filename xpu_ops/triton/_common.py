@@ -28,8 +28,9 @@ if HAS_TRITON:
     import triton.language as tl  # noqa: F401
 
 
-# Kernel paths that are not yet the default anywhere; ``XPU_OPS_TRITON_PATHS`` (a comma list,
-# read once at import) turns them on for a whole process, and benchmarks pass them per launch.
+# Kernel paths beside the portable kernel. Each kind of launch takes its ``DEFAULT_PATHS``;
+# ``XPU_OPS_TRITON_PATHS`` (a comma list, "none" or "all"; read once at import) replaces them
+# for every launch of the process, and benchmarks pass them per launch.
 OPTIONAL_PATHS = {
     "page_tiles": "one page-table load per page of a key tile, int32 in-page offsets, unmasked "
                   "head-dim columns (page sizes that are powers of two)",
@@ -40,10 +41,15 @@ OPTIONAL_PATHS = {
     "mla_split": "absorbed MLA: two programs per row tile, each accumulating half of the latent "
                  "output columns (both compute the scores)",
 }
+# The paths of decode-like launches (at most 64 packed rows per request) and of the others
+# (prefill, extend). H200, session 8: ``page_tiles`` was the fastest decode variant at every
+# batch size and page size, by up to 1.4x at pages of 64 and 128.
+DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset()}
 
 
 def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]:
-    """The optional kernel paths named by ``spec`` (comma-separated, "" none, "all" every one).
+    """The optional kernel paths named by ``spec`` (comma-separated; "" or "none": none, "all":
+    every one).
 
     Raises:
         ValueError: a name that is not in ``OPTIONAL_PATHS``.
@@ -54,15 +60,31 @@ def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]
     names = {p.strip() for p in spec.split(",") if p.strip()}
     if names == {"all"}:
         return frozenset(OPTIONAL_PATHS)
+    if names == {"none"}:
+        return frozenset()
     unknown = sorted(names - set(OPTIONAL_PATHS))
     if unknown:
         raise ValueError(f"{name}: {', '.join(unknown)} is not an optional kernel path; expected "
-                         f"a comma list of {sorted(OPTIONAL_PATHS)} or 'all', got {spec!r}. Fix "
-                         f"the spelling or leave it unset for today's kernels.")
+                         f"a comma list of {sorted(OPTIONAL_PATHS)}, 'none' or 'all', got "
+                         f"{spec!r}. Fix the spelling or leave it unset for the defaults.")
     return frozenset(names)
 
 
-ENABLED_PATHS = parse_paths(os.environ.get("XPU_OPS_TRITON_PATHS", ""))
+_SPEC = os.environ.get("XPU_OPS_TRITON_PATHS", "")
+# None: every launch takes its kind's DEFAULT_PATHS.
+ENABLED_PATHS: Optional[frozenset[str]] = parse_paths(_SPEC) if _SPEC.strip() else None
+
+
+def launch_paths(decode: bool) -> frozenset[str]:
+    """The kernel paths a launch takes unless told otherwise: ``XPU_OPS_TRITON_PATHS`` when
+    set, else ``DEFAULT_PATHS`` of its kind (``decode``: at most 64 packed rows per request).
+
+    >>> launch_paths(decode=True) <= frozenset(OPTIONAL_PATHS)
+    True
+    """
+    if ENABLED_PATHS is not None:
+        return ENABLED_PATHS
+    return DEFAULT_PATHS["decode" if decode else "prefill"]
 
 
 def interpreting() -> bool:

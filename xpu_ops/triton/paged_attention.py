@@ -1,11 +1,15 @@
-"""Launcher of the paged-attention kernel (``paged_attention_kernel.py``) and its provider ops.
+"""Launcher of the paged-attention kernels (``paged_attention_kernel.py``) and its provider ops.
 
 ``paged_attention`` turns a call's shapes, strides and scalars into the kernel's grid, tile config
-(``_Config``: tiles plus the optional kernel paths of ``_common.OPTIONAL_PATHS``, each applied where
-the launch allows it, ``_kernel_paths``), split count and scalar arguments, once per call shape
-(``_launch_params``, cached), and launches; ``flash_attn_with_kvcache`` is the ``triton``
-provider's op. Grid, tiles, splits, scratch and counter sizes depend only on shapes and the
-device's multiprocessor count, never on tensor values, so a launch can be captured in a graph.
+(``_Config``: tiles plus the kernel paths of ``_common.OPTIONAL_PATHS``, each applied where the
+launch allows it, ``_kernel_paths``), split plan (``plan_splits``), kernel and scalar arguments,
+once per call shape (``_launch_params``, cached), and launches; ``flash_attn_with_kvcache`` is the
+``triton`` provider's op. The plain form of a call (``_plain_launch``: a paged cache, none of
+the rare features) takes ``_paged_attention_plain_kernel``, which binds 45 arguments where
+``_paged_attention_kernel`` binds 94 (Triton's binder costs host time per argument on every
+launch); both run the same program. Grid, tiles, splits, scratch and counter sizes depend only on
+shapes and the device's multiprocessor count, never on tensor values, so a launch can be
+captured in a graph.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import providers
-from ._common import (ENABLED_PATHS, available, cdiv, descriptors_supported, launch, next_pow2,
+from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
-from .paged_attention_kernel import _paged_attention_kernel
+from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +55,28 @@ class _Config:
     dv_split: int = 1
 
 
+# page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
+# 16-key pages, 64-key tiles of per-key addresses were up to 10 % faster than one-page tiles).
+PAGE_TILE_MIN_KEYS = 32
+
+
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
-                 elem_bytes: int, paths: frozenset = ENABLED_PATHS,
+                 elem_bytes: int, paths: Optional[frozenset] = None,
                  page_size: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
-    the optional ``paths`` (``_common.OPTIONAL_PATHS``) that are on.
+    the optional ``paths`` (``_common.OPTIONAL_PATHS``; None: ``launch_paths`` of the launch's
+    kind) on.
 
-    With ``page_tiles``, a decode tile holds one whole page where pages have 16 or more keys
-    (BLOCK_N = page_size when smaller than the default), so its K/V addresses come from one
-    page id and the compiler can stage the loads through shared memory; the pipeline deepens
-    to keep as many bytes in flight (at most 8 stages)."""
+    With ``page_tiles``, a decode tile holds one whole page where pages have
+    ``PAGE_TILE_MIN_KEYS`` or more keys (BLOCK_N = page_size when smaller than the default), so
+    its K/V addresses come from one page id and the compiler can stage the loads through shared
+    memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages)."""
+    decode = rows_per_request <= 64
+    paths = launch_paths(decode) if paths is None else paths
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
-    if ("page_tiles" in paths and rows_per_request <= 64 and page_size is not None
-            and 16 <= page_size < tiles.block_n and page_size == next_pow2(page_size)):
+    if ("page_tiles" in paths and decode and page_size is not None
+            and PAGE_TILE_MIN_KEYS <= page_size < tiles.block_n
+            and page_size == next_pow2(page_size)):
         stages = min(8, tiles.num_stages * tiles.block_n // page_size)
         tiles = dataclasses.replace(tiles, block_n=page_size, num_stages=stages)
     return with_paths(tiles, paths)
@@ -79,11 +92,11 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
-                   paths: frozenset = ENABLED_PATHS,
+                   paths: Optional[frozenset] = None,
                    page_size: Optional[int] = None) -> _Config:
-    """The config a launch on these tensors picks, with ``paths`` on (benchmarks A/B paths with
-    ``paged_attention(..., config=default_config(..., paths))``). ``page_size``: of a paged
-    cache (None: ragged K/V)."""
+    """The config a launch on these tensors picks, with ``paths`` on (None: the defaults;
+    benchmarks A/B paths with ``paged_attention(..., config=default_config(..., paths))``).
+    ``page_size``: of a paged cache (None: ragged K/V)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
     return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
@@ -112,30 +125,61 @@ def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad:
     return _Config(128, 128, 8, 2)     # H200 sweep: 3.59 ms vs 4.21 for (128, 64, 8, 3)
 
 
-def plan_num_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int,
-                    decode: bool) -> int:
-    """KV splits from shapes only (never tensor values).
+# Decode: splits until the grid holds this many programs per multiprocessor, each split of at
+# least DECODE_SPLIT_KEYS keys; a full grid cuts only requests longer than DECODE_CHUNK_KEYS
+# (H200 sweep, 132 SMs, b = 1..64 x 1k..16k keys: 2 programs per SM and >= 256 keys per split
+# were within ~10 % of the best split count of every row; b = 64 x 4096 was fastest unsplit).
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_SPLIT_KEYS = 256
+DECODE_CHUNK_KEYS = 4096
+DECODE_MAX_CHUNKS = 8
+# Prefill and extend: splits only while the grid holds fewer than this many programs per SM.
+PREFILL_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
 
-    Enough programs to give every multiprocessor ~4 (few long requests), each split at least
-    4 key tiles, at most 64. Decode-like launches also cut contexts into chunks of >= 512 keys,
-    up to 8 (H200 sweep: 8 splits is within noise of the best for 64 x 4096 and 8 x 32768, and
-    0.80 -> 0.89 of copy bandwidth for 64 requests of uniform [100, 8000] lengths, because a
-    fixed chunk balances long and short requests).
+
+def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int,
+                decode: bool) -> tuple[int, int]:
+    """``(num_splits, min_split_tiles)`` of a launch, from shapes only (never tensor values).
+
+    The kernel gives each split of a program an even share of the program's visible key tiles,
+    but at least ``min_split_tiles`` of them (``max(min_split_tiles, cdiv(tiles, num_splits))``
+    for each request's own length), so a short request uses only its first splits and a graph
+    captured at a wide page table still splits the lengths it replays with. ``programs``: the
+    grid without splits; ``max_kv_len``: the page table's capacity in tokens.
+
+    - Decode-like launches (at most two row tiles per request) with fewer than
+      ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor (small batches): as many splits as
+      reach that, of at least ``DECODE_SPLIT_KEYS`` keys each.
+    - Other decode launches: requests longer than ``DECODE_CHUNK_KEYS`` are cut into chunks of
+      at least that many keys (at most ``DECODE_MAX_CHUNKS``), which balances mixed lengths.
+    - Prefill and extend: splits only to fill the device, each of >= 4 tiles.
+
+    >>> plan_splits(torch.device("cpu"), programs=1, max_kv_len=4096, block_n=16, decode=True)
+    (8, 16)
     """
-    fill = round(4 * num_sms(device) / max(programs, 1))
-    chunks = min(8, cdiv(max_kv_len, 512)) if decode else 1
-    return max(1, min(max(fill, chunks), cdiv(max_kv_len, 4 * block_n), 64))
+    tiles = cdiv(max(max_kv_len, 1), block_n)
+    if not decode:
+        fill = round(PREFILL_PROGRAMS_PER_SM * num_sms(device) / max(programs, 1))
+        return max(1, min(fill, cdiv(tiles, 4), MAX_SPLITS)), 4
+    want = cdiv(DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
+    if want > 1:
+        return (max(1, min(want, cdiv(max_kv_len, DECODE_SPLIT_KEYS), MAX_SPLITS)),
+                cdiv(DECODE_SPLIT_KEYS, block_n))
+    return (max(1, min(DECODE_MAX_CHUNKS, cdiv(max_kv_len, DECODE_CHUNK_KEYS))),
+            cdiv(DECODE_CHUNK_KEYS, block_n))
 
 
 @dataclasses.dataclass(frozen=True)
 class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
     grid: tuple[int, int, int]
-    scalars: tuple  # the kernel's arguments after its 17 tensors (strides, sizes, scalars)
+    scalars: tuple  # the kernel's arguments after its tensors (strides, sizes, scalars)
     meta: dict      # constexprs and launch options
     num_splits: int
     dv_pad: int
     num_tiles: int  # (m-block, request x KV head) tiles: split-KV counters needed
+    plain: bool     # _paged_attention_plain_kernel (else _paged_attention_kernel)
 
 
 @functools.lru_cache(maxsize=512)
@@ -145,60 +189,100 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                    softmax_scale: float, softcap: float, window_left: int, window_right: int,
                    num_splits: Optional[int], config: Optional[_Config], part_strides,
                    lse_stride: int, meta_strides: tuple, layout: tuple) -> _LaunchParams:
-    """Grid, tile config, split count and every scalar argument of one call shape (cached: a
-    decode step repeats the same shape in every layer, so this runs once per shape).
+    """Grid, tile config, split count, kernel and every scalar argument of one call shape
+    (cached: a decode step repeats the same shape in every layer, so this runs once per shape).
     ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured).
-    ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned."""
+    ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned.
+
+    The plain form (``_plain_launch``) takes the kernel with 27 arguments and 16 constexprs;
+    every other call the full one (67 and 25)."""
     total_q, num_heads_q, head_dim = q_shape
-    head_dim_v = v_shape[-1]
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
-    has_qv, has_qd, has_kd, has_vd, has_sinks, has_k_start, has_block_ids, has_q_used = flags
-    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(head_dim_v))
+    d_pad, dv_pad = max(16, next_pow2(head_dim)), max(16, next_pow2(v_shape[-1]))
     elem = torch.empty((), dtype=q_dtype).element_size()
     page_size = k_shape[1] if paged else 1
     cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
                                  page_size=page_size if paged else None)
-    cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, head_dim_v),
+    cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, v_shape[-1]),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
-                                                         out_strides), has_qv)
+                                                         out_strides), flags[0])
     m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
-        num_splits = plan_num_splits(device, grid_m * batch * num_heads_kv, max_kv_len,
-                                     cfg.block_n, decode=m_blocks <= 2)
+        num_splits, min_split_tiles = plan_splits(device, grid_m * batch * num_heads_kv,
+                                                  max_kv_len, cfg.block_n, decode=m_blocks <= 2)
+    else:  # forced: every request's keys shared evenly by all splits
+        min_split_tiles = 1
+    upcast = device.type == "cpu" and q_dtype != torch.float32
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
+                PAGE_SIZE=page_size, USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits,
+                PRECISION="ieee" if q_dtype == torch.float32 or upcast else None, UPCAST=upcast,
+                PAGE_TILES=paths["PAGE_TILES"], EVEN_D=paths["EVEN_D"], PHASES=paths["PHASES"])
+    head = (q_strides[0], q_strides[1])
+    scalars = (float(softmax_scale), float(softcap), int(window_left), int(window_right))
+    plain = _plain_launch(paged, flags, paths, k_strides, v_strides, meta_strides,
+                          part_strides, lse_stride == total_q,
+                          num_splits * total_q * num_heads_q * (dv_pad + 1))
+    if plain:
+        scalars = (*head, *k_strides[:3], *out_strides[:2], pt_strides[0], *scalars,
+                   min_split_tiles, total_q, k_shape[0], max_seqlen_q, max_kv_len)
+        meta.update(GROUP_SIZE=group, NUM_HEADS_KV=num_heads_kv, HEAD_DIM=head_dim,
+                    HEAD_DIM_V=v_shape[-1])
+    else:
+        scalars = _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides,
+                                pt_strides, paged, flags[0], part_strides, lse_stride,
+                                meta_strides, scalars, (num_splits, total_q, num_heads_q, dv_pad),
+                                (group, num_heads_kv, head_dim, v_shape[-1], min_split_tiles,
+                                 total_q, k_shape[0], k_shape[0], max_seqlen_q, max_kv_len))
+        meta.update(PAGED=paged, **dict(zip(_FLAG_NAMES, flags)), TMA=paths["TMA"],
+                    WS=paths["WS"], GROUP=paths["GROUP"], DV_SPLIT=paths["DV_SPLIT"])
+    meta.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
+                         dv_pad, grid_m * batch * num_heads_kv, plain)
+
+
+_FLAG_NAMES = ("HAS_QV", "HAS_Q_DESCALE", "HAS_K_DESCALE", "HAS_V_DESCALE", "HAS_SINKS",
+               "HAS_K_START", "HAS_BLOCK_IDS", "HAS_Q_USED")
+# _metadata_strides of the plain form: unit-stride cache_seqlens, cu_seqlens_q and page-table
+# rows, no ragged K/V, sinks, descales, leftpad, blocks or seqused_q.
+_PLAIN_METADATA_STRIDES = (1, 1, 0, 1) + (0,) * 10
+
+
+def _plain_launch(paged: bool, flags: tuple, paths: dict, k_strides, v_strides, meta_strides,
+                  part_strides, lse_contiguous: bool, scratch_elems: int) -> bool:
+    """Whether a call takes ``_paged_attention_plain_kernel``: a paged cache whose K and V
+    share strides, none of the rare features (``flags``) or kernel paths it leaves out (TMA,
+    warp specialisation, split latent columns), unit-stride metadata, the launcher's own
+    scratch (int32-addressable) and a contiguous LSE."""
+    return (paged and not any(flags) and not paths["TMA"] and paths["DV_SPLIT"] == 1
+            and k_strides[:3] == v_strides[:3] and meta_strides == _PLAIN_METADATA_STRIDES
+            and part_strides is None and lse_contiguous and scratch_elems < 2 ** 31)
+
+
+def _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides, pt_strides,
+                  paged: bool, has_qv: bool, part_strides, lse_stride: int, meta_strides: tuple,
+                  scalars: tuple, scratch_shape: tuple, sizes: tuple) -> tuple:
+    """The scalar arguments of ``_paged_attention_kernel`` after its 20 tensors: strides (of
+    the caller's scratch, or of fresh contiguous ``scratch_shape = (splits, total_q, Hq,
+    Dv_pad)`` partials), ``scalars`` (scale, softcap, window) and ``sizes``."""
     if paged:
-        kp, ks, kh = k_strides[:3]
-        vp, vs, vh = v_strides[:3]
+        kv = (*k_strides[:3], *v_strides[:3])
         pt_stride = pt_strides[0]
     else:
-        kp, ks, kh, vp, vs, vh = 0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1]
+        kv = (0, k_strides[0], k_strides[1], 0, v_strides[0], v_strides[1])
         pt_stride = 0
-    if num_splits > 1:
+    splits, total_q, num_heads_q, dv_pad = scratch_shape
+    if splits > 1:
         if part_strides is None:  # fresh contiguous scratch
             part_strides = ((total_q * num_heads_q * dv_pad, num_heads_q * dv_pad, dv_pad),
                             (total_q * num_heads_q, num_heads_q))
-        (ps, pt_, ph), (ls, lt) = part_strides[0][:3], part_strides[1][:2]
+        part = (*part_strides[0][:3], *part_strides[1][:2])
     else:
-        ps = pt_ = ph = ls = lt = 0
-    upcast = device.type == "cpu" and q_dtype != torch.float32
-    precision = "ieee" if q_dtype == torch.float32 or upcast else None
+        part = (0,) * 5
     qv_s = qv_strides if has_qv else q_strides
-    scalars = (
-        q_strides[0], q_strides[1], kp, ks, kh, vp, vs, vh, qv_s[0], qv_s[1],
-        out_strides[0], out_strides[1], lse_stride, pt_stride, ps, pt_, ph, ls, lt,
-        *meta_strides, float(softmax_scale), float(softcap), int(window_left),
-        int(window_right), group, num_heads_kv, head_dim, head_dim_v,
-        cdiv(cdiv(max(max_kv_len, 1), cfg.block_n), num_splits), total_q, k_shape[0],
-        k_shape[0], max_seqlen_q, max_kv_len)
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
-                PAGE_SIZE=page_size, PAGED=paged, HAS_QV=has_qv, HAS_Q_DESCALE=has_qd,
-                HAS_K_DESCALE=has_kd, HAS_V_DESCALE=has_vd, HAS_SINKS=has_sinks,
-                HAS_K_START=has_k_start, HAS_BLOCK_IDS=has_block_ids, HAS_Q_USED=has_q_used,
-                USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits, PRECISION=precision,
-                UPCAST=upcast, **paths, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _LaunchParams((grid_m, batch * num_heads_kv, num_splits), scalars, meta, num_splits,
-                         dv_pad, grid_m * batch * num_heads_kv)
+    return (q_strides[0], q_strides[1], *kv, qv_s[0], qv_s[1], out_strides[0], out_strides[1],
+            lse_stride, pt_stride, *part, *meta_strides, *scalars, *sizes)
 
 
 def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: int, group: int,
@@ -266,7 +350,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         cu_seqlens_q: [b + 1] int32. max_seqlen_q: bound on new tokens per request.
         max_kv_len: bound on keys per request from shapes (tokens), used to choose splits.
         window_left/window_right: inclusive window, -1 unbounded (causal is right = 0).
-        num_splits: force the KV split count (tests, benchmarks); default chosen from shapes.
+        num_splits: force the KV split count (tests, benchmarks; each request's keys shared
+            evenly by the splits); default planned from shapes (``plan_splits``).
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
             total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
@@ -310,6 +395,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         (q.element_size(), k.element_size(), out.element_size(),
          all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
+    if params.plain:
+        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse, o_part,
+               counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+               **params.meta)
+        return lse
     if params.meta["TMA"] and q.device.type == "cuda":
         set_descriptor_allocator()
     launch(_paged_attention_kernel, params.grid, q.device,
@@ -336,12 +426,17 @@ def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sin
 def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                    dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
-    (partials uninitialised, counters zero), or ``dummy`` (one split: unused)."""
+    (partials uninitialised, counters zero; the plain kernel's are one buffer, ``o_part``), or
+    ``dummy`` (one split: unused)."""
     splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
     total_q, num_heads_q = q.shape[0], q.shape[1]
-    if scratch is None:
+    if params.plain:  # [splits, total_q, Hq, Dv_pad] partial outputs, then their LSEs
+        part = torch.empty(splits * total_q * num_heads_q * (params.dv_pad + 1),
+                           dtype=torch.float32, device=q.device)
+        scratch = (part, dummy)
+    elif scratch is None:
         scratch = (torch.empty((splits, total_q, num_heads_q, params.dv_pad),
                                dtype=torch.float32, device=q.device),
                    torch.empty((splits, total_q, num_heads_q), dtype=torch.float32,

@@ -1,4 +1,4 @@
-"""The paged-attention kernel: one Triton kernel for prefill, extend and decode.
+"""The paged-attention kernels: one Triton program for prefill, extend and decode, two entries.
 
 ``_paged_attention_kernel`` computes FlashAttention-2 style online-softmax attention of packed
 queries over keys that live either in a paged cache (``PAGED``: key ``j`` of request ``r`` sits in
@@ -12,19 +12,29 @@ a 16-row tile), and one KV split. The key loop runs only over tiles that some ro
 see (causal and sliding window skip whole tiles); partial tiles are masked with ``tl.where``, and
 K/V loads past the request's length use ``other=0`` so NaN garbage never enters a product.
 
-Key-tile addressing: by default each key of a tile loads its page id and forms an int64 ``page x
-stride + slot x stride`` offset (any page size). With ``_Config.page_tiles`` (the optional path
-``page_tiles``; ``XPU_OPS_TRITON_PATHS``) and a power-of-two page size, a tile that starts on a
+Key-tile addressing: in the portable path each key of a tile loads its page id and forms an int64
+``page x stride + slot x stride`` offset (any page size). With ``_Config.page_tiles`` (the kernel
+path ``page_tiles``, decode's default) and a power-of-two page size, a tile that starts on a
 ``BLOCK_N`` boundary covers ``BLOCK_N / page_size`` whole pages or lies inside one page, so the
 kernel loads one page id per page, multiplies in int64 once per page and adds int32 in-page slot
 offsets (``_page_tile_rows``); with power-of-two head dims the K/V loads carry no column mask.
+
+Entries: ``_paged_attention_kernel`` takes every argument (67 runtime, 25 constexprs: any
+metadata layout, every feature and kernel path); ``_paged_attention_plain_kernel`` takes the
+plain form of a call (a paged cache whose K and V share strides, unit-stride metadata, none of
+descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 27 runtime, 16 constexprs; model
+constants such as the head counts and dims are constexprs) and passes constants for the rest.
+Triton's binder costs host time per argument on every launch, so the common call binds less
+than half as many. Both call ``_attend`` at their top level, which Triton inlines.
 
 Kernel paths (``_common.OPTIONAL_PATHS``) are constexprs (``PAGE_TILES``, ``PHASES``, ``TMA``,
 ``WS``, ``DV_SPLIT``) that the launcher (``paged_attention.py``) sets where a launch allows them;
 the tile math they share lives in ``attention_tiles.py``.
 
 Split-KV: with few (request, KV head) pairs for the machine, the visible key range is cut into
-``num_splits`` pieces; each split program writes an fp32 partial output and its log-sum-exp, and
+``num_splits`` pieces (each an even share of the program's own visible tiles, at least
+``min_split_tiles``: the split count is planned from shapes, the cut from the request's length);
+each split program writes an fp32 partial output and its log-sum-exp, and
 the same launch merges them ("last program to finish reduces", no second kernel): after its
 stores the program passes a barrier and adds 1 to an int32 counter of its tile (one per (m-block,
 request x KV head)) with an ``acq_rel`` gpu-scope atomic; the one that reads ``num_splits - 1``
@@ -88,7 +98,78 @@ def _paged_attention_kernel(
     stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
     stride_block_ids, stride_q_used,
     softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
-    head_dim_v, split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
+    head_dim_v, min_split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_K_START: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr,
+    HAS_Q_USED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
+    PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+):
+    # Every feature: any metadata layout, descales, sinks, qv (absorbed MLA), leftpad,
+    # bidirectional blocks, seqused_q, ragged K/V, caller scratch, every kernel path.
+    _attend(Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
+            CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS, K_START, BLOCK_IDS, Q_USED, stride_qt,
+            stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
+            stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+            stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+            stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+            stride_block_ids, stride_q_used, softmax_scale, softcap, window_left, window_right,
+            group, num_heads_kv, head_dim, head_dim_v, min_split_tiles, total_q, total_k,
+            num_pages, max_seqlen_q, max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE,
+            PAGED, HAS_QV, HAS_Q_DESCALE, HAS_K_DESCALE, HAS_V_DESCALE, HAS_SINKS, HAS_K_START,
+            HAS_BLOCK_IDS, HAS_Q_USED, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST, PAGE_TILES,
+            EVEN_D, PHASES, TMA, WS, GROUP, DV_SPLIT)
+
+
+@triton.jit
+def _paged_attention_plain_kernel(
+    Q, K, V, O, LSE, SCRATCH, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt_b,
+    softmax_scale, softcap, window_left, window_right, min_split_tiles, total_q, num_pages,
+    max_seqlen_q, max_kv_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_HEADS_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr, PHASES: tl.constexpr,
+):
+    # The plain form (most decode and prefill calls): a paged cache whose K and V share strides,
+    # unit-stride metadata, none of the rare features, the launcher's scratch: one fp32 buffer,
+    # partial outputs [splits, total_q, Hq, DV_PAD] then partial LSEs [splits, total_q, Hq].
+    # Model constants are constexprs and derivable strides are not passed, so a launch binds 27
+    # arguments and 16 constexprs instead of 67 and 25.
+    HQ: tl.constexpr = GROUP_SIZE * NUM_HEADS_KV
+    part_s = total_q * (HQ * DV_PAD)
+    _attend(Q, K, V, Q, O, LSE, SCRATCH, SCRATCH + NUM_SPLITS * part_s, COUNTERS,
+            CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_Q, None, None, None, None, None, None, None,
+            stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_kp, stride_ks,
+            stride_kh, stride_qt, stride_qh, stride_ot, stride_oh, total_q, stride_pt_b, part_s,
+            HQ * DV_PAD, DV_PAD, total_q * HQ, HQ, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            softmax_scale, softcap, window_left, window_right, GROUP_SIZE, NUM_HEADS_KV,
+            HEAD_DIM, HEAD_DIM_V, min_split_tiles, total_q, num_pages, num_pages, max_seqlen_q,
+            max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, True, False, False, False,
+            False, False, False, False, False, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST,
+            PAGE_TILES, EVEN_D, PHASES, False, False, 1, 1)
+
+
+@triton.jit
+def _attend(
+    Q, K, V, QV, O, LSE, O_PART, LSE_PART, COUNTERS,
+    CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_K, Q_DESCALE, K_DESCALE, V_DESCALE, SINKS,
+    K_START, BLOCK_IDS, Q_USED,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_qvt, stride_qvh, stride_ot, stride_oh, stride_lse_h, stride_pt_b,
+    stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
+    stride_seqlens, stride_cu_q, stride_cu_k, stride_pt_p, stride_sinks, stride_qd_b,
+    stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_k_start,
+    stride_block_ids, stride_q_used,
+    softmax_scale, softcap, window_left, window_right, group, num_heads_kv, head_dim,
+    head_dim_v, min_split_tiles, total_q, total_k, num_pages, max_seqlen_q, max_kv_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_QV: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
@@ -162,11 +243,12 @@ def _paged_attention_kernel(
     if window_left >= 0:
         blk_lo = tl.maximum(blk_lo, kv_len - q_used + row_first - window_left)
     blk_lo = (blk_lo // BLOCK_N) * BLOCK_N
+    n_work = 1
     if NUM_SPLITS > 1:
-        # Fixed-size chunks of split_tiles tiles (from shapes): a short request uses only its
-        # first splits, so every program does at most one chunk (load balance across requests).
-        blk_lo = blk_lo + split * split_tiles * BLOCK_N
-        blk_hi = tl.minimum(blk_hi, blk_lo + split_tiles * BLOCK_N)
+        blk_lo, blk_hi, n_work = _split_range(blk_lo, blk_hi, split, min_split_tiles, BLOCK_N,
+                                              NUM_SPLITS)
+        if split >= n_work:  # no share of this program's keys: the others cover them
+            return
     # Keys every row of the program sees: tiles inside [full_lo, full_hi) need no mask.
     full_hi = blk_hi
     if window_right >= 0:
@@ -276,53 +358,85 @@ def _paged_attention_kernel(
                     EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
-    if NUM_SPLITS == 1:
-        if HAS_SINKS:
-            sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
-            m_fin = tl.maximum(m_i, sink)
-            m_fin_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)  # no key, sink -inf
-            scale = tl.exp2(m_i - m_fin_safe)
-            l_i = l_i * scale + tl.exp2(sink - m_fin_safe)
-            acc = acc * scale[:, None]
-            m_i = m_fin
-        has_keys = l_i > 0
-        out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
-        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
-                       float("-inf"))
-        if TMA:  # rows past the request's q_len fall outside the box: not written
-            o_desc = tl.make_tensor_descriptor(
-                O + q_start.to(tl.int64) * stride_ot + (kv_head * GROUP).to(tl.int64) * stride_oh,
-                shape=[q_len, GROUP, head_dim_v], strides=[stride_ot, stride_oh, 1],
-                block_shape=[BLOCK_M // GROUP, GROUP, DV_PAD])
-            o_desc.store([row_first, 0, 0],
-                         out.to(O.dtype.element_ty).reshape([BLOCK_M // GROUP, GROUP, DV_PAD]))
-        else:
-            tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dc[None, :],
-                     out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dc[None, :])
-        tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
+    direct = True  # the only split with keys for these rows writes the result itself
+    if NUM_SPLITS > 1:
+        direct = n_work == 1
+    if direct:
+        _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, offs_dc,
+                      mask_dc, q_start, q_len, kv_head, row_first, head_dim_v, stride_sinks,
+                      stride_ot, stride_oh, stride_lse_h, BLOCK_M, DV_PAD, GROUP, HAS_SINKS, TMA)
     else:
         has_keys = l_i > 0
         out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
                        float("-inf"))
         part = O_PART + split.to(tl.int64) * stride_part_s
+        # rows without a key here weigh 0 in the merge, which never reads their partial output
         tl.store(part + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
-                 + offs_dc[None, :], out, mask=mask_m[:, None] & mask_dc[None, :])
+                 + offs_dc[None, :], out, mask=(mask_m & has_keys)[:, None] & mask_dc[None, :])
         tl.store(LSE_PART + split.to(tl.int64) * stride_lsep_s + tok * stride_lsep_t + head,
                  lse, mask=mask_m)
-        # ---- split-KV reduction: the tile's last split program to arrive merges them all ----
+        # ---- split-KV reduction: the tile's last working split to arrive merges them all ----
         # The barrier orders every thread's partial stores before the counter update; acq_rel at
         # gpu scope releases them to, and acquires the other splits' for, the last arrival.
         tl.debug_barrier()
         counter = COUNTERS + pid_bh * tl.num_programs(0) + pid_m * DV_SPLIT + chunk
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
+        if arrived == n_work - 1:
             _merge_splits_tile(O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v,
-                               chunk * DV_W, stride_sinks,
+                               chunk * DV_W, n_work, stride_sinks,
                                stride_part_s, stride_part_t, stride_part_h,
                                stride_lsep_s, stride_lsep_t, stride_ot, stride_oh, stride_lse_h,
                                BLOCK_M, DV_W, NUM_SPLITS, HAS_SINKS)
             tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+
+
+@triton.jit
+def _split_range(blk_lo, blk_hi, split, min_split_tiles, BLOCK_N: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr):
+    # Split `split`'s keys of a program's tile range [blk_lo, blk_hi) (blk_lo on a tile
+    # boundary): an even share of the range's tiles, at least min_split_tiles (from shapes),
+    # and how many splits get keys (>= 1: with none, split 0 writes the empty result). A short
+    # range uses only its first splits, a long one spreads over all of them.
+    tiles = tl.cdiv(blk_hi - blk_lo, BLOCK_N)
+    share = tl.maximum(min_split_tiles, tl.cdiv(tiles, NUM_SPLITS))
+    n_work = tl.maximum(tl.minimum(tl.cdiv(tiles, share), NUM_SPLITS), 1)
+    lo = blk_lo + split * share * BLOCK_N
+    return lo, tl.minimum(blk_hi, lo + share * BLOCK_N), n_work
+
+
+@triton.jit
+def _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, offs_dc, mask_dc,
+                  q_start, q_len, kv_head, row_first, head_dim_v, stride_sinks, stride_ot,
+                  stride_oh, stride_lse_h, BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr,
+                  GROUP: tl.constexpr, HAS_SINKS: tl.constexpr, TMA: tl.constexpr):
+    # Normalise the accumulator (the sinks join the softmax sum here) and write out and the LSE
+    # (natural log; -inf for rows without a key or sink).
+    LOG2E_C: tl.constexpr = 1.4426950408889634
+    LN2_C: tl.constexpr = 0.6931471805599453
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
+        m_fin = tl.maximum(m_i, sink)
+        m_fin_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)  # no key, sink -inf
+        scale = tl.exp2(m_i - m_fin_safe)
+        l_i = l_i * scale + tl.exp2(sink - m_fin_safe)
+        acc = acc * scale[:, None]
+        m_i = m_fin
+    has_keys = l_i > 0
+    out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
+                   float("-inf"))
+    if TMA:  # rows past the request's q_len fall outside the box: not written
+        o_desc = tl.make_tensor_descriptor(
+            O + q_start.to(tl.int64) * stride_ot + (kv_head * GROUP).to(tl.int64) * stride_oh,
+            shape=[q_len, GROUP, head_dim_v], strides=[stride_ot, stride_oh, 1],
+            block_shape=[BLOCK_M // GROUP, GROUP, DV_PAD])
+        o_desc.store([row_first, 0, 0],
+                     out.to(O.dtype.element_ty).reshape([BLOCK_M // GROUP, GROUP, DV_PAD]))
+    else:
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dc[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dc[None, :])
+    tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
 
 
 @triton.jit
@@ -380,39 +494,39 @@ def _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim, head_dim_v
 
 @triton.jit
 def _merge_splits_tile(
-    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, col0, stride_sinks,
+    O_PART, LSE_PART, O, LSE, SINKS, tok, head, mask_m, head_dim_v, col0, n_work, stride_sinks,
     stride_part_s, stride_part_t, stride_part_h, stride_lsep_s, stride_lsep_t,
     stride_ot, stride_oh, stride_lse_h,
     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     # BLOCK_M rows, output columns [col0, col0 + WIDTH): out = sum_s e^{lse_s - m} o_s /
-    # (sum_s e^{lse_s - m} [+ e^{sink - m}]), the splits summed in order 0..NUM_SPLITS-1
-    # whichever program merges (deterministic). Loads bypass L1 (.cg): other multiprocessors
-    # wrote the partials during this launch.
+    # (sum_s e^{lse_s - m} [+ e^{sink - m}]) over the n_work splits that got keys, summed in
+    # order 0..n_work-1 whichever program merges (deterministic). Loads bypass L1 (.cg): other multiprocessors
+    # wrote the partials during this launch. The split loops are unrolled, so the loads of all
+    # splits are in flight together instead of one L2 round trip per split and pass.
     LOG2E_C: tl.constexpr = 1.4426950408889634
     LN2_C: tl.constexpr = 0.6931471805599453
     DV_CHUNK: tl.constexpr = 64 if WIDTH > 64 else WIDTH  # bounds registers for MLA's Dv 512
-    # Pointers advance by one split per iteration (no int32 split x stride products).
+    # Pointers advance by one split per iteration (no int32 split x stride products). One pass
+    # gives the running max and the sum rescaled to it (empty splits, lse -inf, weigh 0).
     lse_rows = LSE_PART + tok * stride_lsep_t + head
     lse_s = lse_rows
+    # compared after the broadcast (the interpreter stores a scalar's bool as int32)
+    n_work_m = tl.broadcast_to(n_work, [BLOCK_M])
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for _ in range(0, NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_s, mask=mask_m, other=float("-inf"),
-                                  cache_modifier=".cg") * LOG2E_C)
-        lse_s += stride_lsep_s
     if HAS_SINKS:
-        sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
-        m = tl.maximum(m, sink)
+        m = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
+    den = tl.where(m == float("-inf"), 0.0, 1.0)  # the sink's own term, e^(sink - m)
+    for s in tl.static_range(NUM_SPLITS):
+        lse2 = tl.load(lse_s, mask=mask_m & (n_work_m > s), other=float("-inf"),
+                       cache_modifier=".cg") * LOG2E_C
+        m_new = tl.maximum(m, lse2)
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        den = den * tl.exp2(m - m_new_safe) + tl.exp2(lse2 - m_new_safe)
+        m = m_new
+        lse_s += stride_lsep_s
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    lse_s = lse_rows
-    for _ in range(0, NUM_SPLITS):  # empty splits (lse -inf) weigh 0
-        den += tl.exp2(tl.load(lse_s, mask=mask_m, other=float("-inf"), cache_modifier=".cg")
-                       * LOG2E_C - m_safe)
-        lse_s += stride_lsep_s
-    if HAS_SINKS:
-        den += tl.exp2(sink - m_safe)
     has_keys = den > 0
     inv_den = 1.0 / tl.where(has_keys, den, 1.0)
     lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, den, 1.0))) * LN2_C,
@@ -426,9 +540,9 @@ def _merge_splits_tile(
         acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
         lse_s = lse_rows
         o_s = o_rows + offs_dv[None, :]
-        for _ in range(0, NUM_SPLITS):
-            w = tl.exp2(tl.load(lse_s, mask=mask_m, other=float("-inf"), cache_modifier=".cg")
-                        * LOG2E_C - m_safe)
+        for s in tl.static_range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_s, mask=mask_m & (n_work_m > s), other=float("-inf"),
+                                cache_modifier=".cg") * LOG2E_C - m_safe)
             o = tl.load(o_s, mask=(mask_m & (w > 0))[:, None] & mask_dv[None, :], other=0.0,
                         cache_modifier=".cg")
             acc += o * w[:, None]

@@ -41,7 +41,7 @@ def test_mixed_chunked_prefill_and_decode():
 
 def test_draft_extend_is_causal_extend():
     h = Harness(16, seed=4)
-    _run(h, ForwardMode.DRAFT_EXTEND, [33, 16], [3, 2])
+    _run(h, ForwardMode.DRAFT_EXTEND_V2, [33, 16], [3, 2])
 
 
 def test_idle_returns_empty():
@@ -72,6 +72,15 @@ def test_softcap_and_sinks_gqa():
 def test_head_dims_v_differs_and_bf16():
     h = Harness(16, d=64, dv=32, dtype=torch.bfloat16, seed=7)
     _run(h, ForwardMode.EXTEND, [18, 0], [4, 6])
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache_in_extend(page_size, kv_dtype):
+    # Beyond sglang 0.5.23, whose XPU extend path has no fp8 KV: scale on write, descale on read.
+    h = Harness(page_size, kv_dtype=kv_dtype, seed=14 + page_size)
+    _run(h, ForwardMode.EXTEND, PREFIXES, [9, 1, 20, 3], scale=0.5)
+    _run(h, ForwardMode.DRAFT_EXTEND_V2, [12, 30], [3, 4], scale=0.5)
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
@@ -129,3 +138,19 @@ def test_forward_without_metadata_raises():
     fb = h.batch(ForwardMode.DECODE, [], [], torch.zeros(0, dtype=torch.int64), [])
     with pytest.raises(RuntimeError, match="init_forward_metadata"):
         h.layer()(torch.zeros(0, h.hq * h.d), None, None, fb)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_inference_pins_one_kv_split(deterministic, monkeypatch):
+    # sglang's --enable-deterministic-inference: num_splits=1 in every call (0: automatic).
+    import xpu_ops
+    from compile.backend import XPUAttentionBackend
+    calls, real = [], xpu_ops.flash_attn_with_kvcache
+    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
+                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+    h = Harness(16, seed=13)
+    h.runner.server_args.enable_deterministic_inference = deterministic
+    h.backend = XPUAttentionBackend(h.runner)
+    _run(h, ForwardMode.EXTEND, [40, 0], [7, 3])
+    _run(h, ForwardMode.DECODE, [9, 70], [1, 1])
+    assert calls == [1 if deterministic else 0] * 2

@@ -73,7 +73,7 @@ def _step(h, static, layers, prefixes, n_new, mode, bs, spec=None):
     loc = torch.cat([h.alloc_slots(r, p, n_new) for r, p in zip(reqs, prefixes)])
     seq = [p + (n_new if mode == ForwardMode.DECODE else 0) for p in prefixes]
     fb = static.batch(h, mode, [r.row for r in reqs], seq, loc, bs, spec)
-    static.bound = h.backend.init_forward_metadata_out_graph(fb, static.metadata, static.bound)
+    static.bound = h.backend.fill_graph_metadata(fb, static.metadata, static.bound)
     assert h.backend.forward_metadata is static.bound
     outs = _run_layers(h, fb, layers, reqs, n_new, bs)
     for layer, (out, q, *_) in zip(layers, outs):
@@ -106,13 +106,35 @@ def test_graph_fill_value_and_unsupported():
     static = StaticInputs(h, MAX_BS * 3)
     req = h.add_request(4, layers=(0, 1, 2))
     loc = h.alloc_slots(req, 4, 3)
-    spec = SpecInfo(topk=2, draft_token_num=3, custom_mask=torch.ones(1, 3, 3, dtype=torch.bool))
-    fb = static.batch(h, ForwardMode.TARGET_VERIFY, [req.row], [4], loc, 1, spec)
-    with pytest.raises(NotImplementedError, match="topk"):
-        h.backend.init_forward_metadata_out_graph(fb, static.metadata)
-    fb.spec_info = None
+    fb = static.batch(h, ForwardMode.EXTEND, [req.row], [7], loc, 1)
+    with pytest.raises(NotImplementedError, match="mode EXTEND is not supported"):
+        h.backend.fill_graph_metadata(fb, static.metadata)
     fb.forward_mode = ForwardMode.DECODE
     small = h.backend.graph_metadata_buffers(MAX_BS // 2, MAX_BS // 2)
     fb.batch_size = MAX_BS
     with pytest.raises(RuntimeError, match="batch size 4 exceeds the graph buffers"):
-        h.backend.init_forward_metadata_out_graph(fb, small)
+        h.backend.fill_graph_metadata(fb, small)
+
+
+def test_sglang_graph_hooks_bind_at_capture_and_refill_at_replay():
+    """sglang's runner calls: ``init_cuda_graph_state`` then ``init_forward_metadata_out_graph``
+    with ``in_capture`` True (bind) and False (refill in place, same addresses)."""
+    h = _harness(82)
+    backend, static = h.backend, StaticInputs(h, MAX_BS)
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
+        backend.init_forward_metadata_out_graph(None)
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS)
+    reqs = [h.add_request(p, layers=(0, 1, 2)) for p in (9, 30)]
+    loc = torch.cat([h.alloc_slots(r, p, 1) for r, p in zip(reqs, (9, 30))])
+    fb = static.batch(h, ForwardMode.DECODE, [r.row for r in reqs], [10, 31], loc, 2)
+    with pytest.raises(RuntimeError, match="without a capture"):
+        backend.init_forward_metadata_out_graph(fb)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    captured = backend.forward_metadata
+    assert _addresses(backend) == {n: t.data_ptr() for n, t in captured.tensors()}
+    static.seq_lens[:2] = torch.tensor([17, 3])
+    backend.init_forward_metadata_out_graph(fb)
+    assert backend.forward_metadata is captured
+    assert captured.main.cache_seqlens.tolist() == [17, 3]
+    backend.init_forward_metadata_in_graph(fb)  # records nothing: all of it is host-side
+    assert backend.forward_metadata is captured

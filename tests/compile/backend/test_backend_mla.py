@@ -1,5 +1,6 @@
-"""MLA: absorbed decode (flash_mla_decode), absorbed extend/verify (flash_attn_with_kvcache with
-qv), and MHA prefill over chunked prefix caches returning (out, lse)."""
+"""MLA: absorbed decode (flash_mla_decode), absorbed extend/verify/draft extend
+(flash_mla_prefill; flash_attn_with_kvcache with qv where a layer has a softcap), and MHA
+prefill over chunked prefix caches returning (out, lse [tokens, H])."""
 
 import math
 from types import SimpleNamespace
@@ -17,11 +18,11 @@ H, R, RP = 4, 32, 16          # heads, latent rank, rope dim
 
 
 class MLAWorld:
-    def __init__(self, page_size, seed):
+    def __init__(self, page_size, seed, deterministic=False):
         self.gen = torch.Generator().manual_seed(seed)
         self.ps = page_size
         num_pages = 2 + 1024 // page_size
-        self.req_pool = ReqToTokenPool(8, 256, "cpu")
+        self.req_pool = ReqToTokenPool(16, 256, "cpu")
         self.alloc = PageAllocator(num_pages, page_size, "cpu", generator=self.gen)
         self.pool = MLATokenToKVPool(num_pages * page_size, page_size, torch.float32, R, RP, 1,
                                      "cpu")
@@ -33,7 +34,8 @@ class MLAWorld:
             device=torch.device("cpu"), page_size=page_size, req_to_token_pool=self.req_pool,
             token_to_kv_pool=self.pool, kv_cache_dtype=torch.float32,
             server_args=SimpleNamespace(speculative_eagle_topk=1,
-                                        speculative_num_draft_tokens=3))
+                                        speculative_num_draft_tokens=3,
+                                        enable_deterministic_inference=deterministic))
         self.backend = XPUAttentionBackend(runner)
         self.layer = PagedAttention(H, R + RP, (R + RP) ** -0.5, 1, 0, v_head_dim=R)
         self.rows = {}
@@ -64,17 +66,19 @@ class MLAWorld:
         return torch.cat(outs)
 
 
-def _run(w, mode, prefixes, n, spec=None, split_q=False):
+def _run(w, mode, prefixes, n, spec=None, split_q=False, **fields):
     rows = [w.request(p) for p in prefixes]
     loc = w.append(rows, n)
     b = len(rows)
     seq = [p + (0 if mode == ForwardMode.TARGET_VERIFY else n) for p in prefixes]
     fb = ForwardBatch(forward_mode=mode, batch_size=b, req_pool_indices=torch.tensor(rows),
                       seq_lens=torch.tensor(seq), out_cache_loc=loc, spec_info=spec)
-    if mode == ForwardMode.EXTEND:
+    if mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True):
         fb.extend_seq_lens = torch.full((b,), n, dtype=torch.int32)
         fb.extend_seq_lens_cpu = [n] * b
     fb.attn_backend = w.backend
+    for name, value in fields.items():
+        setattr(fb, name, value)
     w.backend.init_forward_metadata(fb)
     t = b * n
     q_nope, q_rope = w.rand(t, H, R), w.rand(t, H, RP)
@@ -103,11 +107,30 @@ def test_mla_absorbed_decode_uses_flash_mla(page_size, monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_mla_absorbed_extend_and_verify(page_size):
+def _spy(monkeypatch, name):
+    import xpu_ops
+    calls, real = [], getattr(xpu_ops, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xpu_ops, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mla_absorbed_extend_and_verify_use_flash_mla_prefill(page_size, monkeypatch):
+    calls = _spy(monkeypatch, "flash_mla_prefill")
     w = MLAWorld(page_size, seed=110 + page_size)
-    _run(w, ForwardMode.EXTEND, [0, 20, 33], 5)
+    _run(w, ForwardMode.EXTEND, [0, 20, 64], 5)
     _run(w, ForwardMode.TARGET_VERIFY, [9, 16], 3, spec=SpecInfo(topk=1, draft_token_num=3))
+    # Draft extends stay absorbed even where the batch asks for the MHA prefill path.
+    _run(w, ForwardMode.EXTEND, [12, 0], 2, spec=SpecInfo(topk=1), split_q=True,
+         attn_attend_prefix_cache=False)
+    _run(w, ForwardMode.DRAFT_EXTEND_V2, [7, 31], 4, attn_attend_prefix_cache=False)
+    assert [c["causal"] for c in calls] == [True] * 4
+    assert [c["num_kv_splits"] for c in calls] == [-1] * 4
 
 
 def test_mla_mha_prefill_chunked_prefix_returns_lse():
@@ -128,20 +151,28 @@ def test_mla_mha_prefill_chunked_prefix_returns_lse():
     fb.prefix_chunk_cu_seq_lens = torch.tensor([[0, 5, 5]], dtype=torch.int32)
     fb.prefix_chunk_max_seq_lens = [5]
     out, lse = mha(q.float().reshape(10, -1), kp.float(), vp.float(), fb, save_kv_cache=False)
-    assert out.shape == (10, H, dv) and lse.shape == (H, 10)
+    assert out.shape == (10, H, dv) and lse.shape == (10, H) and lse.is_contiguous()
     exp = attention_oracle(q[:4], kp, vp, scale=mha.scaling, causal=False)
     assert_close(out[:4], exp)
-    assert torch.all(out[4:] == 0) and torch.all(torch.isneginf(lse[:, 4:]))
-    s = torch.einsum("qhd,khd->hqk", q[:4], kp) * mha.scaling
-    torch.testing.assert_close(lse[:, :4].double(), torch.logsumexp(s, -1), atol=1e-4, rtol=0)
+    assert torch.all(out[4:] == 0) and torch.all(torch.isneginf(lse[4:]))
+    s = torch.einsum("qhd,khd->qhk", q[:4], kp) * mha.scaling
+    torch.testing.assert_close(lse[:4].double(), torch.logsumexp(s, -1), atol=1e-4, rtol=0)
     # New tokens, causal, with and without LSE.
     kn, vn = w.rand(10, H, dqk), w.rand(10, H, dv)
     fb.attn_attend_prefix_cache, fb.mha_return_lse = False, True
     out2, lse2 = mha(q.float().reshape(10, -1), kn.float(), vn.float(), fb, save_kv_cache=False)
-    assert lse2.shape == (H, 10)
+    assert lse2.shape == (10, H)
     exp2 = torch.cat([attention_oracle(q[:4], kn[:4], vn[:4], scale=mha.scaling),
                       attention_oracle(q[4:], kn[4:], vn[4:], scale=mha.scaling)])
     assert_close(out2, exp2)
     fb.mha_return_lse = False
     out3 = mha(q.float().reshape(10, -1), kn.float(), vn.float(), fb, save_kv_cache=False)
     assert_close(out3, exp2.reshape(10, -1))
+
+
+def test_mla_deterministic_inference_pins_one_kv_split(monkeypatch):
+    decode, prefill = _spy(monkeypatch, "flash_mla_decode"), _spy(monkeypatch, "flash_mla_prefill")
+    w = MLAWorld(16, seed=130, deterministic=True)
+    _run(w, ForwardMode.DECODE, [5, 40], 1)
+    _run(w, ForwardMode.EXTEND, [0, 21], 3)
+    assert [c["num_kv_splits"] for c in decode + prefill] == [1, 1]

@@ -30,15 +30,16 @@ def _flatten_sglang(masks, prefixes):
     return torch.cat(parts)
 
 
-def _verify(h, prefixes, d, layers, masks=None, flat=False, sinks=None):
-    """Run TARGET_VERIFY for every layer; returns (reqs, outputs, queries)."""
+def _verify(h, prefixes, d, layers, masks=None, flat=False, sinks=None, spec_kw=None):
+    """Run TARGET_VERIFY (``d`` tokens per request) for every layer; returns (reqs, outputs,
+    queries). ``spec_kw`` overrides the SpecInfo fields."""
     reqs = [h.add_request(p, layers=[l.layer_id for l in layers]) for p in prefixes]
     loc = torch.cat([h.alloc_slots(r, p, d) for r, p in zip(reqs, prefixes)])
     topk = 1 if masks is None else 2
     cm = None
     if masks is not None:
         cm = _flatten_sglang(masks, prefixes) if flat else torch.stack(masks)
-    spec = SpecInfo(topk=topk, draft_token_num=d, custom_mask=cm)
+    spec = SpecInfo(**{**dict(topk=topk, draft_token_num=d, custom_mask=cm), **(spec_kw or {})})
     fb = h.batch(ForwardMode.TARGET_VERIFY, reqs, [d] * len(reqs), loc, prefixes,
                  spec_info=spec)
     h.backend.init_forward_metadata(fb)
@@ -78,6 +79,24 @@ def test_target_verify_chain(page_size):
     assert_close(outs[0], h.expected(reqs, [4] * 3, layer, qs[0]))
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_target_verify_width_from_num_tokens_per_req(page_size):
+    # DSpark's draft block: D = 5 drafts configured, the step packs 2 tokens per request.
+    h = Harness(page_size, seed=25 + page_size, topk=1, draft_tokens=5)
+    prefixes = [63, 0, 30, 64]
+    layer = h.layer()
+    reqs, outs, qs = _verify(h, prefixes, 2, [layer],
+                             spec_kw=dict(draft_token_num=5, num_tokens_per_req=2))
+    assert_close(outs[0], h.expected(reqs, [2] * 4, layer, qs[0]))
+
+
+def test_target_verify_tree_width_must_be_its_mask():
+    h = Harness(16, seed=26, topk=2, draft_tokens=4)
+    masks = [_random_tree(h.gen, 4)]
+    with pytest.raises(NotImplementedError, match="num_tokens_per_req 4, got 2"):
+        _verify(h, [5], 4, [h.layer()], masks, spec_kw=dict(num_tokens_per_req=2))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("flat", [False, True])
 def test_target_verify_tree_cascade(page_size, flat):
@@ -88,6 +107,17 @@ def test_target_verify_tree_cascade(page_size, flat):
     sinks = torch.randn(h.hq, generator=h.gen).float()
     reqs, outs, qs = _verify(h, prefixes, 5, [layer], masks, flat=flat, sinks=sinks)
     assert_close(outs[0], _tree_expected(h, reqs, prefixes, masks, layer, qs[0], sinks))
+
+
+def test_target_verify_tree_fp8_kv_cache():
+    # Both cascade passes read the fp8 cache (descaled); beyond sglang 0.5.23.
+    h = Harness(16, seed=35, topk=2, draft_tokens=4, kv_dtype=torch.float8_e4m3fn)
+    prefixes = [23, 0, 48]
+    masks = [_random_tree(h.gen, 4) for _ in prefixes]
+    layer = h.layer()
+    layer.set_kv_scales(1.0, 1.0)
+    reqs, outs, qs = _verify(h, prefixes, 4, [layer], masks)
+    assert_close(outs[0], _tree_expected(h, reqs, prefixes, masks, layer, qs[0]))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -157,12 +187,32 @@ def test_draft_decode_tree_cascade(page_size):
     assert_close(out, torch.cat(rows))
 
 
-def test_sliding_window_draft_decode_tree_not_implemented():
-    h = Harness(16, seed=61, topk=2, num_steps=2, window=4)
+def test_sliding_window_tree_without_window_setting_not_implemented():
+    """Trees on sliding-window and chunked-local layers take merged rows per query
+    (tests/compile/graphs/test_spec_graphs.py); a sliding-window layer in a model runner
+    without ``sliding_window_size`` has none and raises, naming the setting."""
+    h = Harness(16, seed=61, topk=2, num_steps=2)
     reqs = [h.add_request(5)]
     scratch = h.add_request(0)
     loc = h.alloc_slots(scratch, 0, 4)
     fb = h.batch(ForwardMode.DECODE, reqs, [2], loc, [5], spec_info=SpecInfo(topk=2))
     h.backend.init_forward_metadata(fb)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    with pytest.raises(NotImplementedError, match="needs the model runner's sliding_window_size"):
         h.layer(sliding_window_size=4)(torch.zeros(2, h.hq * h.d), None, None, fb)
+
+
+def test_deterministic_cascade_passes_one_split_each(monkeypatch):
+    import xpu_ops
+    from compile.backend import XPUAttentionBackend
+    calls, real = [], xpu_ops.flash_attn_with_kvcache
+    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
+                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+    h = Harness(16, seed=60, topk=2, draft_tokens=4)
+    h.runner.server_args.enable_deterministic_inference = True
+    h.backend = XPUAttentionBackend(h.runner)
+    prefixes = [5, 40]
+    masks = [_random_tree(h.gen, 4) for _ in prefixes]
+    layer = h.layer()
+    reqs, outs, qs = _verify(h, prefixes, 4, [layer], masks)
+    assert_close(outs[0], _tree_expected(h, reqs, prefixes, masks, layer, qs[0]))
+    assert calls == [1, 1]                        # the prefix pass and the expand pass

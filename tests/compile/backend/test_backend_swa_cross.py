@@ -52,16 +52,18 @@ def _encdec_request(h, enc_len, dec_prefix):
     return req, enc_slots
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_encoder_decoder_cross_attention(page_size):
-    h = Harness(page_size, seed=95, num_layers=2)
-    enc_lens, dec_prefix, new = [16, 32], [0, 5], [3, 2]
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("enc_lens", [[16, 32, 64], [10, 0, 37]], ids=["aligned", "any"])
+def test_encoder_decoder_cross_attention(page_size, enc_lens):
+    # "any": decoder tokens start mid-page (sharing the encoder's last page), or at column 0.
+    h = Harness(page_size, seed=95 + sum(enc_lens), num_layers=2)
+    dec_prefix, new = [0, 5, 21], [3, 2, 1]
     made = [_encdec_request(h, e, d) for e, d in zip(enc_lens, dec_prefix)]
     reqs = [m[0] for m in made]
     enc_loc = torch.cat([m[1] for m in made])
     self_attn, cross = h.layer(0), h.layer(1, is_cross_attention=True)
     for mode, n_new, write_enc in ((ForwardMode.EXTEND, new, True),
-                                   (ForwardMode.DECODE, [1, 1], False)):
+                                   (ForwardMode.DECODE, [1, 1, 1], False)):
         loc = torch.cat([h.alloc_slots(r, e + r.length(0), n)
                          for r, e, n in zip(reqs, enc_lens, n_new)])
         seq = [r.length(0) + n for r, n in zip(reqs, n_new)]
@@ -95,11 +97,12 @@ def test_encoder_decoder_cross_attention(page_size):
         assert_close(out, torch.cat(rows))
 
 
-def test_encoder_length_not_page_aligned_raises():
+def test_unaligned_encoder_lengths_have_no_graph_buffers():
     h = Harness(16, seed=96)
     req, enc = _encdec_request(h, 10, 0)
     loc = h.alloc_slots(req, 10, 1)
     fb = h.batch(ForwardMode.DECODE, [req], [1], loc, [1], encoder_lens=torch.tensor([10]),
                  encoder_out_cache_loc=enc)
-    with pytest.raises(NotImplementedError, match="page_size"):
-        h.backend.init_forward_metadata(fb)
+    h.backend.build_metadata(fb)                              # eager: a token-slot table
+    with pytest.raises(NotImplementedError, match="token-slot table"):
+        h.backend.build_metadata(fb, graph=True)

@@ -3,7 +3,7 @@ metadata build per step, whole-step graphs for decode / verify / draft decode, p
 rest.
 
 On the CPU the runner runs its step-buffer path without capture (same padding, same
-``init_forward_metadata_out_graph`` refill) or with ``EmulatedGraph``s, so stale-metadata bugs
+``fill_graph_metadata`` refill) or with ``EmulatedGraph``s, so stale-metadata bugs
 show here too; the ``gpu`` tests capture and replay.
 """
 
@@ -106,7 +106,7 @@ class TestGraphRunnerCPU(TestCase):
         self.assertTrue(all(d.draft for d in runner.buffers.bound))
         ids, pos, fb = _draft(h, [0])
         fb.spec_info = SpecInfo(topk=2)
-        self.assertFalse(runner.can_run(fb))  # trees: cascade metadata, never captured
+        self.assertFalse(runner.can_run(fb))  # a tree of another topk than the runner's
 
     def test_emulated_capture_replays_with_fixed_inputs(self):
         model = tiny_model()
@@ -216,6 +216,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         # Dynamo graphs: extend, decode (dynamic: the full steps and the 5-request steps share
         # it), mixed, decode (1 request, specialised)
         self.assertEqual(pw.backend.stats["graphs"], 4)
+        self.assertIs(runner.buffers.tokens, pw.tokens)  # one pair of padded token buffers
 
     def test_piece_capture_inside_an_outer_capture_raises(self):
         model = tiny_model()
