@@ -208,12 +208,13 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         if meta.cascade:
             if windowed and meta.swa_spec is not None:
                 return meta.swa_spec, True, False
-            if windowed or (layer.use_irope and self.attention_chunk_size):
+            if layer.use_irope and meta.local_spec is not None:
+                return meta.local_spec, True, False
+            if windowed:
                 raise NotImplementedError(
-                    "XPUAttentionBackend: sliding-window or chunked-local layers with "
-                    "speculative topk > 1 are not supported (sliding-window layers need the "
-                    "model runner's sliding_window_size set; chunked-local layers are not "
-                    "supported).")
+                    "XPUAttentionBackend: a sliding-window layer with speculative topk > 1 "
+                    "needs the model runner's sliding_window_size set (the per-draft rows are "
+                    "built only then); got none.")
             return meta.main, meta.causal, True
         if layer.use_irope and meta.local is not None:
             return meta.local, True, False

@@ -1,7 +1,7 @@
 """Speculative and cascade steps inside whole-step graphs, against the float64 oracle, replayed
 and eager: tree target verify (topk > 1, the cascade), tree draft decode, draft extend, the
-multi-step draft backend's rounds, and inside them sliding-window layers (merged per-draft and
-per-branch rows), chunked-local layers, MLA (its decode workspace, the cascade), sinks and
+multi-step draft backend's rounds, and inside them sliding-window and chunked-local layers (in
+trees: merged rows per draft or branch), MLA (its decode workspace, the cascade), sinks and
 softcap.
 
 Every step is a fresh random batch of a changing size (``tests/compile/graphs/spec_probe.py``),
@@ -131,6 +131,18 @@ def chunked_local(page_size, chunk, device=CPU):
         ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
 
 
+def chunked_local_trees(page_size, chunk, device=CPU):
+    """Chunked-local layers in trees (topk > 1): tree verify and tree draft decode, one merged
+    row per draft or branch cut to the query's chunk, beside a full layer's cascade."""
+    d, topk, steps, step = 4, 2, 3, 2
+    h = _harness(page_size, 390 + page_size, device, num_layers=2, chunk=chunk, topk=topk,
+                 draft_tokens=d, num_steps=steps, step_id=step)
+    probe = AttentionProbe(h, [h.layer(0), h.layer(1, use_irope=True)], sinks=_sinks(h))
+    runner = _runner(h, probe, draft_token_num=d, speculative_num_steps=steps, topk=topk)
+    run_schedule(h, probe, runner, lambda b: verify_batch(h, probe, b, d))
+    run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
+
+
 def mla_decode(page_size, sinks, monkeypatch, device=CPU):
     """Absorbed MLA decode: ``flash_mla_decode`` on the step buffers' workspace (with sinks,
     which it does not take, the paged call)."""
@@ -237,6 +249,11 @@ def test_chunked_local_in_graphs_equals_oracle(page_size, chunk):
     chunked_local(page_size, chunk)
 
 
+@pytest.mark.parametrize("page_size,chunk", [(1, 8), (16, 16), (64, 64)])
+def test_chunked_local_trees_in_graphs_equal_oracle(page_size, chunk):
+    chunked_local_trees(page_size, chunk)
+
+
 @pytest.mark.parametrize("page_size,sinks", [(1, False), (64, True)])
 def test_mla_decode_in_graphs_equals_oracle(page_size, sinks, monkeypatch):
     mla_decode(page_size, sinks, monkeypatch)
@@ -299,6 +316,9 @@ class TestDeviceGraphs:
 
     def test_chunked_local(self):
         chunked_local(16, 32, dev.as_device())
+
+    def test_chunked_local_trees(self):
+        chunked_local_trees(16, 16, dev.as_device())
 
     def test_mla_decode(self, monkeypatch):
         mla_decode(64, False, monkeypatch, dev.as_device())
