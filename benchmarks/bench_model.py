@@ -104,6 +104,9 @@ def decode_batch(model, b: int, context: int, page_size: int = 16):
 
 
 def make_forward(model, mode: str):
+    """The forward of ``mode`` over ``model``. It switches the model's attention layers to the
+    split op (piecewise modes) or back (the others), so a forward made earlier over the same
+    model must not run after it (a ``PiecewiseModel`` raises ``RuntimeError``)."""
     enable_split_op(model, False)  # PiecewiseModel switches the layers back on for itself
     if mode == "eager":
         return model

@@ -191,14 +191,18 @@ def profile_batch(model, b: int, args, bandwidth: float) -> str:
     """Profile ``--mode`` at batch ``b``; write and return the Markdown."""
     ids, fb = decode_batch(model, b, args.context)
     torch._dynamo.reset()
-    if args.mode == "dense":  # bytes: the same Inductor kernels without the device graph
+    if args.mode == "dense":
         step = dense_step(model, b, args.context, args.dense_gqa)
-        uncaptured = dense_step(model, b, args.context, args.dense_gqa, compile_mode=None)
     else:
         step = paged_step(make_forward(model, args.mode), ids, fb)
-        uncaptured = paged_step(make_forward(model, UNCAPTURED.get(args.mode, "compiled")), ids, fb)
     seconds, _ = step_seconds(step, args.device, warmup=5, steps=10)  # warm-up, capture
     times = kernel_times(step, args.device, args.steps)
+    # Only now the uncaptured forward: making a paged forward sets up the shared model for it
+    # (``make_forward`` switches its split op on or off), which would break ``step``.
+    if args.mode == "dense":  # bytes: the same Inductor kernels without the device graph
+        uncaptured = dense_step(model, b, args.context, args.dense_gqa, compile_mode=None)
+    else:
+        uncaptured = paged_step(make_forward(model, UNCAPTURED.get(args.mode, "compiled")), ids, fb)
     nbytes = kernel_bytes(uncaptured, args.device, PROFILER_DTYPES[args.dtype],
                           inductor_records=args.mode in SAME_INDUCTOR_GRAPHS)
     rows = profile_rows(times, nbytes, args.steps, bandwidth)

@@ -10,7 +10,9 @@ It records, from the wheel itself:
 - ``ForwardMode``: its members and values, and the truth table of every ``is_*`` predicate
   (with ``include_draft_extend_v2`` False and True where the predicate takes it);
 - ``runner_reads``: the attributes that sglang's runners and speculative workers read on
-  ``attn_backend`` (a scan of their sources) and that its ``XPUAttentionBackend`` provides.
+  ``attn_backend`` (a scan of their sources) and that its ``XPUAttentionBackend`` provides;
+- ``constructors``: the ``__init__`` parameters of its ``XPUAttentionBackend`` and
+  ``XPUMultiStepDraftBackend`` (what its attention registry and workers call).
 
 Run where sglang imports (the integration environment):
     PYTHONPATH=tests/integration/stand_ins:.venv-sglang bash scripts/with-env.sh \\
@@ -84,7 +86,8 @@ def describe() -> dict:
     """The interface of the installed sglang (see the module docstring)."""
     import sglang
     from sglang.srt.layers.attention import base_attn_backend
-    from sglang.srt.layers.attention.xpu_backend import XPUAttentionBackend
+    from sglang.srt.layers.attention.xpu_backend import (XPUAttentionBackend,
+                                                         XPUMultiStepDraftBackend)
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     srt = pathlib.Path(base_attn_backend.__file__).resolve().parents[2]
@@ -95,6 +98,8 @@ def describe() -> dict:
         "ForwardMode": {"members": {m.name: int(m) for m in ForwardMode},
                         "predicates": predicate_table(ForwardMode)},
         "runner_reads": runner_reads(srt, XPUAttentionBackend),
+        "constructors": {cls.__name__: describe_member(cls.__init__)
+                         for cls in (XPUAttentionBackend, XPUMultiStepDraftBackend)},
     }
 
 

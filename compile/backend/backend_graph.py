@@ -54,8 +54,8 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     slots exist only for hybrid SWA pools, the local-attention tables only with an
     ``attention_chunk_size``, the MLA workspace only for MLA. The cascade's expand tables hold
     one row per query token (a tree's draft or branch), as wide as a request's tokens; the
-    merged per-draft SWA tables (sliding-window models) one row per query token, as wide as
-    ``context_len`` plus a request's tokens.
+    merged rows of trees one row per query token, as wide as ``context_len`` plus a request's
+    tokens (sliding-window models) or as the chunk (chunked-local models).
     """
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
@@ -67,6 +67,9 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     if backend.sliding_window_size is not None or backend.is_hybrid_swa:
         buf.update(_slot_call_buffers("swa_spec", max_num_tokens,
                                       backend.max_context_len + q_per_req, dev))
+    if backend.attention_chunk_size:
+        buf.update(_slot_call_buffers("local_spec", max_num_tokens,
+                                      int(backend.attention_chunk_size), dev))
     if hasattr(backend.token_to_kv_pool, "translate_loc_from_full_to_swa"):
         buf["swa.page_table"] = torch.zeros(max_bs, max_pages, **i32)
         buf["write.swa_loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)

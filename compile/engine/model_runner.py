@@ -27,7 +27,8 @@ class ModelRunnerInfo:
         token_to_kv_pool: MHATokenToKVPool, SWAKVPool or MLATokenToKVPool.
         kv_cache_dtype: dtype of the KV cache (an fp8 dtype enables scale/descale).
         server_args: object with sglang's ``speculative_eagle_topk``,
-            ``speculative_num_draft_tokens``, ``speculative_num_steps`` (may be absent).
+            ``speculative_num_draft_tokens``, ``speculative_num_steps`` and
+            ``enable_deterministic_inference`` (each may be absent).
         sliding_window_size: the left window bound of sliding layers, ``W - 1`` for a Hugging Face
             ``sliding_window = W`` (sglang's convention), or None.
         attention_chunk_size: chunk of local-attention (iRoPE) layers or None.

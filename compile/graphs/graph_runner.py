@@ -43,7 +43,7 @@ from compile.graphs.forward_context import (BatchDescriptor, GraphMode, get_forw
 from compile.graphs.graph_wrapper import GraphWrapper
 from compile.graphs.piecewise import PiecewiseModel
 from compile.graphs.split_op import layers_by_id
-from compile.graphs.step_buffers import StepBuffers
+from compile.graphs.step_buffers import StepBuffers, TokenBuffers
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -67,6 +67,7 @@ class GraphRunner:
         emulate_graphs: capture ``EmulatedGraph``s (CPU tests); implies ``capture``.
         debug: check on every replay that no input moved.
         graph_pool: a ``device.graph_pool_handle`` shared with other graphs (the pieces').
+        tokens: the ``TokenBuffers`` the step buffers use (the pieces'), or None for their own.
     Attributes:
         builds_metadata: True (the engine leaves the metadata to the runner).
         buffers: the ``StepBuffers`` (made at the first captured step).
@@ -79,7 +80,8 @@ class GraphRunner:
     def __init__(self, model, *, forward: Optional[Callable] = None,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, draft_token_num: int = 0,
                  speculative_num_steps: int = 0, topk: int = 1, capture: Optional[bool] = None,
-                 emulate_graphs: bool = False, debug: bool = False, graph_pool=None):
+                 emulate_graphs: bool = False, debug: bool = False, graph_pool=None,
+                 tokens: Optional[TokenBuffers] = None):
         self.model, self.forward = model, (model if forward is None else forward)
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         self.max_bs = self.batch_sizes[-1]
@@ -95,6 +97,7 @@ class GraphRunner:
                                   capture=capture, emulate=emulate_graphs, debug=debug,
                                   pool=pool, warmup_calls=1)
         self.buffers: Optional[StepBuffers] = None
+        self.tokens = tokens
         self.static_steps = 0
 
     @property
@@ -162,7 +165,8 @@ class GraphRunner:
     def _buffers(self, fb: ForwardBatch) -> StepBuffers:
         if self.buffers is None:
             per_req = max(1, self.draft_token_num, self.topk * max(self.num_steps, 1))
-            self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req)
+            self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req,
+                                       self.tokens)
         elif not self.buffers.backend.shares_graph_buffers(fb.attn_backend):
             raise RuntimeError("GraphRunner: the batch's attn_backend cannot use the step "
                                "buffers made for another backend; expected one backend per "
@@ -182,7 +186,7 @@ def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     (its pieces as compiled code, the split op's attention on the step buffers' metadata);
     every other step runs the
     ``PiecewiseModel``: pieces captured per token bucket, attention eager between them. Both
-    kinds share one graph memory pool.
+    kinds share one graph memory pool and one pair of padded token buffers.
 
     Why: attention between pieces costs host time per layer, which decode, with little device
     work per step, cannot hide; extend steps have enough device work to hide it and too many
@@ -204,7 +208,8 @@ def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
                        draft_token_num=draft_token_num,
                        speculative_num_steps=speculative_num_steps, topk=topk, capture=capture,
                        emulate_graphs=piecewise_kwargs.get("emulate_graphs", False),
-                       debug=piecewise_kwargs.get("debug", False), graph_pool=pw.backend.pool)
+                       debug=piecewise_kwargs.get("debug", False), graph_pool=pw.backend.pool,
+                       tokens=pw.tokens)
 
 
 __all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "full_and_piecewise"]

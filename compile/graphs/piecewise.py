@@ -59,7 +59,7 @@ from compile.graphs.forward_context import (BatchDescriptor, GraphMode, current_
 from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
 from compile.graphs.graph_wrapper import GraphWrapper
-from compile.graphs.split_op import enable_split_op
+from compile.graphs.split_op import enable_split_op, unified_attention
 from compile.graphs.step_buffers import TokenBuffers
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -212,6 +212,7 @@ class PiecewiseModel(nn.Module):
         self.device = torch.device(device)
         self.model = model
         self.layers = enable_split_op(model)
+        self._split_layer = next(iter(self.layers.values()), None)  # checked per step
         self.graph_sizes = sorted(set(int(s) for s in graph_sizes))
         if capture is None:
             capture = emulate_graphs or dev.supports_graphs(self.device)
@@ -250,20 +251,33 @@ class PiecewiseModel(nn.Module):
         Steps that fit a graph bucket are padded into static buffers; the output is then cut back
         to ``T`` rows and cloned. Inside a full-graph step (the forward context's descriptor is
         FULL: ``GraphRunner`` pads and captures it whole) the pieces run as they are.
+
+        Raises:
+            RuntimeError: the model's layers no longer attend through the split op (something
+                ran ``enable_split_op(model, False)`` after this model was made).
         """
+        if self._split_layer is not None and self._split_layer.split_op is not unified_attention:
+            raise RuntimeError("PiecewiseModel: the model's attention layers no longer attend "
+                               "through the split op (enable_split_op(model, False) ran after "
+                               "this PiecewiseModel was made, e.g. by making another forward "
+                               "over the same model); expected unified_attention. Give each "
+                               "forward its own model, or finish with this one first.")
         outer = current_batch_descriptor()
-        in_full_step = outer is not None and outer.graph_mode is GraphMode.FULL
+        if outer is not None and outer.graph_mode is GraphMode.FULL:
+            # The runner's context (its layers, batch, FULL descriptor) and buffers stay.
+            return self.compiled(input_ids, positions, forward_batch, **kwargs)
         n = input_ids.shape[0]
-        size = None if in_full_step else self.graph_size_for(n, forward_batch)
+        size = self.graph_size_for(n, forward_batch)
         desc = None
         if size is not None:
             input_ids, positions = self.tokens.load(size, input_ids, positions)
             desc = BatchDescriptor(GraphMode.PIECEWISE, forward_batch.forward_mode, size)
-        elif n >= 2:
+        elif n >= 2:  # one graph for every uncaptured size (0 and 1 are specialised anyway)
+            # marked on fresh aliases: a mark on the caller's tensors would follow them into
+            # any other compiled function they are passed to
+            input_ids, positions = input_ids.view(input_ids.shape), positions.view(positions.shape)
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        if in_full_step:  # the runner's context (its layers, batch, FULL descriptor) stays
-            return self.compiled(input_ids, positions, forward_batch, **kwargs)
         with set_forward_context(self.layers, forward_batch, n, desc):
             out = self.compiled(input_ids, positions, forward_batch, **kwargs)
         if size is None:

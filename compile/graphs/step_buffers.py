@@ -83,8 +83,11 @@ class StepBuffers:
             same buffers: each step refills them before its replay).
         max_bs: requests of the largest bucket.
         max_num_tokens: query tokens (and ``out_cache_loc`` slots) of the largest bucket.
+        tokens: a ``TokenBuffers`` of at least ``max_num_tokens`` to use (a ``PiecewiseModel``'s:
+            a step is either captured whole or piecewise, so one pair of buffers serves both),
+            or None to make one.
     Attributes:
-        tokens: ``TokenBuffers`` of ``input_ids`` and ``positions`` [max_num_tokens].
+        tokens: ``TokenBuffers`` of ``input_ids`` and ``positions`` (>= max_num_tokens).
         out_cache_loc: [max_num_tokens] int64.
         req_pool_indices: [max_bs] int64. seq_lens: [max_bs] int32 (``seq_lens_cpu`` its host
             twin).
@@ -92,10 +95,13 @@ class StepBuffers:
         bound: ``BatchDescriptor`` -> the ``AttentionMetadata`` bound to ``metadata``.
     """
 
-    def __init__(self, backend, max_bs: int, max_num_tokens: int):
+    def __init__(self, backend, max_bs: int, max_num_tokens: int,
+                 tokens: Optional[TokenBuffers] = None):
         self.backend, self.max_bs, self.max_num_tokens = backend, max_bs, max_num_tokens
         i64 = dict(dtype=torch.int64, device=backend.device)
-        self.tokens = TokenBuffers(max_num_tokens, backend.device)
+        if tokens is None or tokens.input_ids.shape[0] < max_num_tokens:
+            tokens = TokenBuffers(max_num_tokens, backend.device)
+        self.tokens = tokens
         self.out_cache_loc = torch.zeros(max_num_tokens, **i64)
         self.req_pool_indices = torch.zeros(max_bs, **i64)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
@@ -124,6 +130,8 @@ class StepBuffers:
             buf[:values.shape[0]].copy_(values)
             buf[values.shape[0]:size].fill_(pad)
         static = self._batch(desc, fb, pos, tokens_per_req, slots_per_req)
+        if static.extend_seq_lens is not None:
+            self.extend_seq_lens[:bs].fill_(tokens_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
         # host-side facts (topk, draft count, steps; a tree mask padded to the bucket)
         static.spec_info = self.backend.graph_spec_info(fb.spec_info, fb.seq_lens, bs)
@@ -141,7 +149,6 @@ class StepBuffers:
             bs = desc.bucket
             extend = {}
             if fb.extend_seq_lens is not None:
-                self.extend_seq_lens[:bs].fill_(tokens_per_req)
                 extend = dict(extend_seq_lens=self.extend_seq_lens[:bs],
                               extend_seq_lens_cpu=[tokens_per_req] * bs)
             static = ForwardBatch(

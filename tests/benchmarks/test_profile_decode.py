@@ -1,4 +1,7 @@
-"""profile_decode's bytes per operator and its per-kernel rows (CPU, no compile)."""
+"""profile_decode's bytes per operator, its per-kernel rows, and one whole profile of a tiny
+`graphs` step (CPU)."""
+
+import json
 
 import pytest
 import torch
@@ -38,3 +41,24 @@ def test_cpu_matmul_profile_has_its_time_and_exact_bytes():
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-9
     assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert "| `aten::mm` | 1 |" in markdown(rows, "### head")
+
+
+def test_profiles_graphs_at_a_batch_of_many_requests(tmp_path, monkeypatch, capsys):
+    """The session-7 H200 crash at b = 64 (a Dynamo ConstraintViolationError): making the
+    uncaptured forward switched the shared model's split op off before the captured steps ran.
+    Tiny shapes; the pieces run without Inductor and the uncaptured step on Dynamo's eager
+    backend, which is where the crash happened (Dynamo, not Inductor)."""
+    import bench_model
+    import profile_decode
+    from compile.graphs import compile_model, full_and_piecewise
+    monkeypatch.setattr(bench_model, "full_and_piecewise",
+                        lambda m: full_and_piecewise(m, inductor=False))
+    monkeypatch.setattr(bench_model, "compile_model",
+                        lambda m, **kw: compile_model(m, backend="eager", **kw))
+    profile_decode.main(["--device", "cpu", "--dtype", "float32", "--mode", "graphs",
+                         "--layers", "1", "--hidden", "64", "--context", "8", "--batches", "4",
+                         "--steps", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "profile_decode_b4.json").read_text())
+    assert result["batch"] == 4 and result["mode"] == "graphs" and result["step_us"] > 0
+    assert any(r["kernel"] == "aten::mm" and r["bytes"] for r in result["rows"]), result["rows"]
+    assert "### graphs decode step, b=4" in capsys.readouterr().out

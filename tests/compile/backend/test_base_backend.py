@@ -6,7 +6,7 @@
 class must exist on ``XPUAttentionBackend`` with the same kind and a signature a caller of the
 base can call the same way; ``SharedReadEnds`` and ``ForwardMode`` must have sglang's members,
 values and predicate truth tables; every attribute sglang's runners read on a backend must be
-readable on a built one.
+readable on a built one; the two backend classes take sglang's constructor arguments.
 """
 
 from __future__ import annotations
@@ -166,6 +166,15 @@ def test_forward_mode_predicate_truth_table(name):
         else:
             got = fn(mode)
         assert got == want, (name, mode.name)
+
+
+@pytest.mark.parametrize("name", ["XPUAttentionBackend", "XPUMultiStepDraftBackend"])
+def test_constructor_takes_sglangs_arguments(name):
+    from compile.backend.multi_step_draft import XPUMultiStepDraftBackend
+    ours = {"XPUAttentionBackend": XPUAttentionBackend,
+            "XPUMultiStepDraftBackend": XPUMultiStepDraftBackend}[name]
+    why = signature_mismatch(SPEC["constructors"][name]["params"], ours.__init__)
+    assert why is None, f"{name}.__init__ {why}"
 
 
 def test_runner_reads_resolve_on_a_built_backend():

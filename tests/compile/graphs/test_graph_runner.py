@@ -216,6 +216,7 @@ class TestFullAndPiecewiseCPU(TestCase):
         # Dynamo graphs: extend, decode (dynamic: the full steps and the 5-request steps share
         # it), mixed, decode (1 request, specialised)
         self.assertEqual(pw.backend.stats["graphs"], 4)
+        self.assertIs(runner.buffers.tokens, pw.tokens)  # one pair of padded token buffers
 
     def test_piece_capture_inside_an_outer_capture_raises(self):
         model = tiny_model()

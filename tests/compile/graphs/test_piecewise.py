@@ -352,6 +352,35 @@ class TestBucketedSteps(TestCase):
             torch.testing.assert_close(extra["doubled"], 2 * ref)
 
 
+class TestUncapturedSteps(TestCase):
+    """Steps run without capture (the CPU, or more tokens than the largest bucket)."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_callers_tensors_stay_unmarked(self):
+        # Marking the caller's input_ids dynamic made the next compiled function they were
+        # passed to raise ConstraintViolationError where it specialised their size
+        # (profile_decode --mode piecewise on the CPU).
+        model = tiny_model(num_layers=1)
+        h = Harness(model)
+        pw = PiecewiseModel(model, inductor=False)  # CPU: no capture
+        ids, pos, fb = h.decode([0, 1, 2])
+        with torch.no_grad():
+            torch.testing.assert_close(pw(ids, pos, fb), _eager(model, pw.layers, ids, pos, fb))
+        plus_three = torch.compile(lambda x: x + torch.arange(3), backend="eager", fullgraph=True)
+        torch.testing.assert_close(plus_three(ids), ids + torch.arange(3))  # specialises to 3
+
+    def test_layers_switched_back_raise(self):
+        model = tiny_model(num_layers=1)
+        h = Harness(model)
+        pw = PiecewiseModel(model, inductor=False)
+        enable_split_op(model, False)  # what making another forward over the model did
+        ids, pos, fb = h.decode([0, 1])
+        with self.assertRaisesRegex(RuntimeError, "no longer attend through the split op"):
+            pw(ids, pos, fb)
+
+
 @requires_gpu_graphs
 class TestPiecewiseCapture(TestCase):
     def setUp(self):

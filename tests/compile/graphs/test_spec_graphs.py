@@ -1,7 +1,7 @@
 """Speculative and cascade steps inside whole-step graphs, against the float64 oracle, replayed
 and eager: tree target verify (topk > 1, the cascade), tree draft decode, draft extend, the
-multi-step draft backend's rounds, and inside them sliding-window layers (merged per-draft and
-per-branch rows), chunked-local layers, MLA (its decode workspace, the cascade), sinks and
+multi-step draft backend's rounds, and inside them sliding-window and chunked-local layers (in
+trees: merged rows per draft or branch), MLA (its decode workspace, the cascade), sinks and
 softcap.
 
 Every step is a fresh random batch of a changing size (``tests/compile/graphs/spec_probe.py``),
@@ -131,6 +131,18 @@ def chunked_local(page_size, chunk, device=CPU):
         ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
 
 
+def chunked_local_trees(page_size, chunk, device=CPU):
+    """Chunked-local layers in trees (topk > 1): tree verify and tree draft decode, one merged
+    row per draft or branch cut to the query's chunk, beside a full layer's cascade."""
+    d, topk, steps, step = 4, 2, 3, 2
+    h = _harness(page_size, 390 + page_size, device, num_layers=2, chunk=chunk, topk=topk,
+                 draft_tokens=d, num_steps=steps, step_id=step)
+    probe = AttentionProbe(h, [h.layer(0), h.layer(1, use_irope=True)], sinks=_sinks(h))
+    runner = _runner(h, probe, draft_token_num=d, speculative_num_steps=steps, topk=topk)
+    run_schedule(h, probe, runner, lambda b: verify_batch(h, probe, b, d))
+    run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
+
+
 def mla_decode(page_size, sinks, monkeypatch, device=CPU):
     """Absorbed MLA decode: ``flash_mla_decode`` on the step buffers' workspace (with sinks,
     which it does not take, the paged call)."""
@@ -163,7 +175,36 @@ def mla_tree(kind, device=CPU):
     run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
 
 
+def tiny_llama_draft_extend(device=CPU):
+    """DRAFT_EXTEND_V2 steps of the tiny Llama: its LM head picks each request's last token
+    from the step buffers' ``extend_seq_lens`` inside the graph; the runner returns one row
+    per request, as eager does."""
+    d = 3
+    model = tiny_model(device=device)
+    h = ModelHarness(model, page_size=16, device=device)
+    with torch.no_grad():
+        model(*h.extend([0, 1, 2, 3], [17, 3, 40, 16]))
+    runner = GraphRunner(model, batch_sizes=(2, 4), draft_token_num=d, debug=True,
+                         emulate_graphs=torch.device(device).type == CPU)
+    for rows in ([0, 1, 2], [3, 1], [0, 1, 2, 3], [2, 0], [1, 2, 3]):
+        ids, pos, fb = h.extend(rows, [d] * len(rows), init=False)
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND_V2
+        fb.spec_info = SpecInfo(topk=1, num_tokens_per_req=d)
+        assert runner.can_run(fb)
+        with torch.no_grad():
+            out = runner(ids, pos, fb)
+            h.backend.init_forward_metadata(fb)
+            ref = model(ids, pos, fb)
+        assert out.shape == ref.shape == (len(rows), model.config.vocab_size)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert (runner.captures, runner.replays) == (2, 1)  # bucket 4: 3 steps, 2: 2 steps
+
+
 # ------------------------------------------------------------------ CPU (emulated graphs)
+
+def test_tiny_llama_draft_extend_in_graphs_equals_eager():
+    tiny_llama_draft_extend()
+
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_tree_verify_in_graphs_equals_oracle(page_size):
@@ -206,6 +247,11 @@ def test_multi_step_draft_rounds_in_graphs_equal_oracle(page_size, topk):
 @pytest.mark.parametrize("page_size,chunk", [(1, 8), (16, 32), (64, 64)])
 def test_chunked_local_in_graphs_equals_oracle(page_size, chunk):
     chunked_local(page_size, chunk)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(1, 8), (16, 16), (64, 64)])
+def test_chunked_local_trees_in_graphs_equal_oracle(page_size, chunk):
+    chunked_local_trees(page_size, chunk)
 
 
 @pytest.mark.parametrize("page_size,sinks", [(1, False), (64, True)])
@@ -271,11 +317,17 @@ class TestDeviceGraphs:
     def test_chunked_local(self):
         chunked_local(16, 32, dev.as_device())
 
+    def test_chunked_local_trees(self):
+        chunked_local_trees(16, 16, dev.as_device())
+
     def test_mla_decode(self, monkeypatch):
         mla_decode(64, False, monkeypatch, dev.as_device())
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_tiny_llama_draft_extend(self):
+        tiny_llama_draft_extend(dev.as_device())
 
     def test_tiny_llama_tree_verify_replay_equals_eager(self):
         """Tree verify steps of the tiny Llama replay what eager computes, and the metadata
