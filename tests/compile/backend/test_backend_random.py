@@ -2,8 +2,8 @@
 
 Each seed draws a page size (1, 16 or 64), a batch of 1-5 requests with random cached prefixes
 (0-150 tokens, so prefixes end anywhere in a page) and random new lengths, then runs one EXTEND
-step through a causal, a non-causal (ENCODER_ONLY) and a sliding-window layer with random
-Gemma-3 image spans, and one TARGET_VERIFY chain whose width (``num_tokens_per_req``) differs
+step through a causal, a non-causal (ENCODER_ONLY) and a sliding-window layer (in a hybrid
+SWA pool for odd seeds) with random Gemma-3 image spans, and one TARGET_VERIFY chain whose width (``num_tokens_per_req``) differs
 from the configured draft count. Caches are NaN-poisoned, pages handed out shuffled, outputs
 NaN-poisoned (``tests/compile/oracle.Harness``).
 """
@@ -30,7 +30,8 @@ def _image_spans(rng: random.Random, prefix: int, new: int) -> list[tuple[int, i
 @pytest.mark.parametrize("seed", range(6))
 def test_random_extend_batches(seed):
     rng = random.Random(seed)
-    h = Harness(rng.choice([1, 16, 64]), seed=300 + seed, num_layers=3, window=8)
+    hybrid = dict(swa_layers=(2,)) if seed % 2 else {}      # the windowed layer in an SWA pool
+    h = Harness(rng.choice([1, 16, 64]), seed=300 + seed, num_layers=3, window=8, **hybrid)
     b = rng.randint(1, 5)
     prefixes = [rng.randint(0, 150) for _ in range(b)]
     new = [rng.randint(1, 24) for _ in range(b)]
