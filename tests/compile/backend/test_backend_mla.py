@@ -179,3 +179,15 @@ def test_mla_deterministic_inference_pins_one_kv_split(monkeypatch):
     _run(w, ForwardMode.DECODE, [5, 40], 1)
     _run(w, ForwardMode.EXTEND, [0, 21], 3)
     assert [c["num_kv_splits"] for c in decode + prefill] == [1, 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mla_random_batches(seed):
+    import random
+    rng = random.Random(seed)
+    w = MLAWorld(rng.choice([1, 16, 64]), seed=140 + seed)
+    for mode in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        prefixes = [rng.randint(0, 50) for _ in range(rng.randint(1, 3))]
+        n = rng.randint(1, 8)
+        spec = SpecInfo(topk=1, draft_token_num=n) if mode == ForwardMode.TARGET_VERIFY else None
+        _run(w, mode, prefixes, n, spec=spec, split_q=bool(rng.getrandbits(1)))
