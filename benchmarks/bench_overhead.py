@@ -102,7 +102,8 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
     attn_args = (s.q3, s.k_cache, s.v_cache, m.cache_seqlens, m.page_table, m.cu_seqlens_q,
                  s.out, None, None, None, None, None, None, None)
     attn_kwargs = dict(max_seqlen_q=m.max_seqlen_q, softmax_scale=s.layer.scaling, causal=True,
-                       window_size_left=-1, window_size_right=0, softcap=0.0, num_splits=0)
+                       window_size_left=-1, window_size_right=0, softcap=0.0, num_splits=0,
+                       return_softmax_lse=False)
     op_attn, op_store = torch.ops.xpu_ops.flash_attn_with_kvcache, torch.ops.xpu_ops.store_kv_cache
     split_op = torch.ops.xpu_ops.unified_attention_with_output
 

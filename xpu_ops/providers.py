@@ -334,6 +334,13 @@ class Route:
         return f"Route({self.op!r}, {self.device_type!r})"
 
 
+def empty_lse(q: torch.Tensor) -> torch.Tensor:
+    """The LSE an attention op returns when called with ``return_softmax_lse=False``: an empty
+    contiguous float32 ``[Hq, 0]`` on q's device (what the fakes return), for providers that
+    computed (or never computed) the full one."""
+    return q.new_empty((q.shape[1], 0), dtype=torch.float32)
+
+
 def route(op: str, device_type: str) -> Route:
     """The ``Route`` of ``op`` on ``device_type`` (one per pair, made on first request)."""
     found = _routes.get((op, device_type))
@@ -353,4 +360,4 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
 
 __all__ = ["PROVIDER_ORDER", "ENVIRONMENT", "DISPATCH_KEYS", "Implementation", "Route", "register",
            "availability_depends_on", "refresh", "getenv", "forced_provider", "use_provider",
-           "candidates", "record_fallback", "fallbacks", "route", "select"]
+           "candidates", "record_fallback", "fallbacks", "empty_lse", "route", "select"]

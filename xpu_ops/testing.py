@@ -31,7 +31,7 @@ from torch import Tensor
 import xpu_ops  # noqa: F401  (registers the ops)
 from .testing_layouts import LAYOUTS, relayout
 
-__all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "sample_inputs",
+__all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "NO_LSE_CASES", "sample_inputs",
            "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name"]
 
 #: The op packets the package registers (``xpu_ops.REGISTERED_OPS``), each with a sampler here.
@@ -173,6 +173,7 @@ class AttentionCase:
     leftpad: tuple[int, ...] = ()             # cache_leftpad per request (() : none)
     blocks: tuple[tuple[int, int, int], ...] = ()  # (request, first row, last row) id spans
     num_splits: int = 0
+    return_lse: bool = True                   # False: the op returns an empty [Hq, 0] LSE
 
     @property
     def head_dim_v(self) -> int:
@@ -246,6 +247,15 @@ ATTENTION_CASES = (
     AttentionCase(((4, 9),), page_size=1, hq=2, hkv=1, causal=True, window=(5, 0),
                   blocks=((0, 0, 2),), num_splits=2),
 )
+# Calls without the LSE (the op returns an empty [Hq, 0]): samples of the op, not kernel cases.
+NO_LSE_CASES = (
+    # decode (the CPU's SDPA path), GQA 3, page 4 (lengths page_size +- 1)
+    AttentionCase(((1, 3), (1, 5), (1, 12)), page_size=4, hq=6, hkv=2, causal=True,
+                  return_lse=False),
+    # extend, a left window, bf16
+    AttentionCase(((3, 7), (2, 2)), page_size=4, hq=4, hkv=2, dtype=torch.bfloat16,
+                  causal=True, window=(4, 0), return_lse=False),
+)
 
 
 def attention_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
@@ -285,7 +295,7 @@ def attention_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dty
     kwargs = dict(max_seqlen_q=max(q_lens, default=0), softmax_scale=case.scale,
                   causal=case.causal, window_size_left=left,
                   window_size_right=0 if case.causal else right, softcap=case.softcap,
-                  num_splits=case.num_splits)
+                  num_splits=case.num_splits, return_softmax_lse=case.return_lse)
     return args, kwargs
 
 
@@ -316,7 +326,7 @@ def _block_ids(case: AttentionCase, device) -> Optional[Tensor]:
 
 @_sampler("flash_attn_with_kvcache")
 def _flash_attn_with_kvcache_samples(device, dtype, gen):
-    for case in ATTENTION_CASES:
+    for case in ATTENTION_CASES + NO_LSE_CASES:
         if dtype is not None and case.q_fp8:
             continue
         yield attention_case_inputs(case, device, dtype, gen)
@@ -350,6 +360,7 @@ def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype]
     cu_k = _cu_seqlens([n + pad for n in k_lens], device)
     seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device) if seqused else None
     kwargs = dict(kwargs, max_seqlen_k=max(k_lens, default=0) + pad)
+    del kwargs["return_softmax_lse"]  # the varlen op always returns the LSE
     used_q = (torch.tensor([max(lq - 1, 0) for lq, _ in case.reqs], dtype=torch.int32,
                            device=device) if seqused_q else None)
     return ((q, k, v, cu_q, cu_k, out, seqused_k, qv, q_descale, k_descale, v_descale, sinks,

@@ -26,8 +26,9 @@ from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMeta
                                                 query_block_ids)
 from compile.backend.backend_graph import GraphMetadataMixin
 from compile.backend.base_backend import AttentionBackend, SharedReadEnds
+from compile.backend.layer import is_causal
 from compile.backend.metadata_builder import MetadataBuilderMixin
-from compile.batch import ForwardBatch, ForwardMode, MLATokenToKVPool
+from compile.batch import ForwardBatch, ForwardMode, MLATokenToKVPool, is_draft_extend
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -109,7 +110,7 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         """
         mode = forward_batch.forward_mode
         if (self.use_mla and forward_batch.attn_attend_prefix_cache is not None
-                and not mode.is_target_verify() and not forward_batch.is_draft_extend()):
+                and not mode.is_target_verify() and not is_draft_extend(forward_batch)):
             return mla_attention.mha_prefill(self, q, k, v, layer, forward_batch)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -133,19 +134,31 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
                     expand=meta.expand if cascade else None,
-                    block_ids=self._query_block_ids(fb, meta, call, q3.shape[0]))
+                    block_ids=self._query_block_ids(fb, meta, call, causal, q3.shape[0]))
         return out.view(-1, hq * dv)
 
     def _query_block_ids(self, fb: ForwardBatch, meta: AttentionMetadata,
-                         call: PagedAttnMetadata, total_q: int) -> Optional[Tensor]:
+                         call: PagedAttnMetadata, causal: bool, total_q: int
+                         ) -> Optional[Tensor]:
         """Gemma-3 image blocks of this call as the op takes them (``[total_q]``, new tokens
-        only), or None: only EXTEND/MIXED calls over ``meta.main`` or its SWA twin carry
-        them (never cross attention, cascades or local virtual batches)."""
+        only), or None: only causal EXTEND/MIXED calls over ``meta.main`` or its SWA twin
+        carry them (never cross attention, cascades or local virtual batches; a non-causal
+        layer sees every key already, and the op makes any call with block ids causal).
+
+        Raises:
+            ValueError: ``bidirectional_block_ids`` does not cover the batch's whole sequences.
+        """
         ids = self.bidirectional_block_ids
-        if ids is None or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
+        if ids is None or not causal or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
             return None
         if call is not meta.main and call is not meta.swa:
             return None
+        if fb.seq_lens_sum is not None and ids.shape[0] != fb.seq_lens_sum:
+            raise ValueError(
+                f"XPUAttentionBackend: bidirectional_block_ids has {ids.shape[0]} entries; "
+                f"expected one per token of the batch's whole sequences (sum(seq_lens) = "
+                f"{fb.seq_lens_sum}), got {ids.shape[0]}. Build it with "
+                f"xpu_ops.build_bidirectional_block_ids(seq_lens, spans).")
         return query_block_ids(ids, meta.main, total_q)
 
     def _metadata(self) -> AttentionMetadata:
@@ -200,19 +213,20 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
                                           "batch without encoder_lens is not supported.")
             return meta.encoder, False, False
         call, causal, cascade = self._select_self_call(meta, layer, windowed)
-        return call, causal and layer.causal, cascade
+        return call, causal and is_causal(layer), cascade
 
     def _select_self_call(self, meta: AttentionMetadata, layer, windowed: bool
                           ) -> tuple[PagedAttnMetadata, bool, bool]:
         if meta.cascade:
             if windowed and meta.swa_spec is not None:
                 return meta.swa_spec, True, False
-            if windowed or (layer.use_irope and self.attention_chunk_size):
+            if layer.use_irope and meta.local_spec is not None:
+                return meta.local_spec, True, False
+            if windowed:
                 raise NotImplementedError(
-                    "XPUAttentionBackend: sliding-window or chunked-local layers with "
-                    "speculative topk > 1 are not supported (sliding-window layers need the "
-                    "model runner's sliding_window_size set; chunked-local layers are not "
-                    "supported).")
+                    "XPUAttentionBackend: a sliding-window layer with speculative topk > 1 "
+                    "needs the model runner's sliding_window_size set (the per-draft rows are "
+                    "built only then); got none.")
             return meta.main, meta.causal, True
         if layer.use_irope and meta.local is not None:
             return meta.local, True, False

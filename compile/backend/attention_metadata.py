@@ -63,8 +63,10 @@ class AttentionMetadata:
         swa: ``main`` with the page table translated into the SWA pool (hybrid SWA models).
         expand: cascade pass of speculative trees, one query per request-branch/draft over a
             token-slot table (``page_size 1``), non-causal, merged with ``main`` by LSE.
-        swa_spec: target verify topk > 1 on sliding-window layers: one row per draft with the
-            prefix plus its allowed drafts (``prepare_swa_spec_page_table``), causal, slot table.
+        swa_spec: a tree (topk > 1) on sliding-window layers: one row per draft (verify) or
+            branch (draft decode), the prefix plus the drafts it sees, causal, slot table
+            (``compile/backend/spec_rows.py``).
+        local_spec: the same rows on chunked-local layers, cut to each query's chunk.
         local: chunked-local (iRoPE) virtual batch of ``main``.
         encoder: cross attention: ``main``'s queries over ``encoder_lens`` keys, non-causal.
         write: slots for the new K/V of this batch.
@@ -80,6 +82,7 @@ class AttentionMetadata:
     swa: Optional[PagedAttnMetadata] = None
     expand: Optional[PagedAttnMetadata] = None
     swa_spec: Optional[PagedAttnMetadata] = None
+    local_spec: Optional[PagedAttnMetadata] = None
     local: Optional[LocalAttentionMetadata] = None
     encoder: Optional[PagedAttnMetadata] = None
     mla_workspace: Optional[Tensor] = None

@@ -54,8 +54,8 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     slots exist only for hybrid SWA pools, the local-attention tables only with an
     ``attention_chunk_size``, the MLA workspace only for MLA. The cascade's expand tables hold
     one row per query token (a tree's draft or branch), as wide as a request's tokens; the
-    merged per-draft SWA tables (sliding-window models) one row per query token, as wide as
-    ``context_len`` plus a request's tokens.
+    merged rows of trees one row per query token, as wide as ``context_len`` plus a request's
+    tokens (sliding-window models) or as the chunk (chunked-local models).
     """
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
@@ -67,6 +67,9 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     if backend.sliding_window_size is not None or backend.is_hybrid_swa:
         buf.update(_slot_call_buffers("swa_spec", max_num_tokens,
                                       backend.max_context_len + q_per_req, dev))
+    if backend.attention_chunk_size:
+        buf.update(_slot_call_buffers("local_spec", max_num_tokens,
+                                      int(backend.attention_chunk_size), dev))
     if hasattr(backend.token_to_kv_pool, "translate_loc_from_full_to_swa"):
         buf["swa.page_table"] = torch.zeros(max_bs, max_pages, **i32)
         buf["write.swa_loc"] = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -139,7 +142,17 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
 
 
 class GraphMetadataMixin:
-    """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
+    """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``).
+
+    Attributes:
+        cuda_graph_buffers: the backend-held buffers of sglang's runners
+            (``init_cuda_graph_state``), None before.
+        cuda_graph_metadata: ``(mode, speculative, batch size)`` -> the metadata bound to them
+            (None before ``init_cuda_graph_state``).
+    """
+
+    cuda_graph_buffers: Optional[dict[str, Tensor]] = None
+    cuda_graph_metadata: Optional[dict[tuple, Any]] = None
 
     def graph_metadata_buffers(self, max_bs: int, max_num_tokens: int) -> dict[str, Tensor]:
         """Fixed metadata buffers for batches up to ``max_bs`` requests and ``max_num_tokens``
@@ -212,7 +225,7 @@ class GraphMetadataMixin:
             RuntimeError: ``init_cuda_graph_state`` was not called, or a replay of a
                 (mode, batch size) that was never captured.
         """
-        if getattr(self, "cuda_graph_buffers", None) is None:
+        if self.cuda_graph_buffers is None:
             raise RuntimeError("XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
                                "buffers; expected init_cuda_graph_state(max_bs, max_num_tokens) "
                                "first, got none.")

@@ -28,6 +28,13 @@ class AttentionType(enum.Enum):
     ENCODER_ONLY = "encoder_only"
 
 
+def is_causal(layer) -> bool:
+    """Whether ``layer`` (a ``PagedAttention`` or sglang's ``RadixAttention``) masks causally:
+    not for cross attention, nor for the non-causal ``attn_type`` values."""
+    kind = getattr(layer, "attn_type", AttentionType.DECODER)
+    return not layer.is_cross_attention and kind.value == AttentionType.DECODER.value
+
+
 def _attention_type(value) -> AttentionType:
     try:
         return AttentionType(value)
@@ -91,13 +98,17 @@ class PagedAttention(nn.Module):
         self.use_irope = use_irope
         self.kv_sharing_target_layer_id = kv_sharing_target_layer_id
         self.attn_type = _attention_type(attn_type)
-        self.causal = not is_cross_attention and self.attn_type == AttentionType.DECODER
         # Piecewise mode: the graphs wing installs its split op here (enable_split_op).
         self.split_op: Optional[Callable] = None
         self.register_buffer("k_scale", None, persistent=False)
         self.register_buffer("v_scale", None, persistent=False)
         self.k_scale_float: Optional[float] = None
         self.v_scale_float: Optional[float] = None
+
+    @property
+    def causal(self) -> bool:
+        """``is_causal(self)``."""
+        return is_causal(self)
 
     @property
     def kv_cache_layer_id(self) -> int:
@@ -200,4 +211,4 @@ sliding_window=8, kv_lora_rank=0)
                     sliding_window=window, kv_lora_rank=rank)
 
 
-__all__ = ["AttentionType", "PagedAttention", "attention_layers", "kv_layout"]
+__all__ = ["AttentionType", "PagedAttention", "attention_layers", "is_causal", "kv_layout"]

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import xpu_ops
 
-from compile.backend import spec_metadata
+from compile.backend import spec_metadata, spec_rows
 from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata, cu_seqlens,
                                                 paged_metadata, slot_metadata, swa_metadata,
                                                 uniform_cu_seqlens)
@@ -111,6 +111,9 @@ class MetadataBuilderMixin:
         A chain is ``spec_info.num_tokens_per_req`` tokens wide per request (sglang 0.5.23:
         DSpark's draft block reuses TARGET_VERIFY with its own width), ``draft_token_num`` when
         the spec input sets none; a tree is ``draft_token_num`` wide (its mask's size).
+
+        Raises:
+            NotImplementedError: a tree whose ``num_tokens_per_req`` is not its width.
         """
         spec = fb.spec_info
         d = spec.draft_token_num or self.speculative_num_draft_tokens
@@ -119,13 +122,21 @@ class MetadataBuilderMixin:
             width = spec.num_tokens_per_req if spec.num_tokens_per_req > 0 else d
             main = spec_metadata.verify_chain(fb, self.req_to_token, self.page_size, width)
             return AttentionMetadata(main=main, write=write)
+        if 0 < spec.num_tokens_per_req != d:
+            raise NotImplementedError(
+                f"XPUAttentionBackend: a tree target verify (topk > 1) is draft_token_num = {d} "
+                f"tokens wide per request; expected spec_info.num_tokens_per_req {d}, got "
+                f"{spec.num_tokens_per_req}.")
         prefix, expand, mask = spec_metadata.verify_tree(fb, self.req_to_token, self.page_size, d)
-        swa_spec = None
+        meta = AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
+                                 expand=expand)
         if self.sliding_window_size is not None or self.is_hybrid_swa:
-            swa_spec = spec_metadata.verify_tree_swa(fb, self.token_to_kv_pool,
-                                                     self.req_to_token, mask, d)
-        return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand, swa_spec=swa_spec)
+            meta.swa_spec = spec_rows.verify_tree_swa(fb, self.token_to_kv_pool,
+                                                      self.req_to_token, mask, d)
+        if self.attention_chunk_size:
+            meta.local_spec = spec_rows.verify_tree_local(fb, self.req_to_token, mask, d,
+                                                          int(self.attention_chunk_size))
+        return meta
 
     def _draft_decode_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
         """DECODE with ``spec_info``: draft step ``speculative_step_id``."""
@@ -137,12 +148,15 @@ class MetadataBuilderMixin:
             return AttentionMetadata(main=main, write=write)
         prefix, expand = spec_metadata.draft_decode_tree(fb, self.req_to_token, self.page_size,
                                                          topk, step, steps)
-        swa_spec = None
+        meta = AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
+                                 expand=expand)
         if self.sliding_window_size is not None or self.is_hybrid_swa:
-            swa_spec = spec_metadata.draft_decode_tree_swa(fb, self.token_to_kv_pool,
-                                                           self.req_to_token, topk, step, steps)
-        return AttentionMetadata(main=prefix, write=write, causal=False, cascade=True,
-                                 expand=expand, swa_spec=swa_spec)
+            meta.swa_spec = spec_rows.draft_decode_tree_swa(fb, self.token_to_kv_pool,
+                                                            self.req_to_token, topk, step, steps)
+        if self.attention_chunk_size:
+            meta.local_spec = spec_rows.draft_decode_tree_local(
+                fb, self.req_to_token, topk, step, steps, int(self.attention_chunk_size))
+        return meta
 
     def _add_layer_variants(self, fb: ForwardBatch, meta: AttentionMetadata, graph: bool,
                             plain: bool = False) -> None:

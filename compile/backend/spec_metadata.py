@@ -4,9 +4,9 @@ Chains (``topk == 1``) are ordinary causal attention over ``req_to_token``, whic
 the draft tokens' slots. Trees (``topk > 1``) use cascade attention, as sglang's FlashAttention
 backend: a *prefix* pass of every draft/branch query over the request's cached prefix
 (non-causal, with LSE) and an *expand* pass of each query over the draft tokens it may see, on a
-token-slot table (page_size 1 view), merged with ``merge_state_v2``. Sliding-window layers cannot
-split by position, so target verify on them uses one merged row per draft instead
-(``prepare_swa_spec_page_table``).
+token-slot table (page_size 1 view), merged with ``merge_state_v2``. Sliding-window and
+chunked-local layers cannot split a tree by position; they take one merged row per query
+instead (``compile/backend/spec_rows.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-import xpu_ops
-
-from compile.backend.attention_metadata import (PagedAttnMetadata, paged_metadata, token_table,
-                                 uniform_cu_seqlens)
+from compile.backend.attention_metadata import (PagedAttnMetadata, paged_metadata,
+                                                uniform_cu_seqlens)
 
 
 def draft_mask(custom_mask: Tensor, seq_lens: Tensor, num_draft: int) -> Tensor:
@@ -108,51 +106,6 @@ def verify_tree(fb, req_to_token: Tensor, page_size: int, num_draft: int
     return prefix, expand, mask
 
 
-def verify_tree_swa(fb, pool, req_to_token: Tensor, mask: Tensor, num_draft: int
-                    ) -> PagedAttnMetadata:
-    """Target verify topk > 1 on SWA layers: one row per draft, prefix + allowed drafts, in
-    SWA-pool slots (translated when ``pool`` has a full-to-SWA mapping)."""
-    b = fb.batch_size
-    max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    prefix, drafts = _swa_slots(pool, token_table(req_to_token, fb.req_pool_indices, max_k),
-                                fb.out_cache_loc.view(b, num_draft))
-    table, lens = xpu_ops.prepare_swa_spec_page_table(prefix, fb.seq_lens.to(torch.int32),
-                                                      drafts, mask)
-    cu_q = uniform_cu_seqlens(b * num_draft, 1, table.device)
-    return PagedAttnMetadata(cu_seqlens_q=cu_q, cache_seqlens=lens, page_table=table,
-                             max_seqlen_q=1, max_seqlen_k=max_k + num_draft, page_size=1)
-
-
-def draft_decode_tree_swa(fb, pool, req_to_token: Tensor, topk: int, step_id: int,
-                          num_steps: int) -> PagedAttnMetadata:
-    """Draft decode topk > 1 on sliding-window layers: one row per branch, its request's prefix
-    then its own ``step_id + 1`` draft slots (the query is the last key, so the causal window
-    applies as in decode), in SWA-pool slots when ``pool`` has a full-to-SWA mapping.
-
-    Each branch is a one-chain tree of ``prepare_swa_spec_page_table``; the row of its last
-    draft is kept. ``out_cache_loc`` holds the round laid out ``(b, topk, num_steps)``.
-    """
-    b, n = fb.batch_size, step_id + 1
-    max_k = int(fb.seq_lens_cpu.max()) if b else 0
-    rows = torch.arange(b, device=fb.seq_lens.device).repeat_interleave(topk)
-    prefix, drafts = _swa_slots(pool, token_table(req_to_token, fb.req_pool_indices, max_k),
-                                fb.out_cache_loc.view(b * topk, num_steps)[:, :n])
-    chain = torch.ones(n, n, dtype=torch.bool, device=rows.device).tril()
-    table, lens = xpu_ops.prepare_swa_spec_page_table(
-        prefix[rows], fb.seq_lens.to(torch.int32)[rows], drafts, chain.expand(b * topk, n, n))
-    last = torch.arange(b * topk, device=rows.device) * n + n - 1
-    return PagedAttnMetadata(cu_seqlens_q=uniform_cu_seqlens(b * topk, 1, rows.device),
-                             cache_seqlens=lens[last], page_table=table[last], max_seqlen_q=1,
-                             max_seqlen_k=max_k + n, page_size=1)
-
-
-def _swa_slots(pool, *slots: Tensor) -> list[Tensor]:
-    """Token slots int32 (new tensors), translated into the SWA pool when ``pool`` has one."""
-    if hasattr(pool, "translate_loc_from_full_to_swa"):
-        slots = tuple(pool.translate_loc_from_full_to_swa(s) for s in slots)
-    return [s.to(torch.int32) for s in slots]
-
-
 def draft_decode_chain(fb, req_to_token: Tensor, page_size: int, step_id: int
                        ) -> PagedAttnMetadata:
     """Draft decode, topk 1: one query per request over prefix + ``step_id + 1`` drafts."""
@@ -182,5 +135,4 @@ def draft_write_loc(out_cache_loc: Tensor, rows: int, num_steps: int, step_id: i
 
 
 __all__ = ["draft_mask", "padded_spec_info", "expand_metadata", "prefix_metadata", "verify_chain",
-           "verify_tree", "verify_tree_swa", "draft_decode_chain", "draft_decode_tree",
-           "draft_decode_tree_swa", "draft_write_loc"]
+           "verify_tree", "draft_decode_chain", "draft_decode_tree", "draft_write_loc"]

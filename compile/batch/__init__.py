@@ -3,7 +3,8 @@ request-to-token table, the KV pools (MHA, hybrid sliding window, MLA), the page
 `KVLayout`, the plain facts pools are sized from. Pools know nothing of layers or graphs; this
 wing imports only `xpu_ops` and torch."""
 
-from compile.batch.forward_batch import ForwardBatch, ForwardMode, SpecInfo, SpecInputType
+from compile.batch.forward_batch import (ForwardBatch, ForwardMode, SpecInfo, SpecInputType,
+                                         is_draft_extend)
 from compile.batch.kv_layout import KVLayout, make_kv_pool
 from compile.batch.memory_pool import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool,
                                        PageAllocator, ReqToTokenPool, SWAKVPool)
@@ -12,4 +13,4 @@ from compile.batch.swa_pages import SWAPageAllocator, hybrid_kv_pool, kv_cache_b
 __all__ = ["ForwardBatch", "ForwardMode", "SpecInfo", "SpecInputType", "KVLayout",
            "make_kv_pool", "KVWriteLoc", "MHATokenToKVPool", "MLATokenToKVPool",
            "PageAllocator", "ReqToTokenPool", "SWAKVPool", "SWAPageAllocator", "hybrid_kv_pool",
-           "kv_cache_bytes"]
+           "kv_cache_bytes", "is_draft_extend"]

@@ -146,6 +146,15 @@ class SpecInfo:
         return self.spec_input_type == SpecInputType.EAGLE_VERIFY
 
 
+def is_draft_extend(forward_batch) -> bool:
+    """Whether ``forward_batch`` (this project's or sglang's ``ForwardBatch``) is a draft-model
+    extend: mode DRAFT_EXTEND_V2, or EXTEND with a draft ``spec_info`` (sglang 0.5.23's XPU
+    backend treats both alike)."""
+    mode, spec = forward_batch.forward_mode, forward_batch.spec_info
+    return mode.is_draft_extend_v2() or (
+        mode == ForwardMode.EXTEND and spec is not None and spec.is_draft_input())
+
+
 @dataclasses.dataclass
 class ForwardBatch:
     """One model step's batch (sglang field names). Device tensors unless named ``*_cpu``.
@@ -217,12 +226,8 @@ class ForwardBatch:
             self.encoder_lens_cpu = self.encoder_lens.cpu().tolist()
 
     def is_draft_extend(self) -> bool:
-        """A draft-model extend: mode DRAFT_EXTEND_V2, or EXTEND with a draft ``spec_info``
-        (sglang 0.5.23's XPU backend treats both alike)."""
-        mode = self.forward_mode
-        return mode.is_draft_extend_v2() or (
-            mode == ForwardMode.EXTEND and self.spec_info is not None
-            and self.spec_info.is_draft_input())
+        """``is_draft_extend(self)``."""
+        return is_draft_extend(self)
 
     @property
     def device(self) -> torch.device:
@@ -230,4 +235,4 @@ class ForwardBatch:
         return self.seq_lens.device
 
 
-__all__ = ["ForwardMode", "ForwardBatch", "SpecInfo", "SpecInputType"]
+__all__ = ["ForwardMode", "ForwardBatch", "SpecInfo", "SpecInputType", "is_draft_extend"]

@@ -80,7 +80,7 @@ def _fwd(names, convention):
                      "paged fwd takes per-request cache_seqlens [b] in cu_seqlens_k")
             lse = ref_paged.flash_attn_with_kvcache(
                 q, k, v, a["cu_seqlens_k"], page_table, a["cu_seqlens_q"], out, *extras,
-                a["leftpad_k"], None, **scalars)
+                a["leftpad_k"], None, **scalars, return_softmax_lse=True)
         else:
             lse = ref_varlen.flash_attn_varlen_func(
                 q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], out, None, *extras, None,

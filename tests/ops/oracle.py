@@ -97,12 +97,14 @@ def _group_scale(descale: Optional[Tensor], r: int, heads: int) -> Tensor | floa
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
                             q_descale, k_descale, v_descale, sinks, cache_leftpad=None,
                             bidirectional_block_ids=None, *, max_seqlen_q, softmax_scale, causal,
-                            window_size_left, window_size_right, softcap, num_splits=0):
+                            window_size_left, window_size_right, softcap, num_splits=0,
+                            return_softmax_lse=True):
     """Oracle of ``torch.ops.xpu_ops.flash_attn_with_kvcache`` (op arguments; ``out`` unused;
     ``num_splits`` cannot change the math).
 
     Returns:
-        ``(out [total_q, Hq, Dv] float64, lse [Hq, total_q] float64)``.
+        ``(out [total_q, Hq, Dv] float64, lse [Hq, total_q] float64)``; ``lse`` is ``[Hq, 0]``
+        when not ``return_softmax_lse`` (the op's empty result).
     """
     hq, hkv = q.shape[1], k_cache.shape[2]
     outs, lses = [], []
@@ -125,7 +127,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
     dv = v_cache.shape[3]
     out64 = torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=F64)
     lse64 = torch.cat(lses, dim=1) if lses else torch.zeros(hq, 0, dtype=F64)
-    return out64, lse64
+    return out64, lse64 if return_softmax_lse else lse64[:, :0]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size_left=-1,

@@ -38,15 +38,19 @@ def _decode_call(case, mask, dtype, seed):
     args = [q, k, v, lens, table, cu, out, None, None, None, None, sink, None, None]
     kwargs = dict(max_seqlen_q=1, softmax_scale=d ** -0.5, causal=True,
                   window_size_left=window_left, window_size_right=0, softcap=softcap,
-                  num_splits=0)
+                  num_splits=0, return_softmax_lse=True)
     return args, kwargs
 
 
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no-lse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "window3", "softcap-sinks", "window0-sinks"])
 @pytest.mark.parametrize("case", CASES, ids=["gqa4-ps4", "ps1", "mqa-d80", "mha-odd", "empty"])
-def test_decode_path_matches_oracle(case, mask, dtype):
+def test_decode_path_matches_oracle(case, mask, dtype, return_lse):
+    """Without the LSE (``[Hq, 0]`` returned), calls without sinks or softcap whose requests
+    all have keys run torch SDPA; the others, and every call with the LSE, the explicit path."""
     args, kwargs = _decode_call(case, mask, dtype, seed=len(case[0]) + mask[0])
+    kwargs["return_softmax_lse"] = return_lse
     assert cpu_decode.applies(args[0], args[1], args[5], 1, *args[7:11], *args[12:])
     with xpu_ops.use_provider("reference"):
         lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
@@ -145,3 +149,26 @@ def test_strided_caches_and_out_of_range_page_ids_match_the_oracle(layout):
     with xpu_ops.use_provider("reference"):
         lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["ps1-gqa3", "mqa-d80"])
+def test_calls_without_the_lse_run_sdpa_and_match_the_oracle(case, layout, monkeypatch):
+    """The SDPA path serves a plain decode call without the LSE, on both gathers (one
+    ``index_select`` of a contiguous cache; an index by page and offset of strided pages with
+    NaN between them), NaN past ``cache_seqlens`` masked out."""
+    args, kwargs = _decode_call(case, MASKS[1], torch.float32, seed=13)
+    if layout == "strided":
+        for i in (1, 2):
+            buf = torch.full((2 * args[i].shape[0], *args[i].shape[1:]), float("nan"))
+            buf[::2] = args[i]
+            args[i] = buf[::2]
+    calls = []
+    sdpa = cpu_decode._sdpa
+    monkeypatch.setattr(cpu_decode, "_sdpa", lambda *a: calls.append(1) or sdpa(*a))
+    with xpu_ops.use_provider("reference"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **dict(kwargs,
+                                                                     return_softmax_lse=False))
+    want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert calls == [1] and lse.shape == (args[0].shape[1], 0)
+    assert_matches_oracle(args[6], want, torch.float32)

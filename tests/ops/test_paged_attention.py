@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xpu_ops
-from xpu_ops.testing import ATTENTION_CASES, attention_case_inputs, paged_kv_cache
+from xpu_ops.testing import ATTENTION_CASES, NO_LSE_CASES, attention_case_inputs, paged_kv_cache
 
 from . import oracle
 from .utils import OUT_TOL, assert_matches_oracle, case_id, error_message, runnable_providers
@@ -33,6 +33,15 @@ def _run_case(case, provider, seed, dtype=None):
                          ids=[case_id(c) for c in ATTENTION_CASES])
 def test_matches_oracle(provider, index):
     _run_case(ATTENTION_CASES[index], provider, seed=1000 + index)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("index", range(len(NO_LSE_CASES)),
+                         ids=[case_id(c) for c in NO_LSE_CASES])
+def test_without_the_lse_matches_oracle_and_returns_it_empty(provider, index):
+    """``return_softmax_lse=False``: the output as with the LSE, and an empty ``[Hq, 0]`` LSE
+    (the fake's shape) on every provider, whichever path computes it."""
+    _run_case(NO_LSE_CASES[index], provider, seed=3000 + index)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

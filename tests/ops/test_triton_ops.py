@@ -126,7 +126,7 @@ def _split_inputs(case, mask, seed):
     out = torch.full((q.shape[0], hq, dv), float("nan"))
     kwargs = dict(max_seqlen_q=max(q_lens), softmax_scale=0.25, causal=False,
                   window_size_left=window[0], window_size_right=window[1], softcap=softcap,
-                  num_splits=0)
+                  num_splits=0, return_softmax_lse=True)
     return [q, k, v, lens, table, cu, out, None, None, None, None, sink, None, None], kwargs
 
 

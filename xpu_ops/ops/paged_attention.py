@@ -127,11 +127,13 @@ def flash_attn_with_kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, page_table: Tensor,
     cu_seqlens_q: Tensor, out: Tensor, qv: Optional[Tensor], q_descale: Optional[Tensor],
     k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor],
-    cache_leftpad: Optional[Tensor], bidirectional_block_ids: Optional[Tensor], *,
+    cache_leftpad: Optional[Tensor], bidirectional_block_ids: Optional[Tensor],
     max_seqlen_q: int, softmax_scale: float, causal: bool, window_size_left: int,
-    window_size_right: int, softcap: float, num_splits: int,
+    window_size_right: int, softcap: float, num_splits: int, return_softmax_lse: bool,
 ) -> Tensor:
-    """Op form of ``flash_attn_with_kvcache``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
+    """Op form of ``flash_attn_with_kvcache``: writes ``out``, returns ``softmax_lse [Hq, total_q]``
+    (with ``return_softmax_lse=False``, an empty ``[Hq, 0]``: the LSE is not computed where a
+    provider can skip it, e.g. the CPU decode path's SDPA).
 
     All arguments are explicit (no defaults); see the public wrapper for their meaning.
     ``cache_seqlens`` is the total key count (any append already done). ``window_size_right``
@@ -155,18 +157,24 @@ def flash_attn_with_kvcache_op(
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
             max_seqlen_q=max_seqlen_q, softcap=softcap, num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
-        return {"softcap": no_cap_if_infinite(softcap)}
+        return (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+                k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
+                max_seqlen_q, softmax_scale, causal, window_size_left, window_size_right,
+                no_cap_if_infinite(softcap), num_splits, return_softmax_lse)
+    return None
 
 
 @flash_attn_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-      k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
-      softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits):
+      k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
+      softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits,
+      return_softmax_lse):
     _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                                    bidirectional_block_ids, max_seqlen_q=max_seqlen_q,
                                    softcap=softcap, num_splits=num_splits)
-    return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty((q.shape[1], q.shape[0] if return_softmax_lse else 0),
+                       dtype=torch.float32)
 
 
 def flash_attn_with_kvcache(
@@ -302,13 +310,15 @@ def flash_attn_with_kvcache(
     else:
         check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
+    softmax_scale = float_scalar(fn, "softmax_scale", softmax_scale)
+    softcap = float_scalar(fn, "softcap", softcap)
+    # Positional, in schema order: keyword arguments cost the dispatcher a dict per call.
+    lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
-        k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
-        max_seqlen_q=max_seqlen_q, softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale),
-        causal=causal, window_size_left=left, window_size_right=right,
-        softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
-    result, lse = _unpacked(out, out3, lse, batch_shape, mergeable)
+        k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
+        softmax_scale, causal, left, right, softcap, num_splits, bool(return_softmax_lse))
+    result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, batch_shape,
+                            mergeable)
     return (result, lse) if return_softmax_lse else result
 
 
@@ -332,13 +342,16 @@ def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, s
 
 def _unpacked(out, out3, lse, batch_shape, mergeable):
     """``(out, softmax_lse)`` in the caller's layout: for a 4-D q ``[b, s, Hq, Dv]`` (the
-    caller's ``out`` when given) and ``[b, Hq, s]``; packed results as they are."""
+    caller's ``out`` when given) and ``[b, Hq, s]``; packed results as they are (``lse`` None
+    when not requested)."""
     if batch_shape is None:
         return out3, lse
     result = out3.view(*batch_shape, *out3.shape[1:])
     if out is not None and not mergeable:
         out.copy_(result)
     result = out if out is not None else result
+    if lse is None:
+        return result, None
     return result, lse.view(lse.shape[0], *batch_shape).transpose(0, 1)
 
 

@@ -65,7 +65,7 @@ def flash_attn_varlen_func_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, out: Tensor,
     seqused_k: Optional[Tensor], qv: Optional[Tensor], q_descale: Optional[Tensor],
     k_descale: Optional[Tensor], v_descale: Optional[Tensor], sinks: Optional[Tensor],
-    seqused_q: Optional[Tensor], *, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+    seqused_q: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
     causal: bool, window_size_left: int, window_size_right: int, softcap: float,
     num_splits: int,
 ) -> Tensor:
@@ -82,12 +82,14 @@ def flash_attn_varlen_func_op(
     _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   softcap=softcap, num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
-        return {"softcap": no_cap_if_infinite(softcap)}
+        return (*args, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
+                window_size_right, no_cap_if_infinite(softcap), num_splits)
+    return None
 
 
 @flash_attn_varlen_func_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-      sinks, seqused_q, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
+      sinks, seqused_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
       window_size_right, softcap, num_splits):
     _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
                                   q_descale, k_descale, v_descale, sinks, seqused_q,
@@ -166,10 +168,11 @@ def flash_attn_varlen_func(
     max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                max_seqlen_q, max_seqlen_k, seqused_q)
-    lse = torch.ops.xpu_ops.flash_attn_varlen_func(
+    softmax_scale = float_scalar(fn, "softmax_scale", softmax_scale)
+    softcap = float_scalar(fn, "softcap", softcap)
+    # Positional, in schema order (as flash_attn_with_kvcache: no per-call keyword dict).
+    lse = torch.ops.xpu_ops.flash_attn_varlen_func.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-        sinks, seqused_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        softmax_scale=float_scalar(fn, "softmax_scale", softmax_scale), causal=bool(causal),
-        window_size_left=left, window_size_right=right,
-        softcap=float_scalar(fn, "softcap", softcap), num_splits=num_splits)
+        sinks, seqused_q, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), left, right,
+        softcap, num_splits)
     return (out, lse) if return_softmax_lse else out

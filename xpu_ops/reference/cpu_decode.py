@@ -2,10 +2,12 @@
 
 A decode step (one query row per request) spends most of the general reference path's time in
 op count and copies, not arithmetic: at SmolLM2-135M shapes it issues ~70 small ops per call.
-Here the same semantics take ~25 ops and few passes over the keys and values: per cache one
-``index_select`` of whole pages and one copy that puts the KV head first (each (head, request)
-block is then one matrix), one batched matmul for the scores of the query heads that share a KV
-head, a masked log-sum-exp, one batched matmul for the output.
+Here the same semantics take few ops and few passes over the keys and values. A call that does
+not ask for the LSE (the usual decode layer) gathers whole pages (one ``index_select`` per
+cache) and runs torch SDPA once, the query heads of a KV head as its query rows (``_sdpa``);
+one that does, or has sinks or a softcap, gathers ``(slot, head)`` rows heads first, computes
+the scores of the query heads that share a KV head in one batched matmul, a masked softmax
+whose maximum gives the LSE, and one batched matmul for the output.
 
 Semantics are the reference's (``xpu_ops/reference/paged_attention.py``): keys ``j <
 min(cache_seqlens[r], capacity)`` whose page id is in ``[0, num_pages)`` exist, the window's
@@ -24,9 +26,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES
+from ..providers import empty_lse
 
 
 def applies(q: Tensor, k_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *extras
@@ -52,10 +56,10 @@ def _slots(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size:
     ``slots`` is the cache slot (``page * page_size + offset``, page ids clamped into range)
     each key is read from; ``hidden`` marks the keys that do not exist (``j >= min(cache_seqlens,
     capacity)`` or on a page id outside ``[0, num_pages)``) or lie left of the window. When
-    ``exact`` (no page id out of range, every request has a key), a hidden key reads its
-    request's last key instead (always visible), so every slot read holds a key the request
-    owns and nothing read needs zeroing; otherwise hidden keys may read garbage (NaN). Reading
-    values costs no synchronisation on the CPU.
+    ``exact`` (no page id that holds a key is out of range, every request has a key), a hidden
+    key reads its request's last key instead (always visible), so every slot read holds a key
+    the request owns and nothing read needs zeroing; otherwise hidden keys may read garbage
+    (NaN). Reading values costs no synchronisation on the CPU.
     """
     b, max_pages = page_table.shape
     capacity = max_pages * page_size
@@ -67,9 +71,12 @@ def _slots(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size:
     if window_left >= 0:  # a decode row's own key (j = Lk - 1) stays inside the window
         hidden |= positions < k_lens - 1 - window_left
     slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(b, capacity)
-    if not torch.equal(pages, raw):
-        hidden |= (pages != raw).repeat_interleave(page_size, dim=1)
-        return slots, hidden, False
+    bad = pages != raw                                                        # [b, P]
+    if bool(bad.any()):  # entries past a request's last page are never read: only used ones
+        bad &= (torch.arange(max_pages) * page_size)[None, :] < k_lens
+        if bool(bad.any()):
+            hidden |= bad.repeat_interleave(page_size, dim=1)
+            return slots, hidden, False
     if int(k_lens.min()) == 0:
         return slots, hidden, False
     return torch.where(hidden, slots.gather(1, k_lens - 1), slots), hidden, True
@@ -93,15 +100,60 @@ def _gather_heads_first(cache: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     return out.copy_(picked.permute(2, 0, 1, 3))
 
 
+def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+          page_table: Tensor, out: Tensor, softmax_scale: float, window_left: int) -> bool:
+    """``out = softmax(scale * q k^T) v`` over each request's visible keys with one torch SDPA
+    call, if every request has a key and every page id is in range (else False, nothing
+    written).
+
+    Whole pages are gathered (one ``index_select`` per cache, ``[b, L, Hkv, D]``), the hidden
+    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked
+    with an additive ``-inf`` bias; the ``G`` query heads of a KV head are ``G`` query rows against that
+    head's keys (``[b, Hkv, G, D]``), so no head is repeated.
+    """
+    b, num_heads_q, head_dim = q.shape
+    num_pages, page_size, num_heads_kv = k_cache.shape[:3]
+    low, high = torch.aminmax(page_table)
+    if b == 0 or int(low) < 0 or int(high) >= num_pages:
+        return False
+    capacity = page_table.shape[1] * page_size
+    k_lens = cache_seqlens.clamp(max=capacity)[:, None]                       # [b, 1]
+    if int(k_lens.min()) <= 0:
+        return False
+    positions = torch.arange(capacity)[None, :]
+    hidden = positions >= k_lens                                              # [b, L]
+    if window_left >= 0:  # a decode row's own key (j = Lk - 1) stays inside the window
+        hidden |= positions < k_lens - 1 - window_left
+    pages = page_table.reshape(-1)
+    keys = k_cache.index_select(0, pages).view(b * capacity, -1)              # [b * L, Hkv * D]
+    values = v_cache.index_select(0, pages).view(b * capacity, -1)
+    garbage = hidden.view(-1).nonzero().squeeze(1)
+    keys.index_fill_(0, garbage, 0.0)
+    values.index_fill_(0, garbage, 0.0)
+    bias = torch.where(hidden, float("-inf"), 0.0).to(q.dtype)[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.view(b, num_heads_kv, num_heads_q // num_heads_kv, head_dim),
+        keys.view(b, capacity, num_heads_kv, head_dim).transpose(1, 2),
+        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2), attn_mask=bias,
+        scale=softmax_scale)                                                  # [b, Hkv, G, Dv]
+    out.view(b, num_heads_kv, -1, o.shape[-1]).copy_(o)
+    return True
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                      page_table: Tensor, out: Tensor, *, sinks: Optional[Tensor],
-                     softmax_scale: float, window_left: int, softcap: float) -> Tensor:
+                     softmax_scale: float, window_left: int, softcap: float,
+                     return_lse: bool = True) -> Tensor:
     """Attention of ``q [b, Hq, D]`` (row ``r`` is request ``r``'s only query) over the paged
-    cache; writes ``out [b, Hq, Dv]`` and returns the LSE ``[Hq, b]`` float32 (natural log).
+    cache; writes ``out [b, Hq, Dv]`` and returns the LSE ``[Hq, b]`` float32 (natural log), or
+    an empty ``[Hq, 0]`` when not ``return_lse``.
 
-    The LSE comes from the softmax itself: ``lse = s_max - log(p_max)`` (``p_max = 1 /
-    sum(exp(s - s_max)) >= 1 / L`` never underflows), one fused ``softmax`` and two ``amax``
-    instead of a ``logsumexp`` and a second pass over the scores.
+    Without the LSE, sinks and softcap, when every request has a key and every page id is in
+    range, the output is one ``torch.nn.functional.scaled_dot_product_attention`` call
+    (``_sdpa``).
+    Otherwise the scores are explicit and the LSE comes from the softmax itself: ``lse = s_max
+    - log(p_max)`` (``p_max = 1 / sum(exp(s - s_max)) >= 1 / L`` never underflows), one fused
+    ``softmax`` and two ``amax`` instead of a ``logsumexp`` and a second pass over the scores.
 
     Args:
         k_cache/v_cache: [num_pages, page_size, Hkv, D|Dv], q's dtype.
@@ -109,6 +161,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
         sinks: [Hq] float32 sink logits or None. window_left: -1 unbounded.
         softcap: 0 for none, else ``softcap * tanh(s / softcap)``.
     """
+    if not return_lse and sinks is None and softcap == 0 and _sdpa(
+            q, k_cache, v_cache, cache_seqlens, page_table, out, softmax_scale, window_left):
+        return empty_lse(q)
     b, num_heads_q, head_dim = q.shape
     num_pages, page_size, num_heads_kv = k_cache.shape[:3]
     group = num_heads_q // num_heads_kv
@@ -138,7 +193,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
         lse = total
     o = torch.matmul(probs, values)                                           # [Hkv, b, G, Dv]
     out.view(b, num_heads_kv, group, -1).copy_(o.transpose(0, 1))
-    return lse.permute(0, 2, 1).reshape(num_heads_q, b)
+    lse = lse.permute(0, 2, 1).reshape(num_heads_q, b)
+    return lse if return_lse else empty_lse(q)
 
 
 __all__ = ["applies", "decode_attention"]

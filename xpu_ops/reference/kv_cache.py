@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -43,8 +45,9 @@ def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
     if cache.dtype in FP8_DTYPES:
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     loc = loc.long()
-    if cache.device.type == "cpu" and cache.stride(0) == cache.stride(1) * page_size:
-        _write_slots_cpu(cache.flatten(0, 1), loc, values)
+    rows = flat_rows(cache) if cache.device.type == "cpu" else None
+    if rows is not None:
+        _write_slots_cpu(loc, (rows, values))
         return
     in_range = (loc >= 0) & (loc < num_slots)                                  # [N]
     first = in_range.to(torch.uint8).argmax()                  # first in-range entry (0 if none)
@@ -56,15 +59,25 @@ def write_slots(cache: Tensor, loc: Tensor, values: Tensor) -> None:
     cache[slot // page_size, slot % page_size] = torch.where(row_mask, values, fill_value)
 
 
-def _write_slots_cpu(rows: Tensor, loc: Tensor, values: Tensor) -> None:
-    """``write_slots`` on the CPU, where reading ``loc`` costs no synchronisation: the in-range
-    entries are selected directly and copied with one ``index_copy_`` into ``rows [slots,
-    ...]`` (a view of the cache)."""
+def flat_rows(cache: Tensor) -> Optional[Tensor]:
+    """A paged ``cache [num_pages, page_size, ...]`` as ``[slots, ...]`` (slot ``s`` is row
+    ``s``, a view) when its pages are runs of adjacent slots; None for other page strides."""
+    if cache.stride(0) == cache.stride(1) * cache.shape[1]:
+        return cache.flatten(0, 1)
+    return None
+
+
+def _write_slots_cpu(loc: Tensor, *pairs: tuple[Tensor, Tensor]) -> None:
+    """``write_slots`` on the CPU, where reading ``loc`` (int64) costs no synchronisation: for
+    each ``(rows [slots, ...], values [N, ...])`` of ``pairs`` (caches with one slot count),
+    one ``index_copy_`` of the in-range entries, found with one ``aminmax``."""
     low, high = torch.aminmax(loc)
-    if int(low) < 0 or int(high) >= rows.shape[0]:
-        in_range = (loc >= 0) & (loc < rows.shape[0])
-        loc, values = loc[in_range], values[in_range]
-    rows.index_copy_(0, loc, values)
+    num_slots = pairs[0][0].shape[0]
+    if int(low) < 0 or int(high) >= num_slots:
+        in_range = (loc >= 0) & (loc < num_slots)
+        loc, pairs = loc[in_range], [(rows, values[in_range]) for rows, values in pairs]
+    for rows, values in pairs:
+        rows.index_copy_(0, loc, values)
 
 
 @providers.register("store_kv_cache", "reference")
@@ -73,8 +86,17 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
 
     Writes K and V rows ``[N, Hkv, D]`` into token slots ``loc`` of the caches (flat or paged,
     any strides) with ``write_slots`` (index_put), dividing by ``k_scale``/``v_scale`` first
-    when given (fp8).
+    when given (fp8). Unscaled stores into CPU caches whose slots are rows of a view take
+    ``_write_slots_cpu`` for both at once (one ``aminmax``, two ``index_copy_``).
     """
+    if loc.shape[0] == 0:
+        return
+    if k_scale is None and v_scale is None and k_cache.device.type == "cpu":
+        k_rows, v_rows = flat_rows(paged_view(k_cache, 2)), flat_rows(paged_view(v_cache, 2))
+        if (k_rows is not None and v_rows is not None and k_rows.dtype == k.dtype
+                and v_rows.dtype == v.dtype and k_rows.shape[0] > 0):
+            _write_slots_cpu(loc.long(), (k_rows, k), (v_rows, v))
+            return
     for cache, src, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         write_slots(paged_view(cache, 2), loc,
                     src if scale is None else src.float() / scale.float().reshape(()))

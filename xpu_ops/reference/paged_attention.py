@@ -50,26 +50,30 @@ def gather_pages(cache: Tensor, page_table: Tensor, k_lens: Tensor,
 @providers.register("flash_attn_with_kvcache", "reference")
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
-                            window_size_left, window_size_right, softcap, num_splits):
+                            bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits,
+                            return_softmax_lse):
     """Reference ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     Gathers the paged K/V into padded float32 blocks (``gather_pages``), dequantizes, then runs
-    masked softmax attention per request (``attend_packed``); writes ``out`` and returns the LSE.
-    Always one pass over the keys (``num_splits`` does not apply). Decode calls on the CPU take
-    ``cpu_decode``'s path (the same semantics in fewer ops).
+    masked softmax attention per request (``attend_packed``); writes ``out`` and returns the LSE
+    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``). Always one pass over the keys
+    (``num_splits`` does not apply). Decode calls on the CPU take ``cpu_decode``'s path (the
+    same semantics in fewer ops; without the LSE, torch SDPA where it applies).
     """
     if cpu_decode.applies(q, k_cache, cu_seqlens_q, max_seqlen_q, qv, q_descale, k_descale,
                           v_descale, cache_leftpad, bidirectional_block_ids):
         return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,
                                            sinks=sinks, softmax_scale=softmax_scale,
-                                           window_left=window_size_left, softcap=softcap)
+                                           window_left=window_size_left, softcap=softcap,
+                                           return_lse=return_softmax_lse)
     k_lens = paged_lengths(page_table, cache_seqlens, k_cache.shape[1])
     k_pad, valid = gather_pages(k_cache, page_table, k_lens, cache_leftpad)
     v_pad, _ = gather_pages(v_cache, page_table, k_lens, cache_leftpad)
-    return attend_packed(q, cu_seqlens_q, max_seqlen_q, dequantize(k_pad, k_descale),
-                         dequantize(v_pad, v_descale), k_lens, out, qv=qv, q_descale=q_descale,
-                         sinks=sinks, softmax_scale=softmax_scale,
-                         window_size_left=window_size_left, window_size_right=window_size_right,
-                         softcap=softcap, k_start=cache_leftpad,
-                         block_ids=bidirectional_block_ids, key_valid=valid)
+    lse = attend_packed(q, cu_seqlens_q, max_seqlen_q, dequantize(k_pad, k_descale),
+                        dequantize(v_pad, v_descale), k_lens, out, qv=qv, q_descale=q_descale,
+                        sinks=sinks, softmax_scale=softmax_scale,
+                        window_size_left=window_size_left, window_size_right=window_size_right,
+                        softcap=softcap, k_start=cache_leftpad,
+                        block_ids=bidirectional_block_ids, key_valid=valid)
+    return lse if return_softmax_lse else providers.empty_lse(q)

@@ -10,7 +10,7 @@ from .attention import attend_packed, dequantize, gather_padded, request_rows
 
 @providers.register("flash_attn_varlen_func", "reference")
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap,
                            num_splits):
     """Reference ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).

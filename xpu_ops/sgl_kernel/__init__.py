@@ -89,8 +89,9 @@ def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, ma
                     supports=limits.flash_attn_with_kvcache)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
-                            window_size_left, window_size_right, softcap, num_splits):
+                            bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits,
+                            return_softmax_lse):
     """sgl_kernel ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     Native ``fwd`` with the paged cache (``cache_seqlens`` as ``cu_seqlens_k`` on sgl-kernel-xpu,
@@ -109,13 +110,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         values["cu_seqlens_k"] = cache_seqlens          # per-request lengths, not prefix sums
     else:
         values.update(cu_seqlens_k=None, seqused_k=cache_seqlens)
-    return _run_fwd(out, values)
+    lse = _run_fwd(out, values)
+    return lse if return_softmax_lse else providers.empty_lse(q)
 
 
 @providers.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_varlen_func)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap,
                            num_splits):
     """sgl_kernel ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).

@@ -54,7 +54,7 @@ def _common(q, k_dtype, head_dim, head_dim_v, qv, sinks, flavour) -> Optional[st
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, **_) -> Optional[str]:
+                            bidirectional_block_ids, max_seqlen_q, *_, **__) -> Optional[str]:
     """``supports=`` hook of ``flash_attn_with_kvcache``: ``None``, or why native ``fwd`` cannot
     serve it (``bidirectional_block_ids``: not mapped; on ``"xpu"``: listed head dims; decode
     also listed page sizes and Hq/Hkv, no ``cache_leftpad``).
@@ -82,7 +82,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, seqused_q, **_) -> Optional[str]:
+                           k_descale, v_descale, sinks, seqused_q, *_, **__) -> Optional[str]:
     """``supports=`` hook of ``flash_attn_varlen_func``: ``None``, or why native ``fwd`` cannot
     serve it (on ``"xpu"``: no ``seqused_k``/``seqused_q``, listed head dims only).
     """

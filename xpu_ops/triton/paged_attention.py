@@ -474,14 +474,16 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
                     out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                            bidirectional_block_ids, *, max_seqlen_q, softmax_scale, causal,
-                            window_size_left, window_size_right, softcap, num_splits):
+                            bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
+                            window_size_left, window_size_right, softcap, num_splits,
+                            return_softmax_lse):
     """Triton ``flash_attn_with_kvcache`` (contract: ``xpu_ops/ops/paged_attention.py``).
 
     ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
-    split-KV; ``max_kv_len`` is the page-table capacity in tokens. Writes ``out``, returns the LSE.
+    split-KV; ``max_kv_len`` is the page-table capacity in tokens. Writes ``out``, returns the LSE
+    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``: the kernel always writes it).
     """
-    return paged_attention(
+    lse = paged_attention(
         q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
         cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
         max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
@@ -489,3 +491,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         window_left=window_size_left, window_right=window_size_right, softcap=softcap,
         num_splits=requested_splits(num_splits), k_start=cache_leftpad,
         block_ids=bidirectional_block_ids)
+    return lse if return_softmax_lse else providers.empty_lse(q)

@@ -16,7 +16,7 @@ from .paged_attention import requested_splits, paged_attention, supports_attenti
                     supports=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, *a,
                     **kw: supports_attention(q, k, v, out, qv))
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
-                           k_descale, v_descale, sinks, seqused_q, *, max_seqlen_q, max_seqlen_k,
+                           k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap,
                            num_splits):
     """Triton ``flash_attn_varlen_func`` (contract: ``xpu_ops/ops/varlen_attention.py``).

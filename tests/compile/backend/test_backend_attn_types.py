@@ -42,19 +42,29 @@ def _whole_sequence_ids(prefixes, new_lens, spans):
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
 def test_gemma3_image_blocks_are_bidirectional(page_size, mode):
-    h = Harness(page_size, seed=210 + page_size, num_layers=2, window=8)
+    h = Harness(page_size, seed=210 + page_size, num_layers=3, window=8)
     prefixes, new = [0, 10, 5, 30], [20, 12, 1, 17]
     # An image inside the new tokens, one that starts in the cached prefix (chunked prefill cut
     # it), none, and two images in one request.
     spans = [[(3, 12)], [(6, 15)], [], [(31, 35), (40, 46)]]
-    reqs = [h.add_request(p, layers=(0, 1)) for p in prefixes]
+    reqs = [h.add_request(p, layers=(0, 1, 2)) for p in prefixes]
     ids, per_request = _whole_sequence_ids(prefixes, new, spans)
     full, windowed = h.layer(0), h.layer(1, sliding_window_size=7)
-    outs, qs = h.step(mode, reqs, new, [full, windowed], block_ids=ids)
+    encoder = h.layer(2, attn_type=AttentionType.ENCODER_ONLY)    # sees every key regardless
+    outs, qs = h.step(mode, reqs, new, [full, windowed, encoder], block_ids=ids)
     assert_close(outs[0], h.expected(reqs, new, full, qs[0], block_ids=per_request))
     assert_close(outs[1], h.expected(reqs, new, windowed, qs[1], block_ids=per_request))
+    assert_close(outs[2], h.expected(reqs, new, encoder, qs[2]))
     causal_only = h.expected(reqs, new, full, qs[0])
     assert not torch.allclose(outs[0], causal_only), "the image blocks changed nothing"
+
+
+def test_image_block_ids_must_cover_whole_sequences():
+    h = Harness(16, seed=221)
+    reqs = [h.add_request(4)]
+    ids, _ = _whole_sequence_ids([0], [6], [[(1, 3)]])        # the new tokens only: too short
+    with pytest.raises(ValueError, match="bidirectional_block_ids has 6 entries"):
+        h.step(ForwardMode.EXTEND, reqs, [6], [h.layer()], block_ids=ids)
 
 
 def test_image_blocks_do_not_outlive_their_step():
@@ -66,3 +76,14 @@ def test_image_blocks_do_not_outlive_their_step():
     outs, qs = h.step(ForwardMode.DECODE, reqs, [1], [layer])   # the model sets none now
     assert h.backend.bidirectional_block_ids is None
     assert_close(outs[0], h.expected(reqs, [1], layer, qs[0]))
+
+
+def test_is_causal_reads_sglangs_layer_fields():
+    # Any layer with sglang's fields (its RadixAttention has a string-valued AttentionType).
+    from types import SimpleNamespace
+
+    from compile.backend.layer import is_causal
+    kind = SimpleNamespace(value="encoder_only")
+    assert not is_causal(SimpleNamespace(is_cross_attention=False, attn_type=kind))
+    assert is_causal(SimpleNamespace(is_cross_attention=False))
+    assert not is_causal(SimpleNamespace(is_cross_attention=True))

@@ -90,6 +90,13 @@ def test_target_verify_width_from_num_tokens_per_req(page_size):
     assert_close(outs[0], h.expected(reqs, [2] * 4, layer, qs[0]))
 
 
+def test_target_verify_tree_width_must_be_its_mask():
+    h = Harness(16, seed=26, topk=2, draft_tokens=4)
+    masks = [_random_tree(h.gen, 4)]
+    with pytest.raises(NotImplementedError, match="num_tokens_per_req 4, got 2"):
+        _verify(h, [5], 4, [h.layer()], masks, spec_kw=dict(num_tokens_per_req=2))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("flat", [False, True])
 def test_target_verify_tree_cascade(page_size, flat):
@@ -180,17 +187,18 @@ def test_draft_decode_tree_cascade(page_size):
     assert_close(out, torch.cat(rows))
 
 
-def test_chunked_local_draft_decode_tree_not_implemented():
-    """Sliding-window layers take merged per-branch rows (tests/compile/graphs/
-    test_spec_graphs.py); chunked-local layers with topk > 1 still raise, naming the kind."""
-    h = Harness(16, seed=61, topk=2, num_steps=2, chunk=16)
+def test_sliding_window_tree_without_window_setting_not_implemented():
+    """Trees on sliding-window and chunked-local layers take merged rows per query
+    (tests/compile/graphs/test_spec_graphs.py); a sliding-window layer in a model runner
+    without ``sliding_window_size`` has none and raises, naming the setting."""
+    h = Harness(16, seed=61, topk=2, num_steps=2)
     reqs = [h.add_request(5)]
     scratch = h.add_request(0)
     loc = h.alloc_slots(scratch, 0, 4)
     fb = h.batch(ForwardMode.DECODE, reqs, [2], loc, [5], spec_info=SpecInfo(topk=2))
     h.backend.init_forward_metadata(fb)
-    with pytest.raises(NotImplementedError, match="chunked-local layers are not supported"):
-        h.layer(use_irope=True)(torch.zeros(2, h.hq * h.d), None, None, fb)
+    with pytest.raises(NotImplementedError, match="needs the model runner's sliding_window_size"):
+        h.layer(sliding_window_size=4)(torch.zeros(2, h.hq * h.d), None, None, fb)
 
 
 def test_deterministic_cascade_passes_one_split_each(monkeypatch):

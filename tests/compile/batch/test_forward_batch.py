@@ -1,10 +1,12 @@
 """``SpecInfo`` (verify/draft input, per-request width) and ``ForwardBatch.is_draft_extend``
 (sglang 0.5.23's rule: DRAFT_EXTEND_V2, or EXTEND with a draft input)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from compile.batch import ForwardBatch, ForwardMode, SpecInfo, SpecInputType
+from compile.batch import ForwardBatch, ForwardMode, SpecInfo, SpecInputType, is_draft_extend
 
 
 def test_spec_info_kind_and_width():
@@ -34,3 +36,5 @@ def _batch(mode, spec_info=None) -> ForwardBatch:
 ])
 def test_is_draft_extend(mode, spec, expected):
     assert _batch(mode, spec).is_draft_extend() is expected
+    # Any batch with sglang's two fields, e.g. sglang's own ForwardBatch.
+    assert is_draft_extend(SimpleNamespace(forward_mode=mode, spec_info=spec)) is expected

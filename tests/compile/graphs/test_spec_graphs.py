@@ -1,7 +1,7 @@
 """Speculative and cascade steps inside whole-step graphs, against the float64 oracle, replayed
 and eager: tree target verify (topk > 1, the cascade), tree draft decode, draft extend, the
-multi-step draft backend's rounds, and inside them sliding-window layers (merged per-draft and
-per-branch rows), chunked-local layers, MLA (its decode workspace, the cascade), sinks and
+multi-step draft backend's rounds, and inside them sliding-window and chunked-local layers (in
+trees: merged rows per draft or branch), MLA (its decode workspace, the cascade), sinks and
 softcap.
 
 Every step is a fresh random batch of a changing size (``tests/compile/graphs/spec_probe.py``),
@@ -19,9 +19,10 @@ import xpu_ops
 
 from compile.backend.multi_step_draft import XPUMultiStepDraftBackend
 from compile.batch import ForwardMode, SpecInfo
-from compile.graphs import GraphRunner
+from compile.graphs import GraphRunner, full_and_piecewise
 from compile.graphs import device as dev
-from tests.compile.compile_helpers import Harness as ModelHarness, tiny_model
+from tests.compile.compile_helpers import (Harness as ModelHarness, eager_without_split_op,
+                                           tiny_model)
 from tests.compile.graphs.spec_probe import (BUCKETS, SIZES, AttentionProbe, decode_batch,
                                              draft_batch, draft_extend_batch, random_tree,
                                              run_round, run_schedule, verify_batch)
@@ -131,6 +132,18 @@ def chunked_local(page_size, chunk, device=CPU):
         ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
 
 
+def chunked_local_trees(page_size, chunk, device=CPU):
+    """Chunked-local layers in trees (topk > 1): tree verify and tree draft decode, one merged
+    row per draft or branch cut to the query's chunk, beside a full layer's cascade."""
+    d, topk, steps, step = 4, 2, 3, 2
+    h = _harness(page_size, 390 + page_size, device, num_layers=2, chunk=chunk, topk=topk,
+                 draft_tokens=d, num_steps=steps, step_id=step)
+    probe = AttentionProbe(h, [h.layer(0), h.layer(1, use_irope=True)], sinks=_sinks(h))
+    runner = _runner(h, probe, draft_token_num=d, speculative_num_steps=steps, topk=topk)
+    run_schedule(h, probe, runner, lambda b: verify_batch(h, probe, b, d))
+    run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
+
+
 def mla_decode(page_size, sinks, monkeypatch, device=CPU):
     """Absorbed MLA decode: ``flash_mla_decode`` on the step buffers' workspace (with sinks,
     which it does not take, the paged call)."""
@@ -188,7 +201,40 @@ def tiny_llama_draft_extend(device=CPU):
     assert (runner.captures, runner.replays) == (2, 1)  # bucket 4: 3 steps, 2: 2 steps
 
 
+def serving_path_trees(device=CPU):
+    """The serving path (``full_and_piecewise``): tree verify steps of the tiny Llama replay
+    whole-step graphs recorded through the piecewise model (its split op on the step buffers'
+    cascade metadata), equal to the model run eagerly."""
+    d, topk = 3, 2
+    model = tiny_model(device=device)
+    h = ModelHarness(model, page_size=4, device=device)
+    runner = full_and_piecewise(model, batch_sizes=(2, 4), graph_sizes=(8, 16), inductor=False,
+                                emulate_graphs=torch.device(device).type == CPU, debug=True,
+                                draft_token_num=d, topk=topk)
+    with torch.no_grad():
+        runner(*h.extend([0, 1, 2, 3], [5, 3, 9, 2], init=False))
+    gen = torch.Generator().manual_seed(1)
+    for rows in ([0, 1, 2], [0, 1, 2, 3], [1, 2, 3], [0, 2]):
+        ids, pos, fb = h.verify(rows, d)
+        trees = torch.stack([random_tree(gen, d) for _ in rows]).to(device)
+        fb.spec_info = SpecInfo(topk=topk, draft_token_num=d, custom_mask=trees)
+        assert runner.can_run(fb)
+        with torch.no_grad():
+            out = runner(ids, pos, fb)
+        h.backend.init_forward_metadata(fb)
+        ref = eager_without_split_op(model, runner.forward.layers, ids, pos, fb)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        h.accept(rows)
+    assert (runner.captures, runner.replays) == (1, 1)  # bucket 4: 3 steps
+    assert runner.forward.backend.stats["captures"] == 0  # pieces never capture inside a step
+
+
 # ------------------------------------------------------------------ CPU (emulated graphs)
+
+def test_serving_path_tree_verify_equals_eager():
+    torch._dynamo.reset()
+    serving_path_trees()
+
 
 def test_tiny_llama_draft_extend_in_graphs_equals_eager():
     tiny_llama_draft_extend()
@@ -235,6 +281,11 @@ def test_multi_step_draft_rounds_in_graphs_equal_oracle(page_size, topk):
 @pytest.mark.parametrize("page_size,chunk", [(1, 8), (16, 32), (64, 64)])
 def test_chunked_local_in_graphs_equals_oracle(page_size, chunk):
     chunked_local(page_size, chunk)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(1, 8), (16, 16), (64, 64)])
+def test_chunked_local_trees_in_graphs_equal_oracle(page_size, chunk):
+    chunked_local_trees(page_size, chunk)
 
 
 @pytest.mark.parametrize("page_size,sinks", [(1, False), (64, True)])
@@ -300,11 +351,18 @@ class TestDeviceGraphs:
     def test_chunked_local(self):
         chunked_local(16, 32, dev.as_device())
 
+    def test_chunked_local_trees(self):
+        chunked_local_trees(16, 16, dev.as_device())
+
     def test_mla_decode(self, monkeypatch):
         mla_decode(64, False, monkeypatch, dev.as_device())
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_serving_path_tree_verify(self):
+        torch._dynamo.reset()
+        serving_path_trees(dev.as_device())
 
     def test_tiny_llama_draft_extend(self):
         tiny_llama_draft_extend(dev.as_device())
