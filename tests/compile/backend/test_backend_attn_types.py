@@ -14,7 +14,8 @@ PAGE_SIZES = [1, 16, 64]
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY,
-                                       AttentionType.DECODER_BIDIRECTIONAL])
+                                       AttentionType.DECODER_BIDIRECTIONAL],
+                         ids=lambda t: t.value)
 def test_non_causal_layer_sees_every_key(page_size, attn_type):
     h = Harness(page_size, seed=200 + page_size)
     reqs = [h.add_request(p) for p in (0, 17, 5, 64)]
@@ -40,7 +41,7 @@ def _whole_sequence_ids(prefixes, new_lens, spans):
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
 def test_gemma3_image_blocks_are_bidirectional(page_size, mode):
     h = Harness(page_size, seed=210 + page_size, num_layers=3, window=8)
     prefixes, new = [0, 10, 5, 30], [20, 12, 1, 17]
