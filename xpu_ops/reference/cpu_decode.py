@@ -107,8 +107,8 @@ def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     written).
 
     Whole pages are gathered (one ``index_select`` per cache, ``[b, L, Hkv, D]``), the hidden
-    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked
-    with an additive ``-inf`` bias; the ``G`` query heads of a KV head are ``G`` query rows against that
+    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked;
+    the ``G`` query heads of a KV head are ``G`` query rows against that
     head's keys (``[b, Hkv, G, D]``), so no head is repeated.
     """
     b, num_heads_q, head_dim = q.shape
@@ -130,12 +130,11 @@ def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     garbage = hidden.view(-1).nonzero().squeeze(1)
     keys.index_fill_(0, garbage, 0.0)
     values.index_fill_(0, garbage, 0.0)
-    bias = torch.where(hidden, float("-inf"), 0.0).to(q.dtype)[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.view(b, num_heads_kv, num_heads_q // num_heads_kv, head_dim),
         keys.view(b, capacity, num_heads_kv, head_dim).transpose(1, 2),
-        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2), attn_mask=bias,
-        scale=softmax_scale)                                                  # [b, Hkv, G, Dv]
+        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2),
+        attn_mask=~hidden[:, None, None, :], scale=softmax_scale)             # [b, Hkv, G, Dv]
     out.view(b, num_heads_kv, -1, o.shape[-1]).copy_(o)
     return True
 
