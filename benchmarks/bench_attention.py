@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 import triton
@@ -335,7 +336,12 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
         res[p] = measure(safe(make))
         torch.cuda.empty_cache()
     for label, kw in sweep:
-        ms = measure(launcher_fn(w, causal, window, **kw))
+        kw = dict(kw)
+        chunk = kw.pop("chunk_keys", pa.DECODE_CHUNK_KEYS)  # the plan's, or one to compare
+        with mock.patch.object(pa, "DECODE_CHUNK_KEYS", chunk):
+            pa._launch_params.cache_clear()
+            ms = measure(launcher_fn(w, causal, window, **kw))
+        pa._launch_params.cache_clear()
         print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
     row = Row(name, kind, target, t, nbytes, flops, res, timed)
     print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
@@ -512,6 +518,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     def cfgs(shapes):
         return () if quick else tuple((f"cfg={c}", {"config": pa._Config(*c)}) for c in shapes)
     small_splits = tuple((f"splits={n}", {"num_splits": n}) for n in (4, 16, 32, 64))
+    # the full-grid plan with other chunk lengths (DECODE_CHUNK_KEYS) for mixed lengths
+    chunks = tuple((f"plan, chunks of {n} keys", {"chunk_keys": n}) for n in (1024, 2048, 8192))
     # deeper K/V pipelines for one-page (64-key) decode tiles: 6 stages fit in shared memory
     deep = tuple((f"page_tiles {c[2]} warps {c[3]} stages",
                   {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
@@ -527,7 +535,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=16, sweep=splits((1, 2, 4, 8)), **decode),
         dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
-             page=64, sweep=(deep if quick else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep),
+             page=64, sweep=(deep + chunks if quick
+                             else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep + chunks),
              **decode),
         dict(name="decode 64x4096 page 128", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=128, peers=("sdpa", "flashinfer"), **decode),
@@ -536,8 +545,8 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 8x32768 (split-KV)", target=">= 0.75 copy", k_lens=[32768] * 8,
              q_lens=[1] * 8, page=64, sweep=splits((8, 16, 24, 32)), **decode),
         dict(name="decode 64 x U[100,8000]", target=">= 0.90 copy", k_lens=uniform, q_lens=one,
-             page=64, peers=("reference", "flex", "flashinfer"), sweep=splits((1, 2, 4, 8)),
-             **decode),
+             page=64, peers=("reference", "flex", "flashinfer"),
+             sweep=splits((1, 2, 4, 8)) + chunks, **decode),
         # small batches (issue 20: b = 1 decode fills a fraction of the device): the plan's
         # split count against forced ones, also under a 128k-token page table (a graph's)
         dict(name="decode 1x1024 D64 page 16, 2k table (Llama-3.2-1B)", target="-",

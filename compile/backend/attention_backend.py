@@ -141,12 +141,22 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
                          call: PagedAttnMetadata, total_q: int) -> Optional[Tensor]:
         """Gemma-3 image blocks of this call as the op takes them (``[total_q]``, new tokens
         only), or None: only EXTEND/MIXED calls over ``meta.main`` or its SWA twin carry
-        them (never cross attention, cascades or local virtual batches)."""
+        them (never cross attention, cascades or local virtual batches).
+
+        Raises:
+            ValueError: ``bidirectional_block_ids`` does not cover the batch's whole sequences.
+        """
         ids = self.bidirectional_block_ids
         if ids is None or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
             return None
         if call is not meta.main and call is not meta.swa:
             return None
+        if fb.seq_lens_sum is not None and ids.shape[0] != fb.seq_lens_sum:
+            raise ValueError(
+                f"XPUAttentionBackend: bidirectional_block_ids has {ids.shape[0]} entries; "
+                f"expected one per token of the batch's whole sequences (sum(seq_lens) = "
+                f"{fb.seq_lens_sum}), got {ids.shape[0]}. Build it with "
+                f"xpu_ops.build_bidirectional_block_ids(seq_lens, spans).")
         return query_block_ids(ids, meta.main, total_q)
 
     def _metadata(self) -> AttentionMetadata:

@@ -142,7 +142,17 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
 
 
 class GraphMetadataMixin:
-    """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``)."""
+    """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``).
+
+    Attributes:
+        cuda_graph_buffers: the backend-held buffers of sglang's runners
+            (``init_cuda_graph_state``), None before.
+        cuda_graph_metadata: ``(mode, speculative, batch size)`` -> the metadata bound to them
+            (None before ``init_cuda_graph_state``).
+    """
+
+    cuda_graph_buffers: Optional[dict[str, Tensor]] = None
+    cuda_graph_metadata: Optional[dict[tuple, Any]] = None
 
     def graph_metadata_buffers(self, max_bs: int, max_num_tokens: int) -> dict[str, Tensor]:
         """Fixed metadata buffers for batches up to ``max_bs`` requests and ``max_num_tokens``
@@ -215,7 +225,7 @@ class GraphMetadataMixin:
             RuntimeError: ``init_cuda_graph_state`` was not called, or a replay of a
                 (mode, batch size) that was never captured.
         """
-        if getattr(self, "cuda_graph_buffers", None) is None:
+        if self.cuda_graph_buffers is None:
             raise RuntimeError("XPUAttentionBackend.init_forward_metadata_out_graph: no graph "
                                "buffers; expected init_cuda_graph_state(max_bs, max_num_tokens) "
                                "first, got none.")

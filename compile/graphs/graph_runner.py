@@ -8,13 +8,13 @@ does.
 
 Per step:
 
-1. A step it can capture (``can_run``: DECODE; TARGET_VERIFY with ``draft_token_num`` drafts,
-   a chain (topk 1) or a tree (topk > 1: the cascade); draft DECODE with topk 1 or ``topk``;
-   draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input) of ``draft_token_num`` tokens
-   in every request; at most ``max(batch_sizes)`` requests) is padded to the smallest request
-   bucket ``bs``:
-   ``StepBuffers.load`` copies it into the runner's fixed buffers and writes its metadata into
-   them (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket).
+1. A step it can capture (``can_run``: DECODE; TARGET_VERIFY ``draft_token_num`` tokens wide
+   (``spec_info.num_tokens_per_req``), a chain (topk 1) or a tree (topk > 1: the cascade);
+   draft DECODE with topk 1 or ``topk``; draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft
+   input) of ``draft_token_num`` tokens in every request; at most ``max(batch_sizes)``
+   requests) is padded to the smallest request bucket ``bs``: ``StepBuffers.load`` copies it
+   into the runner's fixed buffers and writes its metadata into them
+   (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket).
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
    ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): one warm-up step per descriptor
    (compilation and autotuning), then capture, then replays of the whole step (attention
@@ -123,8 +123,9 @@ class GraphRunner:
                 return None
             return topk, slots
         if mode.is_target_verify() and spec is not None and self.draft_token_num:
-            d = self.draft_token_num
-            return (d, d) if spec.draft_token_num == d else None
+            d, width = self.draft_token_num, spec.num_tokens_per_req
+            width = width if width > 0 else spec.draft_token_num  # sglang 0.5.23's verify width
+            return (d, d) if width == d else None
         if fb.is_draft_extend() and self.draft_token_num:
             d = self.draft_token_num
             return (d, d) if all(n == d for n in fb.extend_seq_lens_cpu) else None

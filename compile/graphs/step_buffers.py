@@ -14,11 +14,12 @@ step (``load``):
    with ``seq_lens`` = the backend's fill value (1) and KV slot 0 (the reserved padding slot).
    Steps of several tokens per request (verify, draft extend) have the same count in every
    request, padded ones included (a draft extend's ``extend_seq_lens`` are a fixed buffer:
-   the model's LM head reads them inside the graph).
+   the model's LM head reads them inside the graph); a tree mask is padded to the bucket
+   (``graph_spec_info``: a padded request's drafts see only themselves).
 2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
-3. Build the step's metadata once, on the host, straight into the metadata buffers
-   (``backend.fill_graph_metadata``: bound at a descriptor's first step, refilled
-   in place after), and make it the backend's ``forward_metadata``.
+3. Build the step's metadata once, on the host, straight into the metadata buffers (the
+   step's backend's ``fill_graph_metadata``: bound at a descriptor's first step, refilled in
+   place after), and make it that backend's ``forward_metadata``.
 
 The metadata is rebuilt from the whole padded batch every step, so shrinking or growing batches
 never read stale lengths or page-table rows. Source: sglang's ``CudaGraphRunner`` buffers and its

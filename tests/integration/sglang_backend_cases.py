@@ -53,15 +53,21 @@ def provider(request):
         yield request.param
 
 
-@pytest.fixture(scope="module", autouse=True)
-def published_config():
-    """The process-wide config sglang's backends read (``get_parallel()``, ``get_spec()``...):
-    a default ``ServerArgs`` on the CPU with device graphs off (its encoder-decoder path
-    requires that), resolved and published as sglang's own test helpers do."""
+def publish_config(**server_args) -> None:
+    """Publish the process-wide config sglang's backends read (``get_parallel()``,
+    ``get_spec()``, ``get_exec()``...): a ``ServerArgs`` on the CPU with device graphs off (its
+    encoder-decoder path requires that) and ``server_args``, resolved as sglang's own test
+    helpers do. Backends read it when built."""
     reset_context()
-    args = ServerArgs(model_path="dummy", device="cpu", disable_cuda_graph=True)
+    args = ServerArgs(model_path="dummy", device="cpu", disable_cuda_graph=True, **server_args)
     parse_cuda_graph_config(args)
     publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def published_config():
+    """The default config (``publish_config()``) for every case of the module."""
+    publish_config()
     yield
     reset_context()
 

@@ -9,8 +9,9 @@ and each other. The modes are the ones 0.5.23 serves that ``sglang_backend_cases
 cover: DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_tokens_per_req``, an
 ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over whole
 sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
-lengths that are not page multiples, and absorbed MLA (``flash_mla_prefill`` for extend and
-verify, ``flash_mla_decode``); plus extend and decode again, side by side.
+lengths that are not page multiples, absorbed MLA (``flash_mla_prefill`` for extend and
+verify, ``flash_mla_decode``), and deterministic inference (both pass ``num_splits=1``); plus
+extend and decode again, side by side.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from compile.engine.model_runner import ModelRunnerInfo
 from ..ops import oracle
 from .sglang_backend_cases import (CONTEXT_LEN, D, HKV, HQ, MLA_HEADS, MLA_R, MLA_ROPE,
                                    MLA_SCALE, SCALE, Harness, _assert_close, _verify_input,
-                                   published_config)
+                                   publish_config, published_config)
 
 __all__ = ["published_config"]                  # the fixture, active in this module too
 
@@ -49,7 +50,7 @@ class Twin:
     """This project's backend over copies of ``h``'s pools (taken when built: build it after
     the cached prefix is stored and before sglang's step writes the new tokens)."""
 
-    def __init__(self, h: Harness, **layer_kw):
+    def __init__(self, h: Harness, deterministic: bool = False, **layer_kw):
         if h.mla:
             rows = h.pool.kv_buffer[0].shape[0]
             self.pool = ours_batch.MLATokenToKVPool(rows, h.page_size, torch.float32, MLA_R,
@@ -71,7 +72,9 @@ class Twin:
                                          num_attention_heads=MLA_HEADS if h.mla else HQ),
             tp_size=1, device=torch.device("cpu"), page_size=h.page_size,
             req_to_token_pool=req_pool, token_to_kv_pool=self.pool,
-            kv_cache_dtype=torch.float32, server_args=SimpleNamespace(speculative_eagle_topk=1))
+            kv_cache_dtype=torch.float32,
+            server_args=SimpleNamespace(speculative_eagle_topk=1,
+                                        enable_deterministic_inference=deterministic))
         self.backend = ours.XPUAttentionBackend(runner)
 
     def batch(self, sglang_batch, spec_info=None) -> ours_batch.ForwardBatch:
@@ -293,3 +296,31 @@ def test_mla_absorbed(page_size, mode):
         row += n
     _assert_all(theirs.view(-1, MLA_HEADS, MLA_R), mine.view(-1, MLA_HEADS, MLA_R),
                 torch.cat(rows))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_deterministic_inference_pins_one_split(page_size, monkeypatch):
+    # sglang reads --enable-deterministic-inference when its backend is built.
+    from sglang.srt.layers.attention import xpu_backend
+    splits = {"theirs": [], "mine": []}
+
+    def spy(side, real):
+        return lambda *a, **k: splits[side].append(k.get("num_splits")) or real(*a, **k)
+
+    monkeypatch.setattr(xpu_backend, "flash_attn_with_kvcache",
+                        spy("theirs", xpu_backend.flash_attn_with_kvcache))
+    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
+                        spy("mine", xpu_ops.flash_attn_with_kvcache))
+    publish_config(enable_deterministic_inference=True)
+    try:
+        h = Harness(page_size, seed=18)
+    finally:
+        publish_config()
+    prefix, new = [12, 0, 30], [3, 9, 1]
+    h.store_prefix(prefix)
+    twin = Twin(h, deterministic=True)
+    total = [p + n for p, n in zip(prefix, new)]
+    theirs, mine, q = _side_by_side(h, twin, ForwardMode.EXTEND, total, new,
+                                    **_extend_fields(prefix, new))
+    _assert_all(theirs, mine, _expected(h, q, total, new))
+    assert splits == {"theirs": [1], "mine": [1]}

@@ -57,6 +57,14 @@ def test_gemma3_image_blocks_are_bidirectional(page_size, mode):
     assert not torch.allclose(outs[0], causal_only), "the image blocks changed nothing"
 
 
+def test_image_block_ids_must_cover_whole_sequences():
+    h = Harness(16, seed=221)
+    reqs = [h.add_request(4)]
+    ids, _ = _whole_sequence_ids([0], [6], [[(1, 3)]])        # the new tokens only: too short
+    with pytest.raises(ValueError, match="bidirectional_block_ids has 6 entries"):
+        h.step(ForwardMode.EXTEND, reqs, [6], [h.layer()], block_ids=ids)
+
+
 def test_image_blocks_do_not_outlive_their_step():
     h = Harness(16, seed=220)
     reqs = [h.add_request(4)]

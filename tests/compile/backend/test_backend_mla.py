@@ -1,4 +1,4 @@
-"""MLA: absorbed decode (flash_mla_decode), absorbed extend/verify/draft extend
+"""MLA: absorbed decode (flash_mla_decode), absorbed extend/verify/draft extend/draft decode
 (flash_mla_prefill; flash_attn_with_kvcache with qv where a layer has a softcap), and MHA
 prefill over chunked prefix caches returning (out, lse [tokens, H])."""
 
@@ -70,7 +70,9 @@ def _run(w, mode, prefixes, n, spec=None, split_q=False, **fields):
     rows = [w.request(p) for p in prefixes]
     loc = w.append(rows, n)
     b = len(rows)
-    seq = [p + (0 if mode == ForwardMode.TARGET_VERIFY else n) for p in prefixes]
+    # TARGET_VERIFY and draft decode count the cached prefix only (the backend adds the drafts).
+    drafts_excluded = mode == ForwardMode.TARGET_VERIFY or (mode.is_decode() and spec is not None)
+    seq = [p + (0 if drafts_excluded else n) for p in prefixes]
     fb = ForwardBatch(forward_mode=mode, batch_size=b, req_pool_indices=torch.tensor(rows),
                       seq_lens=torch.tensor(seq), out_cache_loc=loc, spec_info=spec)
     if mode.is_extend_or_draft_extend_or_mixed(include_draft_extend_v2=True):
@@ -129,8 +131,9 @@ def test_mla_absorbed_extend_and_verify_use_flash_mla_prefill(page_size, monkeyp
     _run(w, ForwardMode.EXTEND, [12, 0], 2, spec=SpecInfo(topk=1), split_q=True,
          attn_attend_prefix_cache=False)
     _run(w, ForwardMode.DRAFT_EXTEND_V2, [7, 31], 4, attn_attend_prefix_cache=False)
-    assert [c["causal"] for c in calls] == [True] * 4
-    assert [c["num_kv_splits"] for c in calls] == [-1] * 4
+    _run(w, ForwardMode.DECODE, [3, 40], 1, spec=SpecInfo(topk=1))        # a draft decode step
+    assert [c["causal"] for c in calls] == [True] * 5
+    assert [c["num_kv_splits"] for c in calls] == [-1] * 5
 
 
 def test_mla_mha_prefill_chunked_prefix_returns_lse():

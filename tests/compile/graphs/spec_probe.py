@@ -138,9 +138,12 @@ def _ids(h: Harness, n: int, vocab: int = 512) -> Tensor:
 
 
 def _requests(h: Harness, probe: AttentionProbe, b: int) -> tuple[list[Req], list[int]]:
-    """``b`` new requests with random prefixes cached in every layer of ``probe``."""
+    """``b`` new requests with random prefixes cached in every layer of ``probe`` (in a batch
+    of 3 or more the last prefix is empty: a tree over no cached tokens)."""
     lids = sorted({layer.kv_cache_layer_id for layer in probe.layers})
     prefixes = torch.randint(0, MAX_PREFIX, (b,), generator=h.gen).tolist()
+    if b >= 3:
+        prefixes[-1] = 0
     return [h.add_request(p, layers=lids) for p in prefixes], prefixes
 
 

@@ -95,6 +95,9 @@ class TestGraphRunnerCPU(TestCase):
         self.assertEqual(sorted(d.bucket for d in runner.buffers.bound), [2, 4])
         ids, pos, fb = h.verify([0], d + 1)
         self.assertFalse(runner.can_run(fb))  # another draft count: not this runner's graphs
+        ids, pos, fb = h.verify([0], d)
+        fb.spec_info = SpecInfo(topk=1, draft_token_num=d, num_tokens_per_req=d - 1)
+        self.assertFalse(runner.can_run(fb))  # another width (sglang's num_tokens_per_req)
 
     def test_draft_decode_static_steps_equal_eager(self):
         model = tiny_model()
