@@ -22,49 +22,66 @@ from bench_model import build, decode_batch, make_forward
 from bench_overhead import stub_kernels
 
 
-def time_components(step, steps: int) -> str:
-    """Run ``steps`` steps with wall-clock timers around the host layers of a step.
+def time_components(step, forward, steps: int) -> str:
+    """Run ``steps`` steps with CPU-time timers around the host layers of a step.
 
-    Rows nest: the provider calls (``providers.Route``) run inside ``backend.forward``; the step
-    total is the median over steps, the rows are means per step.
+    Times are the thread's CPU time (``time.thread_time``), so other processes on a shared
+    machine do not count; on a GPU, launches are asynchronous and the host's CPU time is its
+    wall time unless it blocks. Rows nest: the provider calls (``providers.Route``) run inside
+    ``backend.forward``, which runs inside the split op's submodule; "Dynamo entry" is a
+    ``PiecewiseModel``'s compiled call less the split graph it runs (guard evaluation and the
+    graph's arguments). The step total is the median over steps, the rows are means per step.
     """
     import statistics
     import time
     from compile.backend.attention_backend import XPUAttentionBackend
+    from compile.graphs import PiecewiseModel
     from compile.graphs.graph_wrapper import GraphWrapper
     from xpu_ops.providers import Route
 
+    clock = time.thread_time
     totals: dict[str, list] = {}
 
-    def timed(owner, name, label):
-        original = getattr(owner, name)
-
+    def timed(fn, label):
         def wrapper(*a, **k):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
-                return original(*a, **k)
+                return fn(*a, **k)
             finally:
                 entry = totals.setdefault(label, [0.0, 0])
-                entry[0] += time.perf_counter() - t0
+                entry[0] += clock() - t0
                 entry[1] += 1
-        setattr(owner, name, wrapper)
-        return original
+        return wrapper
 
-    saved = [(XPUAttentionBackend, "init_forward_metadata",
-              timed(XPUAttentionBackend, "init_forward_metadata", "init_forward_metadata")),
-             (GraphWrapper, "__call__", timed(GraphWrapper, "__call__", "piece (replay)")),
-             (XPUAttentionBackend, "forward",
-              timed(XPUAttentionBackend, "forward", "backend.forward (split op body)")),
-             (Route, "__call__", timed(Route, "__call__", "provider (kernel launch)"))]
-    times = []
+    patches = [(XPUAttentionBackend, "init_forward_metadata", "init_forward_metadata"),
+               (GraphWrapper, "__call__", "piece (replay)"),
+               (XPUAttentionBackend, "forward", "backend.forward"),
+               (Route, "__call__", "provider (kernel launch)")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, label in patches:
+        setattr(owner, name, timed(getattr(owner, name), label))
+    pw = forward if isinstance(forward, PiecewiseModel) else getattr(forward, "forward", None)
+    if isinstance(pw, PiecewiseModel):  # its compiled call and the split graphs inside
+        pw.__dict__["compiled"] = timed(pw.__dict__["compiled"], "compiled call")
+        for gm in pw.backend.split_gms:
+            gm.forward = timed(gm.forward, "split graph")
+            for name, value in list(gm.__dict__.items()):  # the attention submodules
+                if name.startswith("submod_") and not isinstance(value, GraphWrapper):
+                    gm.__dict__[name] = timed(value, "split op (attention submodule)")
+    times, walls = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, w0 = clock(), time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
+        walls.append(time.perf_counter() - w0)
     for owner, name, original in saved:
         setattr(owner, name, original)
-    lines = [f"step {statistics.median(times) * 1e6:.0f} us median (host + final sync)",
+    lines = [f"step {statistics.median(times) * 1e6:.0f} us thread CPU time, "
+             f"{statistics.median(walls) * 1e6:.0f} us wall (medians; the device sync included)",
              "| component | calls/step | us/call | us/step |", "|---|---:|---:|---:|"]
+    if "compiled call" in totals and "split graph" in totals:
+        entry = totals["compiled call"][0] - totals["split graph"][0]
+        totals["Dynamo entry (guards, arguments)"] = [entry, totals["compiled call"][1]]
     for label, (seconds, calls) in totals.items():
         lines.append(f"| {label} | {calls / steps:.0f} | {seconds / calls * 1e6:.1f} | "
                      f"{seconds / steps * 1e6:.0f} |")
@@ -87,9 +104,9 @@ def main(argv=None) -> None:
                     help="stub: no-op attention and KV-store kernels (bench_overhead."
                          "stub_kernels), so the attention rows are host time only")
     ap.add_argument("--timers", action="store_true",
-                    help="instead of cProfile: wall-clock us per call of the piece runners, the "
-                         "split op's backend.forward, init_forward_metadata and the provider "
-                         "calls (no profiler overhead)")
+                    help="instead of cProfile: CPU-time us per call of the Dynamo entry, the "
+                         "piece runners, the split op's backend.forward, init_forward_metadata "
+                         "and the provider calls (no profiler overhead)")
     args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     if args.kernels == "stub":
@@ -107,7 +124,7 @@ def main(argv=None) -> None:
         for _ in range(5):
             step()
         if args.timers:
-            print(time_components(step, args.steps))
+            print(time_components(step, forward, args.steps))
             return
         prof = cProfile.Profile()
         prof.enable()

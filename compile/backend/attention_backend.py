@@ -134,20 +134,22 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         k_cache, v_cache = self.paged_kv(layer, call.page_size)
         self.attend(q3, k_cache, v_cache, call, layer, out, causal=causal, sinks=sinks,
                     expand=meta.expand if cascade else None,
-                    block_ids=self._query_block_ids(fb, meta, call, q3.shape[0]))
+                    block_ids=self._query_block_ids(fb, meta, call, causal, q3.shape[0]))
         return out.view(-1, hq * dv)
 
     def _query_block_ids(self, fb: ForwardBatch, meta: AttentionMetadata,
-                         call: PagedAttnMetadata, total_q: int) -> Optional[Tensor]:
+                         call: PagedAttnMetadata, causal: bool, total_q: int
+                         ) -> Optional[Tensor]:
         """Gemma-3 image blocks of this call as the op takes them (``[total_q]``, new tokens
-        only), or None: only EXTEND/MIXED calls over ``meta.main`` or its SWA twin carry
-        them (never cross attention, cascades or local virtual batches).
+        only), or None: only causal EXTEND/MIXED calls over ``meta.main`` or its SWA twin
+        carry them (never cross attention, cascades or local virtual batches; a non-causal
+        layer sees every key already, and the op makes any call with block ids causal).
 
         Raises:
             ValueError: ``bidirectional_block_ids`` does not cover the batch's whole sequences.
         """
         ids = self.bidirectional_block_ids
-        if ids is None or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
+        if ids is None or not causal or not fb.forward_mode.is_extend_or_draft_extend_or_mixed():
             return None
         if call is not meta.main and call is not meta.swa:
             return None

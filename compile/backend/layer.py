@@ -175,7 +175,8 @@ def kv_layout(model: nn.Module) -> KVLayout:
     Hkv, D and Dv are the layers' (all layers must agree: one pool shape); sliding-window layers
     are those with ``sliding_window_size >= 0`` (W = ``sliding_window_size + 1``, the largest
     one); the MLA latent rank is ``model.config.kv_lora_rank`` when the config has one (the
-    layers then hold ``D = R + r`` and ``Dv = R``).
+    layers then hold ``D = R + r`` and ``Dv = R``); layers with ``kv_sharing_target_layer_id`` are
+    ``kv_sharing`` pairs (they get no buffers).
 
     Raises:
         ValueError: ``model`` has no ``PagedAttention`` layer, or two layers disagree on Hkv, D
@@ -187,7 +188,7 @@ def kv_layout(model: nn.Module) -> KVLayout:
     ...                         PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=1)])
     >>> kv_layout(layers)
     KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), \
-sliding_window=8, kv_lora_rank=0)
+sliding_window=8, kv_lora_rank=0, kv_sharing=())
     """
     layers = attention_layers(model)
     if not layers:
@@ -206,9 +207,11 @@ sliding_window=8, kv_lora_rank=0)
     window = max((m.sliding_window_size + 1 for m in layers if m.sliding_window_size >= 0),
                  default=None)
     rank = getattr(getattr(model, "config", None), "kv_lora_rank", None) or 0
+    sharing = tuple(sorted((m.layer_id, m.kv_sharing_target_layer_id) for m in layers
+                           if m.kv_sharing_target_layer_id is not None))
     return KVLayout(num_layers=max(m.layer_id for m in layers) + 1, head_num=shape[0],
                     head_dim=shape[1], v_head_dim=shape[2], swa_layer_ids=tuple(swa),
-                    sliding_window=window, kv_lora_rank=rank)
+                    sliding_window=window, kv_lora_rank=rank, kv_sharing=sharing)
 
 
 __all__ = ["AttentionType", "PagedAttention", "attention_layers", "is_causal", "kv_layout"]

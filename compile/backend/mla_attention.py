@@ -7,8 +7,8 @@ The MLA pool stores per token one row ``[R + r]``: the compressed KV (latent, R)
 - plain decode: ``flash_mla_decode`` (split-KV; workspace from the metadata);
 - extend, target verify and draft steps over the main call: ``flash_mla_prefill`` (sglang
   0.5.23's absorbed prefill), ragged queries over the paged latent cache;
-- what ``flash_mla_prefill`` cannot take (cascade trees, sinks, softcap, an fp8 cache, the
-  sliding-window or chunked-local variants): ``flash_attn_with_kvcache`` with ``q = q_rope``
+- what the latent ops cannot take (cascade trees, a sliding window, sinks, softcap, an fp8
+  cache, the chunked-local variant): ``flash_attn_with_kvcache`` with ``q = q_rope``
   over the rope part as keys, ``qv = q_nope`` over the latent part as values;
 - MHA prefill (``forward_batch.attn_attend_prefix_cache is not None``): the model decompresses
   K/V itself; ``flash_attn_varlen_func`` over one prefix chunk (non-causal) or over the new tokens
@@ -71,8 +71,10 @@ def forward_absorbed(backend, q: Tensor, k: Optional[Tensor], v: Optional[Tensor
     out = backend.output_buffer(fb, q_nope, heads, rank)
     kv = _latent_cache(pool, layer)                                        # [slots, 1, R + r]
     call, causal, cascade = backend.select_call(meta, layer)
+    # The latent ops take no window, sinks, softcap or fp8 descales.
     latent_op = (meta.mla_workspace is not None and not cascade and call is meta.main
-                 and sinks is None and not layer.logit_cap and kv.dtype == q_nope.dtype)
+                 and layer.sliding_window_size < 0 and sinks is None and not layer.logit_cap
+                 and kv.dtype == q_nope.dtype)
     if latent_op and fb.forward_mode.is_decode() and fb.spec_info is None:
         out.copy_(xpu_ops.flash_mla_decode(
             q_nope.contiguous(), q_rope.contiguous(), kv.view(-1, call.page_size, rank + rope),

@@ -28,6 +28,8 @@ class KVLayout:
         sliding_window: W, tokens a sliding-window query sees (Hugging Face's
             ``sliding_window``; the largest over ``swa_layer_ids``), None without such layers.
         kv_lora_rank: R of an MLA latent cache ``[num_slots, 1, R + r]`` (0: not MLA).
+        kv_sharing: ``(layer, target)`` of each layer that reads ``target``'s cache (cross-layer
+            KV sharing); such layers get no buffers of their own.
     """
 
     num_layers: int
@@ -37,12 +39,19 @@ class KVLayout:
     swa_layer_ids: tuple[int, ...] = ()
     sliding_window: Optional[int] = None
     kv_lora_rank: int = 0
+    kv_sharing: tuple[tuple[int, int], ...] = ()
 
     @property
     def full_layer_ids(self) -> tuple[int, ...]:
         """Ids of the layers that are not sliding-window layers, ascending."""
         swa = set(self.swa_layer_ids)
         return tuple(i for i in range(self.num_layers) if i not in swa)
+
+    @property
+    def cache_layer_ids(self) -> tuple[int, ...]:
+        """Ids of the layers with a cache of their own (not in ``kv_sharing``), ascending."""
+        shared = {lid for lid, _ in self.kv_sharing}
+        return tuple(i for i in range(self.num_layers) if i not in shared)
 
     @property
     def qk_rope_head_dim(self) -> int:
@@ -75,9 +84,11 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
     check_layout("make_kv_pool", layout)
     if layout.kv_lora_rank:
         return MLATokenToKVPool(size, page_size, dtype, layout.kv_lora_rank,
-                                layout.qk_rope_head_dim, layout.num_layers, device)
+                                layout.qk_rope_head_dim, layout.num_layers, device,
+                                kv_sharing=layout.kv_sharing)
     return MHATokenToKVPool(size, page_size, dtype, layout.head_num, layout.head_dim,
-                            layout.num_layers, device, v_head_dim=layout.v_head_dim)
+                            layout.num_layers, device, v_head_dim=layout.v_head_dim,
+                            kv_sharing=layout.kv_sharing)
 
 
 __all__ = ["KVLayout", "check_layout", "make_kv_pool"]

@@ -141,6 +141,17 @@ class KVWriteLoc:
         return self.swa_loc if is_swa and self.swa_loc is not None else self.loc
 
 
+def layer_buffers(layer_num: int, start_layer: int, kv_sharing: Sequence[tuple[int, int]],
+                  make) -> list[Tensor]:
+    """One buffer per layer id ``start_layer .. start_layer + layer_num - 1``: ``make()`` for
+    each layer with a cache of its own; for each ``(layer, target)`` of ``kv_sharing`` (cross-layer
+    KV sharing: the layer reads ``target``'s cache, writes none) the target's buffer itself, so
+    sharing layers cost no memory."""
+    targets = dict(kv_sharing)
+    buffers = {i: make() for i in range(start_layer, start_layer + layer_num) if i not in targets}
+    return [buffers[targets.get(i, i)] for i in range(start_layer, start_layer + layer_num)]
+
+
 class MHATokenToKVPool:
     """Per-layer K and V buffers ``[num_slots, Hkv, D]`` (and ``Dv``) for multi-head attention.
 
@@ -150,11 +161,14 @@ class MHATokenToKVPool:
         dtype: cache dtype (a float dtype, or fp8 with per-layer scales on write and read).
         head_num: Hkv. head_dim: D. layer_num: number of layers. v_head_dim: Dv (default D).
         start_layer: first layer id stored here (pipeline stages; layer ids are global).
+        kv_sharing: ``(layer, target)`` pairs of layers that read ``target``'s cache and have
+            no buffers of their own (``layer_buffers``).
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int,
                  head_dim: int, layer_num: int, device: torch.device | str,
-                 v_head_dim: Optional[int] = None, start_layer: int = 0):
+                 v_head_dim: Optional[int] = None, start_layer: int = 0,
+                 kv_sharing: Sequence[tuple[int, int]] = ()):
         if size % page_size:
             raise ValueError(f"MHATokenToKVPool: size is not a multiple of page_size; expected "
                              f"size % {page_size} == 0, got size={size}.")
@@ -163,10 +177,10 @@ class MHATokenToKVPool:
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.layer_num, self.start_layer = layer_num, start_layer
         self.device = torch.device(device)
-        self.k_buffer = [torch.zeros((size, head_num, head_dim), dtype=dtype, device=self.device)
-                         for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros((size, head_num, self.v_head_dim), dtype=dtype,
-                                     device=self.device) for _ in range(layer_num)]
+        self.k_buffer = layer_buffers(layer_num, start_layer, kv_sharing, lambda: torch.zeros(
+            (size, head_num, head_dim), dtype=dtype, device=self.device))
+        self.v_buffer = layer_buffers(layer_num, start_layer, kv_sharing, lambda: torch.zeros(
+            (size, head_num, self.v_head_dim), dtype=dtype, device=self.device))
         # (layer_id, page_size, inference mode) -> (K, V, paged K, paged V), see get_paged_kv
         self._paged_views: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
@@ -232,19 +246,25 @@ class SWAKVPool:
         size: slots of the full pool. size_swa: slots of the SWA pool.
         swa_attention_layer_ids / full_attention_layer_ids: global layer ids of each kind.
         page_size, dtype, head_num, head_dim, device, v_head_dim: as ``MHATokenToKVPool``.
+        kv_sharing: as ``MHATokenToKVPool``'s; a sharing layer is of its target's kind.
     """
 
     def __init__(self, size: int, size_swa: int, swa_attention_layer_ids: Sequence[int],
                  full_attention_layer_ids: Sequence[int], page_size: int, dtype: torch.dtype,
                  head_num: int, head_dim: int, device: torch.device | str,
-                 v_head_dim: Optional[int] = None):
+                 v_head_dim: Optional[int] = None, kv_sharing: Sequence[tuple[int, int]] = ()):
         self.size, self.size_swa, self.page_size, self.dtype = size, size_swa, page_size, dtype
         self.device = torch.device(device)
         kw = dict(page_size=page_size, dtype=dtype, head_num=head_num, head_dim=head_dim,
                   device=device, v_head_dim=v_head_dim)
-        self.full_kv_pool = MHATokenToKVPool(size, layer_num=len(full_attention_layer_ids), **kw)
+
+        def local(ids):  # kv_sharing in the indices of one kind's pool
+            index = {lid: i for i, lid in enumerate(ids)}
+            return [(index[lid], index[t]) for lid, t in kv_sharing if lid in index]
+        self.full_kv_pool = MHATokenToKVPool(size, layer_num=len(full_attention_layer_ids),
+                                             kv_sharing=local(full_attention_layer_ids), **kw)
         self.swa_kv_pool = MHATokenToKVPool(size_swa, layer_num=len(swa_attention_layer_ids),
-                                            **kw)
+                                            kv_sharing=local(swa_attention_layer_ids), **kw)
         self.layers_mapping: dict[int, tuple[int, bool]] = {}
         for i, lid in enumerate(full_attention_layer_ids):
             self.layers_mapping[lid] = (i, False)
@@ -309,12 +329,13 @@ class MLATokenToKVPool:
 
     Args:
         size: token slots per layer. page_size: tokens per page. dtype: cache dtype.
-        kv_lora_rank: R. qk_rope_head_dim: r. layer_num, device, start_layer: as MHA.
+        kv_lora_rank: R. qk_rope_head_dim: r. layer_num, device, start_layer, kv_sharing: as
+            MHA.
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
                  qk_rope_head_dim: int, layer_num: int, device: torch.device | str,
-                 start_layer: int = 0):
+                 start_layer: int = 0, kv_sharing: Sequence[tuple[int, int]] = ()):
         if size % page_size:
             raise ValueError(f"MLATokenToKVPool: size is not a multiple of page_size; expected "
                              f"size % {page_size} == 0, got size={size}.")
@@ -323,8 +344,8 @@ class MLATokenToKVPool:
         self.layer_num, self.start_layer = layer_num, start_layer
         self.device = torch.device(device)
         width = kv_lora_rank + qk_rope_head_dim
-        self.kv_buffer = [torch.zeros((size, 1, width), dtype=dtype, device=self.device)
-                          for _ in range(layer_num)]
+        self.kv_buffer = layer_buffers(layer_num, start_layer, kv_sharing, lambda: torch.zeros(
+            (size, 1, width), dtype=dtype, device=self.device))
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, 1, R + r] latent cache of ``layer_id``."""

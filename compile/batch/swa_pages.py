@@ -114,7 +114,7 @@ def hybrid_kv_pool(layout: KVLayout, *, size: int, page_size: int, dtype: torch.
                                         max_context_len)
     pool = SWAKVPool(size, (max_running * per_request + 1) * page_size, layout.swa_layer_ids,
                      layout.full_layer_ids, page_size, dtype, layout.head_num, layout.head_dim,
-                     device, v_head_dim=layout.v_head_dim)
+                     device, v_head_dim=layout.v_head_dim, kv_sharing=layout.kv_sharing)
     return pool, SWAPageAllocator(pool, layout.sliding_window, device)
 
 
@@ -152,14 +152,15 @@ def kv_cache_bytes(layout: KVLayout, context_len: int, *, page_size: int = 16,
         layout.head_dim + layout.v_head_dim)
     per_slot = width * dtype.itemsize
     full_slots = (-(-num_requests * context_len // page_size) + 1) * page_size  # + page 0
-    n_swa = len(layout.swa_layer_ids)
-    full = layout.num_layers * full_slots * per_slot
-    if not n_swa:
+    owners = layout.cache_layer_ids  # KV-sharing layers have no buffers
+    n_swa = len(set(layout.swa_layer_ids) & set(owners))
+    full = len(owners) * full_slots * per_slot
+    if not layout.swa_layer_ids:
         return KVCacheBytes(full=full, hybrid=full)
     swa_pages = swa_pages_per_request(layout.sliding_window, prefill_chunk, page_size,
                                       context_len)
     swa_slots = (num_requests * swa_pages + 1) * page_size
-    n_full = layout.num_layers - n_swa
+    n_full = len(owners) - n_swa
     return KVCacheBytes(full=full, hybrid=(n_full * full_slots + n_swa * swa_slots) * per_slot)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx
 from torch.fx.passes.split_module import split_module
 
-from compile.graphs.split_op import unified_attention_with_output
+from compile.graphs.split_op import attend_into
 
 
 def is_split_node(node: fx.Node) -> bool:
@@ -30,15 +30,17 @@ def is_split_node(node: fx.Node) -> bool:
 
 
 def call_split_op_kernel(gm: fx.GraphModule) -> None:
-    """Make ``gm``'s split-op nodes call the op's Python kernel directly at run time.
+    """Make ``gm``'s split-op nodes call ``split_op.attend_into`` (the op's body without its
+    shape checks) directly at run time.
 
     The attention submodules only ever run eagerly on real tensors (pieces were compiled on
-    fakes before this), so the dispatcher round trip (C++ dispatch back into Python, version
-    bump of ``output``) is pure host cost on every layer of every step.
+    fakes before this, and the fakes ran the checks), so the dispatcher round trip (C++
+    dispatch back into Python, version bump of ``output``) and the checks are pure host cost
+    on every layer of every step.
     """
     for node in gm.graph.nodes:
         if is_split_node(node):
-            node.target = unified_attention_with_output.fn
+            node.target = attend_into
     gm.recompile()
 
 

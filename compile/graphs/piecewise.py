@@ -125,8 +125,9 @@ class PiecewiseBackend:
         self._stats["uncaptured"] += sum(reason is not None for reason in plan.values())
         _PieceCompiler(split_gm, plan, self).run(*example_inputs)
         for item in items:
-            if item.is_split:
+            if item.is_split:  # its forward itself: nn.Module.__call__ is host cost per layer
                 call_split_op_kernel(item.graph)
+                split_gm.__dict__[item.name] = item.graph.forward
         return split_gm
 
     def compile_piece(self, gm: fx.GraphModule, fake_args: Sequence[Any]) -> Callable:
@@ -222,7 +223,7 @@ class PiecewiseModel(nn.Module):
                                         emulate_graphs=emulate_graphs)
         # Not a submodule (it would list the model's parameters twice).
         self.__dict__["compiled"] = torch.compile(model, backend=self.backend, fullgraph=True,
-                                                  **_OWN_RECOMPILE_BUDGET)
+                                                  **_OWN_RECOMPILE_BUDGET, **_guard_options())
         n = self.graph_sizes[-1] if self.graph_sizes else 0
         self.max_graph_size = n
         self.tokens = TokenBuffers(n, self.device, dynamic=True)
@@ -283,8 +284,11 @@ class PiecewiseModel(nn.Module):
         if size is None:
             return out
         # Rows [:T] of every padded output (a tensor, or tensors in a tuple/list/dict), cloned.
-        return tree_map(lambda t: (t[:n] if t.dim() and t.shape[0] == size else t).clone()
-                        if isinstance(t, Tensor) else t, out)
+        def cut(t: Tensor) -> Tensor:
+            return (t[:n] if t.dim() and t.shape[0] == size else t).clone()
+        if isinstance(out, Tensor):  # the zoo's logits: no tree walk
+            return cut(out)
+        return tree_map(lambda t: cut(t) if isinstance(t, Tensor) else t, out)
 
 
 # Each PiecewiseModel has its own backend, so Dynamo cannot reuse one model's graphs for another
@@ -296,6 +300,27 @@ class PiecewiseModel(nn.Module):
 _OWN_RECOMPILE_BUDGET = ({"isolate_recompiles": True}
                          if "isolate_recompiles" in inspect.signature(torch.compile).parameters
                          else {})
+
+
+# Dynamo evaluates its guards on every step's entry, and nearly all of them check the model's
+# modules: hooks dicts, attribute constants (heads, window, softcap), types, parameter metadata.
+# The public filter torch.compiler.skip_guard_on_all_nn_modules_unsafe drops those, which a
+# piecewise model does not need: its model is fixed once it is wrapped. Captured pieces read
+# the parameters at the addresses of their capture (replacing one breaks the replays whatever
+# the guards say; loading weights in place needs no guard), the zoo's module attributes are
+# configuration set at construction, and the one attribute that does change, each layer's split
+# op, is checked on every step (``PiecewiseModel.forward``). Not supported after the first
+# step, as in vLLM (which drops every guard): switching the model between train and eval,
+# adding hooks, or replacing its modules. The guards on the step's inputs (forward mode, batch
+# fields, sizes) and on global state stay, so every mode and size class still gets its own
+# graph.
+_GUARD_FILTER = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+
+
+def _guard_options() -> dict:
+    """``torch.compile``'s ``options`` with the guard filter (a new dict per call:
+    ``torch.compile`` pops the filter out of the dict it is given)."""
+    return {"options": {"guard_filter_fn": _GUARD_FILTER}} if _GUARD_FILTER else {}
 
 
 def _first_two_args(model: nn.Module) -> tuple[str, ...]:

@@ -114,10 +114,21 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         NotImplementedError: the backend returned ``(out, lse)`` (MLA's MHA prefill path).
     """
     _check(q, k, v, output, sinks, q_rope, k_rope)
+    attend_into(q, k, v, output, layer_id, sinks, q_rope, k_rope, save_kv_cache)
+
+
+def attend_into(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
+                layer_id: int, sinks: Optional[Tensor] = None, q_rope: Optional[Tensor] = None,
+                k_rope: Optional[Tensor] = None, save_kv_cache: bool = True) -> None:
+    """The split op's body without its shape checks: what the attention submodules of a split
+    graph call (``graph_split.call_split_op_kernel``). Their fake ran the checks on the traced
+    shapes, and Dynamo's guards hold every call to those shapes, so they would only repeat.
+
+    Arguments, effect and errors as ``unified_attention_with_output`` (ValueError excepted).
+    """
     ctx = get_forward_context()
-    n = ctx.num_tokens
+    n, batch = ctx.num_tokens, ctx.forward_batch
     layer = ctx.layers[layer_id]
-    batch = ctx.forward_batch
     padded = n != q.shape[0]
     out = output
     if padded:
@@ -207,5 +218,6 @@ def enable_split_op(model: nn.Module, enabled: bool = True) -> dict[int, Any]:
     return layers
 
 
-__all__ = ["OP_NAME", "SPLIT_OP_KWARGS", "unified_attention_with_output", "unified_attention",
+__all__ = ["OP_NAME", "SPLIT_OP_KWARGS", "unified_attention_with_output", "attend_into",
+           "unified_attention",
            "layers_by_id", "enable_split_op"]

@@ -67,6 +67,10 @@ class TokenBuffers:
         """Copy the step's tokens into the views of bucket ``size``, padded tail zeroed."""
         ids, pos = self.views(size)
         n = input_ids.shape[0]
+        if n == size:
+            ids.copy_(input_ids)
+            pos.copy_(positions)
+            return ids, pos
         ids[:n].copy_(input_ids)
         ids[n:].zero_()
         pos[:n].copy_(positions)

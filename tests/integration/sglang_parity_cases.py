@@ -6,9 +6,9 @@ case builds sglang's pools and batch (``sglang_backend_cases.Harness``), copies 
 contents into this project's pools (``Twin``: same slots, same ``req_to_token``), runs both
 backends on the same queries and new K/V, and requires both outputs to equal the float64 oracle
 and each other. The modes are the ones 0.5.23 serves that ``sglang_backend_cases.py`` does not
-cover: DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_tokens_per_req``, an
-ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over whole
-sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
+cover: MIXED, DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_tokens_per_req``,
+an ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over
+whole sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
 lengths that are not page multiples, absorbed MLA (``flash_mla_prefill`` for extend and
 verify, ``flash_mla_decode``), and deterministic inference (both pass ``num_splits=1``); plus
 extend and decode again, side by side.
@@ -148,9 +148,9 @@ def _assert_all(theirs, mine, expected):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2],
-                         ids=lambda mode: mode.name)
-def test_extend_and_draft_extend_v2(page_size, mode):
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED,
+                                  ForwardMode.DRAFT_EXTEND_V2], ids=lambda mode: mode.name)
+def test_extend_mixed_and_draft_extend_v2(page_size, mode):
     h = Harness(page_size, seed=11)
     prefix, new = [7, 0, 19], [3, 12, 1]
     h.store_prefix(prefix)

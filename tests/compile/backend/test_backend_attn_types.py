@@ -14,7 +14,8 @@ PAGE_SIZES = [1, 16, 64]
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY,
-                                       AttentionType.DECODER_BIDIRECTIONAL])
+                                       AttentionType.DECODER_BIDIRECTIONAL],
+                         ids=lambda t: t.value)
 def test_non_causal_layer_sees_every_key(page_size, attn_type):
     h = Harness(page_size, seed=200 + page_size)
     reqs = [h.add_request(p) for p in (0, 17, 5, 64)]
@@ -40,19 +41,21 @@ def _whole_sequence_ids(prefixes, new_lens, spans):
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
 def test_gemma3_image_blocks_are_bidirectional(page_size, mode):
-    h = Harness(page_size, seed=210 + page_size, num_layers=2, window=8)
+    h = Harness(page_size, seed=210 + page_size, num_layers=3, window=8)
     prefixes, new = [0, 10, 5, 30], [20, 12, 1, 17]
     # An image inside the new tokens, one that starts in the cached prefix (chunked prefill cut
     # it), none, and two images in one request.
     spans = [[(3, 12)], [(6, 15)], [], [(31, 35), (40, 46)]]
-    reqs = [h.add_request(p, layers=(0, 1)) for p in prefixes]
+    reqs = [h.add_request(p, layers=(0, 1, 2)) for p in prefixes]
     ids, per_request = _whole_sequence_ids(prefixes, new, spans)
     full, windowed = h.layer(0), h.layer(1, sliding_window_size=7)
-    outs, qs = h.step(mode, reqs, new, [full, windowed], block_ids=ids)
+    encoder = h.layer(2, attn_type=AttentionType.ENCODER_ONLY)    # sees every key regardless
+    outs, qs = h.step(mode, reqs, new, [full, windowed, encoder], block_ids=ids)
     assert_close(outs[0], h.expected(reqs, new, full, qs[0], block_ids=per_request))
     assert_close(outs[1], h.expected(reqs, new, windowed, qs[1], block_ids=per_request))
+    assert_close(outs[2], h.expected(reqs, new, encoder, qs[2]))
     causal_only = h.expected(reqs, new, full, qs[0])
     assert not torch.allclose(outs[0], causal_only), "the image blocks changed nothing"
 

@@ -61,7 +61,9 @@ class MLAWorld:
         for i, r in enumerate(rows):
             lat = self.rows[r]
             q = torch.cat([q_nope[i * n:(i + 1) * n], q_rope[i * n:(i + 1) * n]], -1)
-            o = attention_oracle(q, lat, lat[..., :R], scale=self.layer.scaling)
+            w = self.layer.sliding_window_size
+            o = attention_oracle(q, lat, lat[..., :R], scale=self.layer.scaling,
+                                 window_left=w if w >= 0 else -1)
             outs.append(o.reshape(n, -1))
         return torch.cat(outs)
 
@@ -179,3 +181,24 @@ def test_mla_deterministic_inference_pins_one_kv_split(monkeypatch):
     _run(w, ForwardMode.DECODE, [5, 40], 1)
     _run(w, ForwardMode.EXTEND, [0, 21], 3)
     assert [c["num_kv_splits"] for c in decode + prefill] == [1, 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mla_random_batches(seed):
+    import random
+    rng = random.Random(seed)
+    w = MLAWorld(rng.choice([1, 16, 64]), seed=140 + seed)
+    for mode in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        prefixes = [rng.randint(0, 50) for _ in range(rng.randint(1, 3))]
+        n = rng.randint(1, 8)
+        spec = SpecInfo(topk=1, draft_token_num=n) if mode == ForwardMode.TARGET_VERIFY else None
+        _run(w, mode, prefixes, n, spec=spec, split_q=bool(rng.getrandbits(1)))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_mla_sliding_window_layer_keeps_its_window(mode):
+    # The latent ops take no window: a windowed MLA layer stays on the windowed paged call.
+    w = MLAWorld(16, seed=150)
+    w.layer = PagedAttention(H, R + RP, (R + RP) ** -0.5, 1, 0, v_head_dim=R,
+                             sliding_window_size=6)
+    _run(w, mode, [30, 3, 17], 4 if mode == ForwardMode.EXTEND else 1)

@@ -70,3 +70,35 @@ def test_a_model_config_instead_of_a_layout_is_a_type_error(call):
     with pytest.raises(TypeError, match=r"\w+: layout must be a KVLayout; expected the model's "
                                         r"KV facts, got ModelConfig. Pass compile.backend"):
         call(tiny_model(2).config)
+
+
+def _sharing_layers(windows=(-1, -1, -1, -1)):
+    """Four PagedAttention layers; layers 2 and 3 read the caches of layers 0 and 1."""
+    return nn.ModuleList([PagedAttention(4, 8, 0.1, 2, layer_id=i, sliding_window_size=w,
+                                         kv_sharing_target_layer_id=(i - 2 if i >= 2 else None))
+                          for i, w in enumerate(windows)])
+
+
+def test_kv_sharing_layers_get_no_buffers():
+    layout = kv_layout(_sharing_layers())
+    assert layout.kv_sharing == ((2, 0), (3, 1)) and layout.cache_layer_ids == (0, 1)
+    pool = make_kv_pool(layout, 32, 16, torch.float32, "cpu")
+    for layer, target in layout.kv_sharing:  # the target's buffers themselves
+        assert pool.get_key_buffer(layer) is pool.get_key_buffer(target)
+        assert pool.get_value_buffer(layer) is pool.get_value_buffer(target)
+    assert len({b.data_ptr() for b in pool.k_buffer + pool.v_buffer}) == 4  # 2 layers x K, V
+    per_slot = 2 * (2 * 8) * 4  # a K and a V row of Hkv * D float32 each
+    slots = 16 + 16  # one request's page and page 0
+    nbytes = kv_cache_bytes(layout, 16, page_size=16, dtype=torch.float32)
+    assert nbytes.full == nbytes.hybrid == 2 * slots * per_slot  # 2 layers with buffers, not 4
+
+
+def test_kv_sharing_in_a_hybrid_pool():
+    layout = kv_layout(_sharing_layers(windows=(-1, 3, -1, 3)))  # 3 reads 1: both sliding
+    pool, _ = hybrid_kv_pool(layout, size=64, page_size=16, dtype=torch.float32, device="cpu",
+                             max_running=1, prefill_chunk=8, max_context_len=32)
+    assert pool.get_key_buffer(3) is pool.get_key_buffer(1) and pool.is_swa_layer(3)
+    assert pool.get_value_buffer(2) is pool.get_value_buffer(0) and not pool.is_swa_layer(2)
+    assert len(pool.full_kv_pool.k_buffer) == len(pool.swa_kv_pool.k_buffer) == 2
+    assert len({b.data_ptr() for b in pool.full_kv_pool.k_buffer}) == 1
+    assert len({b.data_ptr() for b in pool.swa_kv_pool.k_buffer}) == 1

@@ -381,6 +381,41 @@ class TestUncapturedSteps(TestCase):
             pw(ids, pos, fb)
 
 
+class TestStepEntry(TestCase):
+    """What Dynamo checks when a step enters the compiled model (its guards)."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_module_state_is_not_guarded_but_the_batch_is(self):
+        model = tiny_model(num_layers=2)
+        h = Harness(model)
+        pw = PiecewiseModel(model, inductor=False)
+        graphs = []
+        for kind, lens in (("decode", None), ("decode", None), ("extend", [3, 2]),
+                           ("decode", None)):
+            ids, pos, fb = _make_step(h, kind, [0, 1], lens)
+            with torch.no_grad():
+                torch.testing.assert_close(pw(ids, pos, fb), _eager(model, pw.layers, ids, pos, fb))
+            graphs.append(pw.backend.stats["graphs"])
+            model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)  # a guarded flag
+        # the module guards are dropped (no new graph for the flag); the batch's mode is not
+        self.assertEqual(graphs, [1, 1, 2, 2])
+
+    def test_two_models_of_one_class_keep_their_own_graphs(self):
+        models = [tiny_model(num_layers=1, seed=s) for s in (0, 1)]
+        harnesses = [Harness(m) for m in models]
+        pws = [PiecewiseModel(m, graph_sizes=(4,), inductor=False, emulate_graphs=True)
+               for m in models]
+        for _ in range(3):  # warm-up, capture, replay of each
+            for model, h, pw in zip(models, harnesses, pws):
+                ids, pos, fb = h.decode([0, 1, 2])
+                with torch.no_grad():
+                    torch.testing.assert_close(pw(ids, pos, fb),
+                                               _eager(model, pw.layers, ids, pos, fb))
+        self.assertEqual([pw.backend.stats["captures"] for pw in pws], [2, 2])  # 1 + 1 pieces
+
+
 @requires_gpu_graphs
 class TestPiecewiseCapture(TestCase):
     def setUp(self):

@@ -19,9 +19,10 @@ import xpu_ops
 
 from compile.backend.multi_step_draft import XPUMultiStepDraftBackend
 from compile.batch import ForwardMode, SpecInfo
-from compile.graphs import GraphRunner
+from compile.graphs import GraphRunner, full_and_piecewise
 from compile.graphs import device as dev
-from tests.compile.compile_helpers import Harness as ModelHarness, tiny_model
+from tests.compile.compile_helpers import (Harness as ModelHarness, eager_without_split_op,
+                                           tiny_model)
 from tests.compile.graphs.spec_probe import (BUCKETS, SIZES, AttentionProbe, decode_batch,
                                              draft_batch, draft_extend_batch, random_tree,
                                              run_round, run_schedule, verify_batch)
@@ -200,7 +201,40 @@ def tiny_llama_draft_extend(device=CPU):
     assert (runner.captures, runner.replays) == (2, 1)  # bucket 4: 3 steps, 2: 2 steps
 
 
+def serving_path_trees(device=CPU):
+    """The serving path (``full_and_piecewise``): tree verify steps of the tiny Llama replay
+    whole-step graphs recorded through the piecewise model (its split op on the step buffers'
+    cascade metadata), equal to the model run eagerly."""
+    d, topk = 3, 2
+    model = tiny_model(device=device)
+    h = ModelHarness(model, page_size=4, device=device)
+    runner = full_and_piecewise(model, batch_sizes=(2, 4), graph_sizes=(8, 16), inductor=False,
+                                emulate_graphs=torch.device(device).type == CPU, debug=True,
+                                draft_token_num=d, topk=topk)
+    with torch.no_grad():
+        runner(*h.extend([0, 1, 2, 3], [5, 3, 9, 2], init=False))
+    gen = torch.Generator().manual_seed(1)
+    for rows in ([0, 1, 2], [0, 1, 2, 3], [1, 2, 3], [0, 2]):
+        ids, pos, fb = h.verify(rows, d)
+        trees = torch.stack([random_tree(gen, d) for _ in rows]).to(device)
+        fb.spec_info = SpecInfo(topk=topk, draft_token_num=d, custom_mask=trees)
+        assert runner.can_run(fb)
+        with torch.no_grad():
+            out = runner(ids, pos, fb)
+        h.backend.init_forward_metadata(fb)
+        ref = eager_without_split_op(model, runner.forward.layers, ids, pos, fb)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        h.accept(rows)
+    assert (runner.captures, runner.replays) == (1, 1)  # bucket 4: 3 steps
+    assert runner.forward.backend.stats["captures"] == 0  # pieces never capture inside a step
+
+
 # ------------------------------------------------------------------ CPU (emulated graphs)
+
+def test_serving_path_tree_verify_equals_eager():
+    torch._dynamo.reset()
+    serving_path_trees()
+
 
 def test_tiny_llama_draft_extend_in_graphs_equals_eager():
     tiny_llama_draft_extend()
@@ -325,6 +359,10 @@ class TestDeviceGraphs:
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_serving_path_tree_verify(self):
+        torch._dynamo.reset()
+        serving_path_trees(dev.as_device())
 
     def test_tiny_llama_draft_extend(self):
         tiny_llama_draft_extend(dev.as_device())
