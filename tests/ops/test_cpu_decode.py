@@ -51,7 +51,7 @@ def test_decode_path_matches_oracle(case, mask, dtype, return_lse):
     all have keys run torch SDPA; the others, and every call with the LSE, the explicit path."""
     args, kwargs = _decode_call(case, mask, dtype, seed=len(case[0]) + mask[0])
     kwargs["return_softmax_lse"] = return_lse
-    assert cpu_decode.applies(args[0], args[1], args[5], 1, *args[7:11], *args[12:])
+    assert cpu_decode.applies(args[0], args[1], args[4], args[5], 1, *args[7:11], *args[12:])
     with xpu_ops.use_provider("reference"):
         lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
@@ -77,10 +77,10 @@ def _applies(**changes) -> bool:
              "qv", "q_descale", "k_descale", "v_descale", "sinks", "cache_leftpad",
              "bidirectional_block_ids"]
     values = {**dict(zip(names, args)), "max_seqlen_q": 1, **changes}
-    return cpu_decode.applies(values["q"], values["k_cache"], values["cu_seqlens_q"],
-                              values["max_seqlen_q"], values["qv"], values["q_descale"],
-                              values["k_descale"], values["v_descale"], values["cache_leftpad"],
-                              values["bidirectional_block_ids"])
+    return cpu_decode.applies(values["q"], values["k_cache"], values["page_table"],
+                              values["cu_seqlens_q"], values["max_seqlen_q"], values["qv"],
+                              values["q_descale"], values["k_descale"], values["v_descale"],
+                              values["cache_leftpad"], values["bidirectional_block_ids"])
 
 
 def test_only_plain_cpu_decode_calls_take_the_path():
@@ -91,6 +91,22 @@ def test_only_plain_cpu_decode_calls_take_the_path():
     assert not _applies(k_descale=torch.ones(3, 2))
     assert not _applies(k_cache=torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn))
     assert not _applies(q=torch.zeros(3, 8, 16, device="meta"))
+    assert not _applies(page_table=torch.zeros(3, 0, dtype=I32))              # no key slot
+
+
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_a_page_table_without_columns_gives_empty_rows(return_lse):
+    """Decode requests with a ``[b, 0]`` page table (no key slot at all) get output 0 and LSE
+    -inf; the decode path's reductions over zero keys raised IndexError."""
+    q, kc = torch.randn(2, 4, 8), torch.randn(3, 4, 2, 8)
+    out = torch.full((2, 4, 8), float("nan"))
+    with xpu_ops.use_provider("reference"):
+        lse = torch.ops.xpu_ops.flash_attn_with_kvcache(
+            q, kc, kc, torch.zeros(2, dtype=I32), torch.zeros(2, 0, dtype=I32),
+            torch.arange(3, dtype=I32), out, None, None, None, None, None, None, None, 1, 0.25,
+            True, -1, 0, 0.0, 0, return_lse)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == ((4, 2) if return_lse else (4, 0)) and torch.isneginf(lse).all()
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -145,7 +161,7 @@ def test_strided_caches_and_out_of_range_page_ids_match_the_oracle(layout):
     table[0, :2] = args[1].shape[0] + 5   # request 0 (5 keys on pages 0, 1): nothing visible
     table[1, 0] = -1                      # request 1 (17 keys): keys 0-3 hidden
     args[4] = table
-    assert cpu_decode.applies(args[0], args[1], args[5], 1, *args[7:11], *args[12:])
+    assert cpu_decode.applies(args[0], args[1], args[4], args[5], 1, *args[7:11], *args[12:])
     with xpu_ops.use_provider("reference"):
         lse = torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(args[6], want, torch.float32, lse, want_lse)

@@ -262,3 +262,40 @@ def test_append_with_rotary_matches_reference(interleaved):
         results.append((out, *caches))
     for got, want in zip(results[1], results[0]):
         _compare(got.nan_to_num(7.0), want.nan_to_num(7.0), "append + rotary")
+
+
+@in_subprocess
+@pytest.mark.parametrize("layout, kernel", [
+    ("flat", "_store_kv_plain_kernel"), ("paged", "_store_kv_plain_kernel"),
+    ("spaced pages", "_store_kv_kernel"), ("different v rows", "_store_kv_kernel")])
+def test_store_takes_the_plain_entry_for_the_plain_form_only(layout, kernel, monkeypatch):
+    """``store_kv_cache`` under the triton provider: a flat cache or a paged one of adjacent
+    slots, with K and V rows sliced from one fused projection (strided), launches the
+    10-argument plain kernel; pages spaced in a larger buffer, or V rows of another layout, the
+    full kernel. Either way only in-range slots of ``loc`` change (oracle slot by slot)."""
+    from xpu_ops.triton import kv_cache as tkv
+    gen = torch.Generator().manual_seed(31)
+    slots, hkv, d = 24, 2, 16
+    buf = torch.randn(2, slots * 2, hkv, d, generator=gen)
+    k_cache, v_cache = buf[0, :slots], buf[1, :slots]                      # [24, 2, 16]
+    if layout == "paged":
+        k_cache, v_cache = k_cache.view(6, 4, hkv, d), v_cache.view(6, 4, hkv, d)
+    elif layout == "spaced pages":                       # every other page of a larger buffer
+        k_cache = buf[0].view(12, 4, hkv, d)[::2]
+        v_cache = buf[1].view(12, 4, hkv, d)[::2]
+    qkv = torch.randn(5, 4 * hkv * d, generator=gen)                       # [T, (Hq + 2 Hkv) D]
+    k = qkv[:, 2 * hkv * d:3 * hkv * d].view(5, hkv, d)
+    v = qkv[:, 3 * hkv * d:].view(5, hkv, d)
+    if layout == "different v rows":
+        v = v.contiguous()
+    loc = torch.tensor([7, -1, 23, 24, 0])
+    want_k = oracle.store_kv(k_cache, loc[[0, 2, 4]], k[[0, 2, 4]])
+    want_v = oracle.store_kv(v_cache, loc[[0, 2, 4]], v[[0, 2, 4]])
+    launched = []
+    real = tkv.launch
+    monkeypatch.setattr(tkv, "launch", lambda kern, *a, **kw: launched.append(kern.fn.__name__)
+                        or real(kern, *a, **kw))
+    with xpu_ops.use_provider("triton"):
+        xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v)
+    assert launched == [kernel]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

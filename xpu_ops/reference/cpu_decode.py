@@ -33,13 +33,15 @@ from .._checks import FLOAT_DTYPES
 from ..providers import empty_lse
 
 
-def applies(q: Tensor, k_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *extras
-            ) -> bool:
-    """True when this path serves the call: CPU tensors, float caches, at least one request,
-    one query row per request in order (``cu_seqlens_q == [0, 1, ..., b]``, ``max_seqlen_q == 1``) and every
-    tensor of ``extras`` (qv, descales, cache_leftpad, bidirectional_block_ids) None."""
+def applies(q: Tensor, k_cache: Tensor, page_table: Tensor, cu_seqlens_q: Tensor,
+            max_seqlen_q: int, *extras) -> bool:
+    """True when this path serves the call: CPU tensors, float caches, at least one request
+    and one page-table column, one query row per request in order (``cu_seqlens_q == [0, 1,
+    ..., b]``, ``max_seqlen_q == 1``) and every tensor of ``extras`` (qv, descales,
+    cache_leftpad, bidirectional_block_ids) None."""
     if (q.device.type != "cpu" or max_seqlen_q != 1 or q.dtype not in FLOAT_DTYPES
-            or k_cache.dtype != q.dtype or q.shape[0] == 0):  # no row: the general path
+            or k_cache.dtype != q.dtype or q.shape[0] == 0  # no row: the general path
+            or page_table.shape[1] == 0):                  # no key slot: the general path
         return False
     if any(t is not None for t in extras):
         return False
@@ -107,18 +109,18 @@ def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     written).
 
     Whole pages are gathered (one ``index_select`` per cache, ``[b, L, Hkv, D]``), the hidden
-    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked
-    with an additive ``-inf`` bias; the ``G`` query heads of a KV head are ``G`` query rows against that
-    head's keys (``[b, Hkv, G, D]``), so no head is repeated.
+    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked;
+    the ``G`` query heads of a KV head are ``G`` query rows against that head's keys
+    (``[b, Hkv, G, D]``), so no head is repeated.
     """
     b, num_heads_q, head_dim = q.shape
     num_pages, page_size, num_heads_kv = k_cache.shape[:3]
-    low, high = torch.aminmax(page_table)
-    if b == 0 or int(low) < 0 or int(high) >= num_pages:
-        return False
     capacity = page_table.shape[1] * page_size
     k_lens = cache_seqlens.clamp(max=capacity)[:, None]                       # [b, 1]
-    if int(k_lens.min()) <= 0:
+    if b == 0 or int(k_lens.min()) <= 0:  # also no page at all (capacity 0)
+        return False
+    low, high = torch.aminmax(page_table)
+    if int(low) < 0 or int(high) >= num_pages:
         return False
     positions = torch.arange(capacity)[None, :]
     hidden = positions >= k_lens                                              # [b, L]
@@ -130,12 +132,11 @@ def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     garbage = hidden.view(-1).nonzero().squeeze(1)
     keys.index_fill_(0, garbage, 0.0)
     values.index_fill_(0, garbage, 0.0)
-    bias = torch.where(hidden, float("-inf"), 0.0).to(q.dtype)[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.view(b, num_heads_kv, num_heads_q // num_heads_kv, head_dim),
         keys.view(b, capacity, num_heads_kv, head_dim).transpose(1, 2),
-        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2), attn_mask=bias,
-        scale=softmax_scale)                                                  # [b, Hkv, G, Dv]
+        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2),
+        attn_mask=~hidden[:, None, None, :], scale=softmax_scale)             # [b, Hkv, G, Dv]
     out.view(b, num_heads_kv, -1, o.shape[-1]).copy_(o)
     return True
 
@@ -150,8 +151,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
 
     Without the LSE, sinks and softcap, when every request has a key and every page id is in
     range, the output is one ``torch.nn.functional.scaled_dot_product_attention`` call
-    (``_sdpa``).
-    Otherwise the scores are explicit and the LSE comes from the softmax itself: ``lse = s_max
+    (``_sdpa``). Otherwise the scores are explicit and the LSE comes from the softmax itself: ``lse = s_max
     - log(p_max)`` (``p_max = 1 / sum(exp(s - s_max)) >= 1 / L`` never underflows), one fused
     ``softmax`` and two ``amax`` instead of a ``logsumexp`` and a second pass over the scores.
 

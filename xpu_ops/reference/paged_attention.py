@@ -61,8 +61,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
     (``num_splits`` does not apply). Decode calls on the CPU take ``cpu_decode``'s path (the
     same semantics in fewer ops; without the LSE, torch SDPA where it applies).
     """
-    if cpu_decode.applies(q, k_cache, cu_seqlens_q, max_seqlen_q, qv, q_descale, k_descale,
-                          v_descale, cache_leftpad, bidirectional_block_ids):
+    if cpu_decode.applies(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, qv, q_descale,
+                          k_descale, v_descale, cache_leftpad, bidirectional_block_ids):
         return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,
                                            sinks=sinks, softmax_scale=softmax_scale,
                                            window_left=window_size_left, softcap=softcap,

@@ -4,8 +4,10 @@ One program per written token copies its ``[Hkv, D]`` rows into slot ``loc[i]`` 
 cache (int64 slot x stride offsets), dividing by the per-tensor scale first for fp8 caches.
 Only the addressed slots are touched; a slot outside ``[0, slots)`` masks the store off. ``loc``
 may have any stride; values stored into an fp8 cache saturate to its largest finite value.
-``store_kv_cache`` writes K and V in one launch (``_store_kv_kernel``), whose scalar arguments
-are computed once per call shape (decode writes the same shape in every layer).
+``store_kv_cache`` writes K and V in one launch: ``_store_kv_plain_kernel`` for the plain form
+of a call (one layout for K and V rows, one for both caches, no scale: 10 runtime arguments,
+since Triton binds every argument on every launch), else ``_store_kv_kernel``, whose scalar
+arguments are computed once per call shape (decode writes the same shape in every layer).
 """
 
 from __future__ import annotations
@@ -100,6 +102,30 @@ def _store_kv_kernel(
              v.to(V_CACHE.dtype.element_ty), mask=mask_v)
 
 
+@triton.jit
+def _store_kv_plain_kernel(
+    K, V, K_CACHE, V_CACHE, LOC,
+    stride_rows_t, stride_rows_h, stride_cache_s, stride_cache_h, num_slots,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # The plain form of _store_kv_kernel (10 runtime arguments instead of 27): K and V rows
+    # with one layout, caches of the rows' dtype with one layout of slot rows, no scale,
+    # contiguous loc. k_cache[loc[i], h, d] = k[i, h, d], v likewise; slots outside
+    # [0, num_slots) are skipped.
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(LOC + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot_h = slot + tl.zeros([BLOCK_H], dtype=tl.int64)  # see _store_rows_kernel
+    mask_h = (offs_h < NUM_HEADS) & (slot_h >= 0) & (slot_h < num_slots)
+    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src = tok * stride_rows_t + offs_h[:, None] * stride_rows_h + offs_d[None, :]
+    dst = slot * stride_cache_s + offs_h[:, None] * stride_cache_h + offs_d[None, :]
+    tl.store(K_CACHE + dst, tl.load(K + src, mask=mask), mask=mask)
+    tl.store(V_CACHE + dst, tl.load(V + src, mask=mask), mask=mask)
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an fp8 cache dtype (stores saturate to it), 0.0 otherwise."""
     return torch.finfo(dtype).max if dtype in FP8_DTYPES else 0.0
@@ -142,6 +168,23 @@ def _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale) -> tuple
                             v_cache.dtype)
 
 
+def _store_kv_plain(k_cache, v_cache, loc, k, v) -> bool:
+    """Launch ``_store_kv_plain_kernel`` when the call has its plain form (see the kernel; the
+    slots of a paged cache must be rows of one stride); False, launching nothing, otherwise."""
+    page_stride, slot_stride, page_size, slots = cache_geometry(k_cache, 2)
+    if page_size > 1 and page_stride != slot_stride * page_size:
+        return False
+    if (k_cache.stride() != v_cache.stride() or k.stride() != v.stride() or k.shape != v.shape
+            or k_cache.dtype in FP8_DTYPES or loc.stride(0) != 1):
+        return False
+    num_tokens, num_heads, head_dim = k.shape
+    launch(_store_kv_plain_kernel, (num_tokens,), k.device, k, v, k_cache, v_cache, loc,
+           k.stride(0), k.stride(1), page_stride if page_size == 1 else slot_stride,
+           k_cache.stride(-2), slots, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+           BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), num_warps=4)
+    return True
+
+
 def store_rows(src, dst, loc, scale, col_offset: int = 0) -> None:
     """Launch ``_store_rows_kernel``: ``src [N, 1, D]`` into the one-head cache ``dst``
     (``[slots, >= D]`` or ``[num_pages, page_size, >= D]``, any strides); entries of ``loc``
@@ -170,9 +213,13 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
     One launch of ``_store_kv_kernel``: one program per token copies its K and V rows
-    ``[Hkv, D]``/``[Hkv, Dv]`` into slot ``loc[i]``; out-of-range slots are masked off.
+    ``[Hkv, D]``/``[Hkv, Dv]`` into slot ``loc[i]``; out-of-range slots are masked off. The
+    plain form of a call (the decode layer's) launches ``_store_kv_plain_kernel``, which takes
+    a third of the arguments (Triton binds each one on every launch).
     """
     if k.shape[0] == 0:
+        return
+    if k_scale is None and v_scale is None and _store_kv_plain(k_cache, v_cache, loc, k, v):
         return
     scalars, meta = _store_kv_launch_for(k_cache, v_cache, loc, k, v, k_scale, v_scale)
     launch(_store_kv_kernel, (k.shape[0],), k.device, k, v, k_cache, v_cache, loc,
