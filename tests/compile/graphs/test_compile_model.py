@@ -124,7 +124,7 @@ call_method reshape
 call_method new_empty
 call_method view
 call_method view
-call_function xpu_ops.flash_attn_with_kvcache
+call_function xpu_ops.flash_attn_with_kvcache.default
 call_method view
 call_function linear
 call_function add
