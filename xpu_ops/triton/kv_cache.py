@@ -122,8 +122,8 @@ def _store_kv_plain_kernel(
     mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
     src = tok * stride_rows_t + offs_h[:, None] * stride_rows_h + offs_d[None, :]
     dst = slot * stride_cache_s + offs_h[:, None] * stride_cache_h + offs_d[None, :]
-    tl.store(K_CACHE + dst, tl.load(K + src, mask=mask), mask=mask)
-    tl.store(V_CACHE + dst, tl.load(V + src, mask=mask), mask=mask)
+    tl.store(K_CACHE + dst, tl.load(K + src, mask=mask, other=0.0), mask=mask)
+    tl.store(V_CACHE + dst, tl.load(V + src, mask=mask, other=0.0), mask=mask)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
