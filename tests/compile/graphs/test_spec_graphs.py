@@ -1,8 +1,10 @@
 """Speculative and cascade steps inside whole-step graphs, against the float64 oracle, replayed
 and eager: tree target verify (topk > 1, the cascade), tree draft decode, draft extend, the
 multi-step draft backend's rounds, and inside them sliding-window and chunked-local layers (in
-trees: merged rows per draft or branch), MLA (its decode workspace, the cascade), sinks and
-softcap.
+trees: merged rows per draft or branch), MLA (its decode workspace, the cascade,
+``flash_mla_prefill`` steps), sinks and softcap; a chain verify whose width is
+``num_tokens_per_req``, a non-causal layer, and deterministic inference's batch invariance
+across buckets.
 
 Every step is a fresh random batch of a changing size (``tests/compile/graphs/spec_probe.py``),
 so buckets warm up, capture and replay while the step buffers are refilled in place; the
@@ -211,6 +213,22 @@ def mla_chain(page_size, device=CPU):
         ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
 
 
+def non_causal_steps(page_size, device=CPU):
+    """A non-causal layer (``attn_type`` DECODER_BIDIRECTIONAL) in captured chain verify and
+    draft extend steps: every query row sees all of its request's new tokens."""
+    d = 4
+    h = _harness(page_size, 385 + page_size, device, topk=1, draft_tokens=d)
+    probe = AttentionProbe(h, [h.layer(0, attn_type="decoder_bidirectional")])
+    runner = _runner(h, probe, draft_token_num=d)
+
+    def all_new_tokens(step):
+        step.seen = [step.ids[r * d:(r + 1) * d] for r in step.row_request]
+        return step
+    run_schedule(h, probe, runner,
+                 lambda b: all_new_tokens(verify_batch(h, probe, b, d, tree=False)))
+    run_schedule(h, probe, runner, lambda b: all_new_tokens(draft_extend_batch(h, probe, b, d)))
+
+
 def deterministic_replays(page_size, mla=False, device=CPU):
     """Deterministic inference inside graphs: every replayed call passes ``num_splits=1``
     (MLA: ``num_kv_splits=1``), and request 0's replayed decode output has the same bits in
@@ -378,6 +396,11 @@ def test_mla_chain_verify_and_draft_extend_in_graphs_equal_oracle(page_size):
     mla_chain(page_size)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_non_causal_layer_in_graphs_equals_oracle(page_size):
+    non_causal_steps(page_size)
+
+
 @pytest.mark.parametrize("page_size,mla", [(1, False), (16, False), (16, True)])
 def test_deterministic_inference_in_graphs_is_batch_invariant(page_size, mla):
     deterministic_replays(page_size, mla)
@@ -444,6 +467,21 @@ class TestDeviceGraphs:
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_verify_width(self):
+        verify_width(16, dev.as_device())
+
+    def test_mla_chain(self):
+        mla_chain(64, dev.as_device())
+
+    def test_non_causal_layer(self):
+        non_causal_steps(16, dev.as_device())
+
+    def test_deterministic_replays(self):
+        deterministic_replays(16, device=dev.as_device())
+
+    def test_deterministic_replays_mla(self):
+        deterministic_replays(64, mla=True, device=dev.as_device())
 
     def test_serving_path_tree_verify(self):
         torch._dynamo.reset()
