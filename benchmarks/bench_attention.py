@@ -597,14 +597,16 @@ def late_variants(spec: dict, row: Row) -> None:
     torch.cuda.empty_cache()
 
 
-def write_results(rows, copy_tbs, mm_tflops, out: str) -> None:
-    """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed."""
+def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True) -> None:
+    """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed
+    when ``echo``."""
     gpu = torch.cuda.get_device_name()
     header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
               f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
               f"Hkv={HKV}, D={D} unless stated.")
     md = table(rows, copy_tbs, mm_tflops, header)
-    print(md, flush=True)
+    if echo:
+        print(md, flush=True)
     with open(os.path.join(out, "attention.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(out, "attention.json"), "w") as f:
@@ -632,9 +634,11 @@ def main():
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
              if not only or any(x in spec["name"] for x in only)]
-    rows = [run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
-                                                      if v not in LATE_VARIANTS)))
-            for spec in specs]
+    rows = []
+    for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
+        rows.append(run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
+                                                              if v not in LATE_VARIANTS))))
+        write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
     mla = "MLA decode H128 R512 r64 64x4096"
     if not only or any(x in mla for x in only):
         rows.append(run_mla(mla, ">= 0.50 matmul",

@@ -122,7 +122,8 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
                     max_running=len(prompt_ids), max_context_len=longest,
                     max_total_tokens=total + args.page_size * len(prompt_ids),
                     chunked_prefill_size=args.chunked_prefill_size,
-                    parallel=getattr(args, "parallel", None))
+                    parallel=getattr(args, "parallel", None),
+                    enable_deterministic_inference=args.enable_deterministic_inference)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
     bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, desc="generate", unit="tok",
@@ -256,6 +257,8 @@ def cmd_generate(args) -> int:
     model = shard_model(args, model)
     ranks = "" if args.parallel.tp.size * args.parallel.dcp.size == 1 else (
         f", tp {args.parallel.tp.size}, dcp {args.parallel.dcp.size}")
+    if args.enable_deterministic_inference:
+        ranks += ", deterministic inference"
     with quiet_unless_rank_zero():
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
               f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode}"
@@ -319,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(where compilation, recompiles and graph capture happen)")
     g.add_argument("--no-inductor", action="store_true",
                    help="compiled modes use the eager backend (Dynamo only; fast smoke runs)")
+    g.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="sglang's flag: every attention call takes one pass over the keys "
+                        "(num_splits=1, MLA num_kv_splits=1), so a request's attention output "
+                        "does not depend on the rest of its batch; the model's matmuls are not "
+                        "made batch invariant")
     add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "

@@ -102,6 +102,8 @@ class DCPAttentionBackend:
     Args:
         model_runner: as ``XPUAttentionBackend``'s, plus ``dcp_group`` (a ``ParallelGroup``);
             its ``page_size`` is the virtual page size ``pool.page_size * dcp_group.size``.
+            ``server_args.enable_deterministic_inference`` pins ``num_splits=1`` in every
+            paged call (the merge over ranks is in rank order either way).
     Raises:
         ValueError: a page size that is not the pool's times the group size.
         NotImplementedError: a pool other than ``MHATokenToKVPool``, or an fp8 KV cache.
@@ -128,6 +130,9 @@ class DCPAttentionBackend:
                              f"page size; expected pool.page_size * dcp_size = "
                              f"{self.pool.page_size * self.dcp.size}, got {self.page_size}.")
         self.forward_metadata: Optional[DCPMetadata] = None
+        args = getattr(mr, "server_args", None)
+        self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        self.num_splits = 1 if self.deterministic else 0
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build ``self.forward_metadata`` for ``fb`` (host, once per step)."""
@@ -172,7 +177,7 @@ class DCPAttentionBackend:
             q3, k_cache, v_cache, cache_seqlens=meta.shard_seqlens, page_table=meta.page_table,
             cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, causal=False,
             softmax_scale=layer.scaling, softcap=layer.logit_cap, sinks=shard_sinks,
-            return_softmax_lse=True)
+            return_softmax_lse=True, num_splits=self.num_splits)
         out = _output(forward_batch, q3, hq, dv)
         if not meta.extend:
             merge_over_ranks(o, lse, self.dcp, out=out)

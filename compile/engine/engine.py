@@ -122,6 +122,11 @@ class Engine:
             schedule, pages are ``page_size * dcp`` tokens and each rank stores its
             ``page_size`` of them (``compile.backend.dcp_attention``), so ``max_total_tokens``
             costs ``1 / dcp`` of the memory per rank.
+        enable_deterministic_inference: sglang's ``--enable-deterministic-inference``: the
+            backend passes ``num_splits=1`` (MLA: ``num_kv_splits=1``) in every attention call,
+            one pass over the keys, so a request's attention output does not depend on the
+            rest of its batch (``XPUAttentionBackend``). It reaches the backend as
+            ``model_runner.server_args.enable_deterministic_inference``.
     Attributes:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
@@ -134,10 +139,15 @@ class Engine:
                  max_running: int = 8, max_context_len: int = 2048,
                  max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
                  kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None,
-                 swa_pool: Optional[bool] = None, parallel: Optional[ParallelConfig] = None):
+                 swa_pool: Optional[bool] = None, parallel: Optional[ParallelConfig] = None,
+                 enable_deterministic_inference: bool = False):
         _check_sizes(page_size=page_size, max_running=max_running,
                      max_context_len=max_context_len, max_total_tokens=max_total_tokens,
                      chunked_prefill_size=chunked_prefill_size)
+        if not isinstance(enable_deterministic_inference, bool):
+            raise TypeError(f"Engine: enable_deterministic_inference has type "
+                            f"{type(enable_deterministic_inference).__name__}; expected a bool, "
+                            f"got {enable_deterministic_inference!r}.")
         cfg = model.config
         weight = next(model.parameters())
         self.device, self.model = weight.device, model
@@ -166,7 +176,9 @@ class Engine:
                 None if window is None else window - 1),
             attention_chunk_size=getattr(cfg, "attention_chunk_size", None),
             is_hybrid_swa=self.swa_pages is not None,
-            dcp_group=self.parallel.dcp if dcp > 1 else None)
+            dcp_group=self.parallel.dcp if dcp > 1 else None,
+            server_args=SimpleNamespace(
+                enable_deterministic_inference=enable_deterministic_inference))
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
         self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)

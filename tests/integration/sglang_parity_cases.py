@@ -10,8 +10,9 @@ cover: MIXED, DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_to
 an ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over
 whole sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
 lengths that are not page multiples, absorbed MLA (``flash_mla_prefill`` for extend and
-verify, ``flash_mla_decode``), and deterministic inference (both pass ``num_splits=1``); plus
-extend and decode again, side by side.
+verify, ``flash_mla_decode``), deterministic inference (both pass ``num_splits=1``) and a tree
+target verify (topk 2: the cascade, sglang's flattened mask); plus extend and decode again,
+side by side.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Twin:
     """This project's backend over copies of ``h``'s pools (taken when built: build it after
     the cached prefix is stored and before sglang's step writes the new tokens)."""
 
-    def __init__(self, h: Harness, deterministic: bool = False, **layer_kw):
+    def __init__(self, h: Harness, deterministic: bool = False, topk: int = 1,
+                 draft_tokens: int = 0, **layer_kw):
         if h.mla:
             rows = h.pool.kv_buffer[0].shape[0]
             self.pool = ours_batch.MLATokenToKVPool(rows, h.page_size, torch.float32, MLA_R,
@@ -73,7 +75,8 @@ class Twin:
             tp_size=1, device=torch.device("cpu"), page_size=h.page_size,
             req_to_token_pool=req_pool, token_to_kv_pool=self.pool,
             kv_cache_dtype=torch.float32,
-            server_args=SimpleNamespace(speculative_eagle_topk=1,
+            server_args=SimpleNamespace(speculative_eagle_topk=topk,
+                                        speculative_num_draft_tokens=draft_tokens,
                                         enable_deterministic_inference=deterministic))
         self.backend = ours.XPUAttentionBackend(runner)
 
@@ -324,3 +327,45 @@ def test_deterministic_inference_pins_one_split(page_size, monkeypatch):
                                     **_extend_fields(prefix, new))
     _assert_all(theirs, mine, _expected(h, q, total, new))
     assert splits == {"theirs": [1], "mine": [1]}
+
+
+def _random_tree(gen: torch.Generator, d: int) -> torch.Tensor:
+    """``[d, d]`` bool: draft ``i`` sees itself and its ancestors (a random parent each)."""
+    mask = torch.eye(d, dtype=torch.bool)
+    for i in range(1, d):
+        parent = int(torch.randint(0, i, (1,), generator=gen))
+        mask[i] |= mask[parent]
+    return mask
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_target_verify_tree_topk2(page_size):
+    # The cascade (topk > 1): a prefix pass over the cached tokens plus each draft's pass over
+    # the drafts its tree row sees, merged by LSE; sglang's flattened mask layout for both.
+    d = 4
+    publish_config(speculative_eagle_topk=2, speculative_num_draft_tokens=d,
+                   speculative_num_steps=2)
+    try:
+        h = Harness(page_size, seed=19)
+    finally:
+        publish_config()
+    prefix = [9, 0, 33]
+    h.store_prefix(prefix)
+    assert h.backend.topk == 2                  # sglang's backend takes its cascade path
+    twin = Twin(h, topk=2, draft_tokens=d)
+    trees = [_random_tree(h.gen, d) for _ in prefix]
+    flat = torch.cat([torch.cat([torch.ones(d, p, dtype=torch.bool), t], 1).reshape(-1)
+                      for p, t in zip(prefix, trees)])
+    spec = _verify_input(3, d, prefix)
+    spec.topk, spec.custom_mask = 2, flat
+    our_spec = ours_batch.SpecInfo(topk=2, draft_token_num=d, custom_mask=flat)
+    theirs, mine, q = _side_by_side(h, twin, ForwardMode.TARGET_VERIFY, prefix, [d] * 3,
+                                    spec_info=spec, our_spec=our_spec)
+    rows, row = [], 0
+    for i, (p, tree) in enumerate(zip(prefix, trees)):
+        visible = torch.cat([torch.ones(d, p, dtype=torch.bool), tree], 1)
+        out, _ = oracle.attend(q[row:row + d], h.keys[i, :p + d], h.values[i, :p + d],
+                               visible, scale=SCALE)
+        rows.append(out)
+        row += d
+    _assert_all(theirs, mine, torch.cat(rows))

@@ -27,10 +27,10 @@ CASES = [HERE / "sglang_backend_cases.py", HERE / "sglang_parity_cases.py"]
 # sglang_backend_cases: 4 cases (extend with and without a cached prefix, decode, target verify)
 # x 2 page sizes, plus the interface data check, each with 2 providers (reference, Triton through
 # its interpreter; the provider fixture is autouse). sglang_parity_cases, reference provider
-# only: 9 cases (extend, mixed and draft extend v2, decode, verify width, encoder-only, Gemma-3
-# image blocks, encoder-decoder, deterministic inference) x 2 page sizes, and absorbed MLA in 3
-# modes x 2 page sizes.
-EXPECTED_PASSED = 2 * (4 * 2 + 1) + (9 * 2 + 3 * 2)
+# only: 10 cases (extend, mixed and draft extend v2, decode, verify width, encoder-only, Gemma-3
+# image blocks, encoder-decoder, deterministic inference, tree verify topk 2) x 2 page sizes,
+# and absorbed MLA in 3 modes x 2 page sizes.
+EXPECTED_PASSED = 2 * (4 * 2 + 1) + (10 * 2 + 3 * 2)
 
 
 @pytest.mark.skipif(not (SGLANG_ENV / ".xpu-ops-installed").exists(),

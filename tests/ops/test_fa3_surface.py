@@ -240,12 +240,15 @@ def test_varlen_seqused_q_and_seqused_k(causal):
 
 
 def test_num_splits_and_speed_hints_never_change_the_result():
+    # Bitwise, except num_splits=1: the reference then runs each request on its own (batch
+    # invariant, tests/ops/test_batch_invariance.py), which may round differently.
     t = _paged(9, q_lens=(1, 4), k_lens=(30, 11))
     ref = _call(t, causal=True)[0]
     for kw in (dict(num_splits=1), dict(num_splits=3), dict(pack_gqa=True), dict(sm_margin=4),
                dict(max_seqlen_k=32), dict(scheduler_metadata=torch.zeros(4, dtype=I32)),
                dict(rotary_seqlens=t["cache_seqlens"])):
-        torch.testing.assert_close(_call(t, causal=True, **kw)[0], ref, rtol=0, atol=0)
+        tol = 1e-5 if kw.get("num_splits") == 1 else 0
+        torch.testing.assert_close(_call(t, causal=True, **kw)[0], ref, rtol=tol, atol=tol)
 
 
 # ----------------------------------------------------------------------------------------------

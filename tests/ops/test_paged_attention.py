@@ -121,15 +121,17 @@ def test_wrapper_contiguous_cache_without_page_table():
 
 def test_wrapper_accepts_num_splits_as_a_hint():
     """sglang's FA3 backend passes num_splits (1 with deterministic inference) on every call,
-    so any int >= 0 is accepted and the result does not depend on it; the defaults of the
-    unimplemented keywords pass too."""
+    so any int >= 0 is accepted and changes the result by rounding at most (the reference:
+    the same bits for 0 and n > 1; 1 runs each request on its own, batch invariant, see
+    test_batch_invariance.py); the defaults of the unimplemented keywords pass too."""
     t, _, _ = _wrapper_inputs()
     ref = xpu_ops.flash_attn_with_kvcache(**t, causal=True)
     for num_splits in (0, 1, 4):
         hinted = xpu_ops.flash_attn_with_kvcache(**t, causal=True, num_splits=num_splits,
                                                  pack_gqa=None, sm_margin=0,
                                                  rotary_interleaved=True, attention_chunk=0)
-        torch.testing.assert_close(hinted, ref, rtol=0, atol=0)
+        tol = 1e-5 if num_splits == 1 else 0
+        torch.testing.assert_close(hinted, ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("value, exc, match", [

@@ -300,9 +300,11 @@ def test_plain_kernel_equals_the_full_kernel_bitwise(page_size, monkeypatch):
     one program: the same decode and extend calls give the same bits through either."""
     from xpu_ops.triton import paged_attention as pa
     outs = []
-    for plain in (True, False):
+    pa._launch_params.cache_clear()      # launch parameters are cached per shape: the
+    for plain in (True, False):          # patched choice must not be answered from the cache
         if not plain:
             monkeypatch.setattr(pa, "_plain_launch", lambda *a, **kw: False)
+            pa._launch_params.cache_clear()
         with xt.recorded_triton_launches() as launches:
             for k_lens, q_lens in (([9000, 1, 333, 4096], [1, 1, 1, 1]), ([2000, 77], [300, 5])):
                 q, k, v, lens, table, cu = paged_case(k_lens, q_lens, page_size)
@@ -311,6 +313,8 @@ def test_plain_kernel_equals_the_full_kernel_bitwise(page_size, monkeypatch):
                         q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu,
                         max_seqlen_q=max(q_lens), causal=True, return_softmax_lse=True))
         assert all(("GROUP_SIZE" in launch) == plain for launch in launches)
+    monkeypatch.undo()
+    pa._launch_params.cache_clear()      # later tests get plain launches again
     for (out, lse), (out_full, lse_full) in zip(outs[:2], outs[2:]):
         assert torch.equal(out, out_full) and torch.equal(lse, lse_full)
 

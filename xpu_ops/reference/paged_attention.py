@@ -57,10 +57,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
     Gathers the paged K/V into padded float32 blocks (``gather_pages``), dequantizes, then runs
     masked softmax attention per request (``attend_packed``); writes ``out`` and returns the LSE
-    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``). Always one pass over the keys
-    (``num_splits`` does not apply). Decode calls on the CPU take ``cpu_decode``'s path (the
-    same semantics in fewer ops; without the LSE, torch SDPA where it applies).
+    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``). Always one pass over the keys. Decode
+    calls on the CPU take ``cpu_decode``'s path (the same semantics in fewer ops; without the
+    LSE, torch SDPA where it applies).
+
+    ``num_splits=1`` (deterministic inference) also makes the result batch invariant: the padded
+    blocks are as wide as the batch's longest request, and float32 sums over a wider block can
+    round differently, so each request then runs as a batch of its own, over its own pages and
+    query rows (``_one_request_at_a_time``): its bits are those it gets alone.
     """
+    if num_splits == 1:
+        return _one_request_at_a_time(
+            q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, softmax_scale,
+            causal, window_size_left, window_size_right, softcap, return_softmax_lse)
+    return _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
+                   q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                   bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
+                   window_size_left, window_size_right, softcap, return_softmax_lse)
+
+
+def _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
+            softmax_scale, causal, window_size_left, window_size_right, softcap,
+            return_softmax_lse):
+    """One batched call (the body of ``flash_attn_with_kvcache``)."""
     if cpu_decode.applies(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, qv, q_descale,
                           k_descale, v_descale, cache_leftpad, bidirectional_block_ids):
         return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,
@@ -77,3 +98,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
                         softcap=softcap, k_start=cache_leftpad,
                         block_ids=bidirectional_block_ids, key_valid=valid)
     return lse if return_softmax_lse else providers.empty_lse(q)
+
+
+def _one_request_at_a_time(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
+                           q_descale, k_descale, v_descale, sinks, cache_leftpad,
+                           bidirectional_block_ids, softmax_scale, causal, window_size_left,
+                           window_size_right, softcap, return_softmax_lse):
+    """``_attend`` once per request ``r``: its query rows, its ``[1, pages_r]`` slice of
+    ``page_table`` (``pages_r`` = the pages its clamped key count covers), its descales, left
+    pad and block ids, ``max_seqlen_q`` its own row count; ``out`` and LSE rows written in place
+    (rows no request describes are left as ``_attend`` leaves them: unwritten)."""
+    page_size = k_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
+    lse = q.new_empty((q.shape[1], q.shape[0] if return_softmax_lse else 0), dtype=torch.float32)
+    for r in range(len(cu) - 1):
+        lo, hi = cu[r], cu[r + 1]
+        if hi == lo:
+            continue
+        pages, rows, one = -(-k_lens[r] // page_size), slice(lo, hi), slice(r, r + 1)
+        part = _attend(q[rows], k_cache, v_cache, cache_seqlens[one], page_table[one, :pages],
+                       cu_seqlens_q.new_tensor([0, hi - lo]), out[rows], _part(qv, rows),
+                       _part(q_descale, one), _part(k_descale, one), _part(v_descale, one),
+                       sinks, _part(cache_leftpad, one), _part(bidirectional_block_ids, rows),
+                       hi - lo, softmax_scale, causal, window_size_left, window_size_right,
+                       softcap, return_softmax_lse)
+        if return_softmax_lse:
+            lse[:, lo:hi] = part
+    return lse
+
+
+def _part(t: Optional[Tensor], index: slice) -> Optional[Tensor]:
+    return None if t is None else t[index]

@@ -154,3 +154,31 @@ def test_deterministic_inference_pins_one_kv_split(deterministic, monkeypatch):
     _run(h, ForwardMode.EXTEND, [40, 0], [7, 3])
     _run(h, ForwardMode.DECODE, [9, 70], [1, 1])
     assert calls == [1 if deterministic else 0] * 2
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_deterministic_inference_is_batch_invariant(page_size, mode):
+    # The backend's promise: one pass over the keys, so request 0 gets the same bits alone
+    # as beside longer requests (which widen the batch's page table and padded key blocks).
+    from compile.backend import XPUAttentionBackend
+    h = Harness(page_size, seed=140 + page_size, context_len=2048,
+                num_pages=3 * 2048 // page_size + 8)
+    h.runner.server_args.enable_deterministic_inference = True
+    h.backend = XPUAttentionBackend(h.runner)
+    lens, n = [300, 1500, 5, 900, 64, 1200, 33, 700], 1 if mode.is_decode() else 6
+    reqs, layer = [h.add_request(x) for x in lens], h.layer()
+    q = h.rand(len(lens) * n, h.hq * h.d).float()
+
+    def run(idx):   # reads only: the new tokens' K/V are part of the cached prefix
+        fb = h.batch(mode, [reqs[i] for i in idx], [n] * len(idx),
+                     torch.zeros(n * len(idx), dtype=torch.int64), [lens[i] for i in idx])
+        h.backend.init_forward_metadata(fb)
+        h.poisoned_output(fb, n * len(idx), layer)
+        rows = torch.cat([torch.arange(i * n, (i + 1) * n) for i in idx])
+        return layer(q[rows], None, None, fb)[:n].clone()
+
+    alone = run([0])
+    for idx in ([0, 1], [0, 2, 3, 5], list(range(8))):
+        assert torch.equal(run(idx), alone), f"batch {idx} changed request 0's output"
+    assert_close(alone.double(), h.expected([reqs[0]], [n], layer, q[:n].double()))

@@ -318,3 +318,18 @@ def test_a_provider_that_cannot_run_is_a_one_line_error(provider, pattern, xpu_e
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_enable_deterministic_inference_reaches_the_backend(flag, capsys, monkeypatch):
+    import xpu_ops
+    calls, real = [], xpu_ops.flash_attn_with_kvcache
+    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
+                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+    argv = ["generate", "--model", "tiny", "--verify", "--no-progress", "--max-new-tokens",
+            "3", "--page-size", "4", "--prompt", "Hello there"]
+    rc = main(argv + ["--enable-deterministic-inference"] * flag)
+    out = capsys.readouterr().out
+    assert rc == 0 and "verify: all prompts match" in out, out
+    assert ("deterministic inference)" in out) is flag, out
+    assert calls and set(calls) == {1 if flag else 0}, calls

@@ -276,3 +276,65 @@ def test_sample_greedy_and_temperature():
     hot = torch.tensor([[0.0, 0.0, 50.0], [0.0, 0.0, 0.0]])
     draws = [sample(hot, torch.tensor([1.0, 0.0]), g).tolist() for _ in range(5)]
     assert all(d == [2, 0] for d in draws)  # near-certain sample; greedy row unaffected
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_inference_reaches_every_attention_call(models, deterministic,
+                                                              monkeypatch):
+    # sglang's --enable-deterministic-inference: the engine hands it to the backend through
+    # model_runner.server_args, and every attention call of prefill and decode gets
+    # num_splits=1 (0: the provider chooses).
+    import xpu_ops
+    calls, real = [], xpu_ops.flash_attn_with_kvcache
+    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
+                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+    hf, model = models
+    engine = Engine(model, page_size=4, max_running=3, max_context_len=64,
+                    enable_deterministic_inference=deterministic)
+    assert engine.model_runner.server_args.enable_deterministic_inference is deterministic
+    assert (engine.attn_backend.num_splits, engine.attn_backend.num_kv_splits) == (
+        (1, 1) if deterministic else (0, -1))
+    prompts = [prompt(n, 30 + n) for n in (9, 4)]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert outs == [greedy_ref(hf, p, 4) for p in prompts]
+    layers = model.config.num_hidden_layers
+    assert calls == [1 if deterministic else 0] * (layers * engine.stats.steps)
+
+
+def test_deterministic_inference_must_be_a_bool(models):
+    with pytest.raises(TypeError, match="enable_deterministic_inference has type int"):
+        Engine(models[1], enable_deterministic_inference=1)
+
+
+def test_deterministic_inference_same_request_alone_and_batched(models):
+    # What deterministic inference promises here: attention is batch invariant (the backend's
+    # own tests check its bits); the model's CPU matmuls are not (their rows may round
+    # differently at another batch size), so end to end the same request keeps its greedy
+    # ids alone and beside longer requests at batch sizes 2 and 4, and its logits agree to
+    # float32 rounding.
+    hf, model = models
+    target = prompt(11, 50)
+    others = [prompt(n, 51 + n) for n in (30, 3, 45)]
+    seen = {}
+
+    def run(prompts):
+        engine = Engine(model, page_size=4, max_running=4, max_context_len=128,
+                        enable_deterministic_inference=True)
+        forward, steps = engine.forward, []
+
+        def recording(ids, pos, fb):
+            logits = forward(ids, pos, fb)
+            rids = [r.rid for r in engine.last_batch_reqs]
+            if fb.forward_mode == ForwardMode.DECODE and 0 in rids:
+                steps.append(logits[rids.index(0)].clone())
+            return logits
+        engine.forward = recording
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=5))[0]
+        return out, steps
+
+    seen[1] = run([target])
+    for k in (2, 4):
+        seen[k] = run([target] + others[:k - 1])
+        assert seen[k][0] == seen[1][0] == greedy_ref(hf, target, 5)
+        for a, b in zip(seen[1][1], seen[k][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -276,3 +276,12 @@ def test_cli_dcp_refusal_is_a_one_line_error(dcp, capsys):
         assert "argument --dcp: DCPAttentionBackend: the KV pool is a HybridSWAKVPool" in err
     else:
         assert raised.value is refusal and err == ""
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dcp_backend_reads_deterministic_inference(deterministic):
+    two = ParallelConfig(dcp=ParallelGroup(0, 2, group=object()))   # no collective runs
+    engine = Engine(tiny_model(LAYERS), page_size=2, max_total_tokens=64, parallel=two,
+                    enable_deterministic_inference=deterministic)
+    assert type(engine.attn_backend).__name__ == "DCPAttentionBackend"
+    assert engine.attn_backend.num_splits == (1 if deterministic else 0)

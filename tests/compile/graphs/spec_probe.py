@@ -168,9 +168,11 @@ def decode_batch(h: Harness, probe: AttentionProbe, b: int) -> Step:
 
 
 def verify_batch(h: Harness, probe: AttentionProbe, b: int, d: int, *, tree: bool = True,
-                 flat: bool = False) -> Step:
+                 flat: bool = False, draft_token_num: int = 0) -> Step:
     """A TARGET_VERIFY batch of ``d`` drafts per request: random trees (topk 2; ``flat``: in
-    sglang's flattened mask layout) or, ``tree`` False, a chain (topk 1, causal)."""
+    sglang's flattened mask layout) or, ``tree`` False, a chain (topk 1, causal).
+    ``draft_token_num`` > 0 (a chain): the spec input's ``draft_token_num``, with the width
+    ``d`` in ``num_tokens_per_req`` (sglang 0.5.23's per-request verify width)."""
     reqs, prefixes = _requests(h, probe, b)
     loc = torch.cat([h.alloc_slots(r, p, d) for r, p in zip(reqs, prefixes)])
     if tree:
@@ -178,7 +180,8 @@ def verify_batch(h: Harness, probe: AttentionProbe, b: int, d: int, *, tree: boo
         mask = (flatten_sglang(trees, prefixes) if flat else torch.stack(trees)).to(h.device)
     else:
         trees, mask = [torch.ones(d, d, dtype=torch.bool).tril()] * b, None
-    spec = SpecInfo(topk=2 if tree else 1, draft_token_num=d, custom_mask=mask)
+    spec = SpecInfo(topk=2 if tree else 1, draft_token_num=draft_token_num or d,
+                    custom_mask=mask, num_tokens_per_req=d if draft_token_num else -1)
     fb = _batch(h, ForwardMode.TARGET_VERIFY, reqs, [d] * b, loc, prefixes, spec)
     ids = _ids(h, b * d)
     pos = torch.cat([p + torch.arange(d) for p in prefixes])

@@ -1,8 +1,10 @@
 """Speculative and cascade steps inside whole-step graphs, against the float64 oracle, replayed
 and eager: tree target verify (topk > 1, the cascade), tree draft decode, draft extend, the
 multi-step draft backend's rounds, and inside them sliding-window and chunked-local layers (in
-trees: merged rows per draft or branch), MLA (its decode workspace, the cascade), sinks and
-softcap.
+trees: merged rows per draft or branch), MLA (its decode workspace, the cascade,
+``flash_mla_prefill`` steps), sinks and softcap; a chain verify whose width is
+``num_tokens_per_req``, a non-causal layer, and deterministic inference's batch invariance
+across buckets.
 
 Every step is a fresh random batch of a changing size (``tests/compile/graphs/spec_probe.py``),
 so buckets warm up, capture and replay while the step buffers are refilled in place; the
@@ -176,6 +178,92 @@ def mla_tree(kind, device=CPU):
     run_schedule(h, probe, runner, lambda b: draft_batch(h, probe, b, topk, steps, step))
 
 
+def verify_width(page_size, device=CPU):
+    """A chain target verify ``num_tokens_per_req`` = 3 wide while the spec input's
+    ``draft_token_num`` is 5 (sglang 0.5.23: the width is per request): the runner captures it
+    at its own ``draft_token_num`` 3, beside a sliding-window layer."""
+    d = 3
+    h = _harness(page_size, 395 + page_size, device, num_layers=2, topk=1, draft_tokens=5,
+                 window=4)
+    probe = AttentionProbe(h, [h.layer(0), h.layer(1, sliding_window_size=4)], sinks=_sinks(h))
+    runner = _runner(h, probe, draft_token_num=d)
+    run_schedule(h, probe, runner,
+                 lambda b: verify_batch(h, probe, b, d, tree=False, draft_token_num=5))
+    wider = verify_batch(h, probe, 2, d + 1, tree=False, draft_token_num=5).fb
+    assert not runner.can_run(wider)          # another width: not this runner's graphs
+
+
+def mla_chain(page_size, device=CPU):
+    """Absorbed MLA steps that go through ``flash_mla_prefill`` inside graphs: a chain target
+    verify (topk 1) and a draft extend, D = 3 causal queries per request."""
+    d, calls, real = 3, [], xpu_ops.flash_mla_prefill
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    h = _mla_harness(page_size, 375 + page_size, device, topk=1, draft_tokens=d)
+    probe = AttentionProbe(h, [h.layer(0)])
+    runner = _runner(h, probe, draft_token_num=d)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(xpu_ops, "flash_mla_prefill", spy)
+        run_schedule(h, probe, runner, lambda b: verify_batch(h, probe, b, d, tree=False))
+        run_schedule(h, probe, runner, lambda b: draft_extend_batch(h, probe, b, d))
+    assert calls
+    assert {x.forward_mode for x in runner.graph.entries} == {
+        ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
+
+
+def non_causal_steps(page_size, device=CPU):
+    """A non-causal layer (``attn_type`` DECODER_BIDIRECTIONAL) in captured chain verify and
+    draft extend steps: every query row sees all of its request's new tokens."""
+    d = 4
+    h = _harness(page_size, 385 + page_size, device, topk=1, draft_tokens=d)
+    probe = AttentionProbe(h, [h.layer(0, attn_type="decoder_bidirectional")])
+    runner = _runner(h, probe, draft_token_num=d)
+
+    def all_new_tokens(step):
+        step.seen = [step.ids[r * d:(r + 1) * d] for r in step.row_request]
+        return step
+    run_schedule(h, probe, runner,
+                 lambda b: all_new_tokens(verify_batch(h, probe, b, d, tree=False)))
+    run_schedule(h, probe, runner, lambda b: all_new_tokens(draft_extend_batch(h, probe, b, d)))
+
+
+def deterministic_replays(page_size, mla=False, device=CPU):
+    """Deterministic inference inside graphs: every replayed call passes ``num_splits=1``
+    (MLA: ``num_kv_splits=1``), and request 0's replayed decode output has the same bits in
+    buckets 1, 2 and 4 beside longer requests (its padded rows and partners change)."""
+    make = _mla_harness if mla else _harness
+    h = make(page_size, 398 + page_size, device, context_len=1024)
+    h.runner.server_args.enable_deterministic_inference = True
+    h.backend = type(h.backend)(h.runner)
+    probe = AttentionProbe(h, [h.layer(0)])
+    runner = _runner(h, probe)
+    name, key = ("flash_mla_decode", "num_kv_splits") if mla else (
+        "flash_attn_with_kvcache", "num_splits")
+    real, splits = getattr(xpu_ops, name), []
+
+    def spy(*a, **k):
+        splits.append(k[key])
+        return real(*a, **k)
+    lens = [40, 700, 3, 900]
+    reqs = [h.add_request(n) for n in lens]
+    q_ids = torch.randint(0, 512, (4,), generator=h.gen)
+    outs = []
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(xpu_ops, name, spy)
+        for rows in ([0], [0, 1], [0, 1, 2, 3]) * 3:   # warm-up, capture, replay per bucket
+            fb = h.batch(ForwardMode.DECODE, [reqs[i] for i in rows], [1] * len(rows),
+                         torch.zeros(len(rows), dtype=torch.int64, device=h.device),
+                         [lens[i] for i in rows])
+            fb.token_to_kv_pool, fb.req_to_token_pool = h.pool, h.req_pool
+            ids = q_ids[torch.tensor(rows)].to(h.device)
+            pos = torch.tensor([lens[i] - 1 for i in rows], device=h.device)
+            outs.append(runner(ids, pos, fb)[0].cpu())
+    assert (runner.captures, runner.replays) == (3, 3) and set(splits) == {1}
+    assert all(torch.equal(o, outs[0]) for o in outs), "a bucket changed request 0's output"
+
+
 def tiny_llama_draft_extend(device=CPU):
     """DRAFT_EXTEND_V2 steps of the tiny Llama: its LM head picks each request's last token
     from the step buffers' ``extend_seq_lens`` inside the graph; the runner returns one row
@@ -298,6 +386,26 @@ def test_mla_tree_in_graphs_equals_oracle(kind):
     mla_tree(kind)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_verify_width_from_num_tokens_per_req_in_graphs_equals_oracle(page_size):
+    verify_width(page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_chain_verify_and_draft_extend_in_graphs_equal_oracle(page_size):
+    mla_chain(page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_non_causal_layer_in_graphs_equals_oracle(page_size):
+    non_causal_steps(page_size)
+
+
+@pytest.mark.parametrize("page_size,mla", [(1, False), (16, False), (16, True)])
+def test_deterministic_inference_in_graphs_is_batch_invariant(page_size, mla):
+    deterministic_replays(page_size, mla)
+
+
 def test_multi_step_sglang_hooks_and_bad_arguments():
     """sglang's runner calls reach every step backend: each binds its own metadata at capture
     (its branch sees ``step + 1`` drafts) and refills it in place at replay."""
@@ -359,6 +467,21 @@ class TestDeviceGraphs:
 
     def test_mla_tree_verify(self):
         mla_tree("verify", dev.as_device())
+
+    def test_verify_width(self):
+        verify_width(16, dev.as_device())
+
+    def test_mla_chain(self):
+        mla_chain(64, dev.as_device())
+
+    def test_non_causal_layer(self):
+        non_causal_steps(16, dev.as_device())
+
+    def test_deterministic_replays(self):
+        deterministic_replays(16, device=dev.as_device())
+
+    def test_deterministic_replays_mla(self):
+        deterministic_replays(64, mla=True, device=dev.as_device())
 
     def test_serving_path_tree_verify(self):
         torch._dynamo.reset()
