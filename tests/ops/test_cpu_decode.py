@@ -216,10 +216,10 @@ def test_sdpa_ignores_garbage_page_ids_past_each_requests_last_page(case, mask, 
     assert_matches_oracle(args[6], want, torch.float32)
 
 
-def test_sdpa_plan_follows_values_rewritten_in_place(monkeypatch):
-    """The plan kept from the previous call is reused only while the page table and lengths
-    hold equal values: the same buffers rewritten in place (as a graph runner or engine does
-    between steps), or the same values over a cache of another page count, get a new plan."""
+def test_sdpa_follows_values_rewritten_in_place(monkeypatch):
+    """Consecutive calls on the same page-table and length buffers rewritten in place (as a
+    graph runner or engine does between steps), and the same values over a cache of another
+    page count, each read what their values say (nothing of an earlier call is reused)."""
     gen = torch.Generator().manual_seed(4)
     (k, v), table, lens = xt.paged_kv_cache(gen, [20, 9, 31], 4, [(2, 8), (2, 8)],
                                             dtype=torch.float32, device="cpu")
@@ -238,7 +238,7 @@ def test_sdpa_plan_follows_values_rewritten_in_place(monkeypatch):
         assert_matches_oracle(out, want, torch.float32)
 
     check(k, v)
-    check(k, v)                                   # the kept plan
+    check(k, v)
     lens.sub_(torch.tensor([3, 0, 12], dtype=I32))  # shorter: keys 17-19, 19-30 now hidden
     check(k, v)
     table[[0, 1]] = table[[1, 0]].clone()         # rows swapped: request 0 reads 1's pages
@@ -247,3 +247,22 @@ def test_sdpa_plan_follows_values_rewritten_in_place(monkeypatch):
     extra = torch.full((4, 4, 2, 8), float("nan"))  # more pages, same values of table/lens
     check(torch.cat([k, extra]), torch.cat([v, extra]))
     assert served == [True] * 5
+
+
+def test_sdpa_window_never_reads_keys_left_of_the_window(monkeypatch):
+    """With a window, the keys left of it may hold anything (a sliding-window pool frees their
+    pages): NaN there never reaches ``out``, whose hidden keys read the request's last key."""
+    args, kwargs = _decode_call(CASES[2], MASKS[1], torch.float32, seed=8)
+    kwargs["return_softmax_lse"] = False
+    want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)  # before the poison (it reads it)
+    k_cache, v_cache, lens, table = args[1], args[2], args[3], args[4]
+    page = k_cache.shape[1]
+    for r, n in enumerate(lens.tolist()):
+        for j in range(max(0, n - 1 - 3)):                  # left of window_left = 3
+            for cache in (k_cache, v_cache):
+                cache[table[r, j // page], j % page] = float("nan")
+    served = _sdpa_served(monkeypatch)
+    with xpu_ops.use_provider("reference"):
+        torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    assert served == [True]
+    assert_matches_oracle(args[6], want, torch.float32)

@@ -4,7 +4,7 @@ A decode step (one query row per request) spends most of the general reference p
 op count and copies, not arithmetic: at SmolLM2-135M shapes it issues ~70 small ops per call.
 Here the same semantics take few ops and few passes over the keys and values. A call that does
 not ask for the LSE (the usual decode layer) gathers each request's key slots (one
-``index_select`` per cache, rows planned once per step: ``_plan``) and runs torch SDPA once, the
+``index_select`` per cache of the rows ``_plan`` picks) and runs torch SDPA once, the
 query heads of a KV head as its query rows (``_sdpa``);
 one that does, or has sinks or a softcap, gathers ``(slot, head)`` rows heads first, computes
 the scores of the query heads that share a KV head in one batched matmul, a masked softmax
@@ -103,13 +103,6 @@ def _gather_heads_first(cache: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     return out.copy_(picked.permute(2, 0, 1, 3))
 
 
-# The plan of the last SDPA call, ``(key, page_table copy, cache_seqlens copy, plan)``. A decode
-# step calls the op once per layer with the same page table and lengths, so every layer after
-# the first reuses the first one's gather rows and mask once two ``torch.equal`` on those few
-# integers confirm the values (never identity: a buffer rewritten in place gets a new plan).
-_LAST_PLAN: Optional[tuple] = None
-
-
 def _plan(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: int,
           window_left: int) -> Optional[tuple[Tensor, Tensor]]:
     """``(rows [b * L] int64, visible [b, 1, 1, L] bool)`` of the ``L = P * page_size`` keys of
@@ -117,42 +110,32 @@ def _plan(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: 
     has an id outside ``[0, num_pages)`` (the explicit path then hides it).
 
     ``rows`` is the cache slot (``page * page_size + offset``) each key is read from; a hidden
-    key (at or past ``min(cache_seqlens, capacity)``, or left of the window) reads its request's
-    last key instead, which always exists, so every row read holds a key the request owns (no
-    NaN to zero) and page-table entries past a request's last page are never read. ``visible``
-    is SDPA's boolean mask. Kept for the next call with equal values (``_LAST_PLAN``).
+    key (at or past ``min(cache_seqlens, capacity)``, or left of the window) reads a key of its
+    request that is visible instead (key 0 without a window, else the last key), so every row
+    read holds a key (no NaN to zero) and page-table entries past a request's last page are
+    never read. A slot is in ``[0, num_pages * page_size)`` exactly when its page id is in
+    range, so one ``aminmax`` of the rows checks the pages that hold keys. ``visible`` is
+    SDPA's boolean mask. Seven small ops without a window, built on every call.
     """
-    global _LAST_PLAN
-    key = (page_table.shape, page_table.dtype, cache_seqlens.dtype, num_pages, page_size,
-           window_left)
-    last = _LAST_PLAN
-    if (last is not None and last[0] == key and torch.equal(last[1], page_table)
-            and torch.equal(last[2], cache_seqlens)):
-        return last[3]
-    plan = _build_plan(page_table, cache_seqlens, num_pages, page_size, window_left)
-    _LAST_PLAN = (key, page_table.clone(), cache_seqlens.clone(), plan)
-    return plan
-
-
-def _build_plan(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: int,
-                window_left: int) -> Optional[tuple[Tensor, Tensor]]:
-    """``_plan``'s value, computed."""
     b, max_pages = page_table.shape
     capacity = max_pages * page_size
-    k_lens = cache_seqlens.long().clamp(max=capacity)[:, None]               # [b, 1]
-    if int(k_lens.min()) <= 0:
+    if int(cache_seqlens.min()) <= 0:
         return None
-    raw = page_table.long()
-    used = (torch.arange(max_pages) * page_size)[None, :] < k_lens           # [b, P]
-    if bool((used & ((raw < 0) | (raw >= num_pages))).any()):
+    positions = torch.arange(capacity)
+    slots = torch.add(positions[:page_size], page_table.long()[:, :, None], alpha=page_size)
+    slots = slots.view(b, capacity)                                           # [b, L]
+    visible = positions < cache_seqlens[:, None]                              # [b, L]
+    if window_left < 0:
+        filler = slots[:, :1]
+    else:  # a decode row's own key (j = Lk - 1) stays inside the window
+        last = cache_seqlens.long().clamp(max=capacity)[:, None] - 1
+        visible &= positions >= last - window_left
+        filler = slots.gather(1, last)
+    rows = torch.where(visible, slots, filler).view(-1)
+    low, high = torch.aminmax(rows)
+    if int(low) < 0 or int(high) >= num_pages * page_size:
         return None
-    slots = (raw[:, :, None] * page_size + torch.arange(page_size)).view(b, capacity)
-    positions = torch.arange(capacity)[None, :]
-    hidden = positions >= k_lens                                              # [b, L]
-    if window_left >= 0:  # a decode row's own key (j = Lk - 1) stays inside the window
-        hidden |= positions < k_lens - 1 - window_left
-    rows = torch.where(hidden, slots.gather(1, k_lens - 1), slots).view(-1)
-    return rows, (~hidden).view(b, 1, 1, capacity)
+    return rows, visible.view(b, 1, 1, capacity)
 
 
 def _gather_rows(cache: Tensor, rows: Tensor, page_size: int) -> Tensor:
@@ -172,7 +155,7 @@ def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     False, nothing written).
 
     The keys are gathered slot by slot (``_plan``'s rows, one gather per cache, ``[b, L, Hkv,
-    D]``; hidden keys read the request's last key, so nothing needs zeroing) and masked; the
+    D]``; hidden keys read a visible key of the request, so nothing needs zeroing) and masked; the
     ``G`` query heads of a KV head are ``G`` query rows against that head's keys (``[b, Hkv,
     G, D]``), so no head is repeated.
     """
