@@ -524,6 +524,11 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     deep = tuple((f"page_tiles {c[2]} warps {c[3]} stages",
                   {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
                  for c in ((16, 64, 2, 6), (16, 64, 4, 6), (16, 64, 4, 4)))
+    # 16-key pages: page_tiles with 32-key tiles (two pages per tile; the default config keeps
+    # 64-key tiles and per-key page ids there). Compiled for sm_90: 80 registers, no spill.
+    two_pages = tuple((f"page_tiles 32-key tiles {c[2]} warps {c[3]} stages",
+                       {"config": pa.with_paths(pa._Config(*c), frozenset({"page_tiles"}))})
+                      for c in ((16, 32, 4, 4), (16, 32, 2, 6), (16, 32, 4, 6)))
     vd = tuple(x for x in variants if x in DECODE_VARIANTS)
     decode = dict(kind="bw", causal=False, variants=vd)
     prefill = dict(kind="flops", causal=True, page=64,
@@ -533,7 +538,7 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64x4096 page 1", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=1, peers=("sdpa", "flashinfer"), **decode),
         dict(name="decode 64x4096 page 16", target=">= 0.92 copy", k_lens=b64, q_lens=one,
-             page=16, sweep=splits((1, 2, 4, 8)), **decode),
+             page=16, sweep=two_pages + splits((1, 2, 4, 8)), **decode),
         dict(name="decode 64x4096 page 64", target=">= 0.92 copy", k_lens=b64, q_lens=one,
              page=64, sweep=(deep + chunks if quick
                              else splits((1, 2, 4, 8)) + cfgs(DECODE_CFGS) + deep + chunks),
@@ -597,14 +602,16 @@ def late_variants(spec: dict, row: Row) -> None:
     torch.cuda.empty_cache()
 
 
-def write_results(rows, copy_tbs, mm_tflops, out: str) -> None:
-    """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed."""
+def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True) -> None:
+    """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed
+    when ``echo``."""
     gpu = torch.cuda.get_device_name()
     header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
               f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
               f"Hkv={HKV}, D={D} unless stated.")
     md = table(rows, copy_tbs, mm_tflops, header)
-    print(md, flush=True)
+    if echo:
+        print(md, flush=True)
     with open(os.path.join(out, "attention.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(out, "attention.json"), "w") as f:
@@ -632,9 +639,11 @@ def main():
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
              if not only or any(x in spec["name"] for x in only)]
-    rows = [run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
-                                                      if v not in LATE_VARIANTS)))
-            for spec in specs]
+    rows = []
+    for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
+        rows.append(run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
+                                                              if v not in LATE_VARIANTS))))
+        write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
     mla = "MLA decode H128 R512 r64 64x4096"
     if not only or any(x in mla for x in only):
         rows.append(run_mla(mla, ">= 0.50 matmul",

@@ -269,6 +269,8 @@ def main(argv=None, prog=None):
     if bandwidth:
         print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = [decode_row(model, b, args, bandwidth) for b in args.batches]
+    if rows and not args.compile_only:  # the decode table on disk before the slower parts
+        write_results(args, rows, None, bandwidth)
     steps = step_rows(model, args) if args.batches and args.step_modes else []
     compile_s = None
     if args.compile_layers:

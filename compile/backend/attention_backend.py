@@ -44,7 +44,8 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         model_runner: sglang ``ModelRunner`` or ``compile.engine.model_runner.ModelRunnerInfo``
             (duck-typed: ``model_config``, ``tp_size``, ``device``, ``page_size``,
             ``req_to_token_pool``, ``token_to_kv_pool``, ``kv_cache_dtype``, ``server_args``,
-            ``sliding_window_size``, ``attention_chunk_size``, ``is_hybrid_swa``).
+            ``sliding_window_size``, ``attention_chunk_size``, ``is_hybrid_swa``;
+            ``model_config.is_encoder_decoder`` when present).
             ``server_args.enable_deterministic_inference`` pins ``num_splits=1`` (and MLA's
             ``num_kv_splits=1``) in every call, as sglang 0.5.23.
         skip_prefill: accepted for sglang compatibility (draft-decode backends).
@@ -68,6 +69,8 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         self.use_mla = (isinstance(mr.token_to_kv_pool, MLATokenToKVPool) if use_mla is None
                         else bool(use_mla))
         self.model_config = mr.model_config
+        # sglang's flag; sizes the encoder graph buffers (cross attention, decoder slot table)
+        self.is_encoder_decoder = bool(getattr(mr.model_config, "is_encoder_decoder", False))
         self.max_context_len = int(getattr(mr.model_config, "context_len", 0)
                                    or self.req_to_token.shape[1])
         self.num_heads = int(getattr(mr.model_config, "num_attention_heads", 0)) // max(

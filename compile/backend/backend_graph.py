@@ -17,7 +17,9 @@ buffers hold those. Supported: DECODE (plain, and draft steps with any topk: the
 expand tables are sized for the bucket's maximum), TARGET_VERIFY (chain and tree, the merged
 per-draft SWA tables included), draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft input,
 as many tokens per request in every request) and IDLE; other modes raise
-``NotImplementedError``.
+``NotImplementedError``. Encoder-decoder models (``model_config.is_encoder_decoder``) capture
+their DECODE steps too, with any encoder lengths: cross attention over the encoder columns,
+the decoder's self attention through a token-slot table (sglang 0.5.23 runs them eagerly only).
 
 sglang's own graph runners call ``init_cuda_graph_state(max_bs, max_num_tokens)`` and
 ``init_forward_metadata_out_graph(fb, in_capture)``: thin wrappers over the same two steps
@@ -52,7 +54,9 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
 
     Page tables are as wide as ``context_len`` (in pages); the SWA table and translated write
     slots exist only for hybrid SWA pools, the local-attention tables only with an
-    ``attention_chunk_size``, the MLA workspace only for MLA. The cascade's expand tables hold
+    ``attention_chunk_size``, the MLA workspace only for MLA, the encoder call only for
+    encoder-decoder models (whose ``main`` table is then a token-slot table, ``context_len``
+    wide: decoder tokens start at any column). The cascade's expand tables hold
     one row per query token (a tree's draft or branch), as wide as a request's tokens; the
     merged rows of trees one row per query token, as wide as ``context_len`` plus a request's
     tokens (sliding-window models) or as the chunk (chunked-local models).
@@ -60,9 +64,14 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
     q_per_req = max(1, backend.speculative_num_draft_tokens, -(-max_num_tokens // max_bs))
+    # encoder-decoder: the decoder's self attention reads a token-slot table in graphs
+    main_width = backend.max_context_len if backend.is_encoder_decoder else max_pages
     buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
            "main.cache_seqlens": torch.zeros(max_bs, **i32),
-           "main.page_table": torch.zeros(max_bs, max_pages, **i32)}
+           "main.page_table": torch.zeros(max_bs, main_width, **i32)}
+    if backend.is_encoder_decoder:   # cross attention (its cu_seqlens_q is main's)
+        buf["encoder.cache_seqlens"] = torch.zeros(max_bs, **i32)
+        buf["encoder.page_table"] = torch.zeros(max_bs, max_pages, **i32)
     buf.update(_slot_call_buffers("expand", max_num_tokens, q_per_req, dev))
     if backend.sliding_window_size is not None or backend.is_hybrid_swa:
         buf.update(_slot_call_buffers("swa_spec", max_num_tokens,
@@ -175,7 +184,7 @@ class GraphMetadataMixin:
         step backends of one ``XPUMultiStepDraftBackend``)."""
         facts = ("device", "page_size", "max_context_len", "attention_chunk_size",
                  "sliding_window_size", "is_hybrid_swa", "use_mla", "num_heads",
-                 "speculative_num_draft_tokens")
+                 "speculative_num_draft_tokens", "is_encoder_decoder")
         return other is self or (
             isinstance(other, GraphMetadataMixin)
             and other.token_to_kv_pool is self.token_to_kv_pool

@@ -54,11 +54,16 @@ class MetadataBuilderMixin:
                 mode.is_decode() or mode.is_extend(include_draft_extend_v2=True)):
             raise NotImplementedError(f"XPUAttentionBackend: encoder-decoder batches in mode "
                                       f"{mode.name} are not supported.")
-        if graph and self._decoder_unaligned(fb):
+        if graph and fb.encoder_lens is not None and not self.is_encoder_decoder:
             raise NotImplementedError(
-                f"XPUAttentionBackend: encoder lengths {fb.encoder_lens_cpu} that are not "
-                f"multiples of page_size {self.page_size} need a token-slot table, which graph "
-                f"buffers do not hold; run these steps eagerly.")
+                "XPUAttentionBackend: a captured encoder-decoder step needs the encoder graph "
+                "buffers, which only a backend built for an encoder-decoder model holds; "
+                "expected model_runner.model_config.is_encoder_decoder True, got False.")
+        if graph and fb.encoder_lens is not None and (self.is_hybrid_swa
+                                                      or self.attention_chunk_size):
+            raise NotImplementedError(
+                "XPUAttentionBackend: captured encoder-decoder steps with sliding-window pools "
+                "or chunked-local layers are not supported; run them eagerly.")
         plain = False  # main's lengths are the batch's own (host copies in fb)
         if mode.is_idle():
             meta = self._idle_metadata()
@@ -67,7 +72,7 @@ class MetadataBuilderMixin:
         elif mode.is_decode() and fb.spec_info is not None:
             meta = self._draft_decode_metadata(fb)
         else:
-            meta, plain = self._decode_or_extend_metadata(fb), True
+            meta, plain = self._decode_or_extend_metadata(fb, graph), True
         self._add_layer_variants(fb, meta, graph, plain)
         return meta
 
@@ -80,8 +85,12 @@ class MetadataBuilderMixin:
         return AttentionMetadata(main=main, write=KVWriteLoc(
             loc=torch.zeros(0, dtype=torch.int64, device=self.device)))
 
-    def _decode_or_extend_metadata(self, fb: ForwardBatch) -> AttentionMetadata:
-        """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND_V2 (``extend_seq_lens``)."""
+    def _decode_or_extend_metadata(self, fb: ForwardBatch, graph: bool = False
+                                   ) -> AttentionMetadata:
+        """DECODE (1 query/request) or EXTEND/MIXED/DRAFT_EXTEND_V2 (``extend_seq_lens``).
+        Encoder-decoder batches read the decoder tokens through a token-slot table when an
+        encoder length is not a page multiple, and always in graphs (``graph``: one table
+        form for every step a graph replays, whatever its encoder lengths)."""
         b = fb.batch_size
         if fb.forward_mode.is_decode():
             cu_q, max_q = uniform_cu_seqlens(b, 1, self.device), 1
@@ -90,7 +99,7 @@ class MetadataBuilderMixin:
             max_q = max(fb.extend_seq_lens_cpu) if b else 0
         max_k = int(fb.seq_lens_cpu.max()) if b else 0
         rows = fb.req_pool_indices
-        if self._decoder_unaligned(fb):
+        if self._decoder_unaligned(fb) or (graph and fb.encoder_lens is not None):
             main = slot_metadata(self.req_to_token, rows, cu_q, fb.seq_lens, max_q, max_k,
                                  col_offset=fb.encoder_lens)
         else:

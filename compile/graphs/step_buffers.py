@@ -14,7 +14,8 @@ step (``load``):
    with ``seq_lens`` = the backend's fill value (1) and KV slot 0 (the reserved padding slot).
    Steps of several tokens per request (verify, draft extend) have the same count in every
    request, padded ones included (a draft extend's ``extend_seq_lens`` are a fixed buffer:
-   the model's LM head reads them inside the graph); a tree mask is padded to the bucket
+   the model's LM head reads them inside the graph); encoder-decoder steps carry their
+   ``encoder_lens`` (0 for padded requests); a tree mask is padded to the bucket
    (``graph_spec_info``: a padded request's drafts see only themselves).
 2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
 3. Build the step's metadata once, on the host, straight into the metadata buffers (the
@@ -96,6 +97,7 @@ class StepBuffers:
         out_cache_loc: [max_num_tokens] int64.
         req_pool_indices: [max_bs] int64. seq_lens: [max_bs] int32 (``seq_lens_cpu`` its host
             twin).
+        encoder_lens: [max_bs] int32 (encoder-decoder steps; padded requests 0).
         metadata: ``AttentionMetadata.tensors()`` name -> buffer.
         bound: ``BatchDescriptor`` -> the ``AttentionMetadata`` bound to ``metadata``.
     """
@@ -112,6 +114,7 @@ class StepBuffers:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
         self.seq_lens_cpu = torch.zeros(max_bs, dtype=torch.int32)
         self.extend_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
+        self.encoder_lens = torch.zeros(max_bs, dtype=torch.int32, device=backend.device)
         self.metadata = backend.graph_metadata_buffers(max_bs, max_num_tokens)
         self.bound: dict[BatchDescriptor, Any] = {}
         self._batches: dict[BatchDescriptor, ForwardBatch] = {}
@@ -135,6 +138,12 @@ class StepBuffers:
             buf[:values.shape[0]].copy_(values)
             buf[values.shape[0]:size].fill_(pad)
         static = self._batch(desc, fb, pos, tokens_per_req, slots_per_req)
+        if fb.encoder_lens is not None:  # encoder-decoder: padded requests have no encoder
+            b = fb.encoder_lens.shape[0]
+            self.encoder_lens[:b].copy_(fb.encoder_lens)
+            self.encoder_lens[b:bs].zero_()
+            static.encoder_lens = self.encoder_lens[:bs]
+            static.encoder_lens_cpu = list(fb.encoder_lens_cpu) + [0] * (bs - b)
         if static.extend_seq_lens is not None:
             self.extend_seq_lens[:bs].fill_(tokens_per_req)
         static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())

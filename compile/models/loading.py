@@ -11,10 +11,11 @@ import torch
 from compile.models import deepseek_v2, gemma3, llama4
 from compile.models.config import ModelConfig, check_model_type
 from compile.models.llama import LlamaForCausalLM
-from compile.models.weights import copy_from_hf
+from compile.models.weights import column_major_weights, copy_from_hf
 
 
-def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch.nn.Module:
+def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
+            cpu_column_major: bool = True) -> torch.nn.Module:
     """Zoo model holding a copy of ``hf_model``'s weights.
 
     Args:
@@ -25,6 +26,10 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
             ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
             ``compile.models.gemma3``).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
+        cpu_column_major: on the CPU, a ``LlamaForCausalLM`` (every type but the three above)
+            stores its linear weights and tied embedding column-major
+            (``compile.models.weights.column_major_weights``: same values, faster small-batch
+            matmuls); False keeps them row-major.
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
     Raises:
@@ -41,8 +46,11 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> torch
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
     if model_type in ("gemma3_text", "gemma3"):
         return gemma3.from_hf(hf_model, dtype=dtype, device=device)
-    return copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
-                        device)
+    model = copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
+                         device)
+    if cpu_column_major and next(model.parameters()).device.type == "cpu":
+        column_major_weights(model)
+    return model
 
 
 __all__ = ["from_hf"]

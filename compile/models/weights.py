@@ -57,6 +57,32 @@ def load_state(model: torch.nn.Module, fetch: Callable[[str], Tensor]) -> None:
             param.copy_(value)
 
 
+def column_major_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Store every ``nn.Linear`` weight of ``model`` column-major, in place, and a tied input
+    embedding that the LM head reads (``model.lm_head is None``) too; returns ``model``.
+
+    Shapes and values stay (``[out, in]``, the same numbers); only the strides change: the
+    transpose ``[in, out]`` is the contiguous matrix (strides ``(1, out)``), so ``F.linear(x,
+    w)`` hands the CPU BLAS ``x @ w.t()`` as a plain row-major product, which it runs faster
+    than the transposed one when ``x`` has few rows (a decode step; benchmarks/RESULTS.md,
+    session 9). Parameters keep their identity (``param.data`` is replaced). The embedding
+    lookup then reads each token's row with stride ``vocab`` (slower per token, a few tokens
+    per decode step). Any code that ``view``s a weight needs it contiguous: not for models
+    with such code (DeepSeek-V2's ``kv_b_proj``).
+    """
+    def column_major(param: torch.nn.Parameter) -> None:
+        if param.dim() == 2 and param.stride() != (1, param.shape[0]):
+            param.data = param.data.t().contiguous().t()
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                column_major(module.weight)
+        if getattr(model, "lm_head", False) is None:
+            column_major(model.model.embed_tokens.weight)
+    return model
+
+
 def _source(src: dict[str, Tensor], name: str) -> Tensor:
     """HF tensor(s) behind zoo parameter ``name`` (fused ones concatenated)."""
     for ours, theirs in _FUSED.items():
@@ -69,4 +95,4 @@ def _source(src: dict[str, Tensor], name: str) -> Tensor:
                    f"has e.g. {sorted(src)[:4]}.")
 
 
-__all__ = ["copy_from_hf", "load_state"]
+__all__ = ["copy_from_hf", "load_state", "column_major_weights"]

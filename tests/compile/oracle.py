@@ -308,10 +308,21 @@ class Harness:
         return torch.cat(outs)
 
 
+def random_tree(gen: torch.Generator, d: int) -> Tensor:
+    """A random draft tree as sglang's per-request mask ``[d, d]`` bool: draft ``i`` sees itself
+    and its ancestors, its parent drawn uniformly from the drafts before it (draft 0 the root)."""
+    mask = torch.eye(d, dtype=torch.bool)
+    for i in range(1, d):
+        parent = int(torch.randint(0, i, (1,), generator=gen))
+        mask[i] |= mask[parent]
+    return mask
+
+
 def assert_close(actual: Tensor, expected: Tensor, dtype=torch.float32) -> None:
     tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     assert not torch.isnan(actual).any(), "output has NaN (a wrong page or an unwritten row)"
     torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol)
 
 
-__all__ = ["attention_oracle", "Harness", "Req", "assert_close", "ForwardMode", "SpecInfo"]
+__all__ = ["attention_oracle", "Harness", "Req", "assert_close", "random_tree", "ForwardMode",
+           "SpecInfo"]

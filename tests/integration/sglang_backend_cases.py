@@ -112,6 +112,7 @@ class Harness:
             token_to_kv_pool=self.pool, kv_cache_dtype=torch.float32,
             kv_cache_dtype_str="auto", page_size=page_size, is_hybrid_swa=False,
             is_draft_worker=False)
+        self.runner = runner                          # for draft-step backends of the same pools
         self.backend = XPUAttentionBackend(runner)
         if mla:
             self.layer = RadixAttention(num_heads=MLA_HEADS, head_dim=MLA_R + MLA_ROPE,

@@ -10,9 +10,9 @@ cover: MIXED, DRAFT_EXTEND_V2, a target verify whose width is ``spec_info.num_to
 an ENCODER_ONLY (non-causal) layer, Gemma-3 image blocks (``bidirectional_block_ids`` over
 whole sequences, with a cached prefix), encoder-decoder self and cross attention with encoder
 lengths that are not page multiples, absorbed MLA (``flash_mla_prefill`` for extend and
-verify, ``flash_mla_decode``), deterministic inference (both pass ``num_splits=1``) and a tree
-target verify (topk 2: the cascade, sglang's flattened mask); plus extend and decode again,
-side by side.
+verify, ``flash_mla_decode``), deterministic inference (both pass ``num_splits=1``), a tree
+target verify (topk 2: the cascade, sglang's flattened mask) and a draft decode step of each
+side's ``XPUMultiStepDraftBackend`` (topk 1 and 2); plus extend and decode again, side by side.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class Twin:
             server_args=SimpleNamespace(speculative_eagle_topk=topk,
                                         speculative_num_draft_tokens=draft_tokens,
                                         enable_deterministic_inference=deterministic))
+        self.runner = runner
         self.backend = ours.XPUAttentionBackend(runner)
 
     def batch(self, sglang_batch, spec_info=None) -> ours_batch.ForwardBatch:
@@ -368,4 +369,50 @@ def test_target_verify_tree_topk2(page_size):
                                visible, scale=SCALE)
         rows.append(out)
         row += d
+    _assert_all(theirs, mine, torch.cat(rows))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_draft_decode_step(page_size, topk):
+    # Draft step 1 of a round of 3 (both sides' XPUMultiStepDraftBackend, its step-1 backend):
+    # topk 1 reads the chain's drafts from req_to_token after the prefix; topk 2 is the
+    # cascade, each branch over its own drafts in the round's (b, topk, steps) slots. The
+    # drafts are stored first (the worker's writes); the step only reads.
+    from sglang.srt.layers.attention.xpu_backend import XPUMultiStepDraftBackend
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    from compile.backend.multi_step_draft import XPUMultiStepDraftBackend as OurMultiStep
+    steps, step = 3, 1
+    publish_config(speculative_eagle_topk=topk, speculative_num_steps=steps,
+                   speculative_num_draft_tokens=topk * steps)
+    try:
+        h = Harness(page_size, seed=20 + topk)
+        theirs_backend = XPUMultiStepDraftBackend(h.runner, topk, steps).attn_backends[step]
+    finally:
+        publish_config()
+    assert theirs_backend.topk == topk
+    prefix = [11, 0, 26]
+    h.store_prefix([p + topk * steps for p in prefix])   # prefix, then the round's drafts
+    twin = Twin(h)
+    twin.backend = OurMultiStep(twin.runner, topk, steps).attn_backends[step]
+    loc = torch.stack([h.slots[i, p:p + topk * steps] for i, p in enumerate(prefix)])
+    seq_lens = torch.tensor(prefix)
+    batch = h.make_batch(ForwardMode.DECODE, seq_lens, loc.reshape(-1),
+                         spec_info=EagleDraftInput())
+    q = torch.randn(3 * topk, HQ, D, generator=h.gen)
+    theirs_backend.init_forward_metadata(batch)
+    theirs = theirs_backend.forward(q.view(-1, HQ * D), None, None, h.layer, batch,
+                                    save_kv_cache=False).view(-1, HQ, D)
+    mine = twin.forward(batch, q, None, None, spec_info=ours_batch.SpecInfo(topk=topk))
+    rows = []
+    for i, p in enumerate(prefix):
+        for j in range(topk):
+            # topk 1: the chain's drafts follow the prefix; topk 2: branch j's own drafts
+            seen = (torch.arange(p + step + 1) if topk == 1 else torch.cat(
+                [torch.arange(p), p + j * steps + torch.arange(step + 1)]))
+            out, _ = oracle.attend(q[i * topk + j:i * topk + j + 1], h.keys[i, seen],
+                                   h.values[i, seen], torch.ones(1, seen.numel(), dtype=torch.bool),
+                                   scale=SCALE)
+            rows.append(out)
     _assert_all(theirs, mine, torch.cat(rows))

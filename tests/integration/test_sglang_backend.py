@@ -29,8 +29,9 @@ CASES = [HERE / "sglang_backend_cases.py", HERE / "sglang_parity_cases.py"]
 # its interpreter; the provider fixture is autouse). sglang_parity_cases, reference provider
 # only: 10 cases (extend, mixed and draft extend v2, decode, verify width, encoder-only, Gemma-3
 # image blocks, encoder-decoder, deterministic inference, tree verify topk 2) x 2 page sizes,
-# and absorbed MLA in 3 modes x 2 page sizes.
-EXPECTED_PASSED = 2 * (4 * 2 + 1) + (10 * 2 + 3 * 2)
+# absorbed MLA in 3 modes x 2 page sizes, and a draft decode step at topk 1 and 2 x 2 page
+# sizes.
+EXPECTED_PASSED = 2 * (4 * 2 + 1) + (10 * 2 + 3 * 2 + 2 * 2)
 
 
 @pytest.mark.skipif(not (SGLANG_ENV / ".xpu-ops-installed").exists(),

@@ -120,6 +120,29 @@ def test_logits_match_transformers(variant, page_size):
     check_parity(hf, from_hf(hf), page_size, vocab=97, label=variant)
 
 
+@pytest.mark.parametrize("variant", ["llama_mqa_tied_llama3_rope", "qwen2_qkv_bias"])
+def test_cpu_models_store_linear_weights_column_major(variant):
+    """On the CPU ``from_hf`` stores every linear weight (and a tied embedding, which the LM
+    head reads) column-major with the same values; ``cpu_column_major=False`` keeps the
+    row-major copy. Logits parity of the column-major model: ``test_logits_match_transformers``."""
+    hf = make_hf(variant)
+    col, row = from_hf(hf), from_hf(hf, cpu_column_major=False)
+    linears = [(n, m.weight) for n, m in col.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) >= 4 * SMALL["num_hidden_layers"]
+    tied = col.lm_head is None
+    assert tied == (variant == "llama_mqa_tied_llama3_rope")
+    if tied:
+        linears.append(("model.embed_tokens", col.model.embed_tokens.weight))
+    rows = dict(row.named_parameters())
+    for name, w in linears:
+        assert w.stride() == (1, w.shape[0]), name
+        assert rows[name + ".weight"].is_contiguous(), name
+        assert torch.equal(w, rows[name + ".weight"]), name
+    ids = torch.tensor([3, 41, 7])
+    torch.testing.assert_close(col.model.embed_tokens(ids), row.model.embed_tokens(ids),
+                               atol=0, rtol=0)
+
+
 def test_config_reads_every_variant_option():
     cfg = ModelConfig.from_hf(make_hf("gemma2_softcap_sandwich").config)
     assert cfg.attn_logit_softcap == 4.0 and cfg.final_logit_softcap == 6.0

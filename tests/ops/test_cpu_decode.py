@@ -188,3 +188,81 @@ def test_calls_without_the_lse_run_sdpa_and_match_the_oracle(case, layout, monke
     want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert calls == [1] and lse.shape == (args[0].shape[1], 0)
     assert_matches_oracle(args[6], want, torch.float32)
+
+
+def _sdpa_served(monkeypatch) -> list:
+    """Record each ``_sdpa`` result (True: SDPA served the call)."""
+    results, sdpa = [], cpu_decode._sdpa
+    monkeypatch.setattr(cpu_decode, "_sdpa", lambda *a: results.append(sdpa(*a)) or results[-1])
+    return results
+
+
+@pytest.mark.parametrize("mask", [MASKS[0], MASKS[1]], ids=["causal", "window3"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["ps1", "ps16-mqa", "mha-odd"])
+def test_sdpa_ignores_garbage_page_ids_past_each_requests_last_page(case, mask, monkeypatch):
+    """Page-table entries past a request's last page (random ids, some out of range) are never
+    read: SDPA still serves the call (hidden keys read the request's last key), NaN past
+    ``cache_seqlens`` never leaks, ``out`` (NaN-poisoned) matches the float64 oracle."""
+    args, kwargs = _decode_call(case, mask, torch.float32, seed=21)
+    kwargs["return_softmax_lse"] = False
+    table, lens = args[4], args[3]
+    garbage = ((table < 0) | (table >= args[1].shape[0])).any()
+    assert garbage  # paged_kv_cache's spare column holds such ids (the case is meaningful)
+    served = _sdpa_served(monkeypatch)
+    with xpu_ops.use_provider("reference"):
+        torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert served == [True]
+    assert_matches_oracle(args[6], want, torch.float32)
+
+
+def test_sdpa_follows_values_rewritten_in_place(monkeypatch):
+    """Consecutive calls on the same page-table and length buffers rewritten in place (as a
+    graph runner or engine does between steps), and the same values over a cache of another
+    page count, each read what their values say (nothing of an earlier call is reused)."""
+    gen = torch.Generator().manual_seed(4)
+    (k, v), table, lens = xt.paged_kv_cache(gen, [20, 9, 31], 4, [(2, 8), (2, 8)],
+                                            dtype=torch.float32, device="cpu")
+    q = torch.randn(3, 4, 8, generator=gen)
+    served = _sdpa_served(monkeypatch)
+
+    def check(k_cache, v_cache):
+        out = torch.full((3, 4, 8), float("nan"))
+        args = [q, k_cache, v_cache, lens, table, torch.arange(4, dtype=I32), out, None, None,
+                None, None, None, None, None]
+        kwargs = dict(max_seqlen_q=1, softmax_scale=0.3, causal=True, window_size_left=-1,
+                      window_size_right=0, softcap=0.0, num_splits=0, return_softmax_lse=False)
+        with xpu_ops.use_provider("reference"):
+            torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+        want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
+        assert_matches_oracle(out, want, torch.float32)
+
+    check(k, v)
+    check(k, v)
+    lens.sub_(torch.tensor([3, 0, 12], dtype=I32))  # shorter: keys 17-19, 19-30 now hidden
+    check(k, v)
+    table[[0, 1]] = table[[1, 0]].clone()         # rows swapped: request 0 reads 1's pages
+    lens[[0, 1]] = lens[[1, 0]].clone()
+    check(k, v)
+    extra = torch.full((4, 4, 2, 8), float("nan"))  # more pages, same values of table/lens
+    check(torch.cat([k, extra]), torch.cat([v, extra]))
+    assert served == [True] * 5
+
+
+def test_sdpa_window_never_reads_keys_left_of_the_window(monkeypatch):
+    """With a window, the keys left of it may hold anything (a sliding-window pool frees their
+    pages): NaN there never reaches ``out``, whose hidden keys read the request's last key."""
+    args, kwargs = _decode_call(CASES[2], MASKS[1], torch.float32, seed=8)
+    kwargs["return_softmax_lse"] = False
+    want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)  # before the poison (it reads it)
+    k_cache, v_cache, lens, table = args[1], args[2], args[3], args[4]
+    page = k_cache.shape[1]
+    for r, n in enumerate(lens.tolist()):
+        for j in range(max(0, n - 1 - 3)):                  # left of window_left = 3
+            for cache in (k_cache, v_cache):
+                cache[table[r, j // page], j % page] = float("nan")
+    served = _sdpa_served(monkeypatch)
+    with xpu_ops.use_provider("reference"):
+        torch.ops.xpu_ops.flash_attn_with_kvcache(*args, **kwargs)
+    assert served == [True]
+    assert_matches_oracle(args[6], want, torch.float32)

@@ -193,6 +193,17 @@ def test_mla_prefill_128_heads():
     assert _rel(outs[1], outs[0]) < 1e-2
 
 
+def _captured(call) -> torch.cuda.CUDAGraph:
+    """``call`` run once (compiling its kernels outside the capture), then captured in a CUDA
+    graph, which is returned for the test to replay."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def test_decode_cuda_graph_capture_and_replay():
     """The launch (split-KV included) captures in a device graph; replay sees new values."""
     if DEVICE != "cuda":
@@ -201,11 +212,7 @@ def test_decode_cuda_graph_capture_and_replay():
     out = torch.empty_like(q)
     kw = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1)
     with xpu_ops.use_provider("triton"):
-        xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)      # compile outside capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)
+        graph = _captured(lambda: xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw))
     q.copy_(torch.randn_like(q))
     lens.copy_(torch.tensor([30001, 57], dtype=torch.int32))   # still within each page list
     out.fill_(float("nan"))
@@ -238,11 +245,7 @@ def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
                                q_descale=None, k_descale=None, v_descale=None, sinks=sinks,
                                softmax_scale=128 ** -0.5, window_left=-1, window_right=0,
                                softcap=0.0, num_splits=4, counters=counters)
-    launch()                                           # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
+    graph = _captured(launch)
     for _ in range(20):
         out.fill_(float("nan"))
         graph.replay()
@@ -279,11 +282,7 @@ def test_small_batch_split_decode_graph_replays_other_lengths():
     kw = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1,
               causal=True)
     with xpu_ops.use_provider("triton"):
-        xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)      # compile outside capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)
+        graph = _captured(lambda: xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw))
     for new_lens in ([64, 19999], [30000, 1], [257, 300]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q))

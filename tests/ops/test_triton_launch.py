@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import pytest
 
-from .triton_mode import INTERPRETED, rerun_in_subprocess, tl, triton  # noqa: F401  (first)
+from .triton_mode import (INTERPRETED, interpret_while_module_runs,  # noqa: F401  (first)
+                          rerun_in_subprocess, tl, triton)
 
 import torch  # noqa: E402
 
@@ -48,14 +49,6 @@ def _working_splits(tiles: int, num_splits: int, min_split_tiles: int) -> int:
     """Splits that get at least one of a request's ``tiles`` key tiles (the kernel's rule)."""
     share = max(min_split_tiles, _cdiv(tiles, num_splits))
     return min(num_splits, _cdiv(tiles, share))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():  # Triton's lazily imported modules check the interpreter flag at launch time
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
 
 
 @pytest.fixture

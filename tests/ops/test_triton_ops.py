@@ -15,7 +15,8 @@ import copy
 
 import pytest
 
-from .triton_mode import INTERPRETED, rerun_in_subprocess, tl, triton  # noqa: F401  (first)
+from .triton_mode import (INTERPRETED, interpret_while_module_runs,  # noqa: F401  (first)
+                          rerun_in_subprocess, tl, triton)
 
 import torch  # noqa: E402
 
@@ -34,14 +35,6 @@ from .utils import assert_matches_oracle  # noqa: E402
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
        "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table",
        "apply_rotary_emb"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
 
 
 def _run(op, provider, args, kwargs):

@@ -14,7 +14,8 @@ import dataclasses
 
 import pytest
 
-from .triton_mode import INTERPRETED, rerun_in_subprocess, tl, triton  # noqa: F401  (first)
+from .triton_mode import (INTERPRETED, interpret_while_module_runs,  # noqa: F401  (first)
+                          rerun_in_subprocess, tl, triton)
 
 import torch  # noqa: E402
 
@@ -48,14 +49,6 @@ CASE_IDS = [f"{i}-ps{c.page_size}-d{c.d}" for i, c in enumerate(CASES)]
 # GQA extend at page 4, page 1, fp8 KV, leftpad, bidirectional blocks, tiles inside pages, a
 # prefill.
 SUBSET = [1, 2, 11, 21, 22, 24, 26, 27]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():  # Triton's lazily imported modules check the interpreter flag at launch time
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
 
 
 @pytest.fixture

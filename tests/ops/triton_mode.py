@@ -66,6 +66,16 @@ def running(provider: str):
         xpu_ops.refresh()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def interpret_while_module_runs():
+    """``TRITON_INTERPRET=1`` while the importing module's tests run: Triton's lazily imported
+    modules check the flag at launch time. Autouse in every module that imports it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()
+
+
 def rerun_in_subprocess(path: str):
     """A test that reruns the module at ``path`` in a fresh interpreter-mode process when Triton
     is in compile mode here (then the module's Triton tests skip); skipped otherwise."""
@@ -79,4 +89,5 @@ def rerun_in_subprocess(path: str):
     return test_rerun_in_subprocess
 
 
-__all__ = ["INTERPRETED", "tl", "triton", "provider_params", "running", "rerun_in_subprocess"]
+__all__ = ["INTERPRETED", "tl", "triton", "provider_params", "running", "rerun_in_subprocess",
+           "interpret_while_module_runs"]

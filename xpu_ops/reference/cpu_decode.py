@@ -3,8 +3,9 @@
 A decode step (one query row per request) spends most of the general reference path's time in
 op count and copies, not arithmetic: at SmolLM2-135M shapes it issues ~70 small ops per call.
 Here the same semantics take few ops and few passes over the keys and values. A call that does
-not ask for the LSE (the usual decode layer) gathers whole pages (one ``index_select`` per
-cache) and runs torch SDPA once, the query heads of a KV head as its query rows (``_sdpa``);
+not ask for the LSE (the usual decode layer) gathers each request's key slots (one
+``index_select`` per cache of the rows ``_plan`` picks) and runs torch SDPA once, the
+query heads of a KV head as its query rows (``_sdpa``);
 one that does, or has sinks or a softcap, gathers ``(slot, head)`` rows heads first, computes
 the scores of the query heads that share a KV head in one batched matmul, a masked softmax
 whose maximum gives the LSE, and one batched matmul for the output.
@@ -102,41 +103,75 @@ def _gather_heads_first(cache: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     return out.copy_(picked.permute(2, 0, 1, 3))
 
 
+def _plan(page_table: Tensor, cache_seqlens: Tensor, num_pages: int, page_size: int,
+          window_left: int) -> Optional[tuple[Tensor, Tensor]]:
+    """``(rows [b * L] int64, visible [b, 1, 1, L] bool)`` of the ``L = P * page_size`` keys of
+    each request, or None when some request has no key or a page that holds one of its keys
+    has an id outside ``[0, num_pages)`` (the explicit path then hides it).
+
+    ``rows`` is the cache slot (``page * page_size + offset``) each key is read from; a hidden
+    key (at or past ``min(cache_seqlens, capacity)``, or left of the window) reads a key of its
+    request that is visible instead (key 0 without a window, else the last key), so every row
+    read holds a key (no NaN to zero) and page-table entries past a request's last page are
+    never read. A slot is in ``[0, num_pages * page_size)`` exactly when its page id is in
+    range, so one ``aminmax`` of the rows checks the pages that hold keys. ``visible`` is
+    SDPA's boolean mask. Seven small ops without a window, built on every call.
+    """
+    b, max_pages = page_table.shape
+    capacity = max_pages * page_size
+    if int(cache_seqlens.min()) <= 0:
+        return None
+    positions = torch.arange(capacity)
+    slots = torch.add(positions[:page_size], page_table.long()[:, :, None], alpha=page_size)
+    slots = slots.view(b, capacity)                                           # [b, L]
+    visible = positions < cache_seqlens[:, None]                              # [b, L]
+    if window_left < 0:
+        filler = slots[:, :1]
+    else:  # a decode row's own key (j = Lk - 1) stays inside the window
+        last = cache_seqlens.long().clamp(max=capacity)[:, None] - 1
+        visible &= positions >= last - window_left
+        filler = slots.gather(1, last)
+    rows = torch.where(visible, slots, filler).view(-1)
+    low, high = torch.aminmax(rows)
+    if int(low) < 0 or int(high) >= num_pages * page_size:
+        return None
+    return rows, visible.view(b, 1, 1, capacity)
+
+
+def _gather_rows(cache: Tensor, rows: Tensor, page_size: int) -> Tensor:
+    """``cache [num_pages, page_size, H, D]`` at slots ``rows [n]`` as contiguous ``[n, H,
+    D]``: one ``index_select`` of a contiguous cache's ``[slots, H * D]`` rows (faster than
+    that of its 3-D view), else an index by (page, offset)."""
+    if cache.is_contiguous():
+        flat = cache.view(-1, cache.shape[2] * cache.shape[3]).index_select(0, rows)
+        return flat.view(-1, *cache.shape[2:])
+    return cache[rows // page_size, rows % page_size]
+
+
 def _sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
           page_table: Tensor, out: Tensor, softmax_scale: float, window_left: int) -> bool:
     """``out = softmax(scale * q k^T) v`` over each request's visible keys with one torch SDPA
-    call, if every request has a key and every page id is in range (else False, nothing
-    written).
+    call, if every request has a key and the pages that hold keys have ids in range (else
+    False, nothing written).
 
-    Whole pages are gathered (one ``index_select`` per cache, ``[b, L, Hkv, D]``), the hidden
-    keys zeroed (they may hold NaN, which a masked score would still turn into NaN) and masked;
-    the ``G`` query heads of a KV head are ``G`` query rows against that head's keys
-    (``[b, Hkv, G, D]``), so no head is repeated.
+    The keys are gathered slot by slot (``_plan``'s rows, one gather per cache, ``[b, L, Hkv,
+    D]``; hidden keys read a visible key of the request, so nothing needs zeroing) and masked; the
+    ``G`` query heads of a KV head are ``G`` query rows against that head's keys (``[b, Hkv,
+    G, D]``), so no head is repeated.
     """
     b, num_heads_q, head_dim = q.shape
     num_pages, page_size, num_heads_kv = k_cache.shape[:3]
-    capacity = page_table.shape[1] * page_size
-    k_lens = cache_seqlens.clamp(max=capacity)[:, None]                       # [b, 1]
-    if b == 0 or int(k_lens.min()) <= 0:  # also no page at all (capacity 0)
+    plan = _plan(page_table, cache_seqlens, num_pages, page_size, window_left)
+    if plan is None:
         return False
-    low, high = torch.aminmax(page_table)
-    if int(low) < 0 or int(high) >= num_pages:
-        return False
-    positions = torch.arange(capacity)[None, :]
-    hidden = positions >= k_lens                                              # [b, L]
-    if window_left >= 0:  # a decode row's own key (j = Lk - 1) stays inside the window
-        hidden |= positions < k_lens - 1 - window_left
-    pages = page_table.reshape(-1)
-    keys = k_cache.index_select(0, pages).view(b * capacity, -1)              # [b * L, Hkv * D]
-    values = v_cache.index_select(0, pages).view(b * capacity, -1)
-    garbage = hidden.view(-1).nonzero().squeeze(1)
-    keys.index_fill_(0, garbage, 0.0)
-    values.index_fill_(0, garbage, 0.0)
+    rows, visible = plan
+    capacity = visible.shape[-1]
+    keys = _gather_rows(k_cache, rows, page_size).view(b, capacity, num_heads_kv, head_dim)
+    values = _gather_rows(v_cache, rows, page_size).view(b, capacity, num_heads_kv, -1)
     o = F.scaled_dot_product_attention(
-        q.view(b, num_heads_kv, num_heads_q // num_heads_kv, head_dim),
-        keys.view(b, capacity, num_heads_kv, head_dim).transpose(1, 2),
-        values.view(b, capacity, num_heads_kv, -1).transpose(1, 2),
-        attn_mask=~hidden[:, None, None, :], scale=softmax_scale)             # [b, Hkv, G, Dv]
+        q.reshape(b, num_heads_kv, num_heads_q // num_heads_kv, head_dim),
+        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible,
+        scale=softmax_scale)                                                  # [b, Hkv, G, Dv]
     out.view(b, num_heads_kv, -1, o.shape[-1]).copy_(o)
     return True
 

@@ -8,18 +8,7 @@ import pytest
 import torch
 
 from compile.batch import ForwardMode, SpecInfo
-from tests.compile.oracle import Harness, assert_close, attention_oracle
-
-
-def _random_tree(gen, d):
-    """Mask [D, D]: draft i sees its ancestors and itself (parent[i] < i; draft 0 is the root)."""
-    mask = torch.zeros(d, d, dtype=torch.bool)
-    mask[0, 0] = True
-    for i in range(1, d):
-        parent = int(torch.randint(0, i, (1,), generator=gen))
-        mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
+from tests.compile.oracle import Harness, assert_close, attention_oracle, random_tree
 
 
 def _flatten_sglang(masks, prefixes):
@@ -92,7 +81,7 @@ def test_target_verify_width_from_num_tokens_per_req(page_size):
 
 def test_target_verify_tree_width_must_be_its_mask():
     h = Harness(16, seed=26, topk=2, draft_tokens=4)
-    masks = [_random_tree(h.gen, 4)]
+    masks = [random_tree(h.gen, 4)]
     with pytest.raises(NotImplementedError, match="num_tokens_per_req 4, got 2"):
         _verify(h, [5], 4, [h.layer()], masks, spec_kw=dict(num_tokens_per_req=2))
 
@@ -102,7 +91,7 @@ def test_target_verify_tree_width_must_be_its_mask():
 def test_target_verify_tree_cascade(page_size, flat):
     h = Harness(page_size, seed=30 + page_size, topk=2, draft_tokens=5)
     prefixes = [19, 0, 33]
-    masks = [_random_tree(h.gen, 5) for _ in prefixes]
+    masks = [random_tree(h.gen, 5) for _ in prefixes]
     layer = h.layer(logit_cap=4.0)
     sinks = torch.randn(h.hq, generator=h.gen).float()
     reqs, outs, qs = _verify(h, prefixes, 5, [layer], masks, flat=flat, sinks=sinks)
@@ -113,7 +102,7 @@ def test_target_verify_tree_fp8_kv_cache():
     # Both cascade passes read the fp8 cache (descaled); beyond sglang 0.5.23.
     h = Harness(16, seed=35, topk=2, draft_tokens=4, kv_dtype=torch.float8_e4m3fn)
     prefixes = [23, 0, 48]
-    masks = [_random_tree(h.gen, 4) for _ in prefixes]
+    masks = [random_tree(h.gen, 4) for _ in prefixes]
     layer = h.layer()
     layer.set_kv_scales(1.0, 1.0)
     reqs, outs, qs = _verify(h, prefixes, 4, [layer], masks)
@@ -125,7 +114,7 @@ def test_target_verify_tree_sliding_window(hybrid):
     kw = dict(swa_layers=(1,), num_layers=2) if hybrid else dict(num_layers=2)
     h = Harness(16, seed=40, topk=2, draft_tokens=4, window=6, **kw)
     prefixes = [21, 3, 40]
-    masks = [_random_tree(h.gen, 4) for _ in prefixes]
+    masks = [random_tree(h.gen, 4) for _ in prefixes]
     full, swa = h.layer(0), h.layer(1, sliding_window_size=6)
     reqs, outs, qs = _verify(h, prefixes, 4, [full, swa], masks)
     assert_close(outs[0], _tree_expected(h, reqs, prefixes, masks, full, qs[0]))
@@ -211,7 +200,7 @@ def test_deterministic_cascade_passes_one_split_each(monkeypatch):
     h.runner.server_args.enable_deterministic_inference = True
     h.backend = XPUAttentionBackend(h.runner)
     prefixes = [5, 40]
-    masks = [_random_tree(h.gen, 4) for _ in prefixes]
+    masks = [random_tree(h.gen, 4) for _ in prefixes]
     layer = h.layer()
     reqs, outs, qs = _verify(h, prefixes, 4, [layer], masks)
     assert_close(outs[0], _tree_expected(h, reqs, prefixes, masks, layer, qs[0]))

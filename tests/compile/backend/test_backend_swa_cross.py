@@ -5,9 +5,11 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from compile.batch import ForwardMode
 from tests.compile.oracle import Harness, Req, assert_close, attention_oracle
+from tests.markers import requires_gpu_graphs
 
 
 def _evict_out_of_window(h, req, window):
@@ -97,12 +99,95 @@ def test_encoder_decoder_cross_attention(page_size, enc_lens):
         assert_close(out, torch.cat(rows))
 
 
-def test_unaligned_encoder_lengths_have_no_graph_buffers():
+def test_encoder_graph_steps_need_an_encoder_decoder_backend():
     h = Harness(16, seed=96)
     req, enc = _encdec_request(h, 10, 0)
     loc = h.alloc_slots(req, 10, 1)
     fb = h.batch(ForwardMode.DECODE, [req], [1], loc, [1], encoder_lens=torch.tensor([10]),
                  encoder_out_cache_loc=enc)
-    h.backend.build_metadata(fb)                              # eager: a token-slot table
-    with pytest.raises(NotImplementedError, match="token-slot table"):
+    assert h.backend.build_metadata(fb).main.page_size == 1   # eager: a token-slot table
+    with pytest.raises(NotImplementedError, match="is_encoder_decoder True, got False"):
         h.backend.build_metadata(fb, graph=True)
+
+
+class EncDecProbe(nn.Module):
+    """A decoder self-attention layer and a cross-attention layer over fixed random tables:
+    ``forward(ids, positions, fb) -> [T, 2 * Hq * D]``."""
+
+    def __init__(self, h: Harness):
+        super().__init__()
+        self.self_attn, self.cross = h.layer(0), h.layer(1, is_cross_attention=True)
+        for name in ("q", "q_cross", "k", "v"):
+            heads = h.hq if name.startswith("q") else h.hkv
+            self.register_buffer(name, h.rand(64, heads * h.d).float())
+        self.anchor = nn.Parameter(torch.zeros(1))   # runners read the device off a parameter
+
+    def forward(self, ids, positions, fb):
+        k = self.k[ids].view(-1, self.self_attn.tp_k_head_num, self.self_attn.head_dim)
+        v = self.v[ids].view_as(k)
+        return torch.cat([self.self_attn(self.q[ids], k, v, fb),
+                          self.cross(self.q_cross[ids], None, None, fb)], dim=-1)
+
+
+def encoder_decoder_graph_steps(page_size: int, device="cpu") -> None:
+    """Encoder-decoder DECODE steps replayed in whole-step graphs (emulated on the CPU),
+    encoder lengths that are and are not page multiples in one batch: each step, replayed and
+    eager, equals the float64 oracle, and the metadata buffers keep their addresses (beyond
+    sglang 0.5.23, which runs encoder-decoder models without graphs)."""
+    from compile.backend import XPUAttentionBackend
+    from compile.graphs import GraphRunner
+    h = Harness(page_size, seed=97 + page_size, num_layers=2, device=device)
+    h.runner.model_config.is_encoder_decoder = True
+    h.backend = XPUAttentionBackend(h.runner)
+    probe = EncDecProbe(h).to(h.device)
+    enc_lens, dec_prefix = [10, 0, 37, 16], [5, 1, 21, 0]
+    made = [_encdec_request(h, e, d) for e, d in zip(enc_lens, dec_prefix)]
+    reqs = [m[0] for m in made]
+    for r, (_, enc), e in zip(reqs, made, enc_lens):
+        ek, ev = h.rand(e, h.hkv, h.d), h.rand(e, h.hkv, h.d)
+        h.write_direct(1, enc, ek, ev)
+        r.k[1], r.v[1] = h.quantize(ek), h.quantize(ev)
+    runner = GraphRunner(probe, batch_sizes=(2, 4), emulate_graphs=h.device.type == "cpu",
+                         debug=True)
+    addresses = None
+    for rows in ([0, 1, 2], [0, 1], [0, 1, 2, 3], [2, 3], [1, 2, 3], [0, 3]):
+        sel = [reqs[i] for i in rows]
+        loc = torch.cat([h.alloc_slots(r, enc_lens[i] + r.length(0), 1)
+                         for i, r in zip(rows, sel)])
+        fb = h.batch(ForwardMode.DECODE, sel, [1] * len(rows), loc,
+                     [r.length(0) + 1 for r in sel],
+                     encoder_lens=torch.tensor([enc_lens[i] for i in rows], device=h.device))
+        fb.token_to_kv_pool, fb.req_to_token_pool = h.pool, h.req_pool
+        ids = torch.randint(0, 64, (len(rows),), generator=h.gen)
+        pos = torch.tensor([enc_lens[i] + r.length(0) for i, r in zip(rows, sel)])
+        assert runner.can_run(fb)
+        with torch.no_grad():
+            out = runner(ids.to(h.device), pos.to(h.device), fb).cpu().double()
+            h.backend.init_forward_metadata(fb)
+            eager = probe(ids.to(h.device), pos.to(h.device), fb).cpu().double()
+        for j, r in enumerate(sel):
+            for table, logical in ((probe.k, r.k), (probe.v, r.v)):
+                new = h.quantize(table[ids[j]].cpu().double().view(1, h.hkv, h.d))
+                logical[0] = torch.cat([logical[0], new])
+        expected = []
+        for j, r in enumerate(sel):
+            parts = [attention_oracle(table[ids[j]].cpu().double().view(1, h.hq, h.d), r.k[lid],
+                                      r.v[lid], scale=h.d ** -0.5, causal=lid == 0)
+                     for lid, table in ((0, probe.q), (1, probe.q_cross))]
+            expected.append(torch.cat([p.reshape(1, -1) for p in parts], dim=-1))
+        assert_close(out, torch.cat(expected))
+        assert_close(eager, torch.cat(expected))
+        ptrs = {n: t.data_ptr() for n, t in runner.buffers.metadata.items()}
+        assert ptrs == (addresses := addresses or ptrs)
+    assert (runner.captures, runner.replays) == (2, 2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_encoder_decoder_decode_in_graphs_equals_oracle(page_size):
+    encoder_decoder_graph_steps(page_size)
+
+
+@requires_gpu_graphs
+def test_encoder_decoder_decode_in_device_graphs_equals_oracle():
+    from compile.graphs import device as dev
+    encoder_decoder_graph_steps(16, dev.as_device())

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from compile.backend import PagedAttention
 from compile.batch import ForwardBatch, ForwardMode, SpecInfo
-from tests.compile.oracle import Harness, Req, assert_close, attention_oracle
+from tests.compile.oracle import Harness, Req, assert_close, attention_oracle, random_tree
 
 SIZES = (3, 4, 1, 2, 3)  # requests per step; buckets 4 (warm-up), 4 (capture), 1, 2, 4 (replay)
 BUCKETS = (1, 2, 4)
@@ -114,17 +114,6 @@ def write_tokens(h: Harness, probe: AttentionProbe, slots: Tensor, ids: Tensor) 
     ids = ids.to(h.device)
     for i, layer in enumerate(probe.layers):
         h.write_direct(layer.kv_cache_layer_id, slots, probe.k[i][ids], probe.v[i][ids])
-
-
-def random_tree(gen: torch.Generator, d: int) -> Tensor:
-    """Tree mask ``[D, D]`` bool: draft i sees its ancestors and itself (parent[i] < i)."""
-    mask = torch.zeros(d, d, dtype=torch.bool)
-    mask[0, 0] = True
-    for i in range(1, d):
-        parent = int(torch.randint(0, i, (1,), generator=gen))
-        mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
 
 
 def flatten_sglang(masks: Sequence[Tensor], prefixes: Sequence[int]) -> Tensor:
