@@ -10,9 +10,11 @@ script measures, in microseconds per call, the rows
     op: flash_attn         torch.ops.xpu_ops.flash_attn_with_kvcache
     flash_attn wrapper     xpu_ops.flash_attn_with_kvcache (+ defaults, packing, checks)
     backend.forward        XPUAttentionBackend.forward of one DECODE layer (store + attend)
-    split op               torch.ops.xpu_ops.unified_attention_with_output of that layer, as a
-                           piecewise step calls it (dispatcher, its checks, forward context,
-                           backend.forward into the op's output)
+    split op               torch.ops.xpu_ops.unified_attention_with_output of that layer
+                           (dispatcher, its checks, forward context, backend.forward into the
+                           op's output)
+    attend_into            the split op's body, what a piecewise step's split graph calls per
+                           layer (``graph_split.call_split_op_kernel``: no dispatcher, no checks)
     init_forward_metadata  the host metadata of one DECODE step (page table, cu_seqlens, ...)
     step                   what a piecewise step runs on the host besides its pieces:
                            init_forward_metadata, then ``--layers`` layers
@@ -20,7 +22,12 @@ script measures, in microseconds per call, the rows
 Kernels are stubbed by default (``--kernels stub``): the ``fn`` of every registered
 implementation of the two ops is swapped for a no-op (the attention stub still allocates its
 ``[Hq, total_q]`` float32 LSE, as a kernel does), so the rows are pure host time: checks,
-provider selection, dispatcher, allocation. ``--kernels real`` keeps the kernels (on a GPU
+provider selection, dispatcher, allocation. ``--kernels bind`` (CPU) runs the ``triton`` provider's own Python (launch parameters, buffers)
+and, in place of each launch, Triton's binder and kernel-cache key for a CUDA sm_90 target
+(what ``kernel[grid](...)`` computes per argument before the C launcher), so the rows are the
+host time of a Triton call without a GPU, the C launcher excepted. ``--clock thread`` times
+thread CPU time (``time.thread_time``), which other processes' load on a shared machine does
+not inflate. ``--kernels real`` keeps the kernels (on a GPU
 launches are asynchronous, so the rows stay host time while the GPU keeps up; on CPU they
 include the kernel itself, e.g. Triton's with ``XPU_OPS_PROVIDER=triton TRITON_INTERPRET=1`` on
 CPU). Each row is the minimum (or with
@@ -28,6 +35,7 @@ CPU). Each row is the minimum (or with
 warm-up; the minimum because the machine may be shared. ``--only`` picks rows by substring.
 
     PYTHONPATH=. python benchmarks/bench_overhead.py                 # CPU, stub kernels
+    PYTHONPATH=. python benchmarks/bench_overhead.py --kernels bind --clock thread  # + Triton binder
     PYTHONPATH=. python benchmarks/bench_overhead.py --device cuda   # H200
 """
 
@@ -72,6 +80,40 @@ def stub_kernels() -> None:
         for name, impl in impls.items():
             impls[name] = dataclasses.replace(impl, fn=stub)
     providers.refresh()
+
+
+class _Binders:
+    """``launch(kernel, grid, device, *args, **kwargs)`` stand-in for ``--kernels bind``: Triton's
+    generated binder for a CUDA sm_90 target over the launch's arguments, then the kernel-cache
+    key as ``JITFunction.run`` forms it (one binder per kernel, built on first use)."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders: dict = {}
+        self.keys: dict = {}
+
+    def __call__(self, kernel, grid, device, *args, **kwargs) -> None:
+        from triton.runtime.jit import compute_cache_key, create_function_from_signature
+        binder = self.binders.get(kernel)
+        if binder is None:
+            binder = self.binders[kernel] = create_function_from_signature(
+                kernel.signature, kernel.params, self.backend)
+        _, specialization, options = binder(*args, **kwargs)
+        compute_cache_key(self.keys, specialization, options)
+
+
+def bind_kernels() -> None:
+    """Route both ops to the ``triton`` provider on the CPU and replace its launches with
+    ``_Binders`` (this process only)."""
+    import os
+    from xpu_ops.triton import kv_cache as tkv, paged_attention as tpa  # compiled kernels
+    os.environ["TRITON_INTERPRET"] = "1"  # (read at decoration: after the import)
+    os.environ["XPU_OPS_PROVIDER"] = "triton"
+    providers.refresh()
+    binders = _Binders()
+    tkv.launch = tpa.launch = binders
 
 
 def decode_setup(args) -> SimpleNamespace:
@@ -123,25 +165,27 @@ def cases(s: SimpleNamespace, layers: int = 16) -> dict[str, Callable[[], object
             softmax_scale=s.layer.scaling, causal=True, out=s.out),
         "backend.forward (1 layer)": lambda: s.backend.forward(s.q, s.k, s.v, s.layer, s.fb),
         "split op (1 layer)": lambda: split_op(s.q, s.k2, s.v2, s.split_out, 0),
+        "attend_into (1 layer)": lambda: _split_op.attend_into(s.q, s.k2, s.v2, s.split_out, 0),
         "init_forward_metadata": lambda: s.backend.init_forward_metadata(s.fb),
         f"step: init_forward_metadata + {layers} layers": step,
     }
 
 
 def time_us(fn: Callable[[], object], device: torch.device, iters: int, repeats: int,
-            stat: Callable[[list[float]], float] = min) -> float:
+            stat: Callable[[list[float]], float] = min,
+            clock: Callable[[], int] = time.perf_counter_ns) -> float:
     """``stat`` (default: the minimum) over ``repeats`` of the mean host microseconds of
-    ``iters`` calls."""
+    ``iters`` calls, by ``clock`` (nanoseconds)."""
     for _ in range(max(iters // 10, 5)):
         fn()
     means = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         for _ in range(iters):
             fn()
-        means.append((time.perf_counter_ns() - t0) / iters / 1e3)
+        means.append((clock() - t0) / iters / 1e3)
     return stat(means)
 
 
@@ -151,18 +195,23 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--kernels", choices=("stub", "real"), default="stub")
+    p.add_argument("--kernels", choices=("stub", "bind", "real"), default="stub")
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--grad", action="store_true", help="run outside torch.inference_mode")
     p.add_argument("--layers", type=int, default=16, help="layers of the step row")
     p.add_argument("--stat", choices=("min", "median"), default="min")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall: perf_counter; thread: this thread's CPU time")
     p.add_argument("--only", nargs="*", default=None, help="rows whose name contains one of these")
     args = p.parse_args()
     device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     if args.kernels == "stub":
         stub_kernels()
+    elif args.kernels == "bind":
+        bind_kernels()
+    clock = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
     ctx = torch.no_grad() if args.grad else torch.inference_mode()
     with ctx:
         setup = decode_setup(args)
@@ -172,12 +221,14 @@ def main() -> None:
         wanted = [name for name in calls
                   if args.only is None or any(part in name for part in args.only)]
         with set_forward_context({0: setup.layer}, setup.fb, num_tokens=args.batch):
-            rows = [(name, time_us(calls[name], device, args.iters, args.repeats, stat))
+            rows = [(name, time_us(calls[name], device, args.iters, args.repeats, stat,
+                                         clock))
                     for name in wanted]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"# bench_overhead: {gpu or device.type}, torch {torch.__version__}, "
           f"provider {impl.provider}, kernels {args.kernels}, b={args.batch}, "
-          f"context {args.context}, {args.dtype}, {args.stat} of {args.repeats}")
+          f"context {args.context}, {args.dtype}, {args.stat} of {args.repeats}, "
+          f"{args.clock} clock")
     print("| call | host us/call |\n|---|---:|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

@@ -45,6 +45,8 @@ def workloads():
         ("decode page 1", [1] * 64, [4096] * 64, 1, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode b1 16k page 64", [1], [16384], 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 16", [1] * 64, [4096] * 64, 16, 32, 8, 128, 128, bf16, False, -1, False),
+        ("decode b64 1k page 16", [1] * 64, [1000] * 64, 16, 32, 8, 128, 128, bf16, False, -1,
+         False),
         ("decode page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 128", [1] * 64, [4096] * 64, 128, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode fp8 page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, fp8, False, -1, False),
@@ -95,8 +97,10 @@ def launch_args(case, paths, sms, tiles=None):
             (2, k.element_size(), 2, True))
     dummy = torch.empty(1, dtype=torch.float32, device=meta)
     counters = torch.empty(1, dtype=torch.int32, device=meta)
-    if params.plain:
-        return [q, k, v, out, dummy, dummy, counters, lens, table, lens], params
+    if params.plain:  # as a decode layer launches it: LSE, scratch, counters None at one split
+        split = params.num_splits > 1
+        return [q, k, v, out, dummy if split else None, dummy if split else None, counters if split else None,
+                lens, table, lens], params
     tensors = [q, k, v, q if qv is None else qv, out, dummy, dummy, dummy, counters, lens, table,
                lens, lens, dummy, descale if descale is not None else dummy,
                descale if descale is not None else dummy, dummy, dummy, dummy, dummy]
@@ -113,7 +117,10 @@ def compile_one(case, paths, arch, sms, tiles=None):
     values = [*tensors, *params.scalars]
     signature = {}
     for n, val in zip(names, values):
-        if isinstance(val, torch.Tensor):
+        if val is None:  # a constexpr None, as Triton's binder specialises it
+            signature[n] = "constexpr"
+            constexprs[n] = None
+        elif isinstance(val, torch.Tensor):
             signature[n] = TYPES[val.dtype]
         elif isinstance(val, float):
             signature[n] = "fp32"

@@ -139,14 +139,17 @@ def _bump_versions(args: tuple, mutated: tuple[int, ...]) -> None:
 
 def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
     """``fn`` as a kernel for every device: its result, mutated arguments' versions bumped."""
-    def kernel(*args, **kwargs):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return kernel(*args, **kwargs)
+    def run(args, kwargs):
         result = fn(*args, **kwargs)
         if mutated:
             _bump_versions(args, mutated)
         return result
+
+    def kernel(*args, **kwargs):
+        if torch.is_grad_enabled():  # one frame more, not a second pass through the kernel
+            with torch.no_grad():
+                return run(args, kwargs)
+        return run(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = fn.__name__
     return kernel
@@ -154,10 +157,7 @@ def _kernel(fn: Callable, name: str, mutated: tuple[int, ...]) -> Callable:
 
 def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, ...]) -> Callable:
     """The kernel of one device type: ``check``, then ``route``'s provider computes."""
-    def kernel(*args, **kwargs):
-        if torch.is_grad_enabled():  # not differentiable: no provider records a graph
-            with torch.no_grad():
-                return kernel(*args, **kwargs)
+    def run(args, kwargs):
         replaced = check(*args, **kwargs)
         if replaced is not None:
             args = replaced
@@ -165,6 +165,13 @@ def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, 
         if mutated:
             _bump_versions(args, mutated)
         return result
+
+    def kernel(*args, **kwargs):
+        # not differentiable: no provider records a graph (grad mode is read once per call)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return run(args, kwargs)
+        return run(args, kwargs)
 
     kernel.__name__ = kernel.__qualname__ = f"{check.__name__}_{route.device_type}"
     return kernel

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops
+from xpu_ops._value_checks import debug_checks_enabled
 
 from compile.backend import mla_attention
 from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata,
@@ -269,9 +270,26 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
         ``block_ids`` (``[total_q]``, no cascade): Gemma-3 image blocks inside the causal pass.
         Every call passes ``num_splits`` (1 under deterministic inference)."""
         w = layer.sliding_window_size
-        window = (w, 0) if w >= 0 and not layer.is_cross_attention else (-1, -1)
+        windowed = w >= 0 and not layer.is_cross_attention
         k_descale, v_descale = self.descales(layer, k_cache, call.batch_size)
-        kw = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, window_size=window,
+        scale, cap = layer.scaling, layer.logit_cap
+        if (expand is None and qv is None and sinks is None and block_ids is None
+                and k_descale is None and type(scale) is float and type(cap) is float
+                and type(w) is int and w >= -1 and type(call.max_seqlen_q) is int
+                and not torch.compiler.is_compiling()
+                and not debug_checks_enabled()):
+            # The plain eager call (every layer of a plain model, piecewise attention): the op
+            # itself, positional, with what the wrapper would pass (window (w, 0) or unbounded,
+            # right bound 0 when causal; no LSE). Traced calls and calls under the debug switch
+            # (its value checks live in the wrapper) take the wrapper below.
+            torch.ops.xpu_ops.flash_attn_with_kvcache.default(
+                q3, k_cache, v_cache, call.cache_seqlens, call.page_table, call.cu_seqlens_q,
+                out, None, None, None, None, None, None, None, call.max_seqlen_q, scale,
+                bool(causal), w if windowed else -1, 0 if causal or windowed else -1, cap,
+                self.num_splits, False)
+            return
+        window = (w, 0) if windowed else (-1, -1)
+        kw = dict(softmax_scale=scale, softcap=cap, window_size=window,
                   num_splits=self.num_splits)
         if expand is None:
             xpu_ops.flash_attn_with_kvcache(

@@ -7,8 +7,9 @@ A KV pool keeps one flat buffer per layer, ``[num_slots, Hkv, D]``; slot ``s`` l
 ``0 .. page_size - 1``) is reserved as padding: allocators never hand it out, so index tensors
 padded with 0 point at harmless memory.
 
-Every write goes through ``xpu_ops.store_kv_cache`` / ``xpu_ops.store_mla_kv_cache``; the
-caller's K/V tensors are never modified.
+Every write goes through ``xpu_ops.store_kv_cache`` / ``xpu_ops.store_mla_kv_cache`` (an
+eager unscaled MHA write through the ``torch.ops.xpu_ops.store_kv_cache`` op directly, outside
+the debug switch); the caller's K/V tensors are never modified.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 import xpu_ops
+from xpu_ops._value_checks import debug_checks_enabled
 
 
 class ReqToTokenPool:
@@ -230,6 +232,13 @@ class MHATokenToKVPool:
         """
         layer_id = layer if isinstance(layer, int) else layer.layer_id
         k_buf, v_buf = self.get_kv_buffer(layer_id)
+        if (k_scale is None and v_scale is None and not torch.compiler.is_compiling()
+                and not debug_checks_enabled()):
+            # eager, unscaled (a decode layer's store): the op itself, which checks the shapes;
+            # the wrapper adds scale handling and, under the debug switch, the slot checks
+            torch.ops.xpu_ops.store_kv_cache.default(k_buf, v_buf, loc, cache_k, cache_v, None,
+                                                     None)
+            return
         xpu_ops.store_kv_cache(k_buf, v_buf, loc, cache_k, cache_v,
                                k_scale=k_scale, v_scale=v_scale)
 

@@ -11,8 +11,10 @@ partial LSEs which splits did work.
 
 Entries: the plain form of a call (paged cache, K and V with the same strides, unit-stride
 metadata, none of the rare features, the launcher's own scratch) takes
-``_paged_attention_plain_kernel`` (27 arguments and 16 constexprs, plus ``num_warps``/
-``num_stages``); every other call takes ``_paged_attention_kernel`` (67 and 25). Both run the
+``_paged_attention_plain_kernel`` (15 runtime arguments and 28 constexprs, plus ``num_warps``/
+``num_stages``; a layer's fixed values are constexprs, and a one-split launch without an LSE
+binds None for LSE, scratch and counters); every other call takes ``_paged_attention_kernel``
+(67 and 25). Both run the
 same program (``_attend``), so each case is also checked against the oracle.
 """
 
@@ -188,7 +190,8 @@ def test_call_binds_the_plain_kernel_unless_it_needs_a_rare_feature(case, kernel
         num_splits=pa.requested_splits(kwargs["num_splits"]), k_start=args[12])
     name, positional, keywords = bound[0]
     assert name == kernel
-    assert positional + len(keywords) == (45 if kernel == PLAIN else 94)
+    # runtime arguments (Triton binds each per launch), then constexprs and launch options
+    assert (positional, len(keywords)) == ((15, 30) if kernel == PLAIN else (67, 27))
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(out, want, out.dtype, lse, want_lse)
 
@@ -214,3 +217,43 @@ def test_strided_metadata_or_distinct_kv_strides_take_the_full_kernel(bound):
         want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
         assert_matches_oracle(out, want, out.dtype, lse, want_lse)
     assert [name for name, _, _ in bound] == [FULL, FULL]
+
+
+@pytest.fixture
+def bound_args(monkeypatch):
+    """The positional arguments of every launch; launches still run."""
+    seen, real = [], pa.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        seen.append((kernel.fn.__name__, args, kwargs))
+        return real(kernel, grid, device, *args, **kwargs)
+    monkeypatch.setattr(pa, "launch", spy)
+    return seen
+
+
+@in_subprocess
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_plain_launch_without_lse_binds_none_and_matches_oracle(num_splits, bound_args):
+    """``return_lse=False`` (a decode layer's call): at one split the plain kernel gets None for
+    its LSE, scratch and counters (nothing to allocate or bind) and still writes the oracle's
+    output into a NaN-poisoned ``out``; with splits it merges through a launcher-owned LSE
+    and returns None all the same."""
+    case = _decode_case(num_splits=num_splits)
+    args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(6))
+    q, k, v, lens, table, cu, out = args[:7]
+    out.fill_(float("nan"))
+    got = pa.paged_attention(
+        q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+        max_kv_len=table.shape[1] * case.page_size, qv=None, q_descale=None, k_descale=None,
+        v_descale=None, sinks=None, softmax_scale=kwargs["softmax_scale"], window_left=-1,
+        window_right=0, softcap=0.0, num_splits=num_splits, return_lse=False)
+    assert got is None
+    name, positional, meta = bound_args[0]
+    assert name == PLAIN and meta["NUM_SPLITS"] == num_splits
+    lse_arg, scratch_arg, counters_arg = positional[4:7]
+    if num_splits == 1:
+        assert (lse_arg, scratch_arg, counters_arg) == (None, None, None)
+    else:
+        assert all(isinstance(t, torch.Tensor) for t in (lse_arg, scratch_arg, counters_arg))
+    want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(out, want, out.dtype)

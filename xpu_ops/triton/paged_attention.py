@@ -194,8 +194,8 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     ``meta_strides``: ``_metadata_strides`` of the small tensors (their layouts are honoured).
     ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned.
 
-    The plain form (``_plain_launch``) takes the kernel with 27 arguments and 16 constexprs;
-    every other call the full one (67 and 25)."""
+    The plain form (``_plain_launch``) takes the kernel with 15 runtime arguments (10 tensors)
+    and 28 constexprs; every other call the full one (67 and 25)."""
     total_q, num_heads_q, head_dim = q_shape
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
@@ -224,10 +224,14 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     plain = _plain_launch(paged, flags, paths, k_strides, v_strides, meta_strides,
                           part_strides, lse_stride == total_q,
                           num_splits * total_q * num_heads_q * (dv_pad + 1))
-    if plain:
-        scalars = (*head, *k_strides[:3], *out_strides[:2], pt_strides[0], *scalars,
-                   min_split_tiles, total_q, k_shape[0], max_seqlen_q, max_kv_len)
-        meta.update(GROUP_SIZE=group, NUM_HEADS_KV=num_heads_kv, HEAD_DIM=head_dim,
+    if plain:  # what is fixed for a layer is a constexpr: only 5 scalars are bound per launch
+        scalars = (pt_strides[0], total_q, k_shape[0], max_seqlen_q, max_kv_len)
+        meta.update(STRIDE_QT=head[0], STRIDE_QH=head[1], STRIDE_KP=k_strides[0],
+                    STRIDE_KS=k_strides[1], STRIDE_KH=k_strides[2], STRIDE_OT=out_strides[0],
+                    STRIDE_OH=out_strides[1], SOFTMAX_SCALE=float(softmax_scale),
+                    SOFTCAP=float(softcap), WINDOW_LEFT=int(window_left),
+                    WINDOW_RIGHT=int(window_right), MIN_SPLIT_TILES=min_split_tiles,
+                    GROUP_SIZE=group, NUM_HEADS_KV=num_heads_kv, HEAD_DIM=head_dim,
                     HEAD_DIM_V=v_shape[-1])
     else:
         scalars = _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides,
@@ -338,7 +342,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                     counters: Optional[Tensor] = None, config: Optional[_Config] = None,
                     lse: Optional[Tensor] = None, k_start: Optional[Tensor] = None,
                     block_ids: Optional[Tensor] = None,
-                    q_used: Optional[Tensor] = None) -> Tensor:
+                    q_used: Optional[Tensor] = None,
+                    return_lse: bool = True) -> Optional[Tensor]:
     """Launch the attention kernel (splits merged inside it); write ``out``, return the LSE.
 
     Args:
@@ -365,8 +370,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
             has the id of query row ``j - (Lk - Lq)``; same-id keys pass the right bound.
         q_used: [b] int32 used query rows (``seqused_q``): alignment ``Lk - q_used + i``, rows
             past it see no key (output 0, LSE -inf).
+        return_lse: False: the caller wants no LSE (``lse`` must be None); a one-split launch
+            of the plain form then neither allocates nor writes one.
     Returns:
-        softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key).
+        softmax_lse [Hq, total_q] float32 (natural log; -inf for rows with no visible key), or
+        None with ``return_lse=False``.
     Raises:
         ValueError: ``counters`` is not int32, not contiguous or has fewer entries than tiles.
 
@@ -375,31 +383,46 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     itself is ``kernel[grid](...)``.
     """
     total_q, num_heads_q = q.shape[0], q.shape[1]
-    if lse is None:
+    if lse is None and return_lse:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
-    extras = (k_start, block_ids, q_used)
     paged = page_table is not None
+    plain_like = (paged and qv is None and q_descale is None and k_descale is None
+                  and v_descale is None and sinks is None and k_start is None
+                  and block_ids is None and q_used is None)
+    extras = (k_start, block_ids, q_used)
+    if plain_like:  # the metadata strides of the plain form's candidates: three tensors
+        flags = _NO_FLAGS
+        meta_strides = (cache_seqlens.stride(0), cu_seqlens_q.stride(0), 0,
+                        page_table.stride(1), *_NO_STRIDES)
+    else:
+        flags = (qv is not None, q_descale is not None, k_descale is not None,
+                 v_descale is not None, sinks is not None, *(t is not None for t in extras))
+        meta_strides = _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table,
+                                         sinks, q_descale, k_descale, v_descale, *extras)
     params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
-        max_kv_len, (qv is not None, q_descale is not None, k_descale is not None,
-                     v_descale is not None, sinks is not None, *(t is not None for t in extras)),
-        softmax_scale, softcap,
-        window_left, window_right, num_splits, config,
-        None if scratch is None else (scratch[0].stride(), scratch[1].stride()), lse.stride(0),
-        _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks,
-                          q_descale, k_descale, v_descale, *extras),
+        max_kv_len, flags, softmax_scale, softcap, window_left, window_right, num_splits, config,
+        None if scratch is None else (scratch[0].stride(), scratch[1].stride()),
+        total_q if lse is None else lse.stride(0), meta_strides,
         (q.element_size(), k.element_size(), out.element_size(),
          all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
-    o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
-    if params.plain:
+    if params.plain:  # unused buffers are None (constexprs: nothing to bind)
+        if lse is None and params.num_splits > 1:
+            # the merge compiles with fewer spills when it writes an LSE (sm_90, 33 splits:
+            # 280 bytes of stack against 408 without)
+            lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
+        o_part, _, counters = _split_buffers(params, q, scratch, counters, None)
         launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse, o_part,
                counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
                **params.meta)
-        return lse
+        return lse if return_lse else None
+    if lse is None:  # the full kernel writes an LSE (and takes it for unused pointers)
+        lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
+    o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
     if params.meta["TMA"] and q.device.type == "cuda":
         set_descriptor_allocator()
     launch(_paged_attention_kernel, params.grid, q.device,
@@ -408,7 +431,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
            cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
            *(lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks, *extras)),
            *params.scalars, **params.meta)
-    return lse
+    return lse if return_lse else None
+
+
+# The rare-feature flags and metadata strides past the first four of a plain-form candidate.
+_NO_FLAGS = (False,) * 8
+_NO_STRIDES = (0,) * 10
 
 
 def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sinks, q_descale,
@@ -424,10 +452,10 @@ def _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, sin
 
 
 def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
-                   dummy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   dummy: Optional[Tensor]) -> tuple:
     """``(o_part, lse_part, counters)`` for the launch's splits: the given buffers, new ones
     (partials uninitialised, counters zero; the plain kernel's are one buffer, ``o_part``), or
-    ``dummy`` (one split: unused)."""
+    ``dummy`` (one split: unused; None for the plain kernel)."""
     splits = params.num_splits
     if splits == 1:
         return dummy, dummy, dummy
@@ -481,7 +509,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
     ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
     split-KV; ``max_kv_len`` is the page-table capacity in tokens. Writes ``out``, returns the LSE
-    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``: the kernel always writes it).
+    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``: then the plain form writes none).
     """
     lse = paged_attention(
         q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
@@ -490,5 +518,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
         window_left=window_size_left, window_right=window_size_right, softcap=softcap,
         num_splits=requested_splits(num_splits), k_start=cache_leftpad,
-        block_ids=bidirectional_block_ids)
+        block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
     return lse if return_softmax_lse else providers.empty_lse(q)

@@ -22,10 +22,12 @@ offsets (``_page_tile_rows``); with power-of-two head dims the K/V loads carry n
 Entries: ``_paged_attention_kernel`` takes every argument (67 runtime, 25 constexprs: any
 metadata layout, every feature and kernel path); ``_paged_attention_plain_kernel`` takes the
 plain form of a call (a paged cache whose K and V share strides, unit-stride metadata, none of
-descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 27 runtime, 16 constexprs; model
-constants such as the head counts and dims are constexprs) and passes constants for the rest.
-Triton's binder costs host time per argument on every launch, so the common call binds less
-than half as many. Both call ``_attend`` at their top level, which Triton inlines.
+descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 15 runtime arguments, 28
+constexprs: what is fixed for a layer, the head counts and dims, the q/K/V/out strides, scale,
+softcap, window and split floor, is a constexpr) and passes constants for the rest. Triton's
+binder costs host time per runtime argument on every launch, so the common call binds less
+than a quarter as many. The plain entry's ``LSE`` is None when the caller wants no LSE, and its
+scratch and counters are None with one split (constexpr Nones: never read). Both call ``_attend`` at their top level, which Triton inlines.
 
 Kernel paths (``_common.OPTIONAL_PATHS``) are constexprs (``PAGE_TILES``, ``PHASES``, ``TMA``,
 ``WS``, ``DV_SPLIT``) that the launcher (``paged_attention.py``) sets where a launch allows them;
@@ -129,9 +131,11 @@ def _paged_attention_kernel(
 @triton.jit
 def _paged_attention_plain_kernel(
     Q, K, V, O, LSE, SCRATCH, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt_b,
-    softmax_scale, softcap, window_left, window_right, min_split_tiles, total_q, num_pages,
-    max_seqlen_q, max_kv_len,
+    stride_pt_b, total_q, num_pages, max_seqlen_q, max_kv_len,
+    STRIDE_QT: tl.constexpr, STRIDE_QH: tl.constexpr, STRIDE_KP: tl.constexpr,
+    STRIDE_KS: tl.constexpr, STRIDE_KH: tl.constexpr, STRIDE_OT: tl.constexpr,
+    STRIDE_OH: tl.constexpr, SOFTMAX_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_HEADS_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -141,17 +145,22 @@ def _paged_attention_plain_kernel(
     # The plain form (most decode and prefill calls): a paged cache whose K and V share strides,
     # unit-stride metadata, none of the rare features, the launcher's scratch: one fp32 buffer,
     # partial outputs [splits, total_q, Hq, DV_PAD] then partial LSEs [splits, total_q, Hq].
-    # Model constants are constexprs and derivable strides are not passed, so a launch binds 27
-    # arguments and 16 constexprs instead of 67 and 25.
+    # What is fixed for a layer is a constexpr (model constants, q/K/V/out strides, scale,
+    # softcap, window, the split floor) and derivable strides are not passed, so a launch binds
+    # 15 runtime arguments (5 of them scalars that change per step) instead of 67. LSE is None
+    # when the caller does not want it, SCRATCH and COUNTERS with one split (never read).
     HQ: tl.constexpr = GROUP_SIZE * NUM_HEADS_KV
     part_s = total_q * (HQ * DV_PAD)
-    _attend(Q, K, V, Q, O, LSE, SCRATCH, SCRATCH + NUM_SPLITS * part_s, COUNTERS,
+    LSE_PART = SCRATCH
+    if NUM_SPLITS > 1:
+        LSE_PART = SCRATCH + NUM_SPLITS * part_s
+    _attend(Q, K, V, Q, O, LSE, SCRATCH, LSE_PART, COUNTERS,
             CACHE_SEQLENS, PAGE_TABLE, CU_Q, CU_Q, None, None, None, None, None, None, None,
-            stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_kp, stride_ks,
-            stride_kh, stride_qt, stride_qh, stride_ot, stride_oh, total_q, stride_pt_b, part_s,
+            STRIDE_QT, STRIDE_QH, STRIDE_KP, STRIDE_KS, STRIDE_KH, STRIDE_KP, STRIDE_KS,
+            STRIDE_KH, STRIDE_QT, STRIDE_QH, STRIDE_OT, STRIDE_OH, total_q, stride_pt_b, part_s,
             HQ * DV_PAD, DV_PAD, total_q * HQ, HQ, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-            softmax_scale, softcap, window_left, window_right, GROUP_SIZE, NUM_HEADS_KV,
-            HEAD_DIM, HEAD_DIM_V, min_split_tiles, total_q, num_pages, num_pages, max_seqlen_q,
+            SOFTMAX_SCALE, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT, GROUP_SIZE, NUM_HEADS_KV,
+            HEAD_DIM, HEAD_DIM_V, MIN_SPLIT_TILES, total_q, num_pages, num_pages, max_seqlen_q,
             max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, True, False, False, False,
             False, False, False, False, False, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST,
             PAGE_TILES, EVEN_D, PHASES, False, False, 1, 1)
@@ -358,10 +367,13 @@ def _attend(
                     EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
-    direct = True  # the only split with keys for these rows writes the result itself
-    if NUM_SPLITS > 1:
-        direct = n_work == 1
-    if direct:
+    # The only split with keys for these rows writes the result itself. With one split that is
+    # decided at compile time, so the split branch (scratch, counters: None then) is not built.
+    if NUM_SPLITS == 1:
+        _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, offs_dc,
+                      mask_dc, q_start, q_len, kv_head, row_first, head_dim_v, stride_sinks,
+                      stride_ot, stride_oh, stride_lse_h, BLOCK_M, DV_PAD, GROUP, HAS_SINKS, TMA)
+    elif n_work == 1:
         _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, offs_dc,
                       mask_dc, q_start, q_len, kv_head, row_first, head_dim_v, stride_sinks,
                       stride_ot, stride_oh, stride_lse_h, BLOCK_M, DV_PAD, GROUP, HAS_SINKS, TMA)
@@ -436,7 +448,8 @@ def _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, of
     else:
         tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dc[None, :],
                  out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dc[None, :])
-    tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
+    if LSE is not None:  # None: the caller does not want it
+        tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
 
 
 @triton.jit
@@ -531,7 +544,8 @@ def _merge_splits_tile(
     inv_den = 1.0 / tl.where(has_keys, den, 1.0)
     lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, den, 1.0))) * LN2_C,
                    float("-inf"))
-    tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
+    if LSE is not None:
+        tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     o_rows = O_PART + tok[:, None] * stride_part_t + head[:, None] * stride_part_h
     out_rows = O + tok[:, None] * stride_ot + head[:, None] * stride_oh
     for dv_start in tl.static_range(0, WIDTH, DV_CHUNK):
