@@ -90,18 +90,20 @@ class _Binders:
     def __init__(self):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
+        from triton.runtime.jit import compute_cache_key
         self.backend = make_backend(GPUTarget("cuda", 90, 32))
-        self.binders: dict = {}
+        self.cache_key = compute_cache_key
+        self.binders: dict = {}  # id(kernel) -> binder (a JITFunction's own hash reads its source)
         self.keys: dict = {}
 
     def __call__(self, kernel, grid, device, *args, **kwargs) -> None:
-        from triton.runtime.jit import compute_cache_key, create_function_from_signature
-        binder = self.binders.get(kernel)
+        binder = self.binders.get(id(kernel))
         if binder is None:
-            binder = self.binders[kernel] = create_function_from_signature(
+            from triton.runtime.jit import create_function_from_signature
+            binder = self.binders[id(kernel)] = create_function_from_signature(
                 kernel.signature, kernel.params, self.backend)
         _, specialization, options = binder(*args, **kwargs)
-        compute_cache_key(self.keys, specialization, options)
+        self.cache_key(self.keys, specialization, options)
 
 
 def bind_kernels() -> None:

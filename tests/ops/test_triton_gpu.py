@@ -258,6 +258,46 @@ def test_split_kv_launch_replays_bitwise_and_leaves_counters_zero():
     assert _rel(out, ref) < 1e-2
 
 
+def test_split_workspace_per_stream_and_never_in_a_graph():
+    """Eager split decode launches take their stream's workspace (``_WORKSPACES``); a launch
+    captured in a graph allocates its own buffers (the workspace is not touched while
+    capturing), and eager launches before and after replays, and on a second stream at the same
+    time, all match the reference; every workspace's counters are zero after a sync."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs")
+    from xpu_ops.triton import paged_attention as pa
+    q, k, v, lens, table, cu = paged_case([30000, 20000], [1, 1], 64, table_tokens=131072)
+    kw = dict(cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=1,
+              causal=True)
+    with xpu_ops.use_provider("reference"):
+        ref = xpu_ops.flash_attn_with_kvcache(q, k, v, **kw)
+    out, out2 = torch.empty_like(q), torch.empty_like(q)
+    with xpu_ops.use_provider("triton"):
+        xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)
+        torch.cuda.synchronize()
+        before = {key: tuple(t.data_ptr() for t in ws) for key, ws in pa._WORKSPACES.items()}
+        assert before, "an eager split launch took no workspace"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            xpu_ops.flash_attn_with_kvcache(q, k, v, out=out2, **kw)
+        assert {key: tuple(t.data_ptr() for t in ws)
+                for key, ws in pa._WORKSPACES.items()} == before
+        side = torch.cuda.Stream()
+        for _ in range(3):
+            out.fill_(float("nan"))
+            out2.fill_(float("nan"))
+            graph.replay()
+            xpu_ops.flash_attn_with_kvcache(q, k, v, out=out, **kw)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                o3 = xpu_ops.flash_attn_with_kvcache(q, k, v, **kw)
+            torch.cuda.current_stream().wait_stream(side)
+            for o in (out, out2, o3):
+                assert _rel(o, ref) < 1e-2
+    torch.cuda.synchronize()
+    assert all(not ws[2].any() for ws in pa._WORKSPACES.values())
+
+
 @pytest.mark.parametrize("page_size", [64, 16, 1])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_small_batch_decode_splits_each_length_under_a_wide_table(batch, page_size):

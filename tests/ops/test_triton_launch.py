@@ -257,3 +257,46 @@ def test_plain_launch_without_lse_binds_none_and_matches_oracle(num_splits, boun
         assert all(isinstance(t, torch.Tensor) for t in (lse_arg, scratch_arg, counters_arg))
     want, _ = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(out, want, out.dtype)
+
+
+@in_subprocess
+def test_plain_split_launches_share_their_threads_workspace_and_leave_counters_zero(
+        monkeypatch):
+    """Split plain launches one after another (1 to 4 splits, lengths that give each request one,
+    some or all working splits, with and without an LSE) take this thread's workspace: partials
+    NaN-poisoned between launches, every launch matches the oracle, and the counters are all
+    zero after each (the next launch starts from them). A larger launch grows the workspace; a
+    launch of another thread gets its own."""
+    import threading
+    monkeypatch.setattr(pa, "_WORKSPACES", {})
+    key = pa._workspace_key(torch.device("cpu"))
+    for i, (splits, reqs, want_lse) in enumerate([
+            (3, ((1, 40), (1, 3), (1, 0)), False), (2, ((1, 70), (1, 17)), True),
+            (4, ((1, 9), (1, 64), (1, 33), (1, 1)), False), (3, ((1, 5),), True)]):
+        case = _decode_case(reqs=reqs, num_splits=splits)
+        args, kwargs = xt.attention_case_inputs(case, "cpu",
+                                                gen=torch.Generator().manual_seed(20 + i))
+        q, k, v, lens, table, cu, out = args[:7]
+        out.fill_(float("nan"))
+        if key in pa._WORKSPACES:
+            pa._WORKSPACES[key][0].fill_(float("nan"))
+            pa._WORKSPACES[key][1].fill_(float("nan"))
+        lse = pa.paged_attention(
+            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+            max_kv_len=table.shape[1] * case.page_size, qv=None, q_descale=None,
+            k_descale=None, v_descale=None, sinks=None, softmax_scale=kwargs["softmax_scale"],
+            window_left=-1, window_right=0, softcap=0.0, num_splits=splits,
+            return_lse=want_lse)
+        want, want_lse_ref = oracle.flash_attn_with_kvcache(*args, **kwargs)
+        assert_matches_oracle(out, want, out.dtype, lse if want_lse else None,
+                              want_lse_ref if want_lse else None)
+        assert (lse is None) == (not want_lse)
+        part, _, counters = pa._WORKSPACES[key]
+        assert not counters.any(), (i, counters)
+        assert part.numel() >= splits * q.shape[0] * q.shape[1] * (32 + 1)  # Dv_pad 32, + LSE
+    assert list(pa._WORKSPACES) == [key]
+    other = []
+    thread = threading.Thread(target=lambda: other.append(pa._workspace_key(torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert other[0] != key

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Optional
 
 import torch
@@ -358,12 +359,15 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         num_splits: force the KV split count (tests, benchmarks; each request's keys shared
             evenly by the splits); default planned from shapes (``plan_splits``).
         scratch: preallocated ``(o_part [>= splits, total_q, Hq, Dv_pad], lse_part [>= splits,
-            total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None.
+            total_q, Hq])`` float32 (e.g. MLA's workspace); allocated from shapes when None
+            (a plain launch outside graph capture takes its stream's workspace instead,
+            ``_WORKSPACES``, and so does its LSE when the caller wants none).
         counters: split-KV arrival counters, int32 contiguous, all zero, at least
             ``b * Hkv * cdiv(max_seqlen_q * Hq // Hkv, 16)`` entries (one per program tile;
             BLOCK_M >= 16); left all zero. Reusable by launches that run one after another on
-            one stream, never by concurrent ones. ``torch.zeros`` per call when None; unused
-            with one split.
+            one stream, never by concurrent ones. When None: the stream's workspace for a plain
+            launch outside graph capture, else ``torch.zeros`` per call; unused with one
+            split.
         config: force the tile shape (benchmarks). lse: preallocated [Hq, total_q] output.
         k_start: [b] int32 first visible key per request (``cache_leftpad``).
         block_ids: [total_q] int32 bidirectional block id per query token (< 0: none): key j
@@ -411,15 +415,30 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         (q.element_size(), k.element_size(), out.element_size(),
          all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
     if params.plain:  # unused buffers are None (constexprs: nothing to bind)
-        if lse is None and params.num_splits > 1:
+        if params.num_splits == 1:
+            launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse,
+                   None, None, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+                   **params.meta)
+            return lse
+        part_elems = params.num_splits * total_q * num_heads_q * (params.dv_pad + 1)
+        ws = _workspace(q.device, part_elems, 0 if lse is not None else num_heads_q * total_q,
+                        0 if counters is not None else params.num_tiles)
+        if ws is None:  # graph capture, another device, a large launch: buffers of this call
+            o_part, _, counters = _split_buffers(params, q, scratch, counters, None)
+        else:
+            o_part = ws[0]
+            counters = ws[2] if counters is None else _checked_counters(counters, params)
+        if lse is None:
             # the merge compiles with fewer spills when it writes an LSE (sm_90, 33 splits:
-            # 280 bytes of stack against 408 without)
-            lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
-        o_part, _, counters = _split_buffers(params, q, scratch, counters, None)
-        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse, o_part,
-               counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+            # 280 bytes of stack against 408 without); the caller does not see it
+            lse_buf = (ws[1] if ws is not None else
+                       torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device))
+        else:
+            lse_buf = lse
+        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse_buf,
+               o_part, counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
                **params.meta)
-        return lse if return_lse else None
+        return lse
     if lse is None:  # the full kernel writes an LSE (and takes it for unused pointers)
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
@@ -471,14 +490,75 @@ def _split_buffers(params: _LaunchParams, q: Tensor, scratch, counters,
                                device=q.device))
     if counters is None:
         counters = torch.zeros(params.num_tiles, dtype=torch.int32, device=q.device)
-    elif (counters.dtype != torch.int32 or not counters.is_contiguous()
-          or counters.numel() < params.num_tiles):
+    else:
+        _checked_counters(counters, params)
+    return scratch[0], scratch[1], counters
+
+
+def _checked_counters(counters: Tensor, params: _LaunchParams) -> Tensor:
+    """The caller's ``counters``, or ValueError when they cannot serve the launch."""
+    if (counters.dtype != torch.int32 or not counters.is_contiguous()
+            or counters.numel() < params.num_tiles):
         raise ValueError(f"paged_attention: counters is {counters.dtype}, "
                          f"{'' if counters.is_contiguous() else 'non-'}contiguous, with "
                          f"{counters.numel()} entries; expected contiguous torch.int32 with at "
                          f"least {params.num_tiles} (one per program tile). Allocate "
                          f"torch.zeros(n, dtype=torch.int32) once and reuse it.")
-    return scratch[0], scratch[1], counters
+    return counters
+
+
+# Split-KV workspaces of plain launches: (partials, LSE, counters) per (device, stream) on CUDA
+# and per thread on the CPU interpreter (its launches run in the calling thread). Launches on one
+# stream run one after another, the partials and LSE are written before they are read within a
+# launch, and the kernel stores every counter it incremented back to 0 (the last arriving split
+# of a tile, after its merge), so the counters are zero again when the next launch on that stream
+# starts: a workspace never needs resetting. A launch being captured into a graph never uses one
+# (it allocates from the graph's pool, and its counters' memset is replayed), so no graph ever
+# holds a workspace's address and no replay can run concurrently with an eager launch on it;
+# other devices (XPU: its capture query is not known here) and launches needing more than
+# WORKSPACE_MAX_BYTES allocate per call too. A workspace grows to the largest launch of its
+# stream; the buffer it replaces goes back to the caching allocator, which hands it out again
+# only in that stream's order (after the launches that still use it).
+_WORKSPACES: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+WORKSPACE_MAX_BYTES = 64 * 2 ** 20
+
+
+def _workspace_key(device: torch.device) -> Optional[tuple]:
+    """The stream (CUDA) or thread (CPU) whose launches run in order, None when the launch
+    must allocate its own buffers (graph capture, other device types)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
+    if device.type == "cpu":
+        return (device.type, threading.get_ident())
+    return None
+
+
+def _workspace(device: torch.device, part_elems: int, lse_elems: int,
+               tiles: int) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """``(partials, LSE, counters)`` of this stream with at least these float32, float32 and
+    (zero) int32 entries, or None (see ``_WORKSPACES``)."""
+    if 4 * (part_elems + lse_elems + tiles) > WORKSPACE_MAX_BYTES:
+        return None
+    key = _workspace_key(device)
+    if key is None:
+        return None
+    ws = _WORKSPACES.get(key)
+    if (ws is None or ws[0].numel() < part_elems or ws[1].numel() < lse_elems
+            or ws[2].numel() < tiles):
+        old = ws or (None, None, None)
+
+        def grown(buf, n, make):
+            return buf if buf is not None and buf.numel() >= n else make(
+                max(n, 0 if buf is None else buf.numel()))
+        ws = _WORKSPACES[key] = (
+            grown(old[0], part_elems, lambda n: torch.empty(n, dtype=torch.float32,
+                                                            device=device)),
+            grown(old[1], lse_elems, lambda n: torch.empty(n, dtype=torch.float32,
+                                                           device=device)),
+            grown(old[2], tiles, lambda n: torch.zeros(n, dtype=torch.int32, device=device)))
+    return ws
 
 
 def requested_splits(num_splits: int) -> Optional[int]:
