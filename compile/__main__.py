@@ -299,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
                    help="auto: cuda, else xpu, else cpu")
     g.add_argument("--mode", choices=MODES, default="eager",
-                   help="eager: the model as written; compile: torch.compile (Inductor), one "
-                        "trace per layer kind (compile.graphs.compiled_model); "
+                   help="eager: the model as written; compile: a plain torch.compile of the "
+                        "whole model (Inductor; Dynamo traces every layer; "
+                        "compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
                         "graphs: the serving path, decode steps replay whole-step device "
                         "graphs per batch bucket, every other step runs piecewise (one "

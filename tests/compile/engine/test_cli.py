@@ -303,6 +303,9 @@ def test_help_texts_state_the_real_defaults(capsys):
     gen = " ".join(_help(capsys, "generate").split())   # argparse wraps lines
     assert "(default: None)" not in gen, gen            # --prompt/--prompts-file/--model
     assert gen.count("the 4 built-in prompts") == 2, gen
+    # --mode compile is one torch.compile of the whole model (compile.graphs.compiled_model)
+    assert "compile: a plain torch.compile of the whole model" in gen, gen
+    assert "per layer kind" not in gen, gen
 
 
 @pytest.mark.parametrize("provider, pattern", [
