@@ -90,6 +90,13 @@ def _bad(t, args):
         "page_table batch": (dict(page_table=t["page_table"][1:]), ValueError,
                              r"page_table has the wrong size in dimension 0; expected "
                              r"cache_seqlens.shape\[0\] \(b\) = 3"),
+        # A wrong-length cache_seqlens is named, not the page_table that agrees with
+        # cu_seqlens_q (fresh-user report F14a).
+        "cache_seqlens batch": (dict(cache_seqlens=torch.cat([t["cache_seqlens"]] * 2)[:4]),
+                                ValueError,
+                                r"cache_seqlens has the wrong size in dimension 0; expected "
+                                r"page_table.shape\[0\] = cu_seqlens_q.shape\[0\] - 1 \(b\) = "
+                                r"3, got shape \(4,\)\.$"),
         "cu_seqlens_q length": (dict(cu_seqlens_q=t["cu_seqlens_q"][1:]), ValueError,
                                 r"cu_seqlens_q has the wrong size in dimension 0; expected "
                                 r"b \+ 1 = 4"),

@@ -45,6 +45,21 @@ def _check_cache_rank(fn: str, arg: str, cache) -> None:
              f"View a flat [slots, Hkv, D] pool as {arg}.view(-1, page_size, Hkv, D).")
 
 
+def _check_batch_rows(fn: str, cache_seqlens, page_table, cu_seqlens_q) -> None:
+    """``cache_seqlens [b]`` and ``page_table [b, max_pages]`` agree on ``b``. When they do
+    not, the one that ``cu_seqlens_q [b + 1]`` (a third witness of ``b``) also contradicts is
+    named; ``page_table`` when ``cu_seqlens_q`` sides with neither (it is checked next)."""
+    b, rows = cache_seqlens.shape[0], page_table.shape[0]
+    if b == rows:
+        return
+    cu_b = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor)
+            and cu_seqlens_q.dim() == 1 else None)
+    if cu_b is not None and cu_b == rows:
+        check_size(fn, "cache_seqlens", cache_seqlens, 0, rows,
+                   "page_table.shape[0] = cu_seqlens_q.shape[0] - 1 (b)")
+    check_size(fn, "page_table", page_table, 0, b, "cache_seqlens.shape[0] (b)")
+
+
 def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, qv, q_descale, k_descale, v_descale, sinks,
                                    cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
@@ -71,7 +86,7 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
     check_index(fn, "cache_seqlens", cache_seqlens, 1, device)
     batch = cache_seqlens.shape[0]
     check_index(fn, "page_table", page_table, 2, device)
-    check_size(fn, "page_table", page_table, 0, batch, "cache_seqlens.shape[0] (b)")
+    _check_batch_rows(fn, cache_seqlens, page_table, cu_seqlens_q)
     check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, batch, device)
     head_dim_v = v_cache.shape[3]
     total_q, num_heads_q, _ = q.shape
