@@ -166,7 +166,7 @@ def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable,
     print(f"prefill: {stats.prefill_tokens} tokens in {stats.prefill_seconds:.2f} s = "
           f"{pre:.1f} tokens/s")
     print(f"decode: {stats.decode_tokens} tokens in {stats.decode_seconds:.2f} s = "
-          f"{dec:.1f} tokens/s ({stats.steps} steps)")
+          f"{dec:.1f} tokens/s ({stats.decode_steps} steps)")
     print(decode_summary(stats, warmup_steps))
     if mode != "eager":
         print("(first-call compilation and capture are included in the prefill, decode and "
@@ -175,11 +175,15 @@ def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable,
 
 
 def decode_summary(stats, warmup_steps: int) -> str:
-    """Two lines: decode warm-up (the first ``warmup_steps`` decode steps of each batch size:
-    compilation, recompiles, capture) and steady-state decode tokens/s (every other step)."""
+    """Two lines: decode warm-up (the first ``warmup_steps`` decode steps of each batch size,
+    where compilation, recompiles and capture happen, plus any later step in which something
+    compiled: ``EngineStats.decode_split``) and steady-state decode tokens/s (every other
+    step)."""
     warm, steady = stats.decode_split(warmup_steps)
+    late = stats.late_compiled_steps(warmup_steps)
+    later = f", and {late} later steps that compiled" if late else ""
     line = (f"decode warm-up: {warm.tokens} tokens in {warm.seconds:.2f} s ({warm.steps} steps: "
-            f"the first {warmup_steps} of each batch size)\n")
+            f"the first {warmup_steps} of each batch size{later})\n")
     if not steady.steps:
         return line + ("decode steady state: no decode step after the warm-up (raise "
                        "--max-new-tokens or lower --decode-warmup-steps)")

@@ -37,7 +37,22 @@ from compile.batch import ForwardBatch, KVWriteLoc
 
 class MetadataBuilderMixin:
     """``build_metadata`` and its per-mode helpers; mixed into ``XPUAttentionBackend`` (reads
-    its ``req_to_token``, ``page_size``, pools and speculative settings)."""
+    its ``req_to_token``, ``page_size``, pools and speculative settings).
+
+    Attributes:
+        fixed_table_width: False (default): the page tables of plain DECODE/EXTEND batches are
+            as wide as the batch's longest request needs (``ceil(max_seqlen_k / page_size)``
+            columns), so their width grows step by step. True: they are zero-padded on the
+            right to the width of the request pool, ``ceil(max_context_len / page_size)``
+            columns (``max_context_len`` for token-slot tables), as the graph buffers are
+            (``backend_graph.metadata_buffers``): a shape that never changes between steps,
+            so a ``torch.compile``d forward does not recompile when a request crosses a page
+            boundary. The padding lies past every ``cache_seqlens`` and is never read; the
+            outputs are the same either way. ``compile.engine.Engine`` sets it from its
+            forward's ``fixed_table_width`` (``CompiledModel``, ``PiecewiseModel``).
+    """
+
+    fixed_table_width: bool = False
 
     def _topk(self, fb: ForwardBatch) -> int:
         spec_topk = getattr(fb.spec_info, "topk", 0) if fb.spec_info is not None else 0
@@ -74,7 +89,23 @@ class MetadataBuilderMixin:
         else:
             meta, plain = self._decode_or_extend_metadata(fb, graph), True
         self._add_layer_variants(fb, meta, graph, plain)
+        if plain and self.fixed_table_width and not graph:
+            self._pad_tables(meta)
         return meta
+
+    def _pad_tables(self, meta: AttentionMetadata) -> None:
+        """Zero-pad the main, SWA and encoder page tables of ``meta`` on the right to the
+        request pool's width (``fixed_table_width``); a wider table (more tokens than
+        ``max_context_len``) is left as it is."""
+        for part in ("main", "swa", "encoder"):
+            call = getattr(meta, part)
+            if call is None:
+                continue
+            width = -(-self.max_context_len // call.page_size)
+            extra = width - call.page_table.shape[1]
+            if extra > 0:
+                setattr(meta, part, call.with_table(
+                    torch.nn.functional.pad(call.page_table, (0, extra))))
 
     def _idle_metadata(self) -> AttentionMetadata:
         z = torch.zeros(0, dtype=torch.int32, device=self.device)

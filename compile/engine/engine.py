@@ -18,6 +18,7 @@ the model once. Policy (sglang's default, simplified):
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
@@ -74,8 +75,11 @@ class DecodeTotals:
 class EngineStats:
     """Token counts and wall seconds of prefill and decode steps (for tokens/s).
 
-    ``decode_step_log`` holds ``(batch size, seconds)`` of every decode step in order, so
-    ``decode_split`` can set the warm-up steps (compilation, recompiles, graph capture) apart.
+    ``steps`` counts every engine step, prefill (EXTEND) steps included; ``decode_steps`` the
+    decode steps only. ``decode_step_log`` holds ``(batch size, seconds)`` of every decode step
+    in order, and ``compiled_decode_steps`` the indices into it of the steps in which something
+    was compiled or captured (``compile_events``), so ``decode_split`` can set the warm-up
+    steps (compilation, recompiles, graph capture) apart.
     """
 
     prefill_tokens: int = 0
@@ -84,17 +88,51 @@ class EngineStats:
     decode_seconds: float = 0.0
     steps: int = 0
     decode_step_log: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    compiled_decode_steps: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps run (``steps`` without the prefill steps)."""
+        return len(self.decode_step_log)
 
     def decode_split(self, warmup_steps: int = 2) -> tuple[DecodeTotals, DecodeTotals]:
         """``(warm-up, steady state)`` totals of the decode steps: warm-up are the first
         ``warmup_steps`` steps of each batch size (where a compiled mode compiles or recompiles
-        and a graph mode captures), steady state all the others."""
+        and a graph mode captures) and every later step in ``compiled_decode_steps``, steady
+        state all the others."""
         seen: dict[int, int] = {}
         warm, steady = DecodeTotals(), DecodeTotals()
-        for b, seconds in self.decode_step_log:
+        for i, (b, seconds) in enumerate(self.decode_step_log):
             seen[b] = seen.get(b, 0) + 1
-            (warm if seen[b] <= warmup_steps else steady).add(b, seconds)
+            late = seen[b] > warmup_steps and i not in self.compiled_decode_steps
+            (steady if late else warm).add(b, seconds)
         return warm, steady
+
+    def late_compiled_steps(self, warmup_steps: int = 2) -> int:
+        """Decode steps past the first ``warmup_steps`` of their batch size in which something
+        was compiled or captured (``decode_split`` counts them as warm-up)."""
+        seen: dict[int, int] = {}
+        late = 0
+        for i, (b, _) in enumerate(self.decode_step_log):
+            seen[b] = seen.get(b, 0) + 1
+            late += seen[b] > warmup_steps and i in self.compiled_decode_steps
+        return late
+
+
+def compile_events(forward) -> int:
+    """How many compilations and captures have happened so far: Dynamo's graph count in this
+    process (0 when Dynamo was never imported) plus the ``captures`` of a graph runner and the
+    piece ``compiles``/``captures`` of a piecewise backend, on ``forward`` or the forward it
+    wraps. Cheap (a few attribute reads): the engine reads it around every decode step."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    n = utils.counters["stats"]["unique_graphs"] if utils is not None else 0
+    for f in (forward, getattr(forward, "forward", None)):
+        captures = getattr(f, "captures", 0)
+        n += captures if isinstance(captures, int) else 0
+        stats = getattr(getattr(f, "backend", None), "stats", None)
+        if isinstance(stats, dict):
+            n += int(stats.get("compiles", 0)) + int(stats.get("captures", 0))
+    return n
 
 
 class Engine:
@@ -182,6 +220,10 @@ class Engine:
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
         self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
+        if getattr(self.forward, "fixed_table_width", False):
+            # a compiled forward gets one page-table width in every step: no recompile when a
+            # request crosses a page boundary (MetadataBuilderMixin.fixed_table_width)
+            self.attn_backend.fixed_table_width = True
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling or decoding
@@ -353,10 +395,13 @@ class Engine:
         positions = [req.seq_len - 1 for req in reqs]
         loc = torch.cat([self._alloc(req, 1) for req in reqs])
         batch = self._batch(ForwardMode.DECODE, reqs, loc, positions)
+        events = compile_events(self.forward)
         t0 = time.perf_counter()
         logits = self._run(batch, ids, positions)
         finished = self._sample_and_finish(reqs, logits)
         seconds = time.perf_counter() - t0
+        if compile_events(self.forward) != events:
+            self.stats.compiled_decode_steps.add(len(self.stats.decode_step_log))
         self.stats.decode_tokens += len(reqs)
         self.stats.decode_seconds += seconds
         self.stats.decode_step_log.append((len(reqs), seconds))
@@ -435,4 +480,5 @@ def _check_sizes(**sizes: int) -> None:
         check_positive_int("Engine", name, value)
 
 
-__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "DecodeTotals", "sample"]
+__all__ = ["Engine", "Req", "SamplingParams", "EngineStats", "DecodeTotals", "compile_events",
+           "sample"]

@@ -55,9 +55,14 @@ class CompiledModel:
             torch without the argument: Dynamo's global limit during each call).
     Attributes:
         model: the model. compiled: the ``torch.compile``d model.
+        fixed_table_width: True: ``compile.engine.Engine`` builds its page tables as wide as
+            the request pool in every step (``MetadataBuilderMixin.fixed_table_width``), so
+            decode steps of one batch size share one graph across page boundaries.
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
     """
+
+    fixed_table_width = True
 
     def __init__(self, model: nn.Module, **compile_kwargs):
         if not isinstance(model, nn.Module):

@@ -195,6 +195,9 @@ class PiecewiseModel(nn.Module):
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
+        fixed_table_width: True: ``compile.engine.Engine`` builds its page tables as wide as
+            the request pool in every step (``MetadataBuilderMixin.fixed_table_width``): the
+            Dynamo graph does not recompile when a request crosses a page boundary.
     Returns (forward):
         the model's output; for bucketed steps rows ``[:T]`` of every padded output tensor
         (a tensor, or tensors inside tuples, lists or dicts), cloned.
@@ -203,6 +206,8 @@ class PiecewiseModel(nn.Module):
     give ``PiecewiseModel`` its own model instance, not one that is also run eagerly or by
     another runner.
     """
+
+    fixed_table_width = True
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,

@@ -338,3 +338,24 @@ def test_deterministic_inference_same_request_alone_and_batched(models):
         assert seen[k][0] == seen[1][0] == greedy_ref(hf, target, 5)
         for a, b in zip(seen[1][1], seen[k][1]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_split_counts_a_late_compiling_step_as_warm_up():
+    from compile.engine.engine import EngineStats
+    log = [(4, 1.0), (4, 0.5), (4, 0.125), (4, 2.0), (4, 0.25)]
+    stats = EngineStats(decode_step_log=log, compiled_decode_steps={0, 3})
+    warm, steady = stats.decode_split(2)
+    assert (warm.seconds, warm.steps) == (1.0 + 0.5 + 2.0, 3)
+    assert (steady.seconds, steady.steps) == (0.125 + 0.25, 2)
+    assert stats.late_compiled_steps(2) == 1 and stats.late_compiled_steps(4) == 0
+    assert stats.decode_steps == 5
+
+
+def test_stats_steps_count_prefill_and_decode_steps_apart(models):
+    _, model = models
+    engine = Engine(model, page_size=4, max_running=2, max_context_len=32)
+    engine.add_request(prompt(5, 30), SamplingParams(max_new_tokens=4))
+    while engine.has_work():
+        engine.step()
+    assert (engine.stats.steps, engine.stats.decode_steps) == (4, 3)
+    assert engine.stats.compiled_decode_steps == set()   # eager: nothing compiles

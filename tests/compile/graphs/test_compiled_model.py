@@ -90,3 +90,37 @@ def test_no_recompile_per_new_batch():
             forward(ids, pos, fb)
             frames.append(counter.frame_count)
     assert frames[-1] == frames[1]
+
+
+def test_engine_decode_across_page_boundaries_compiles_nothing_after_the_warm_up():
+    """``compile.engine.Engine`` with ``compile_model``: once the first decode step of a batch
+    size has compiled, decoding on past several page boundaries (page tables 2 -> 3 -> 4 -> 5
+    pages wide) compiles no new graph, the ids equal eager's, and the engine marks the decode
+    steps that compiled (``EngineStats.compiled_decode_steps``)."""
+    from compile.engine import Engine, SamplingParams
+
+    torch._dynamo.reset()
+    model = tiny_model(2)
+    prompts = [[5, 9, 2, 7, 1], [3, 8]]
+    sampling = SamplingParams(max_new_tokens=14)
+
+    def run(forward, graphs_per_step=None):
+        engine = Engine(model, forward=forward, page_size=4, max_running=2, max_context_len=32)
+        reqs = [engine.add_request(p, sampling) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            if graphs_per_step is not None:
+                graphs_per_step.append((max(r.num_cached for r in reqs), counter.frame_count))
+        return [r.output_ids for r in reqs], engine.stats
+
+    eager, eager_stats = run(model)
+    counter = CompileCounterWithBackend("eager")
+    log = []
+    compiled, stats = run(compile_model(model, backend=counter, fullgraph=True), log)
+    assert compiled == eager
+    # the engine saw the first decode step compile (the decode graph), and no other
+    assert (eager_stats.compiled_decode_steps, stats.compiled_decode_steps) == (set(), {0})
+    # log[0]: the prefill; log[1], log[2]: the warm-up decode steps (one batch size throughout)
+    widths = {-(-longest // 4) for longest, _ in log[3:]}
+    assert len(widths) >= 3, log              # the steady state crossed page boundaries
+    assert {frames for _, frames in log[2:]} == {log[2][1]}, log
