@@ -199,18 +199,23 @@ def compile_summary(forward: Callable) -> str:
     line = (f"compile: {graphs} graphs compiled, {max(graphs - 1, 0)} recompiles, "
             f"{sum(counters['graph_break'].values())} graph breaks")
     if isinstance(forward, PiecewiseModel):
-        s = forward.backend.stats
-        line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls, "
-                 f"{s['compiles']} piece compiles, {s['captures']} captures")
+        line += "; " + _piecewise_summary(forward.backend.stats)
     if isinstance(forward, GraphRunner):
         line += (f"; full graphs: {forward.captures} captured, {forward.replays} replays"
                  if forward.capture else f"; full graphs: none (no capture on this device; "
                  f"{forward.static_steps} decode steps ran uncaptured)")
         if isinstance(forward.forward, PiecewiseModel):
-            s = forward.forward.backend.stats
-            line += (f"; piecewise: {s['pieces']} pieces around {s['split_ops']} attention "
-                     f"calls, {s['compiles']} piece compiles, {s['captures']} captures")
+            line += "; " + _piecewise_summary(forward.forward.backend.stats)
     return line
+
+
+def _piecewise_summary(s: dict) -> str:
+    """Pieces and attention calls summed over the piecewise backend's Dynamo graphs (each
+    graph is split on its own), piece compiles and captures."""
+    graphs = s.get("graphs", 1)
+    over = f" over {graphs} graph{'s' if graphs != 1 else ''}"
+    return (f"piecewise: {s['pieces']} pieces around {s['split_ops']} attention calls{over}, "
+            f"{s['compiles']} piece compiles, {s['captures']} captures")
 
 
 def verify(hf_model, prompt_ids, outputs, max_new_tokens: int, stops) -> bool:
@@ -232,13 +237,38 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 def check_prompt_lengths(args, prompt_ids: list[list[int]], max_positions: int) -> None:
     """Exit with a one-line argument error (status 2) when a prompt plus ``--max-new-tokens``
-    exceeds the model's ``max_position_embeddings``."""
+    exceeds the model's ``max_position_embeddings`` (the error names ``--max-new-tokens``, the
+    argument to lower; ``known_max_positions`` catches the plainly too large values before the
+    model loads)."""
     for i, ids in enumerate(prompt_ids):
         total = len(ids) + args.max_new_tokens
         if total > max_positions:
-            args.error(f"argument --prompt: prompt {i} is {len(ids)} tokens + --max-new-tokens "
-                       f"{args.max_new_tokens} = {total}; expected at most the model's "
-                       f"max_position_embeddings={max_positions}, got {total}")
+            args.error(f"argument --max-new-tokens: prompt {i} is {len(ids)} tokens + "
+                       f"--max-new-tokens {args.max_new_tokens} = {total}; expected at most the "
+                       f"model's max_position_embeddings={max_positions}, got {total} (lower "
+                       f"--max-new-tokens or shorten the prompt)")
+
+
+def known_max_positions(model: Optional[str]) -> Optional[int]:
+    """``max_position_embeddings`` of ``--model`` when it is known without loading the model:
+    ``tiny``'s, or a Hugging Face folder's ``config.json`` (top level, else its
+    ``text_config``); None otherwise (GGUF files and the built-in GGUF models, whose limit is
+    checked once they are loaded, and any config that cannot be read here)."""
+    import json
+
+    from compile.engine.cli_models import TINY, TINY_CONFIG
+    if model == TINY:
+        return TINY_CONFIG["max_position_embeddings"]
+    if model is None or not Path(model).expanduser().is_dir():
+        return None
+    try:
+        cfg = json.loads((Path(model).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None          # the loader reports it
+    limit = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    if limit is None and isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        limit = cfg["text_config"].get("max_position_embeddings")
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def cmd_generate(args) -> int:
@@ -299,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto",
                    help="auto: cuda, else xpu, else cpu")
     g.add_argument("--mode", choices=MODES, default="eager",
-                   help="eager: the model as written; compile: torch.compile (Inductor), one "
-                        "trace per layer kind (compile.graphs.compiled_model); "
+                   help="eager: the model as written; compile: a plain torch.compile of the "
+                        "whole model (Inductor; Dynamo traces every layer; "
+                        "compile.graphs.compiled_model); "
                         "piecewise: split at attention, pieces compiled (and captured on GPUs); "
                         "graphs: the serving path, decode steps replay whole-step device "
                         "graphs per batch bucket, every other step runs piecewise (one "
@@ -368,8 +399,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ``--device``, an ``XPU_OPS_PROVIDER`` or ``XPU_OPS_TRITON_PATHS`` that cannot serve it)
     exit with status 2 and one line on stderr before anything loads (``compile.engine.cli_args``,
     ``cli_models.check_ops_environment``); so do a model file that fails to load
-    (``ModelLoadError``) and a prompt longer than the model's positions, found once the model is
-    loaded. Unparsed arguments are passed on only to ``bench``.
+    (``ModelLoadError``) and a prompt plus ``--max-new-tokens`` longer than the model's
+    positions, found once the model is loaded (before it, where ``known_max_positions`` knows
+    the limit and ``--max-new-tokens`` alone passes it). Unparsed arguments are passed on only
+    to ``bench``.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -381,6 +414,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if getattr(args, "verify", False) and args.temperature != 0:
         error(f"argument --verify: compares greedy ids; expected --temperature 0, "
                      f"got --temperature {args.temperature:g}")
+    limit = known_max_positions(args.model) if args.command == "generate" else None
+    if limit is not None and args.max_new_tokens >= limit:
+        error(f"argument --max-new-tokens: a prompt takes at least 1 of the model's "
+              f"max_position_embeddings={limit} positions; expected at most {limit - 1}, got "
+              f"{args.max_new_tokens}")
     if getattr(args, "device", None) is not None:
         try:
             check_ops_environment(pick_device(args.device).type)

@@ -132,6 +132,11 @@ def define_op(qualname: str, *, mutates_args: Sequence[str], schema: Optional[st
 
 
 def _bump_versions(args: tuple, mutated: tuple[int, ...]) -> None:
+    if len(mutated) == 1:  # one written argument (the attention ops' out): no list to build
+        i = mutated[0]
+        if i < len(args) and args[i] is not None:
+            torch.autograd.graph.increment_version(args[i])
+        return
     written = [args[i] for i in mutated if i < len(args) and args[i] is not None]
     if written:
         torch.autograd.graph.increment_version(written)

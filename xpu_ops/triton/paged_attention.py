@@ -571,6 +571,9 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
     if q.shape[-1] > 256 or v.shape[-1] > 512:
         return (f"head dims D={q.shape[-1]}, Dv={v.shape[-1]} exceed the kernel's D <= 256, "
                 f"Dv <= 512")
+    if (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and out.stride(-1) == 1
+            and (qv is None or qv.stride(-1) == 1)):
+        return None  # the usual call (it runs on every launch): no tuple of names to build
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("qv", qv)):
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} has a non-unit stride in its last dimension"

@@ -8,6 +8,7 @@ Inductor on the 2-core CI machine.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -55,7 +56,8 @@ def test_generate_piecewise_and_graphs_equal_eager(capsys):
     total, warm, warm_steps, steady, steady_steps, _ = decode_lines(out)
     assert warm + steady == total and warm_steps >= 2 and steady_steps >= 1, out
     assert len(eager) == len(PROMPTS)
-    for mode, marker in (("piecewise", "piecewise: 6 pieces around 4 attention calls"),
+    for mode, marker in (("piecewise",
+                          "piecewise: 6 pieces around 4 attention calls over 2 graphs"),
                          ("graphs", "full graphs: none (no capture on this device")):
         rc, out, texts = generate(mode, capsys)
         assert rc == 0 and "verify: all prompts match" in out, out
@@ -264,9 +266,23 @@ def test_prompt_longer_than_the_models_positions_is_a_one_line_error(capsys):
     # tiny: max_position_embeddings = 1024; the byte tokenizer gives one token per character
     line = _one_line_exit_2(["generate", "--model", "tiny", "--prompt", "x" * 20,
                              "--max-new-tokens", "1005", "--no-progress"], capsys)
-    assert re.search(r"argument --prompt: prompt 0 is 20 tokens \+ --max-new-tokens 1005 = 1025; "
-                     r"expected at most the model's max_position_embeddings=1024, got 1025",
-                     line), line
+    assert re.search(r"argument --max-new-tokens: prompt 0 is 20 tokens \+ --max-new-tokens "
+                     r"1005 = 1025; expected at most the model's max_position_embeddings=1024, "
+                     r"got 1025", line), line
+
+
+@pytest.mark.parametrize("config", [{"max_position_embeddings": 64},
+                                    {"text_config": {"max_position_embeddings": 64}}])
+def test_max_new_tokens_past_a_known_limit_fails_before_the_model_loads(config, tmp_path,
+                                                                        capsys, no_loading):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    for model, limit in (("tiny", 1024), (str(tmp_path), 64)):
+        line = _one_line_exit_2(["generate", "--model", model, "--max-new-tokens",
+                                 str(limit)], capsys)
+        assert re.fullmatch(rf"python -m compile generate: error: argument --max-new-tokens: a "
+                            rf"prompt takes at least 1 of the model's max_position_embeddings="
+                            rf"{limit} positions; expected at most {limit - 1}, got {limit} "
+                            rf"\(see python -m compile generate --help\)", line), line
 
 
 def test_prompts_file_lines_are_the_prompts(tmp_path, capsys):
@@ -303,6 +319,9 @@ def test_help_texts_state_the_real_defaults(capsys):
     gen = " ".join(_help(capsys, "generate").split())   # argparse wraps lines
     assert "(default: None)" not in gen, gen            # --prompt/--prompts-file/--model
     assert gen.count("the 4 built-in prompts") == 2, gen
+    # --mode compile is one torch.compile of the whole model (compile.graphs.compiled_model)
+    assert "compile: a plain torch.compile of the whole model" in gen, gen
+    assert "per layer kind" not in gen, gen
 
 
 @pytest.mark.parametrize("provider, pattern", [
