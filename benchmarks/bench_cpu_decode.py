@@ -15,7 +15,12 @@ steps (``b`` = the number of prompts):
 Rounds alternate the two (``--rounds``); the table reports each side's median and the ratio
 engine tokens/s over transformers tokens/s (>= 1: the engine is at least as fast).
 
-    python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # the CPU figure in RESULTS.md
+    PYTHONPATH=. python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # RESULTS.md's CPU figure
+
+(``PYTHONPATH=.``: without it, run from a worktree, the editable install imports ``/work/main``'s
+``compile`` and ``xpu_ops``.) The engine's model comes from ``from_hf``, which on the CPU stores
+the linear weights column-major (``compile.models.weights.column_major_weights``); the
+``transformers`` model keeps its own layout.
 
 ``--clock cpu`` times this thread's CPU time instead of wall time: with ``--threads 1`` every
 op runs on the calling thread, so the figure leaves out the time other processes hold the
