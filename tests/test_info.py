@@ -50,3 +50,15 @@ def test_unknown_device_type_exits_2_naming_the_choices(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "argument --device: invalid choice: 'bogus'" in err and "'xpu'" in err, err
+
+
+def test_a_closed_pipe_ends_quietly():
+    # ``python -m xpu_ops info | head``: the reader is gone before the first line is written.
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "xpu_ops", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -73,5 +73,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def run(argv=None) -> int:
+    """``main``, with stdout flushed inside it; a reader that closed the pipe early (``python -m
+    xpu_ops info | head``) ends the command quietly with status 1 instead of a
+    ``BrokenPipeError`` traceback (the recipe of Python's ``signal`` documentation: point
+    stdout at ``os.devnull`` so the interpreter's final flush does not fail again)."""
+    import os
+    try:
+        status = main(argv)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
