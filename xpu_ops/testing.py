@@ -32,7 +32,8 @@ import xpu_ops  # noqa: F401  (registers the ops)
 from .testing_layouts import LAYOUTS, relayout
 
 __all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "NO_LSE_CASES", "sample_inputs",
-           "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name"]
+           "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name",
+           "recorded_op_calls", "recorded_triton_launches"]
 
 #: The op packets the package registers (``xpu_ops.REGISTERED_OPS``), each with a sampler here.
 REGISTERED_OPS = list(xpu_ops.REGISTERED_OPS)
@@ -570,3 +571,32 @@ def recorded_triton_launches() -> Iterator[list]:
         yield seen
     finally:
         pa.launch = real
+
+
+@contextlib.contextmanager
+def recorded_op_calls(name: str) -> Iterator[list]:
+    """Record every eager call of ``torch.ops.xpu_ops.<name>`` made inside the block, whether
+    through the public wrapper or straight into the op, as one ``{argument name: value}`` dict
+    per call (names from the op's schema); the calls still run. A ``TorchDispatchMode`` sees
+    them at the dispatcher, so a caller that skips the wrapper is seen too; calls inside a
+    compiled graph are seen only while it is traced.
+
+    >>> with recorded_op_calls("flash_attn_with_kvcache") as calls:
+    ...     pass
+    >>> calls
+    []
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    packet = getattr(torch.ops.xpu_ops, name)
+    seen: list = []
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket is packet:
+                names = [a.name for a in func._schema.arguments]
+                seen.append({**dict(zip(names, args)), **kwargs})
+            return func(*args, **kwargs)
+
+    with _Recorder():
+        yield seen

@@ -340,14 +340,13 @@ def test_a_provider_that_cannot_run_is_a_one_line_error(provider, pattern, xpu_e
 
 
 @pytest.mark.parametrize("flag", [False, True])
-def test_enable_deterministic_inference_reaches_the_backend(flag, capsys, monkeypatch):
-    import xpu_ops
-    calls, real = [], xpu_ops.flash_attn_with_kvcache
-    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
-                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+def test_enable_deterministic_inference_reaches_the_backend(flag, capsys):
+    from xpu_ops.testing import recorded_op_calls
     argv = ["generate", "--model", "tiny", "--verify", "--no-progress", "--max-new-tokens",
             "3", "--page-size", "4", "--prompt", "Hello there"]
-    rc = main(argv + ["--enable-deterministic-inference"] * flag)
+    with recorded_op_calls("flash_attn_with_kvcache") as seen:
+        rc = main(argv + ["--enable-deterministic-inference"] * flag)
+    calls = [c["num_splits"] for c in seen]
     out = capsys.readouterr().out
     assert rc == 0 and "verify: all prompts match" in out, out
     assert ("deterministic inference)" in out) is flag, out

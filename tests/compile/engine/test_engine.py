@@ -279,15 +279,11 @@ def test_sample_greedy_and_temperature():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_deterministic_inference_reaches_every_attention_call(models, deterministic,
-                                                              monkeypatch):
+def test_deterministic_inference_reaches_every_attention_call(models, deterministic):
     # sglang's --enable-deterministic-inference: the engine hands it to the backend through
     # model_runner.server_args, and every attention call of prefill and decode gets
     # num_splits=1 (0: the provider chooses).
-    import xpu_ops
-    calls, real = [], xpu_ops.flash_attn_with_kvcache
-    monkeypatch.setattr(xpu_ops, "flash_attn_with_kvcache",
-                        lambda *a, **k: calls.append(k["num_splits"]) or real(*a, **k))
+    from xpu_ops.testing import recorded_op_calls
     hf, model = models
     engine = Engine(model, page_size=4, max_running=3, max_context_len=64,
                     enable_deterministic_inference=deterministic)
@@ -295,7 +291,9 @@ def test_deterministic_inference_reaches_every_attention_call(models, determinis
     assert (engine.attn_backend.num_splits, engine.attn_backend.num_kv_splits) == (
         (1, 1) if deterministic else (0, -1))
     prompts = [prompt(n, 30 + n) for n in (9, 4)]
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    with recorded_op_calls("flash_attn_with_kvcache") as seen:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    calls = [c["num_splits"] for c in seen]
     assert outs == [greedy_ref(hf, p, 4) for p in prompts]
     layers = model.config.num_hidden_layers
     assert calls == [1 if deterministic else 0] * (layers * engine.stats.steps)
