@@ -364,9 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "made batch invariant")
     add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
-    b = sub.add_parser("bench", help="benchmarks/bench_model.py: decode tokens/s per mode; "
-                       "other arguments go to it (python -m compile bench --help-bench)")
-    b.add_argument("--help-bench", action="store_true", help="show bench_model.py's options")
+    # add_help=False: -h/--help reach bench_model.py, whose help lists the options (its errors
+    # point at python -m compile bench --help)
+    b = sub.add_parser("bench", add_help=False,
+                       help="benchmarks/bench_model.py: decode tokens/s per mode; every "
+                            "argument goes to it (python -m compile bench --help)")
+    b.add_argument("--help-bench", action="store_true",
+                   help="show bench_model.py's options (the same as --help)")
     b.set_defaults(func=cmd_bench, error=b.error)
     add_check_parser(sub)
     return parser

@@ -352,3 +352,12 @@ def test_enable_deterministic_inference_reaches_the_backend(flag, capsys, monkey
     assert rc == 0 and "verify: all prompts match" in out, out
     assert ("deterministic inference)" in out) is flag, out
     assert calls and set(calls) == {1 if flag else 0}, calls
+
+
+def test_bench_help_lists_bench_models_options(capsys):
+    # bench's errors say "see python -m compile bench --help": that help shows the options
+    for flag in ("--help", "-h", "--help-bench"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", flag])
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0 and "--batches" in out and "--layers" in out, out
