@@ -267,6 +267,8 @@ class Route:
     def _state(self) -> tuple:
         forced = _forced_name()
         fns = self._fns
+        if len(fns) == 1:  # the usual one (the sgl_kernel binding): no list to build
+            return (forced, fns[0]())
         return (forced, *[f() for f in fns]) if fns else (forced,)
 
     def _resolve(self, state: tuple) -> tuple[Implementation, ...]:

@@ -32,7 +32,10 @@ def is_causal(layer) -> bool:
     """Whether ``layer`` (a ``PagedAttention`` or sglang's ``RadixAttention``) masks causally:
     not for cross attention, nor for the non-causal ``attn_type`` values."""
     kind = getattr(layer, "attn_type", AttentionType.DECODER)
-    return not layer.is_cross_attention and kind.value == AttentionType.DECODER.value
+    if layer.is_cross_attention:
+        return False
+    # identity first (an enum's .value is a descriptor call); sglang's own enum by its value
+    return kind is AttentionType.DECODER or kind.value == AttentionType.DECODER.value
 
 
 def _attention_type(value) -> AttentionType:
