@@ -111,7 +111,10 @@ def test_glue_out_buffer_written_in_place(native):
     with xpu_ops.use_provider("reference"):
         expected = xpu_ops.flash_attn_with_kvcache(**kwargs, causal=True)
     assert result is out
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # Two algorithms: the native stand-in runs the reference's general kernel, the reference
+    # provider's decode path one torch SDPA call; each output is a bf16 rounding of a float32
+    # result, so they may differ by a few bf16 ulps (2 ** -7 at |x| in [1, 2)).
+    torch.testing.assert_close(out, expected, rtol=0, atol=2 ** -6)
     assert torch.isnan(buffer[..., 1::2]).all()                 # nothing else written
 
 
