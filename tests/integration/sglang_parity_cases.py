@@ -26,7 +26,6 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import xpu_ops
-import xpu_ops.testing as xt
 from compile import backend as ours
 from compile import batch as ours_batch
 from compile.engine.model_runner import ModelRunnerInfo
@@ -306,14 +305,14 @@ def test_mla_absorbed(page_size, mode):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_deterministic_inference_pins_one_split(page_size, monkeypatch):
     # sglang reads --enable-deterministic-inference when its backend is built.
+    # sglang's call is seen at its module's name, every call (sglang's through the shim, and
+    # ours, which may go straight into the op) at the dispatcher.
     from sglang.srt.layers.attention import xpu_backend
-    splits = {"theirs": []}
-
-    def spy(side, real):
-        return lambda *a, **k: splits[side].append(k.get("num_splits")) or real(*a, **k)
-
+    from xpu_ops.testing import recorded_op_calls
+    theirs_splits = []
+    real = xpu_backend.flash_attn_with_kvcache
     monkeypatch.setattr(xpu_backend, "flash_attn_with_kvcache",
-                        spy("theirs", xpu_backend.flash_attn_with_kvcache))
+                        lambda *a, **k: theirs_splits.append(k.get("num_splits")) or real(*a, **k))
     publish_config(enable_deterministic_inference=True)
     try:
         h = Harness(page_size, seed=18)
@@ -323,14 +322,12 @@ def test_deterministic_inference_pins_one_split(page_size, monkeypatch):
     h.store_prefix(prefix)
     twin = Twin(h, deterministic=True)
     total = [p + n for p, n in zip(prefix, new)]
-    # Ours is recorded at the op (its plain eager call skips the public wrapper); the op sees
-    # both sides' calls, sglang's through the wrapper its spy saw.
-    with xt.recorded_op_calls("flash_attn_with_kvcache") as at_op:
+    with recorded_op_calls("flash_attn_with_kvcache") as seen:
         theirs, mine, q = _side_by_side(h, twin, ForwardMode.EXTEND, total, new,
                                         **_extend_fields(prefix, new))
     _assert_all(theirs, mine, _expected(h, q, total, new))
-    assert splits["theirs"] == [1]
-    assert [call["num_splits"] for call in at_op] == [1, 1]  # theirs, then ours
+    assert theirs_splits == [1]
+    assert [c["num_splits"] for c in seen] == [1, 1]      # sglang's call and ours
 
 
 def _random_tree(gen: torch.Generator, d: int) -> torch.Tensor:
