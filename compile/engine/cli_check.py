@@ -208,9 +208,9 @@ def cmd_check(args) -> int:
 def add_parser(sub) -> None:
     """Register ``check`` on the ``python -m compile`` subparsers."""
     c = sub.add_parser("check", help="trace a model: graph breaks, recompiles, split count")
-    c.add_argument("model", type=model_name,
-                   help="'default' (SmolLM2-135M GGUF), 'tiny', 'gemma3' (Gemma 3 270M "
-                        "GGUF), a .gguf or a folder")
+    c.add_argument("model", type=model_name, nargs="?", default="default",
+                   help="'default' (SmolLM2-135M GGUF; also when left out, as for generate), "
+                        "'tiny', 'gemma3' (Gemma 3 270M GGUF), a .gguf or a folder")
     c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
     c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")

@@ -104,6 +104,13 @@ def test_check_tiny_reports_no_breaks_and_layers_plus_one_pieces(capsys):
     assert "3 pieces around 2 attention calls" in out, out  # num_layers + 1 pieces, 2 layers
 
 
+def test_check_without_a_model_checks_the_default_one():
+    # as generate does: no model named means the default SmolLM2 GGUF (parsed only, not loaded)
+    from compile.__main__ import build_parser
+    args = build_parser().parse_args(["check"])
+    assert args.model == "default" and args.func.__name__ == "cmd_check"
+
+
 def test_check_counts_an_injected_graph_break():
     model = from_hf(tiny_hf_model())
     layer = model.model.layers[1]
