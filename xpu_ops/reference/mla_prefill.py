@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import providers
 from .attention import attend_packed
-from .paged_attention import gather_pages, paged_lengths
+from .paged_attention import gather_pages, paged_lengths, request_spans
 
 
 def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q: Tensor,
@@ -40,18 +40,13 @@ def _one_request_at_a_time(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor,
                            softmax_scale: float, causal: bool) -> Tensor:
     """``mla_attention`` once per request: its query rows, its ``[1, pages_r]`` page-table
     slice, ``max_seqlen_q`` its own row count (rows no request describes come back zero)."""
-    page_size = kv_cache.shape[1]
-    cu = cu_seqlens_q.tolist()
-    k_lens = paged_lengths(page_table, seq_lens_k, page_size).tolist()
     out = torch.zeros_like(q_nope)
-    for r in range(len(cu) - 1):
-        lo, hi = cu[r], cu[r + 1]
-        if hi > lo:
-            pages = -(-k_lens[r] // page_size)
-            out[lo:hi] = mla_attention(q_nope[lo:hi], q_rope[lo:hi], kv_cache,
-                                       cu_seqlens_q.new_tensor([0, hi - lo]), hi - lo,
-                                       seq_lens_k[r:r + 1], page_table[r:r + 1, :pages],
-                                       softmax_scale=softmax_scale, causal=causal)
+    for r, lo, hi, pages in request_spans(cu_seqlens_q, page_table, seq_lens_k,
+                                          kv_cache.shape[1]):
+        out[lo:hi] = mla_attention(q_nope[lo:hi], q_rope[lo:hi], kv_cache,
+                                   cu_seqlens_q.new_tensor([0, hi - lo]), hi - lo,
+                                   seq_lens_k[r:r + 1], page_table[r:r + 1, :pages],
+                                   softmax_scale=softmax_scale, causal=causal)
     return out
 
 

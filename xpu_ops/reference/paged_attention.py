@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -16,6 +16,20 @@ def paged_lengths(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> 
     """``cache_seqlens`` clamped into ``[0, page_table.shape[1] * page_size]`` (the capacity),
     as the Triton kernels clamp inconsistent lengths."""
     return cache_seqlens.long().clamp(0, page_table.shape[1] * page_size)
+
+
+def request_spans(cu_seqlens_q: Tensor, page_table: Tensor, cache_seqlens: Tensor,
+                  page_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(r, lo, hi, pages)`` of each request ``r`` with query rows (``lo < hi``, from
+    ``cu_seqlens_q``): its rows ``[lo, hi)`` and the number of page-table entries its clamped
+    key count covers (``paged_lengths``). For the per-request (batch-invariant) reference
+    paths."""
+    cu = cu_seqlens_q.tolist()
+    k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
+    for r in range(len(cu) - 1):
+        lo, hi = cu[r], cu[r + 1]
+        if hi > lo:
+            yield r, lo, hi, -(-k_lens[r] // page_size)
 
 
 def gather_pages(cache: Tensor, page_table: Tensor, k_lens: Tensor,
@@ -108,15 +122,10 @@ def _one_request_at_a_time(q, k_cache, v_cache, cache_seqlens, page_table, cu_se
     ``page_table`` (``pages_r`` = the pages its clamped key count covers), its descales, left
     pad and block ids, ``max_seqlen_q`` its own row count; ``out`` and LSE rows written in place
     (rows no request describes are left as ``_attend`` leaves them: unwritten)."""
-    page_size = k_cache.shape[1]
-    cu = cu_seqlens_q.tolist()
-    k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
     lse = q.new_empty((q.shape[1], q.shape[0] if return_softmax_lse else 0), dtype=torch.float32)
-    for r in range(len(cu) - 1):
-        lo, hi = cu[r], cu[r + 1]
-        if hi == lo:
-            continue
-        pages, rows, one = -(-k_lens[r] // page_size), slice(lo, hi), slice(r, r + 1)
+    for r, lo, hi, pages in request_spans(cu_seqlens_q, page_table, cache_seqlens,
+                                          k_cache.shape[1]):
+        rows, one = slice(lo, hi), slice(r, r + 1)
         part = _attend(q[rows], k_cache, v_cache, cache_seqlens[one], page_table[one, :pages],
                        cu_seqlens_q.new_tensor([0, hi - lo]), out[rows], _part(qv, rows),
                        _part(q_descale, one), _part(k_descale, one), _part(v_descale, one),
