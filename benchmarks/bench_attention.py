@@ -324,7 +324,9 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
                                    kv_elem=w["k"].element_size(), window=window)
+    start = time.perf_counter()
     t = measure(op_fn(w, causal, window, "triton"))
+    print(f"    op: {t} ms ({time.perf_counter() - start:.0f} s into the row)", flush=True)
     timed = {}
     for v in variants:
         fn = launcher_fn(w, causal, window, config=variant_config(w, v))
@@ -342,6 +344,9 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
                 "flashinfer": lambda: flashinfer_fn(w, causal, window)}[p]
         res[p] = measure(safe(make))
         torch.cuda.empty_cache()
+        # each peer's end is logged: a run cut by its timeout shows which one took the time
+        print(f"    peer {p}: {res[p]} ms ({time.perf_counter() - start:.0f} s into the row)",
+              flush=True)
     for label, kw in sweep:
         kw = dict(kw)
         chunk = kw.pop("chunk_keys", pa.DECODE_CHUNK_KEYS)  # the plan's, or one to compare
