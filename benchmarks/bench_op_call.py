@@ -10,12 +10,21 @@ Three tables, every figure measured in this process (host plus device, medians):
 2. ``store_kv_cache`` of one decode token per request against the two ``index_copy_`` calls that
    write the same K and V rows into the flat caches; ``merge_state_v2`` of two decode states
    against the same merge written as four PyTorch calls.
-3. A decode step of the Llama-3.2-1B-shaped model (``--layers``, ``--hidden`` to shrink it):
+3. The floor of an eager op call under public APIs (``floor_rows``): (a) one dispatcher round
+   trip into a no-op Python kernel (an empty ``torch.library.custom_op`` with a kernel for the
+   device, and the same through ``torch.library.Library`` with ``flash_attn_with_kvcache``'s
+   22-argument schema, as ``xpu_ops._registration.define_op`` registers it), (b) one launch of
+   an empty Triton kernel through ``kernel[grid](...)`` with the plain decode entry's 15 runtime
+   arguments (10 tensors, 5 ints; also with its 28 constexprs), and (c) their sum against
+   SDPA's whole call and the 1.25x target, plus the two measured as one call (the 22-argument op
+   whose kernel launches the empty kernel). On the CPU the empty kernel runs through Triton's
+   interpreter (a smoke test of the rows, not a floor).
+4. A decode step of the Llama-3.2-1B-shaped model (``--layers``, ``--hidden`` to shrink it):
    eager against ``compile_model`` (``torch.compile`` through Inductor, no device graphs), step
    time and host time per step (until ``forward`` returns), at each of ``--batches``.
 
 A call's latency is one call followed by a device synchronisation (``sync(); t0; fn(); sync();
-t1``), so it is host plus device time, the figure an eager decode layer pays; tables 1 and 2
+t1``), so it is host plus device time, the figure an eager decode layer pays; tables 1 to 3
 report the median over ``--iters`` such calls after ``--warmup`` calls, with the ratio to each
 peer. Shapes (Llama-3.2-1B: Hq 32, Hkv 8, D 64) are the same on every device; on the CPU use
 ``--context 256`` or less and a shrunken model for a quick run.
@@ -42,6 +51,12 @@ import xpu_ops
 from compile.graphs import device as dev
 from bench_model import (build, decode_batch, make_forward, paged_step,  # benchmarks/ on sys.path
                          step_seconds)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the floor's Triton rows are reported missing
+    triton = None
 
 RESULTS = Path(__file__).parent / "results"
 HQ, HKV, D = 32, 8, 64  # Llama-3.2-1B attention shape
@@ -159,9 +174,100 @@ def merge_row(args, device: torch.device) -> dict:
              "torch (4 ops)": torch_merge}
     return {name: latency_us(fn, device, args.warmup, args.iters) for name, fn in calls.items()}
 
+# The floor rows' empty Triton kernels: the plain decode entry's 15 runtime arguments
+# (_paged_attention_plain_kernel: 10 tensors, 5 ints), without and with its 28 constexprs.
+if triton is not None:
+    @triton.jit
+    def _empty_kernel(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, i0, i1, i2, i3, i4):
+        pass
+
+    @triton.jit
+    def _empty_kernel_constexprs(
+        t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, i0, i1, i2, i3, i4,
+        C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+        C4: tl.constexpr, C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr,
+        C8: tl.constexpr, C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr,
+        C12: tl.constexpr, C13: tl.constexpr, C14: tl.constexpr, C15: tl.constexpr,
+        C16: tl.constexpr, C17: tl.constexpr, C18: tl.constexpr, C19: tl.constexpr,
+        C20: tl.constexpr, C21: tl.constexpr, C22: tl.constexpr, C23: tl.constexpr,
+        C24: tl.constexpr, C25: tl.constexpr, C26: tl.constexpr, C27: tl.constexpr,
+    ):
+        pass
+
+# The plain decode entry's constexprs at the H200 row's shape (values as a decode layer binds
+# them: 7 strides, scale, softcap, window, split floor, then tiles and flags).
+_FLOOR_CONSTEXPRS = (2048, 64, 8192, 512, 64, 2048, 64, 0.125, 0.0, -1, 0, 4, 16, 64, 64, 64,
+                     16, 4, 8, 64, 64, False, 4, None, False, True, True, False)
+_FLOOR_LIBS: list = []  # keeps the floor ops' libraries alive
+
+
+def _floor_ops(device: torch.device, launch: Optional[Callable[[], object]]):
+    """``(empty custom_op, 22-argument no-op op, 22-argument op launching the empty kernel)``
+    packets, kernels registered for ``device``'s dispatch key only (once per process)."""
+    ns = "xpu_ops_floor"
+    if not _FLOOR_LIBS:
+        @torch.library.custom_op(f"{ns}::noop", mutates_args=(), device_types=device.type)
+        def noop(x: torch.Tensor) -> None:
+            return None
+        lib = torch.library.Library(ns, "FRAGMENT")
+        key = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}[device.type]
+        lse = torch.empty(HQ, 0, dtype=torch.float32, device=device)
+        schema = str(torch.ops.xpu_ops.flash_attn_with_kvcache.default._schema)
+        schema = schema[schema.index("("):]  # the op's own 22 arguments, `out` mutated
+        for name, body in (("noop22", None), ("launch22", launch)):
+            lib.define(name + schema)
+
+            def kernel(*args, _body=body):
+                if _body is not None:
+                    _body()
+                return lse
+            lib.impl(name, kernel, key)
+            lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
+        _FLOOR_LIBS.extend((noop, lib))
+    ops = getattr(torch.ops, ns)
+    return ops.noop.default, ops.noop22.default, ops.launch22.default
+
+
+def floor_rows(args, device: torch.device, sdpa: Optional[dict]) -> dict:
+    """Table 3: the public-API floor of one eager decode call (see the module docstring);
+    ``sdpa``: table 1's SDPA row, for the ratios."""
+    w = decode_inputs(args.attention_batch, args.context, args.page_size, args.dtype, device)
+    b, pages = w["page_table"].shape
+    q = w["q"]
+    lse = torch.empty(HQ, q.shape[0], dtype=torch.float32, device=device)
+    part = torch.empty(4 * q.shape[0] * HQ * (D + 1), dtype=torch.float32, device=device)
+    counters = torch.zeros(b * HKV, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    tensors = (q, w["k_cache"], w["v_cache"], out, lse, part, counters, w["cache_seqlens"],
+               w["page_table"], w["cu_seqlens_q"])
+    ints = (pages, q.shape[0], w["k_cache"].shape[0], 1, pages * args.page_size)
+    grid = (1, b * HKV, 4)
+    launches = {}
+    if triton is not None:
+        plain, wide = _empty_kernel, _empty_kernel_constexprs
+        if device.type == "cpu":  # Triton's interpreter: a smoke test of the rows, no floor
+            from xpu_ops.triton._common import _interpreted
+            plain, wide = _interpreted(plain.fn), _interpreted(wide.fn)
+        launches = {"plain": lambda: plain[grid](*tensors, *ints),
+                    "constexprs": lambda: wide[grid](*tensors, *ints, *_FLOOR_CONSTEXPRS)}
+    noop1, noop22, launch22 = _floor_ops(device, launches.get("constexprs"))
+    op_args = (q, w["k_cache"], w["v_cache"], w["cache_seqlens"], w["page_table"],
+               w["cu_seqlens_q"], out, None, None, None, None, None, None, None, 1, D ** -0.5,
+               True, -1, 0, 0.0, 0, False)
+
+    def timed(fn):
+        return latency_us(fn, device, args.warmup, args.iters)
+    rows = {"a": timed(lambda: noop1(q)), "a22": timed(lambda: noop22(*op_args))}
+    if launches:
+        rows["b"] = timed(launches["plain"])
+        rows["b28"] = timed(launches["constexprs"])
+        rows["c22"] = timed(lambda: launch22(*op_args))
+    rows["sdpa"] = sdpa
+    return rows
+
 
 def model_rows(args, on_row: Callable[[list[dict]], object] = lambda rows: None) -> list[dict]:
-    """Table 3: eager and ``compile_model`` decode steps (ms), with host ms per step;
+    """Table 4: eager and ``compile_model`` decode steps (ms), with host ms per step;
     ``on_row(rows)`` after each batch size."""
     if not args.batches:
         return []
@@ -194,7 +300,38 @@ def _us(x: Optional[dict]) -> str:
             else f"{x['us']:.1f} | {x['host_us']:.1f}")
 
 
-def report(args, attention: dict, store: dict, merge: dict, models: list[dict]) -> str:
+def floor_report(floor: dict) -> list[str]:
+    """Table 3's lines: the rows, then the sums against SDPA's call and the 1.25x target."""
+    sdpa = floor.get("sdpa")
+    labels = {
+        "a": "(a) empty torch.library.custom_op, 1 tensor, no-op device kernel",
+        "a22": "(a22) no-op kernel, flash_attn_with_kvcache's 22-argument schema "
+               "(Library.impl at the device key, as define_op)",
+        "b": "(b) empty Triton kernel, kernel[grid](...), 15 runtime args (10 tensors, 5 ints)",
+        "b28": "(b28) the same + the plain entry's 28 constexprs",
+        "c22": "(c22) the 22-argument op whose kernel launches (b28), one call",
+    }
+    out = ["", "Floor of one eager decode call under public APIs (same timing; SDPA: table 1):",
+           "", "| call | us | host us | it / SDPA |", "|---|---:|---:|---:|"]
+    for key, label in labels.items():
+        if key in floor:
+            out.append(f"| {label} | {_us(floor[key])} | {_ratio(floor[key], sdpa)} |")
+        else:
+            out.append(f"| {label} | missing (triton does not import) | missing | missing |")
+    if sdpa is None or "b" not in floor:
+        return out
+    target = 1.25 * sdpa["us"]
+    out.append("")
+    for name, a, b in (("(a) host + (b)", "a", "b"), ("(a22) host + (b28)", "a22", "b28")):
+        total = floor[a]["host_us"] + floor[b]["us"]
+        verdict = "within" if total <= target else "above"
+        out.append(f"- {name}: {total:.1f} us = {total / sdpa['us']:.2f}x SDPA's "
+                   f"{sdpa['us']:.1f} us; {verdict} the 1.25x target ({target:.1f} us).")
+    return out
+
+
+def report(args, attention: dict, store: dict, merge: dict, models: list[dict],
+           floor: Optional[dict] = None) -> str:
     """The Markdown tables."""
     name = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
             else platform.processor() or args.device.type)
@@ -224,6 +361,8 @@ def report(args, attention: dict, store: dict, merge: dict, models: list[dict]) 
             "| call | us | host us | xpu_ops / it |", "|---|---:|---:|---:|"]
     for peer, us in merge.items():
         out.append(f"| {peer} | {_us(us)} | {_ratio(merge['xpu_ops'], us)} |")
+    if floor:
+        out += floor_report(floor)
     if models:
         out += ["", f"Decode step, {args.layers} layers, hidden {args.hidden or 2048}, context "
                 f"{args.context} (ms per step, median of {args.steps}; host: until forward "
@@ -260,6 +399,8 @@ def main(argv=None) -> None:
     p.add_argument("--model-warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip table 3 (the public-API floor rows)")
     p.add_argument("--out-dir", default=None,
                    help="write bench_op_call.md and bench_op_call.json into this directory")
     args = p.parse_args(argv)
@@ -270,20 +411,23 @@ def main(argv=None) -> None:
         attention = attention_row(args, args.device)
         store = store_row(args, args.device)
         merge = merge_row(args, args.device)
-    write(args, attention, store, merge, [])  # each table is written as soon as it is done
-    models = model_rows(args, lambda rows: write(args, attention, store, merge, rows))
-    print(write(args, attention, store, merge, models))
+        floor = floor_rows(args, args.device, attention["sdpa"]) if args.floor else None
+    write(args, attention, store, merge, [], floor)  # each table is written when it is done
+    models = model_rows(args, lambda rows: write(args, attention, store, merge, rows, floor))
+    print(write(args, attention, store, merge, models, floor))
 
 
-def write(args, attention: dict, store: dict, merge: dict, models: list[dict]) -> str:
+def write(args, attention: dict, store: dict, merge: dict, models: list[dict],
+          floor: Optional[dict] = None) -> str:
     """The report; also ``bench_op_call.md`` and ``.json`` under ``--out-dir`` when given."""
-    text = report(args, attention, store, merge, models)
+    text = report(args, attention, store, merge, models, floor)
     if args.out_dir:
         out = Path(args.out_dir) / "bench_op_call"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
         out.with_suffix(".json").write_text(json.dumps(
-            {"attention_us": attention, "store_us": store, "merge_us": merge, "model_ms": models,
+            {"attention_us": attention, "store_us": store, "merge_us": merge, "floor_us": floor,
+             "model_ms": models,
              "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
     return text
 
