@@ -12,6 +12,7 @@ from compile.graphs.inductor_passes import (ResidualAddmmPass, piece_config_patc
                                             unfuse_residual_addmm)
 from compile.graphs.piecewise import PiecewiseModel
 from tests.compile.compile_helpers import Harness, eager_without_split_op, tiny_model
+from tests.markers import GPU_DEVICE
 
 
 def _targets(gm) -> list:
@@ -92,3 +93,35 @@ def test_piecewise_with_the_pass_equals_eager():
         ref = eager_without_split_op(model, pw.layers, ids, pos, fb)
         assert not ref.isnan().any()
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_DEVICE is None, reason="needs a CUDA or XPU device")
+def test_gpu_piece_shape_residual_goes_through_mm(m):
+    # The decode piece's shape of the problem: the residual sum is a graph output and feeds a
+    # norm, so Inductor's GPU rule fuses it into addmm; with the pass the code calls mm only.
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    def f(h, x, w):
+        s = h + x @ w
+        return s, (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+    dev, bf16 = GPU_DEVICE, torch.bfloat16
+    args = [torch.randn(m, 256, device=dev, dtype=bf16),
+            torch.randn(m, 512, device=dev, dtype=bf16),
+            torch.randn(512, 256, device=dev, dtype=bf16)]
+    codes = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        gm = make_fx(f)(*args)
+        patches = piece_config_patches(torch.device(dev), unfuse_addmm=on)
+        with config.patch(force_disable_caches=True):
+            out, code = run_and_get_code(
+                lambda: compile_fx(gm, args, config_patches=patches)(*args))
+        ref = f(*args)
+        torch.testing.assert_close(out[0], ref[0], rtol=2e-2, atol=2e-2)
+        codes[on] = "\n".join(code)
+    assert "addmm" in codes[False]  # Inductor's GPU rule (else the pass has nothing to do)
+    assert "addmm" not in codes[True]
