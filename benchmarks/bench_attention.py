@@ -14,6 +14,8 @@ ms`` column is the op call with the process's defaults: ``DEFAULT_PATHS`` of eac
 
     python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
     python benchmarks/bench_attention.py --quick --only "decode 1x,decode 4x" --out /tmp/small
+    python benchmarks/bench_attention.py --quick --variant none --only "prefill 8x4096 causal" \
+        --peers sdpa --configs "baseline@128,128,8,2;tma@128,128,8,3" --out /tmp/prefill
 """
 
 from __future__ import annotations
@@ -315,19 +317,26 @@ ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
 
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
-                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D):
-    """One workload: the op, each kernel variant through the launcher, peers, sweeps (the
-    peers assume head dim ``D``)."""
+                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=()):
+    """One workload: the op, each kernel variant and each ``configs`` entry (``(label,
+    _Config)``) through the launcher, peers, sweeps (the peers assume head dim ``D``)."""
     print(f"== {name}", flush=True)
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
                                    kv_elem=w["k"].element_size(), window=window)
+    start = time.perf_counter()
     t = measure(op_fn(w, causal, window, "triton"))
+    print(f"    op: {t} ms ({time.perf_counter() - start:.0f} s into the row)", flush=True)
     timed = {}
     for v in variants:
         fn = launcher_fn(w, causal, window, config=variant_config(w, v))
         print(f"    variant {v}: {launched_paths(fn)}", flush=True)
         timed[v] = measure(fn)
+    for label, config in configs:
+        fn = launcher_fn(w, causal, window, config=config)
+        print(f"    config {label}: {launched_paths(fn)}", flush=True)
+        timed[label] = measure(fn)
+        print(f"    config {label}: {timed[label]} ms", flush=True)
     res = {}
     for p in peers:
         make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal, window),
@@ -335,6 +344,9 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
                 "flashinfer": lambda: flashinfer_fn(w, causal, window)}[p]
         res[p] = measure(safe(make))
         torch.cuda.empty_cache()
+        # each peer's end is logged: a run cut by its timeout shows which one took the time
+        print(f"    peer {p}: {res[p]} ms ({time.perf_counter() - start:.0f} s into the row)",
+              flush=True)
     for label, kw in sweep:
         kw = dict(kw)
         chunk = kw.pop("chunk_keys", pa.DECODE_CHUNK_KEYS)  # the plan's, or one to compare
@@ -586,20 +598,41 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
 
 
 def late_variants(spec: dict, row: Row) -> None:
-    """Time ``spec``'s LATE_VARIANTS (through the launcher) into ``row.variants``."""
+    """Time ``spec``'s LATE_VARIANTS and its descriptor ``late_configs`` (through the
+    launcher) into ``row.variants``."""
     late = [v for v in spec["variants"] if v in LATE_VARIANTS]
-    if not late:
+    configs = spec.get("late_configs", ())
+    if not late and not configs:
         return
     print(f"== {spec['name']} (late variants)", flush=True)
     w = make_paged(spec["k_lens"], spec["q_lens"], spec["page"], kv_dtype=spec.get("kv_dtype"),
                    table_tokens=spec.get("table_tokens", 0))
-    for v in late:
-        fn = launcher_fn(w, spec["causal"], spec.get("window", -1), config=variant_config(w, v))
+    runs = [(v, variant_config(w, v)) for v in late] + list(configs)
+    for v, config in runs:
+        fn = launcher_fn(w, spec["causal"], spec.get("window", -1), config=config)
         print(f"    variant {v}: {launched_paths(fn)}", flush=True)
         row.variants[v] = measure(fn)
         print(f"    variant {v}: {row.variants[v]} ms", flush=True)
     del w
     torch.cuda.empty_cache()
+
+
+def parse_configs(spec: str) -> tuple[tuple[str, "pa._Config"], ...]:
+    """``--configs``: ';'-separated ``PATHS@BLOCK_M,BLOCK_N,num_warps,num_stages`` (PATHS:
+    '+'-joined optional paths, or 'baseline' for none) as ``(label, _Config)``."""
+    out = []
+    for item in (x.strip() for x in spec.split(";") if x.strip()):
+        names, _, tiles = item.partition("@")
+        paths = frozenset() if names == "baseline" else frozenset(names.split("+"))
+        bad = sorted(paths - set(_common.OPTIONAL_PATHS))
+        nums = tuple(int(x) for x in tiles.split(",")) if tiles else ()
+        if bad or len(nums) != 4:
+            raise SystemExit(f"--configs: {item!r}; expected PATHS@BLOCK_M,BLOCK_N,num_warps,"
+                             f"num_stages with PATHS 'baseline' or '+'-joined names of "
+                             f"{sorted(_common.OPTIONAL_PATHS)}")
+        out.append((f"{names}@{'x'.join(map(str, nums))}", pa.with_paths(pa._Config(*nums),
+                                                                          paths)))
+    return tuple(out)
 
 
 def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True) -> None:
@@ -630,8 +663,16 @@ def main():
     ap.add_argument("--variant", default="all", help=variant_help())
     ap.add_argument("--only", default="", help="comma list of substrings: time only the rows "
                     "whose names contain one (MLA: 'MLA')")
+    ap.add_argument("--configs", default="", help="prefill and extend rows: more variant "
+                    "columns, ';'-separated PATHS@BLOCK_M,BLOCK_N,num_warps,num_stages (PATHS: "
+                    "'baseline' or '+'-joined optional paths), each through the launcher; "
+                    "those with tma run last, e.g. 'baseline@128,128,8,2;tma@128,128,8,3'")
+    ap.add_argument("--peers", default="", help=f"comma list: only these of {ALL_PEERS} "
+                    "(default: each row's own)")
     args = ap.parse_args()
     only = [x for x in args.only.split(",") if x]
+    configs = parse_configs(args.configs)
+    keep_peers = [x for x in args.peers.split(",") if x]
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -639,10 +680,17 @@ def main():
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
              if not only or any(x in spec["name"] for x in only)]
+    for spec in specs:
+        if keep_peers:
+            spec["peers"] = tuple(p for p in spec.get("peers", ALL_PEERS) if p in keep_peers)
+        if spec["kind"] == "flops":  # prefill and extend: the --configs columns
+            spec["configs"] = tuple(c for c in configs if not c[1].tma)
+            spec["late_configs"] = tuple(c for c in configs if c[1].tma)
     rows = []
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
-        rows.append(run_attention(**dict(spec, variants=tuple(v for v in spec["variants"]
-                                                              if v not in LATE_VARIANTS))))
+        run = {k: v for k, v in spec.items() if k != "late_configs"}
+        rows.append(run_attention(**dict(run, variants=tuple(v for v in spec["variants"]
+                                                             if v not in LATE_VARIANTS))))
         write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
     mla = "MLA decode H128 R512 r64 64x4096"
     if not only or any(x in mla for x in only):

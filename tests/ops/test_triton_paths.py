@@ -142,6 +142,58 @@ def test_invalid_interior_page_hides_its_keys(paths, num_splits):
     assert_matches_oracle(out, want, torch.float32, lse, want_lse)
 
 
+# Two pages per interior descriptor tile (BLOCK_N = 2 x page_size: one box per page, one
+# softmax update for both): long enough requests for interior runs; causal, windows, softcap,
+# sinks, splits, bf16, rows past q_len inside a tile, an empty request.
+PAIR_CASES = (
+    xt.AttentionCase(((40, 150), (1, 97), (0, 0)), page_size=16, hq=4, hkv=2, d=32,
+                     causal=True, num_splits=1),
+    xt.AttentionCase(((70, 130),), page_size=32, hq=8, hkv=2, d=16, dtype=torch.bfloat16,
+                     causal=True, window=(60, 0), sinks=True, num_splits=2),
+    xt.AttentionCase(((33, 100), (64, 64)), page_size=16, hq=2, hkv=2, d=64, causal=True,
+                     softcap=3.0, num_splits=1),
+    xt.AttentionCase(((20, 120),), page_size=16, hq=4, hkv=4, d=32, causal=False,
+                     num_splits=3),
+)
+
+
+@in_subprocess
+@pytest.mark.parametrize("case", PAIR_CASES, ids=[f"pair{i}-ps{c.page_size}"
+                                                  for i, c in enumerate(PAIR_CASES)])
+def test_tma_two_page_tiles_match_oracle(case, launches):
+    """``tma`` with 2 x page_size key tiles: interior tiles load one descriptor box per page,
+    edge tiles gather per page; against the float64 oracle into NaN-poisoned outputs."""
+    args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(4))
+    q, k, v = args[:3]
+    config = pa.with_paths(pa._Config(32, 2 * case.page_size, 1, 1), frozenset({"tma"}))
+    lse = pa.paged_attention(
+        q, k, v, args[6], args[3], args[5], page_table=args[4], cu_seqlens_k=None,
+        max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=args[4].shape[1] * k.shape[1],
+        qv=None, q_descale=None, k_descale=None, v_descale=None, sinks=args[11],
+        softmax_scale=kwargs["softmax_scale"], window_left=kwargs["window_size_left"],
+        window_right=kwargs["window_size_right"], softcap=kwargs["softcap"],
+        num_splits=pa.requested_splits(kwargs["num_splits"]), config=config)
+    assert (launches[0]["TMA"], launches[0]["BLOCK_N"]) == (True, 2 * case.page_size)
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
+
+
+@in_subprocess
+@pytest.mark.parametrize("paths", [(), ("phases",), ("tma",)])
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-3])
+def test_scale_folded_into_the_softmax_keeps_any_sign(scale, paths, launches):
+    """Plain scores stay raw q.k and the softmax multiplies by the scale inside exp2: a
+    negative scale (q's sign flipped instead), a zero one (uniform weights) and a tiny one
+    match the oracle on every schedule."""
+    case = xt.AttentionCase(((30, 70), (1, 40)), page_size=16, hq=4, hkv=2, d=32, causal=True,
+                            num_splits=1)
+    args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(6))
+    kwargs["softmax_scale"] = scale
+    lse = _launch_with(frozenset(paths), args, kwargs)
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
+
+
 def test_parse_paths_names_the_variable_and_the_bad_name():
     assert _common.parse_paths("") == _common.parse_paths("none") == frozenset()
     assert _common.parse_paths(" page_tiles ,") == {"page_tiles"}

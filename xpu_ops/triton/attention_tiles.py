@@ -151,14 +151,33 @@ def _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head, stride_pt
 
 
 @triton.jit
+def _descriptor_kv_pair(k_desc, v_desc, pt_row, start_n, kv_head, stride_pt_p,
+                        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # An interior tile of two whole pages (BLOCK_N = 2 x PAGE_SIZE, start_n on a tile
+    # boundary): one descriptor box per page, K and V of each.
+    pages = pt_row + (start_n // PAGE_SIZE) * stride_pt_p
+    page0 = tl.load(pages)
+    page1 = tl.load(pages + stride_pt_p)
+    k0 = k_desc.load([page0, 0, kv_head, 0]).reshape([PAGE_SIZE, D_PAD])
+    k1 = k_desc.load([page1, 0, kv_head, 0]).reshape([PAGE_SIZE, D_PAD])
+    v0 = v_desc.load([page0, 0, kv_head, 0]).reshape([PAGE_SIZE, DV_PAD])
+    v1 = v_desc.load([page1, 0, kv_head, 0]).reshape([PAGE_SIZE, DV_PAD])
+    return k0, k1, v0, v1
+
+
+@triton.jit
 def _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV: tl.constexpr,
             USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    # [BLOCK_M, BLOCK_N] scores in the log2 domain (k_scale and qv_scale fold softmax_scale,
-    # descales and log2(e) unless softcap, which is applied here).
+    # [BLOCK_M, BLOCK_N] scores. Plain scores (no qv, no softcap: FOLD) stay raw q.k:
+    # _online_softmax multiplies by k_scale inside its exp2 argument (one FMA per score).
+    # Otherwise log2-domain scores (k_scale and qv_scale fold softmax_scale, descales and
+    # log2(e) unless softcap, which is applied here).
     LOG2E_C: tl.constexpr = 1.4426950408889634
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HAS_QV:
-        s += tl.dot(qv, tl.trans(v), input_precision=PRECISION) * qv_scale
+        s = s * k_scale + tl.dot(qv, tl.trans(v), input_precision=PRECISION) * qv_scale
+    elif USE_SOFTCAP:
+        s = s * k_scale
     if USE_SOFTCAP:
         s = softcap * _tanh(s / softcap) * LOG2E_C
     return s
@@ -181,15 +200,49 @@ def _mask_scores(s, offs_n, mask_n, lo_row, hi_row, q_block, BLOCK_IDS, q_start,
 
 
 @triton.jit
-def _online_softmax(s, v, acc, m_i, l_i, PRECISION: tl.constexpr):
-    # One key tile into the running (acc, max, sum); a row with no visible key so far keeps
-    # m = -inf and contributes p = 0.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+def _online_softmax(s, v, acc, m_i, l_i, scale, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+                    MASKED: tl.constexpr):
+    # One key tile into the running (acc, max, sum). FOLD: the log2-domain scores are
+    # s * scale with scale >= 0 (the max commutes with it), so s * scale - max is one FMA.
+    # MASKED: a row with no visible key so far keeps m = -inf and contributes p = 0; unmasked
+    # tiles (every row sees every key: the max is finite) skip that guard.
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    if FOLD:
+        p = tl.exp2(s * scale - m_safe[:, None])
+    else:
+        p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _online_softmax_pair(s0, s1, v0, v1, acc, m_i, l_i, scale, PRECISION: tl.constexpr,
+                         FOLD: tl.constexpr):
+    # Two unmasked key tiles (two pages, each loaded through its own descriptor box) as one:
+    # one running-max update and one rescale of the accumulator for both, two P.V products.
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1)) * scale)
+    else:
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1)))
+    alpha = tl.exp2(m_i - m_new)
+    if FOLD:
+        p0 = tl.exp2(s0 * scale - m_new[:, None])
+        p1 = tl.exp2(s1 * scale - m_new[:, None])
+    else:
+        p0 = tl.exp2(s0 - m_new[:, None])
+        p1 = tl.exp2(s1 - m_new[:, None])
+    l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1))
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p0.to(v0.dtype), v0, acc, input_precision=PRECISION)
+    acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=PRECISION)
     return acc, m_new, l_i
 
 

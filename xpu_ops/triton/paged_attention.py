@@ -37,7 +37,8 @@ class _Config:
     per tile). ``phases``: the
     three-phase key loop (``attention_tiles``). ``tma``: tensor descriptors for Q, O and the
     interior K/V tiles (CUDA capability >= 9.0 with descriptor support, 16-byte aligned rows,
-    a power-of-two GQA group; paged: BLOCK_N capped at the page size, 3 stages or more);
+    a power-of-two GQA group; paged: BLOCK_N capped at two pages, one descriptor box per page,
+    3 stages or more);
     implies both others.
     ``ws``: the interior loop warp-specialised (``tl.range(warp_specialize=True)``) on top of
     ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
@@ -293,8 +294,8 @@ def _full_scalars(q_strides, k_strides, v_strides, out_strides, qv_strides, pt_s
 def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: int, group: int,
                   dims: tuple, pads: tuple, layout: tuple, strides: tuple,
                   has_qv: bool) -> tuple[_Config, dict]:
-    """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at the
-    page size for paged descriptors, at 32 keys for split latent columns). ``strides``: q, K,
+    """The kernel-path constexprs the launch can honour, and the config (BLOCK_N capped at two
+    pages for paged descriptors, at 32 keys for split latent columns). ``strides``: q, K,
     V, out strides.
 
     Absorbed MLA's Dv >= 512 keeps the one-loop, per-key schedule: compiled for sm_90,
@@ -315,8 +316,9 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
            and group == next_pow2(group) and cfg.block_m % group == 0
            and (not paged or (pow2_pages and page_size >= 16))
            and _rows_aligned(strides, (elem, kv_elem, kv_elem, out_elem), paged))
-    if tma and paged and cfg.block_n > page_size:  # one page per box, one stage deeper
-        cfg = dataclasses.replace(cfg, block_n=page_size, num_stages=max(cfg.num_stages, 3))
+    if tma and paged:  # one box per page, two pages per tile at most; one stage deeper
+        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 2 * page_size),
+                                  num_stages=max(cfg.num_stages, 3))
     # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
     # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
     few_pages = cfg.block_n <= 2 * page_size

@@ -59,8 +59,9 @@ arXiv 2301.03598).
 from __future__ import annotations
 
 from ._common import HAS_TRITON
-from .attention_tiles import (_descriptor_kv, _gather_kv, _interior_tiles, _invalid_pages,
-                              _load_tile, _mask_scores, _online_softmax, _scores)
+from .attention_tiles import (_descriptor_kv, _descriptor_kv_pair, _gather_kv, _interior_tiles,
+                              _invalid_pages, _load_tile, _mask_scores, _online_softmax,
+                              _online_softmax_pair, _scores)
 
 if HAS_TRITON:
     import triton
@@ -299,6 +300,13 @@ def _attend(
         v_descale = tl.load(V_DESCALE + req * stride_vd_b + kv_head * stride_vd_h)
     if not USE_SOFTCAP:
         k_scale = k_scale * LOG2E_C  # scores go straight to the exp2 domain
+    # Plain scores stay raw q.k and the softmax applies k_scale inside its exp2 argument (one
+    # FMA per score), which needs k_scale > 0: a negative scale flips q's sign instead, a zero
+    # one zeroes q (both exact, as the product by the scale was).
+    FOLD: tl.constexpr = not HAS_QV and not USE_SOFTCAP
+    if FOLD:
+        q = (q * tl.where(k_scale > 0, 1.0, tl.where(k_scale < 0, -1.0, 0.0))).to(q.dtype)
+        k_scale = tl.where(k_scale == 0, 1.0, tl.abs(k_scale))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -330,7 +338,8 @@ def _attend(
             if DV_SPLIT > 1:  # this program's columns of the tile (cache lines just loaded)
                 v = _load_tile(v_head + v_rows[:, None] + offs_dc[None, :], mask_n, mask_dc,
                                True, EVEN_D)
-            acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i, PRECISION)
+            acc, m_i, l_i = _online_softmax(s, v.to(compute_dtype), acc, m_i, l_i, k_scale,
+                                            PRECISION, FOLD, True)
     else:  # unmasked interior tiles, then the masked edge tiles before and after them
         mid_lo, mid_hi = _interior_tiles(blk_lo, blk_hi, full_lo, full_hi, BLOCK_N)
         if PAGED:
@@ -350,6 +359,10 @@ def _attend(
                 stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids,
                 BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, TMA, False, HAS_QV,
                 HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
+        # Descriptor tiles of two pages: the masked edge tiles take one page each (per-page
+        # gathers of two pages lose the rows' contiguity: scalar loads and spills on sm_90),
+        # so every score tile has one shape.
+        EDGE_N: tl.constexpr = PAGE_SIZE if TMA and PAGED and BLOCK_N > PAGE_SIZE else BLOCK_N
         for edge in tl.static_range(2):
             if edge == 0:
                 lo = blk_lo
@@ -357,13 +370,13 @@ def _attend(
             else:
                 lo = mid_hi
                 hi = blk_hi
-            for start_n in range(lo, hi, BLOCK_N):
+            for start_n in range(lo, hi, EDGE_N):
                 acc, m_i, l_i = _tile_step(
                     acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
                     v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row,
                     hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale,
                     softcap, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs,
-                    stride_block_ids, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES,
+                    stride_block_ids, EDGE_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES,
                     EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
@@ -464,21 +477,33 @@ def _tile_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head
                PRECISION: tl.constexpr):
     # One key tile of the three-phase schedule into (acc, max, sum). Edge tiles (MASKED):
     # predicated gather and every mask. Interior tiles: every row sees every key, so no mask;
-    # K/V through tensor descriptors (TMA) or unpredicated gathers.
-    if TMA and not MASKED:
-        k, v = _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head, stride_pt_p,
-                              BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED)
+    # K/V through tensor descriptors (TMA: one box, or with BLOCK_N = 2 x PAGE_SIZE one box
+    # per page of the tile, softmax-updated together) or unpredicated gathers.
+    FOLD: tl.constexpr = not HAS_QV and not USE_SOFTCAP
+    if TMA and not MASKED and PAGED and BLOCK_N > PAGE_SIZE:
+        k0, k1, v0, v1 = _descriptor_kv_pair(k_desc, v_desc, pt_row, start_n, kv_head,
+                                             stride_pt_p, D_PAD, DV_PAD, PAGE_SIZE)
+        k0, k1, v0, v1 = k0.to(q.dtype), k1.to(q.dtype), v0.to(q.dtype), v1.to(q.dtype)
+        s0 = _scores(q, qv, k0, v0, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+        s1 = _scores(q, qv, k1, v1, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+        acc, m_i, l_i = _online_softmax_pair(s0, s1, v0, v1, acc, m_i, l_i, k_scale, PRECISION,
+                                             FOLD)
     else:
-        k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
-            k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv, mask_d,
-            mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, BLOCK_N,
-            PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, MASKED)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
-    if MASKED:
-        s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start, kv_len,
-                         q_len, stride_block_ids, HAS_BLOCK_IDS)
-    return _online_softmax(s, v, acc, m_i, l_i, PRECISION)
+        if TMA and not MASKED:
+            k, v = _descriptor_kv(k_desc, v_desc, pt_row, start_n, kv_start, kv_head,
+                                  stride_pt_p, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED)
+        else:
+            k, v, v_rows, offs_n, mask_n, pages_ok = _gather_kv(
+                k_head, v_head, pt_row, start_n, blk_hi, k_start, kv_start, offs_d, offs_dv,
+                mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
+                stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, MASKED)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+        if MASKED:
+            s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
+                             kv_len, q_len, stride_block_ids, HAS_BLOCK_IDS)
+        acc, m_i, l_i = _online_softmax(s, v, acc, m_i, l_i, k_scale, PRECISION, FOLD, MASKED)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -486,15 +511,17 @@ def _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim, head_dim_v
                     stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     PAGED: tl.constexpr):
-    # K/V tensor descriptors: a [1, BLOCK_N, 1, D] box of [num_pages, page_size, Hkv, D]
-    # (paged; BLOCK_N <= page_size), or a [BLOCK_N, 1, D] box of ragged [total_k, Hkv, D].
+    # K/V tensor descriptors: a [1, min(BLOCK_N, page_size), 1, D] box of [num_pages,
+    # page_size, Hkv, D] (paged; BLOCK_N <= 2 x page_size: a tile of two pages takes two
+    # boxes), or a [BLOCK_N, 1, D] box of ragged [total_k, Hkv, D].
     if PAGED:
+        BOX_N: tl.constexpr = BLOCK_N if BLOCK_N <= PAGE_SIZE else PAGE_SIZE
         k_desc = tl.make_tensor_descriptor(
             K, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim],
-            strides=[stride_kp, stride_ks, stride_kh, 1], block_shape=[1, BLOCK_N, 1, D_PAD])
+            strides=[stride_kp, stride_ks, stride_kh, 1], block_shape=[1, BOX_N, 1, D_PAD])
         v_desc = tl.make_tensor_descriptor(
             V, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim_v],
-            strides=[stride_vp, stride_vs, stride_vh, 1], block_shape=[1, BLOCK_N, 1, DV_PAD])
+            strides=[stride_vp, stride_vs, stride_vh, 1], block_shape=[1, BOX_N, 1, DV_PAD])
     else:
         k_desc = tl.make_tensor_descriptor(
             K, shape=[total_k, num_heads_kv, head_dim], strides=[stride_ks, stride_kh, 1],
