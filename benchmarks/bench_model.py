@@ -8,7 +8,9 @@ attention eager between them), ``graphs`` (the serving path, ``python -m compile
 ``compile.graphs.graph_runner.full_and_piecewise``; the decode steps timed here replay whole-step
 graphs recorded through the piecewise model), ``graphs_compiled`` (the same whole-step decode
 graphs recorded through ``compile_model`` instead: the ``--mode graphs`` of earlier sessions,
-kept for the A/B).
+kept for the A/B), ``graphs_addmm`` (``graphs`` with the pieces compiled as before session 10:
+Inductor's residual ``addmm`` kept, ``full_and_piecewise(model, unfuse_addmm=False)``; the A/B of
+``compile/graphs/inductor_passes.py``).
 Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
 static ``[b, Hkv, max_len, D]`` cache, SDPA under a mask of the valid positions, compiled with
 ``torch.compile(mode="reduce-overhead", fullgraph=True)``), timed in the same process.
@@ -61,7 +63,8 @@ RESULTS = Path(__file__).parent / "results"
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
-MODES = ("eager", "compiled", "piecewise", "graphs", "graphs_compiled")  # this project's
+MODES = ("eager", "compiled", "piecewise", "graphs", "graphs_compiled",
+         "graphs_addmm")  # this project's
 PEERS = ("dense",)
 # --quick: what the flags become (a CPU check of every mode in about a minute)
 QUICK = dict(layers=2, hidden=128, context=32, batches=[1, 4], warmup=1, steps=3,
@@ -116,6 +119,8 @@ def make_forward(model, mode: str):
         return PiecewiseModel(model)
     if mode == "graphs":
         return full_and_piecewise(model)
+    if mode == "graphs_addmm":
+        return full_and_piecewise(model, unfuse_addmm=False)
     if mode == "graphs_compiled":
         return GraphRunner(model, forward=compile_model(model, fullgraph=True))
     raise ValueError(f"bench_model: mode {mode!r} is unknown; expected one of {MODES}.")

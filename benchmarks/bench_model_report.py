@@ -22,9 +22,10 @@ def compile_summary(args, compile_s) -> str:
 
 def speed_table(rows, cols) -> str:
     """Markdown: tokens/s of every mode and the roofline, plus the mode ratios of issue 17
-    (graphs over the old whole-step graphs, pure piecewise over graphs)."""
+    (graphs over the old whole-step graphs, pure piecewise over graphs) and graphs over its
+    A/B without the residual ``addmm`` pass."""
     ratios = (("graphs", "eager", "x"), ("graphs", "graphs_compiled", ""),
-              ("piecewise", "graphs", ""))
+              ("piecewise", "graphs", ""), ("graphs", "graphs_addmm", ""))
     table = ("| batch | " + " | ".join(cols) + " | roofline | "
              + " | ".join(f"{a} / {b}" for a, b, _ in ratios) + " |\n")
     table += "|---" * (len(cols) + 2 + len(ratios)) + "|\n"

@@ -49,7 +49,7 @@ PROFILER_DTYPES = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half",
 # modes in SAME_INDUCTOR_GRAPHS also the same Inductor graphs (piece graphs name their fused
 # kernels differently from whole-model graphs, so the others take operator bytes only)
 UNCAPTURED = {"eager": "eager", "compiled": "compiled", "graphs_compiled": "compiled",
-              "piecewise": "compiled", "graphs": "compiled"}
+              "piecewise": "compiled", "graphs": "compiled", "graphs_addmm": "compiled"}
 SAME_INDUCTOR_GRAPHS = ("compiled", "graphs_compiled", "dense")
 MATMULS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1}  # op -> index of its first matrix
 # CPU operators that allocate or make views: no data moved, not kernels

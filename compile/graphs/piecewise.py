@@ -59,6 +59,7 @@ from compile.graphs.forward_context import (BatchDescriptor, GraphMode, current_
 from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
 from compile.graphs.graph_wrapper import GraphWrapper
+from compile.graphs.inductor_passes import piece_config_patches
 from compile.graphs.split_op import enable_split_op, unified_attention
 from compile.graphs.step_buffers import TokenBuffers
 
@@ -75,6 +76,9 @@ class PiecewiseBackend:
         static_inputs: names of the model's arguments that are fed from fixed buffers in
             bucketed steps (see ``capture_plan``).
         emulate_graphs: capture ``EmulatedGraph``s instead of device graphs (CPU tests).
+        unfuse_addmm: compile pieces with ``inductor_passes.ResidualAddmmPass`` (residual adds
+            as ``mm + add``, fused into the next norm, instead of Inductor's ``addmm``: no
+            copy of the residual and a ``beta = 0`` GEMM); None: on GPUs.
     Attributes:
         stats: counters: ``graphs`` (Dynamo graphs received), ``pieces`` (pieces around the
             attention calls, ``num_layers + 1`` per graph), ``cuts`` (extra pieces cut off at a
@@ -86,9 +90,10 @@ class PiecewiseBackend:
 
     def __init__(self, device: torch.device | str = "cpu", *, debug: bool = False,
                  inductor: bool = True, static_inputs: Sequence[str] = ("input_ids", "positions"),
-                 emulate_graphs: bool = False):
+                 emulate_graphs: bool = False, unfuse_addmm: Optional[bool] = None):
         self.device = torch.device(device)
         self.debug, self.inductor, self.emulate_graphs = debug, inductor, emulate_graphs
+        self.config_patches = piece_config_patches(self.device, unfuse_addmm)
         self.static_inputs = tuple(static_inputs)
         self._stats = dict(graphs=0, pieces=0, cuts=0, split_ops=0, compiles=0, uncaptured=0)
         self.split_gms: list[fx.GraphModule] = []
@@ -138,7 +143,8 @@ class PiecewiseBackend:
             self._stats["compiles"] += 1
             if self.inductor:
                 from torch._inductor.compile_fx import compile_fx
-                self._compiled[key] = compile_fx(gm, list(fake_args))
+                self._compiled[key] = compile_fx(gm, list(fake_args),
+                                                 config_patches=self.config_patches)
             else:
                 self._compiled[key] = gm
         return self._compiled[key]
@@ -192,6 +198,7 @@ class PiecewiseModel(nn.Module):
         inductor: False runs the FX pieces without Inductor (fast tests).
         emulate_graphs: capture ``EmulatedGraph``s (implies ``capture``): the bucket, capture and
             replay bookkeeping on the CPU, for tests.
+        unfuse_addmm: as ``PiecewiseBackend``'s (None: on GPUs).
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
             captures).
@@ -211,7 +218,8 @@ class PiecewiseModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
-                 device: torch.device | str | None = None, emulate_graphs: bool = False):
+                 device: torch.device | str | None = None, emulate_graphs: bool = False,
+                 unfuse_addmm: Optional[bool] = None):
         super().__init__()
         if device is None:
             device = next(model.parameters()).device
@@ -225,7 +233,7 @@ class PiecewiseModel(nn.Module):
         self.capture = capture
         self.backend = PiecewiseBackend(self.device, debug=debug, inductor=inductor,
                                         static_inputs=_first_two_args(model),
-                                        emulate_graphs=emulate_graphs)
+                                        emulate_graphs=emulate_graphs, unfuse_addmm=unfuse_addmm)
         # Not a submodule (it would list the model's parameters twice).
         self.__dict__["compiled"] = torch.compile(model, backend=self.backend, fullgraph=True,
                                                   **_OWN_RECOMPILE_BUDGET, **_guard_options())

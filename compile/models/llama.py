@@ -79,12 +79,26 @@ class LlamaAttention(nn.Module):
         """``hidden_states [T, hidden]``, ``positions [T]`` -> ``[T, hidden]``; writes this
         step's K/V into the cache through ``PagedAttention``.
         """
+        if self.q_norm is None and self.rotary_emb is not None:
+            return self.attend(*self.project_rotated_qkv(positions, hidden_states),
+                               forward_batch)
         q, k, v = self.project_qkv(hidden_states)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
         return self.attend(q, k, v, forward_batch)
+
+    def project_rotated_qkv(self, positions: Tensor, hidden_states: Tensor
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+        """``project_qkv`` with RoPE applied to q and k as one ``[T, Hq + Hkv, D]`` view of the
+        projection (one elementwise kernel for both when compiled, not one each); q and k are
+        views of the rotated tensor (row stride ``(Hq + Hkv) * D``)."""
+        qkv = self.qkv_proj(hidden_states)  # [T, (Hq + 2 Hkv) * D]
+        qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
+        qk = self.rotary_emb.rotate(positions, qk.view(-1, self.hq + self.hkv, self.d))
+        q, k = qk.split([self.hq, self.hkv], dim=1)
+        return q, k, v
 
     def project_qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[T, hidden]`` -> ``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv * D]``."""

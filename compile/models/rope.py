@@ -94,9 +94,19 @@ class RotaryEmbedding(_AngleTables):
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate(self, positions: Tensor, x: Tensor) -> Tensor:
+        """Rotate ``x [T, H, D]`` (any heads, e.g. q and k side by side) by ``positions [T]``."""
+        cos, sin = self._cos_sin(positions, x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos, sin [T, 1, D]`` of ``positions`` in ``dtype``."""
+        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(dtype).unsqueeze(1)
+        return cos, sin
 
 
 class InterleavedRotaryEmbedding(_AngleTables):
@@ -126,6 +136,12 @@ class InterleavedRotaryEmbedding(_AngleTables):
         cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cached[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate(self, positions: Tensor, x: Tensor) -> Tensor:
+        """Rotate ``x [T, H, D]`` (any heads, e.g. q and k side by side) by ``positions [T]``."""
+        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cached[positions].unsqueeze(1)
+        return self._rotate(x, cos, sin)
 
 
 __all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_angles", "rope_inv_freq",
