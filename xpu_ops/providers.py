@@ -20,7 +20,8 @@ values of the functions declared with ``availability_depends_on`` for that devic
 resolved again; registering an implementation or ``refresh()`` forgets them. Per call a route
 then reads the state (a context variable or two) and runs the first implementation of the
 chain whose ``supports`` accepts the call's shapes (an implementation without ``supports``
-accepts every call).
+accepts every call): a resolution holds that call's target, the provider's own function when
+the first implementation has no ``supports``, so the op's kernel calls it directly.
 
 Environment: the variables of ``ENVIRONMENT`` (``XPU_OPS_PROVIDER``, ``TRITON_INTERPRET``,
 ``XPU_OPS_DEBUG_CHECKS``) are read once, when first needed, never per call; a process that
@@ -244,8 +245,11 @@ class Route:
     """The implementations of ``op`` on ``device_type``, resolved once per state.
 
     Calling a route with the op's arguments runs the implementation that serves them (see the
-    module docstring); ``select`` returns it without running it.
-    Raises (both):
+    module docstring); ``select`` returns it without running it; ``target`` returns the function
+    a call runs in the current state: the first implementation's own ``fn`` when it has no
+    ``supports`` (so a dispatcher kernel calls the provider with nothing in between), else a
+    function that asks each ``supports`` of the chain first.
+    Raises (all three):
         ValueError: the forced provider's name is not a provider.
         RuntimeError: the forced provider cannot run on this device type, or no provider can.
         NotImplementedError: the forced provider declines this call's arguments.
@@ -261,52 +265,74 @@ class Route:
         """Drop every resolution (the next call resolves again) and re-read which state
         functions apply to this device type."""
         self._fns = tuple(_state_fns.get(None, ())) + tuple(_state_fns.get(self.device_type, ()))
-        self._chains: dict[tuple, tuple[Implementation, ...]] = {}
-        self._current: tuple = (object(), ())  # (state, chain): never equal to a real state
+        self._chains: dict[tuple, tuple[tuple[Implementation, ...], Callable]] = {}
+        # (state, chain, target): the state is never equal to a real one
+        self._current: tuple = (object(), (), None)
 
     def _state(self) -> tuple:
-        forced = _forced_name()
+        forced = _forced.get() or getenv("XPU_OPS_PROVIDER") or None  # _forced_name, inlined
         fns = self._fns
         if len(fns) == 1:  # the usual one (the sgl_kernel binding): no list to build
             return (forced, fns[0]())
         return (forced, *[f() for f in fns]) if fns else (forced,)
 
-    def _resolve(self, state: tuple) -> tuple[Implementation, ...]:
-        chain = self._chains.get(state)
-        if chain is None:
+    def _resolve(self, state: tuple) -> tuple:
+        """``(state, chain, target)`` of ``state``, resolved once per state and made current."""
+        found = self._chains.get(state)
+        if found is None:
             _load_providers()
             state = self._state()  # loading providers may have declared state functions
-            forced = _check_provider_name(state[0])
-            impls = _registry.get(self.op, {})
-            rows = [(name, impls[name], impls[name].available(self.device_type))
-                    for name in PROVIDER_ORDER if name in impls]
-            if forced is not None:
-                reason = next((why for name, _, why in rows if name == forced),
-                              "no implementation of this op")
-                if reason is not None:
-                    raise RuntimeError(f"xpu_ops.{self.op}: provider {forced!r} was requested "
-                                       f"(use_provider or XPU_OPS_PROVIDER) but cannot run on "
-                                       f"{self.device_type}: {reason}.")
-                chain = (impls[forced],)
-            else:
-                chain = tuple(impl for _, impl, why in rows if why is None)
-                if not chain:
-                    raise RuntimeError(f"xpu_ops.{self.op}: no provider can run on "
-                                       f"{self.device_type}; tried {list(impls)}. See `python "
-                                       f"-m xpu_ops info`.")
-            self._chains[state] = chain
-        self._current = (state, chain)
+            chain = self._chain(_check_provider_name(state[0]))
+            found = self._chains[state] = (chain, self._target_of(chain, state))
+        self._current = (state, *found)
+        return self._current
+
+    def _chain(self, forced: Optional[str]) -> tuple[Implementation, ...]:
+        impls = _registry.get(self.op, {})
+        rows = [(name, impls[name], impls[name].available(self.device_type))
+                for name in PROVIDER_ORDER if name in impls]
+        if forced is not None:
+            reason = next((why for name, _, why in rows if name == forced),
+                          "no implementation of this op")
+            if reason is not None:
+                raise RuntimeError(f"xpu_ops.{self.op}: provider {forced!r} was requested "
+                                   f"(use_provider or XPU_OPS_PROVIDER) but cannot run on "
+                                   f"{self.device_type}: {reason}.")
+            return (impls[forced],)
+        chain = tuple(impl for _, impl, why in rows if why is None)
+        if not chain:
+            raise RuntimeError(f"xpu_ops.{self.op}: no provider can run on {self.device_type}; "
+                               f"tried {list(impls)}. See `python -m xpu_ops info`.")
         return chain
+
+    def _target_of(self, chain: tuple[Implementation, ...], state: tuple) -> Callable:
+        """What a call in ``state`` runs: the provider's ``fn`` itself, or the ``supports``
+        walk of the chain before it."""
+        if chain[0].supports is None:
+            return chain[0].fn
+
+        def serve(*args, **kwargs):
+            return self._serving(chain, state, args, kwargs).fn(*args, **kwargs)
+        serve.__name__ = serve.__qualname__ = f"{self.op}_{self.device_type}_serving"
+        return serve
+
+    def target(self) -> Callable:
+        """The function that runs a call of the op in the current state (see the class)."""
+        state = self._state()
+        current = self._current
+        return current[2] if state == current[0] else self._resolve(state)[2]
 
     def select(self, *args, **kwargs) -> Implementation:
         """The implementation that serves this call (fallbacks recorded); raises as above."""
         state = self._state()
         current = self._current
-        chain = current[1] if state == current[0] else self._resolve(state)
+        if state != current[0]:
+            current = self._resolve(state)
+        chain = current[1]
         impl = chain[0]
         if impl.supports is None:
             return impl
-        return self._serving(chain, state, args, kwargs)
+        return self._serving(chain, current[0], args, kwargs)
 
     def _serving(self, chain: tuple[Implementation, ...], state: tuple, args: tuple,
                  kwargs: dict) -> Implementation:
@@ -324,13 +350,7 @@ class Route:
                            f"declined this call. See `python -m xpu_ops info`.")
 
     def __call__(self, *args, **kwargs):
-        state = self._state()  # select's steps, without passing the arguments on twice
-        current = self._current
-        chain = current[1] if state == current[0] else self._resolve(state)
-        impl = chain[0]
-        if impl.supports is not None:
-            impl = self._serving(chain, state, args, kwargs)
-        return impl.fn(*args, **kwargs)
+        return self.target()(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Route({self.op!r}, {self.device_type!r})"

@@ -289,6 +289,20 @@ def flash_attn_with_kvcache(
     fn = NAME
     _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
                     scheduler_metadata, max_seqlen_k)
+    if (k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None
+            and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
+            and rotary_seqlens is None and q_descale is None and k_descale is None
+            and v_descale is None and sinks is None and bidirectional_block_ids is None
+            and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
+            and type(cache_seqlens) is Tensor and type(page_table) is Tensor
+            and type(cu_seqlens_q) is Tensor and (out is None or type(out) is Tensor)
+            and (max_seqlen_q is None or type(max_seqlen_q) is int)
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and type(softcap) is float and window_size == (-1, -1)
+            and q.dim() == 3 and k_cache.dim() == 4):
+        return _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                           max_seqlen_q, softmax_scale, bool(causal), softcap, num_splits,
+                           bool(return_softmax_lse), out)
     optional = (None if type(cache_seqlens) is int else cache_seqlens, page_table, cu_seqlens_q,
                 qv, q_descale, k_descale, v_descale, sinks, out, cache_batch_idx, cache_leftpad,
                 rotary_seqlens, k, v, rotary_cos, rotary_sin, cu_seqlens_k_new,
@@ -335,6 +349,31 @@ def flash_attn_with_kvcache(
     result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, batch_shape,
                             mergeable)
     return (result, lse) if return_softmax_lse else result
+
+
+def _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
+                softmax_scale, causal: bool, softcap: float, num_splits: int,
+                return_softmax_lse: bool, out):
+    """The public call in its plain form (the decode layer's): packed ``q [total_q, Hq, D]``,
+    a paged cache with ``page_table``, ``cache_seqlens`` and ``cu_seqlens_q`` tensors, no
+    append, rotary, dense-cache rows, descales, sinks, leftpad, blocks or window; the checked
+    keywords and the argument kinds already known. What the general path would do for it, with
+    none of its argument forms: default the scale and bound, the debug value checks, allocate
+    ``out`` when not given, then the op."""
+    if max_seqlen_q is None:
+        max_seqlen_q = q.shape[0]
+    if softmax_scale is None:
+        check_head_dim(NAME, "q", q)
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    _value_checks.check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table,
+                                                cu_seqlens_q, max_seqlen_q)
+    if out is None:
+        out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=output_dtype(q))
+    lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
+        q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, None, None, None,
+        None, None, None, None, max_seqlen_q, softmax_scale, causal, -1, 0 if causal else -1,
+        softcap, num_splits, return_softmax_lse)
+    return (out, lse) if return_softmax_lse else out
 
 
 def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,

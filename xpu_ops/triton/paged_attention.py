@@ -388,59 +388,49 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     scalars, so they are computed once per call shape (``_launch_params``, cached); the launch
     itself is ``kernel[grid](...)``.
     """
+    plain_like = (page_table is not None and qv is None and q_descale is None
+                  and k_descale is None and v_descale is None and sinks is None
+                  and k_start is None and block_ids is None and q_used is None)
+    if plain_like and scratch is None and config is None and (lse is None or lse.stride(0)
+                                                               == q.shape[0]):
+        return plain_attention(q, k, v, out, cache_seqlens, cu_seqlens_q, page_table,
+                               max_seqlen_q, max_kv_len, softmax_scale, window_left,
+                               window_right, softcap, num_splits, return_lse, lse, counters)
+    return _general_attention(q, k, v, out, cache_seqlens, cu_seqlens_q, page_table,
+                              cu_seqlens_k, max_seqlen_q, max_kv_len, qv, q_descale, k_descale,
+                              v_descale, sinks, softmax_scale, window_left, window_right, softcap,
+                              num_splits, scratch, counters, config, lse, k_start, block_ids,
+                              q_used, return_lse)
+
+
+def _general_attention(q, k, v, out, cache_seqlens, cu_seqlens_q, page_table, cu_seqlens_k,
+                       max_seqlen_q, max_kv_len, qv, q_descale, k_descale, v_descale, sinks,
+                       softmax_scale, window_left, window_right, softcap, num_splits, scratch,
+                       counters, config, lse, k_start, block_ids, q_used,
+                       return_lse) -> Optional[Tensor]:
+    """``paged_attention`` of any call (its arguments, positional): launch parameters from every
+    feature flag and metadata stride, then the plain or the full kernel."""
     total_q, num_heads_q = q.shape[0], q.shape[1]
     if lse is None and return_lse:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
     paged = page_table is not None
-    plain_like = (paged and qv is None and q_descale is None and k_descale is None
-                  and v_descale is None and sinks is None and k_start is None
-                  and block_ids is None and q_used is None)
     extras = (k_start, block_ids, q_used)
-    if plain_like:  # the metadata strides of the plain form's candidates: three tensors
-        flags = _NO_FLAGS
-        meta_strides = (cache_seqlens.stride(0), cu_seqlens_q.stride(0), 0,
-                        page_table.stride(1), *_NO_STRIDES)
-    else:
-        flags = (qv is not None, q_descale is not None, k_descale is not None,
-                 v_descale is not None, sinks is not None, *(t is not None for t in extras))
-        meta_strides = _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table,
-                                         sinks, q_descale, k_descale, v_descale, *extras)
+    flags = (qv is not None, q_descale is not None, k_descale is not None,
+             v_descale is not None, sinks is not None, *(t is not None for t in extras))
+    meta_strides = _metadata_strides(cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table,
+                                     sinks, q_descale, k_descale, v_descale, *extras)
     params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None if qv is None else qv.stride(),
         page_table.stride() if paged else None, paged, cache_seqlens.shape[0], max_seqlen_q,
         max_kv_len, flags, softmax_scale, softcap, window_left, window_right, num_splits, config,
         None if scratch is None else (scratch[0].stride(), scratch[1].stride()),
-        total_q if lse is None else lse.stride(0), meta_strides,
-        (q.element_size(), k.element_size(), out.element_size(),
-         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))))
-    if params.plain:  # unused buffers are None (constexprs: nothing to bind)
-        if params.num_splits == 1:
-            launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse,
-                   None, None, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
-                   **params.meta)
-            return lse
-        part_elems = params.num_splits * total_q * num_heads_q * (params.dv_pad + 1)
-        ws = _workspace(q.device, part_elems, 0 if lse is not None else num_heads_q * total_q,
-                        0 if counters is not None else params.num_tiles)
-        if ws is None:  # graph capture, another device, a large launch: buffers of this call
-            o_part, _, counters = _split_buffers(params, q, scratch, counters, None)
-        else:
-            o_part = ws[0]
-            counters = ws[2] if counters is None else _checked_counters(counters, params)
-        if lse is None:
-            # the merge compiles with fewer spills when it writes an LSE (sm_90, 33 splits:
-            # 280 bytes of stack against 408 without); the caller does not see it
-            lse_buf = (ws[1] if ws is not None else
-                       torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device))
-        else:
-            lse_buf = lse
-        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse_buf,
-               o_part, counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
-               **params.meta)
-        return lse
+        total_q if lse is None else lse.stride(0), meta_strides, _layout(q, k, v, out))
+    if params.plain:
+        return _launch_plain(params, q, k, v, out, cache_seqlens, page_table, cu_seqlens_q, lse,
+                             counters)
     if lse is None:  # the full kernel writes an LSE (and takes it for unused pointers)
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     o_part, lse_part, counters = _split_buffers(params, q, scratch, counters, lse)
@@ -453,6 +443,76 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
            *(lse if t is None else t for t in (q_descale, k_descale, v_descale, sinks, *extras)),
            *params.scalars, **params.meta)
     return lse if return_lse else None
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens: Tensor,
+                    cu_seqlens_q: Tensor, page_table: Tensor, max_seqlen_q: int,
+                    max_kv_len: int, softmax_scale: float, window_left: int, window_right: int,
+                    softcap: float, num_splits: Optional[int], return_lse: bool,
+                    lse: Optional[Tensor] = None,
+                    counters: Optional[Tensor] = None) -> Optional[Tensor]:
+    """``paged_attention`` of a paged cache without qv, descales, sinks, leftpad, blocks,
+    ``q_used``, caller scratch or forced config (the decode layer's call), positional: the
+    ``triton`` provider's entry. A call whose layouts the plain kernel cannot take (K and V of
+    different strides, strided metadata) goes on to ``paged_attention``'s general launch.
+    ``lse``: a contiguous ``[Hq, total_q]`` output or None (then allocated if ``return_lse``).
+    Returns as ``paged_attention``."""
+    total_q, num_heads_q = q.shape[0], q.shape[1]
+    if lse is None and return_lse:
+        lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or cache_seqlens.shape[0] == 0:
+        return lse
+    params = _launch_params(
+        q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
+        out.stride(), None, page_table.stride(), True, cache_seqlens.shape[0], max_seqlen_q,
+        max_kv_len, _NO_FLAGS, softmax_scale, softcap, window_left, window_right, num_splits,
+        None, None, total_q, (cache_seqlens.stride(0), cu_seqlens_q.stride(0), 0,
+                              page_table.stride(1), *_NO_STRIDES), _layout(q, k, v, out))
+    if params.plain:
+        return _launch_plain(params, q, k, v, out, cache_seqlens, page_table, cu_seqlens_q, lse,
+                             counters)
+    return _general_attention(q, k, v, out, cache_seqlens, cu_seqlens_q, page_table, None,
+                              max_seqlen_q, max_kv_len, None, None, None, None, None,
+                              softmax_scale, window_left, window_right, softcap, num_splits,
+                              None, counters, None, lse, None, None, None, return_lse)
+
+
+def _layout(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> tuple:
+    """``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned."""
+    return (q.element_size(), k.element_size(), out.element_size(),
+            q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+            and out.data_ptr() % 16 == 0)
+
+
+def _launch_plain(params: _LaunchParams, q, k, v, out, cache_seqlens, page_table, cu_seqlens_q,
+                  lse: Optional[Tensor], counters: Optional[Tensor]) -> Optional[Tensor]:
+    """Launch ``_paged_attention_plain_kernel`` (unused buffers are None: constexprs, nothing
+    to bind); returns ``lse``."""
+    if params.num_splits == 1:
+        launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse,
+               None, None, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+               **params.meta)
+        return lse
+    total_q, num_heads_q = q.shape[0], q.shape[1]
+    part_elems = params.num_splits * total_q * num_heads_q * (params.dv_pad + 1)
+    ws = _workspace(q.device, part_elems, 0 if lse is not None else num_heads_q * total_q,
+                    0 if counters is not None else params.num_tiles)
+    if ws is None:  # graph capture, another device, a large launch: buffers of this call
+        o_part, _, counters = _split_buffers(params, q, None, counters, None)
+    else:
+        o_part = ws[0]
+        counters = ws[2] if counters is None else _checked_counters(counters, params)
+    if lse is None:
+        # the merge compiles with fewer spills when it writes an LSE (sm_90, 33 splits:
+        # 280 bytes of stack against 408 without); the caller does not see it
+        lse_buf = (ws[1] if ws is not None else
+                   torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device))
+    else:
+        lse_buf = lse
+    launch(_paged_attention_plain_kernel, params.grid, q.device, q, k, v, out, lse_buf,
+           o_part, counters, cache_seqlens, page_table, cu_seqlens_q, *params.scalars,
+           **params.meta)
+    return lse
 
 
 # The rare-feature flags and metadata strides past the first four of a plain-form candidate.
@@ -521,17 +581,20 @@ def _checked_counters(counters: Tensor, params: _LaunchParams) -> Tensor:
 # WORKSPACE_MAX_BYTES allocate per call too. A workspace grows to the largest launch of its
 # stream; the buffer it replaces goes back to the caching allocator, which hands it out again
 # only in that stream's order (after the launches that still use it).
-_WORKSPACES: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+_WORKSPACES: dict[object, tuple[Tensor, Tensor, Tensor]] = {}
 WORKSPACE_MAX_BYTES = 64 * 2 ** 20
 
 
-def _workspace_key(device: torch.device) -> Optional[tuple]:
-    """The stream (CUDA) or thread (CPU) whose launches run in order, None when the launch
-    must allocate its own buffers (graph capture, other device types)."""
+def _workspace_key(device: torch.device) -> Optional[object]:
+    """The stream (CUDA: the current ``torch.Stream``, which hashes and compares by device and
+    stream id) or thread (CPU) whose launches run in order, None when the launch must allocate
+    its own buffers (graph capture, other device types)."""
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return None
-        return (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
+        # torch.accelerator's query builds no Python Stream object (torch.cuda.current_stream
+        # does, after resolving the device through Python): one C call for the key
+        return torch.accelerator.current_stream(device.index)
     if device.type == "cpu":
         return (device.type, threading.get_ident())
     return None
@@ -582,9 +645,14 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
     return None
 
 
+def _supports_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
+                   *rest, **kwargs) -> Optional[str]:
+    """``supports=`` of the ``triton`` ``flash_attn_with_kvcache`` (``supports_attention``)."""
+    return supports_attention(q, k_cache, v_cache, out, qv)
+
+
 @providers.register("flash_attn_with_kvcache", "triton", available=available,
-                    supports=lambda q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                    out, qv, *a, **kw: supports_attention(q, k_cache, v_cache, out, qv))
+                    supports=_supports_call)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                             bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
@@ -594,14 +662,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
 
     ``paged_attention`` in ``PAGED`` mode: FlashAttention-2 online softmax with GQA packing and
     split-KV; ``max_kv_len`` is the page-table capacity in tokens. Writes ``out``, returns the LSE
-    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``: then the plain form writes none).
+    (an empty ``[Hq, 0]`` unless ``return_softmax_lse``: then the plain form writes none). A call
+    without the rare features goes straight to ``plain_attention`` (positional).
     """
-    lse = paged_attention(
-        q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
-        cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
-        max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
-        k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
-        window_left=window_size_left, window_right=window_size_right, softcap=softcap,
-        num_splits=requested_splits(num_splits), k_start=cache_leftpad,
-        block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    if (qv is None and q_descale is None and k_descale is None and v_descale is None
+            and sinks is None and cache_leftpad is None and bidirectional_block_ids is None):
+        lse = plain_attention(q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table,
+                              max_seqlen_q, page_table.shape[1] * k_cache.shape[1],
+                              softmax_scale, window_size_left, window_size_right, softcap,
+                              None if num_splits == 0 else num_splits, return_softmax_lse)
+    else:
+        lse = paged_attention(
+            q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
+            cu_seqlens_k=None, max_seqlen_q=max_seqlen_q,
+            max_kv_len=page_table.shape[1] * k_cache.shape[1], qv=qv, q_descale=q_descale,
+            k_descale=k_descale, v_descale=v_descale, sinks=sinks, softmax_scale=softmax_scale,
+            window_left=window_size_left, window_right=window_size_right, softcap=softcap,
+            num_splits=requested_splits(num_splits), k_start=cache_leftpad,
+            block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
+    if return_softmax_lse:
+        return lse
+    return q.new_empty((q.shape[1], 0), dtype=torch.float32)  # providers.empty_lse, inlined
