@@ -35,8 +35,8 @@ OPTIONAL_PATHS = {
     "page_tiles": "one page-table load per page of a key tile, int32 in-page offsets, unmasked "
                   "head-dim columns (page sizes that are powers of two)",
     "phases": "three-phase key loop: masked edge tiles around unmasked interior tiles",
-    "tma": "tensor descriptors (TMA) for Q, O and interior K/V tiles; CUDA capability >= 9.0 "
-           "(implies page_tiles and phases)",
+    "tma": "tensor descriptors (TMA) for Q, O and interior K/V tiles (one box per page, up to "
+           "two pages per tile); CUDA capability >= 9.0 (implies page_tiles and phases)",
     "tma_ws": "tma with the interior key loop warp-specialised (tl.range warp_specialize)",
     "mla_split": "absorbed MLA: two programs per row tile, each accumulating half of the latent "
                  "output columns (both compute the scores)",
