@@ -11,7 +11,7 @@ partial LSEs which splits did work.
 
 Entries: the plain form of a call (paged cache, K and V with the same strides, unit-stride
 metadata, none of the rare features, the launcher's own scratch) takes
-``_paged_attention_plain_kernel`` (15 runtime arguments and 28 constexprs, plus ``num_warps``/
+``_paged_attention_plain_kernel`` (15 runtime arguments and 29 constexprs, plus ``num_warps``/
 ``num_stages``; a layer's fixed values are constexprs, and a one-split launch without an LSE
 binds None for LSE, scratch and counters); every other call takes ``_paged_attention_kernel``
 (67 and 25). Both run the
@@ -192,7 +192,7 @@ def test_call_binds_the_plain_kernel_unless_it_needs_a_rare_feature(case, kernel
     name, positional, keywords = bound[0]
     assert name == kernel
     # runtime arguments (Triton binds each per launch), then constexprs and launch options
-    assert (positional, len(keywords)) == ((15, 30) if kernel == PLAIN else (67, 27))
+    assert (positional, len(keywords)) == ((15, 31) if kernel == PLAIN else (67, 28))
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(out, want, out.dtype, lse, want_lse)
 
