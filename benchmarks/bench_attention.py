@@ -702,6 +702,7 @@ def main():
           flush=True)
     for spec, row in zip(specs, rows):
         late_variants(spec, row)
+        write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
     write_results(rows, copy_tbs, mm_tflops, args.out)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -35,14 +35,19 @@ from xpu_ops.triton import paged_attention as pa
 HQ, HKV, D = 32, 8, 64
 
 
-def make_layers(b: int, context: int, page_size: int, layers: int, device, dtype):
+def make_layers(b: int, context: int, page_size: int, layers: int, device, dtype,
+                table_tokens: int = 0):
     """``layers`` independent paged caches of ``b`` requests of ``context`` keys, shuffled
-    pages; one shared q, page table and metadata (as one decode step's layers share them)."""
+    pages; one shared q, page table and metadata (as one decode step's layers share them). The
+    page table is ``table_tokens`` wide when that is more (a serving graph's table: as wide as
+    the request pool; the split plan sees that capacity), its extra entries page 0."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     pages_per = -(-context // page_size)
     num_pages = b * pages_per + 1
     table = (torch.randperm(num_pages - 1, generator=gen)[: b * pages_per] + 1).int()
-    table = table.view(b, pages_per).to(device)
+    width = max(pages_per, -(-table_tokens // page_size))
+    table = torch.cat([table.view(b, pages_per),
+                       torch.zeros(b, width - pages_per, dtype=torch.int32)], 1).to(device)
     caches = [(torch.randn(num_pages, page_size, HKV, D, generator=gen).to(device, dtype),
                torch.randn(num_pages, page_size, HKV, D, generator=gen).to(device, dtype))
               for _ in range(layers)]
@@ -112,7 +117,8 @@ def parse_config(text: str, default) -> object:
 def row(b: int, context: int, args, bandwidth: float) -> dict:
     """Times of one (batch, context): planned, each forced split count, each config."""
     device = torch.device(args.device)
-    w = make_layers(b, context, args.page_size, args.layers, device, args.dtype)
+    w = make_layers(b, context, args.page_size, args.layers, device, args.dtype,
+                    args.table_tokens)
     cfg = pa.default_config(w["q"], w["caches"][0][1], 1, HKV, page_size=args.page_size)
     grid_m = pa.cdiv(HQ // HKV, cfg.block_m)
     planned, _ = pa.plan_splits(device, grid_m * b * HKV, w["table"].shape[1] * args.page_size,
@@ -174,6 +180,9 @@ def main(argv=None):
                     help="BLOCK_M,BLOCK_N,warps,stages tile configs at the planned splits")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=16, help="launches per graph")
+    ap.add_argument("--table-tokens", type=int, default=0,
+                    help="page-table capacity in tokens (0: the context; a serving graph's is "
+                         "the request pool's, e.g. 8192)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny sizes")
     ap.add_argument("--out", default=None, help="directory for decode_graph.{md,json}")
@@ -193,8 +202,9 @@ def main(argv=None):
                 f"{k} {v:.2f}" for k, v in r["us"].items()), flush=True)
     props = (torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     head = (f"### Decode attention per layer in a replayed graph ({props}, torch "
-            f"{torch.__version__}, page {args.page_size}, {args.layers} launches per graph, "
-            f"Hq {HQ}, Hkv {HKV}, D {D}; copy {bandwidth / 1e9:.0f} GB/s)")
+            f"{torch.__version__}, page {args.page_size}, table "
+            f"{args.table_tokens or 'as long as the context'}, {args.layers} launches per "
+            f"graph, Hq {HQ}, Hkv {HKV}, D {D}; copy {bandwidth / 1e9:.0f} GB/s)")
     text = markdown(rows, head)
     print(text)
     if args.out:

@@ -163,8 +163,8 @@ def main():
     ap.add_argument("--only", default="", help="comma list of workload name substrings")
     ap.add_argument("--tiles", default="", help="BLOCK_M,BLOCK_N,num_warps,num_stages instead "
                     "of the default tiles")
-    ap.add_argument("--variant", default="", help="comma list of paths (default: baseline and "
-                    "each optional path)")
+    ap.add_argument("--variant", default="", help="comma list of paths, each '+'-joined names "
+                    "(default: baseline and each optional path alone)")
     args = ap.parse_args()
     tiles = tuple(int(x) for x in args.tiles.split(",")) if args.tiles else None
     variants = args.variant.split(",") if args.variant else ("baseline", *_common.OPTIONAL_PATHS)
@@ -175,7 +175,7 @@ def main():
             if only and not any(s in case[0] for s in only):
                 continue
             for variant in variants:
-                paths = frozenset() if variant == "baseline" else frozenset({variant})
+                paths = frozenset() if variant == "baseline" else frozenset(variant.split("+"))
                 try:
                     summary, usage = compile_one(case, paths, args.arch, args.sms, tiles)
                     print(f"{case[0]:20s} {variant:11s} ok   {usage:40s} {summary}", flush=True)

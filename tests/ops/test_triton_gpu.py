@@ -380,7 +380,7 @@ def _paths_vs_reference(paths, q, k, v, lens, table, cu, max_seqlen_q, causal, d
     return _rel(out, ref), seen[0]
 
 
-PATHS = [("page_tiles",), ("phases",), ("tma",), ("tma_ws",)]
+PATHS = [("page_tiles",), ("phases",), ("tma",), ("tma_ws",), ("tma", "fold_scale")]
 
 
 @pytest.mark.parametrize("paths", PATHS, ids=["-".join(p) for p in PATHS])

@@ -11,7 +11,7 @@ partial LSEs which splits did work.
 
 Entries: the plain form of a call (paged cache, K and V with the same strides, unit-stride
 metadata, none of the rare features, the launcher's own scratch) takes
-``_paged_attention_plain_kernel`` (15 runtime arguments and 28 constexprs, plus ``num_warps``/
+``_paged_attention_plain_kernel`` (15 runtime arguments and 29 constexprs, plus ``num_warps``/
 ``num_stages``; a layer's fixed values are constexprs, and a one-split launch without an LSE
 binds None for LSE, scratch and counters); every other call takes ``_paged_attention_kernel``
 (67 and 25). Both run the
@@ -63,14 +63,15 @@ def h200(monkeypatch):
 def test_small_batch_decode_keeps_every_multiprocessor_busy(h200, batch, length, wide_table,
                                                             block_n):
     """b = 1..8 decode with 8 KV heads: the programs that get keys cover the device, or every
-    256-key piece of the requests when there are fewer, also when the page table holds 128k
-    tokens; no split is shorter than 256 keys."""
+    ``DECODE_SPLIT_KEYS``-key piece of the requests when there are fewer, also when the page
+    table holds 128k tokens; no split is shorter than ``DECODE_SPLIT_KEYS`` keys."""
     programs = batch * 8
     capacity = 131072 if wide_table else length
     splits, min_tiles = pa.plan_splits(CUDA, programs, capacity, block_n, decode=True)
     busy = programs * _working_splits(_cdiv(length, block_n), splits, min_tiles)
-    assert busy >= min(H200_SMS, programs * _cdiv(length, 256)), (splits, min_tiles)
-    assert min_tiles * block_n >= 256 and splits <= 64
+    piece = pa.DECODE_SPLIT_KEYS
+    assert busy >= min(H200_SMS, programs * _cdiv(length, piece)), (splits, min_tiles)
+    assert min_tiles * block_n >= piece and splits <= 64
 
 
 @pytest.mark.parametrize("length, block_n, splits, min_tiles", [
@@ -191,7 +192,7 @@ def test_call_binds_the_plain_kernel_unless_it_needs_a_rare_feature(case, kernel
     name, positional, keywords = bound[0]
     assert name == kernel
     # runtime arguments (Triton binds each per launch), then constexprs and launch options
-    assert (positional, len(keywords)) == ((15, 30) if kernel == PLAIN else (67, 27))
+    assert (positional, len(keywords)) == ((15, 31) if kernel == PLAIN else (67, 28))
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(out, want, out.dtype, lse, want_lse)
 

@@ -103,7 +103,7 @@ def _check_paths(case, paths, launches):
 
 
 @in_subprocess
-@pytest.mark.parametrize("paths", [("page_tiles",), ("tma",)])
+@pytest.mark.parametrize("paths", [("page_tiles",), ("tma",), ("fold_scale",)])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_paths_match_oracle(case, paths, launches):
     """``page_tiles`` (one loop) and ``tma`` (three phases, descriptors where the launch allows,
@@ -112,7 +112,7 @@ def test_paths_match_oracle(case, paths, launches):
 
 
 @in_subprocess
-@pytest.mark.parametrize("paths", [("phases",), ("tma_ws",)])
+@pytest.mark.parametrize("paths", [("phases",), ("tma_ws",), ("tma", "fold_scale")])
 @pytest.mark.parametrize("case", [CASES[i] for i in SUBSET], ids=[CASE_IDS[i] for i in SUBSET])
 def test_phase_paths_match_oracle(case, paths, launches):
     _check_paths(case, paths, launches)
@@ -158,14 +158,16 @@ PAIR_CASES = (
 
 
 @in_subprocess
+@pytest.mark.parametrize("fold", [False, True], ids=["scaled", "fold_scale"])
 @pytest.mark.parametrize("case", PAIR_CASES, ids=[f"pair{i}-ps{c.page_size}"
                                                   for i, c in enumerate(PAIR_CASES)])
-def test_tma_two_page_tiles_match_oracle(case, launches):
+def test_tma_two_page_tiles_match_oracle(case, fold, launches):
     """``tma`` with 2 x page_size key tiles: interior tiles load one descriptor box per page,
     edge tiles gather per page; against the float64 oracle into NaN-poisoned outputs."""
     args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(4))
     q, k, v = args[:3]
-    config = pa.with_paths(pa._Config(32, 2 * case.page_size, 1, 1), frozenset({"tma"}))
+    paths = frozenset({"tma", "fold_scale"} if fold else {"tma"})
+    config = pa.with_paths(pa._Config(32, 2 * case.page_size, 1, 1), paths)
     lse = pa.paged_attention(
         q, k, v, args[6], args[3], args[5], page_table=args[4], cu_seqlens_k=None,
         max_seqlen_q=kwargs["max_seqlen_q"], max_kv_len=args[4].shape[1] * k.shape[1],
@@ -173,23 +175,26 @@ def test_tma_two_page_tiles_match_oracle(case, launches):
         softmax_scale=kwargs["softmax_scale"], window_left=kwargs["window_size_left"],
         window_right=kwargs["window_size_right"], softcap=kwargs["softcap"],
         num_splits=pa.requested_splits(kwargs["num_splits"]), config=config)
-    assert (launches[0]["TMA"], launches[0]["BLOCK_N"]) == (True, 2 * case.page_size)
+    assert (launches[0]["TMA"], launches[0]["BLOCK_N"], launches[0]["FOLD_SCALE"]) == (
+        True, 2 * case.page_size, fold)
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
 
 
 @in_subprocess
-@pytest.mark.parametrize("paths", [(), ("phases",), ("tma",)])
+@pytest.mark.parametrize("paths", [("fold_scale",), ("phases", "fold_scale"),
+                                   ("tma", "fold_scale")])
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-3])
 def test_scale_folded_into_the_softmax_keeps_any_sign(scale, paths, launches):
-    """Plain scores stay raw q.k and the softmax multiplies by the scale inside exp2: a
-    negative scale (q's sign flipped instead), a zero one (uniform weights) and a tiny one
-    match the oracle on every schedule."""
+    """``fold_scale``: plain scores stay raw q.k and the softmax multiplies by the scale
+    inside exp2: a negative scale (q's sign flipped instead), a zero one (uniform weights) and
+    a tiny one match the oracle on every schedule."""
     case = xt.AttentionCase(((30, 70), (1, 40)), page_size=16, hq=4, hkv=2, d=32, causal=True,
                             num_splits=1)
     args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(6))
     kwargs["softmax_scale"] = scale
     lse = _launch_with(frozenset(paths), args, kwargs)
+    assert launches[0]["FOLD_SCALE"]
     want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
     assert_matches_oracle(args[6], want, args[6].dtype, lse, want_lse)
 
@@ -253,3 +258,4 @@ def test_decode_launches_take_page_tiles_by_default_and_prefill_does_not():
     assert (decode.page_tiles, decode.phases, decode.block_n) == (True, False, 64)
     prefill = pa._pick_config(cuda, 4096 * 4, 128, 128, 2, page_size=64)
     assert (prefill.page_tiles, prefill.phases, prefill.tma) == (False, False, False)
+    assert (decode.fold_scale, prefill.fold_scale) == (False, True)

@@ -40,11 +40,15 @@ OPTIONAL_PATHS = {
     "tma_ws": "tma with the interior key loop warp-specialised (tl.range warp_specialize)",
     "mla_split": "absorbed MLA: two programs per row tile, each accumulating half of the latent "
                  "output columns (both compute the scores)",
+    "fold_scale": "plain scores (no qv, no softcap) stay raw q.k and the softmax applies the "
+                  "scale inside its exp2 argument: one FMA per score instead of a multiply "
+                  "and a subtract",
 }
 # The paths of decode-like launches (at most 64 packed rows per request) and of the others
 # (prefill, extend). H200, session 8: ``page_tiles`` was the fastest decode variant at every
-# batch size and page size, by up to 1.4x at pages of 64 and 128.
-DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset()}
+# batch size and page size, by up to 1.4x at pages of 64 and 128. Prefill takes ``fold_scale``
+# (fewer instructions per score; compiled for sm_90 its registers and spills are unchanged).
+DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset({"fold_scale"})}
 
 
 def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]:

@@ -167,8 +167,8 @@ def _descriptor_kv_pair(k_desc, v_desc, pt_row, start_n, kv_head, stride_pt_p,
 
 @triton.jit
 def _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV: tl.constexpr,
-            USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    # [BLOCK_M, BLOCK_N] scores. Plain scores (no qv, no softcap: FOLD) stay raw q.k:
+            USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
+    # [BLOCK_M, BLOCK_N] scores. FOLD (fold_scale, plain scores: no qv, no softcap): raw q.k,
     # _online_softmax multiplies by k_scale inside its exp2 argument (one FMA per score).
     # Otherwise log2-domain scores (k_scale and qv_scale fold softmax_scale, descales and
     # log2(e) unless softcap, which is applied here).
@@ -176,7 +176,7 @@ def _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV: tl.constexpr,
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HAS_QV:
         s = s * k_scale + tl.dot(qv, tl.trans(v), input_precision=PRECISION) * qv_scale
-    elif USE_SOFTCAP:
+    elif not FOLD:
         s = s * k_scale
     if USE_SOFTCAP:
         s = softcap * _tanh(s / softcap) * LOG2E_C

@@ -44,7 +44,8 @@ class _Config:
     ``tma``. ``dv_split``: programs per row tile, each accumulating ``Dv_pad / dv_split`` output
     columns (FlashMLA's split of the 512 latent columns, here across programs, which all compute
     the scores); only with ``qv`` (absorbed MLA), the one-loop schedule and
-    ``BLOCK_M >= 16 * dv_split``.
+    ``BLOCK_M >= 16 * dv_split``. ``fold_scale``: the softmax scale applied inside the exp2
+    argument (plain scores: no qv, no softcap).
     """
     block_m: int
     block_n: int
@@ -55,6 +56,7 @@ class _Config:
     tma: bool = False
     ws: bool = False
     dv_split: int = 1
+    fold_scale: bool = False
 
 
 # page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
@@ -90,7 +92,8 @@ def with_paths(config: _Config, paths: frozenset) -> _Config:
     tma = ws or "tma" in paths
     return dataclasses.replace(config, page_tiles=tma or "page_tiles" in paths,
                                phases=tma or "phases" in paths, tma=tma, ws=ws,
-                               dv_split=2 if "mla_split" in paths else 1)
+                               dv_split=2 if "mla_split" in paths else 1,
+                               fold_scale="fold_scale" in paths)
 
 
 def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
@@ -197,7 +200,7 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     ``layout``: ``(q, K/V, out)`` element sizes and whether q, K, V, out start 16-byte aligned.
 
     The plain form (``_plain_launch``) takes the kernel with 15 runtime arguments (10 tensors)
-    and 28 constexprs; every other call the full one (67 and 25)."""
+    and 29 constexprs; every other call the full one (67 and 26)."""
     total_q, num_heads_q, head_dim = q_shape
     num_heads_kv = k_shape[2] if paged else k_shape[1]
     group = num_heads_q // num_heads_kv
@@ -220,7 +223,8 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_PAD=d_pad, DV_PAD=dv_pad,
                 PAGE_SIZE=page_size, USE_SOFTCAP=softcap > 0, NUM_SPLITS=num_splits,
                 PRECISION="ieee" if q_dtype == torch.float32 or upcast else None, UPCAST=upcast,
-                PAGE_TILES=paths["PAGE_TILES"], EVEN_D=paths["EVEN_D"], PHASES=paths["PHASES"])
+                PAGE_TILES=paths["PAGE_TILES"], EVEN_D=paths["EVEN_D"], PHASES=paths["PHASES"],
+                FOLD_SCALE=paths["FOLD_SCALE"])
     head = (q_strides[0], q_strides[1])
     scalars = (float(softmax_scale), float(softcap), int(window_left), int(window_right))
     plain = _plain_launch(paged, flags, paths, k_strides, v_strides, meta_strides,
@@ -325,7 +329,7 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
     return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
-                     GROUP=group if tma else 1, DV_SPLIT=dv_split)
+                     GROUP=group if tma else 1, DV_SPLIT=dv_split, FOLD_SCALE=cfg.fold_scale)
 
 
 def _rows_aligned(strides: tuple, elems: tuple, paged: bool) -> bool:

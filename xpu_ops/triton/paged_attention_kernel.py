@@ -19,10 +19,10 @@ path ``page_tiles``, decode's default) and a power-of-two page size, a tile that
 kernel loads one page id per page, multiplies in int64 once per page and adds int32 in-page slot
 offsets (``_page_tile_rows``); with power-of-two head dims the K/V loads carry no column mask.
 
-Entries: ``_paged_attention_kernel`` takes every argument (67 runtime, 25 constexprs: any
+Entries: ``_paged_attention_kernel`` takes every argument (67 runtime, 26 constexprs: any
 metadata layout, every feature and kernel path); ``_paged_attention_plain_kernel`` takes the
 plain form of a call (a paged cache whose K and V share strides, unit-stride metadata, none of
-descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 15 runtime arguments, 28
+descales, sinks, qv, leftpad, bidirectional blocks, seqused_q; 15 runtime arguments, 29
 constexprs: what is fixed for a layer, the head counts and dims, the q/K/V/out strides, scale,
 softcap, window and split floor, is a constexpr) and passes constants for the rest. Triton's
 binder costs host time per runtime argument on every launch, so the common call binds less
@@ -30,8 +30,8 @@ than a quarter as many. The plain entry's ``LSE`` is None when the caller wants 
 scratch and counters are None with one split (constexpr Nones: never read). Both call ``_attend`` at their top level, which Triton inlines.
 
 Kernel paths (``_common.OPTIONAL_PATHS``) are constexprs (``PAGE_TILES``, ``PHASES``, ``TMA``,
-``WS``, ``DV_SPLIT``) that the launcher (``paged_attention.py``) sets where a launch allows them;
-the tile math they share lives in ``attention_tiles.py``.
+``WS``, ``DV_SPLIT``, ``FOLD_SCALE``) that the launcher (``paged_attention.py``) sets where a
+launch allows them; the tile math they share lives in ``attention_tiles.py``.
 
 Split-KV: with few (request, KV head) pairs for the machine, the visible key range is cut into
 ``num_splits`` pieces (each an even share of the program's own visible tiles, at least
@@ -110,7 +110,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
     PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
+    DV_SPLIT: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     # Every feature: any metadata layout, descales, sinks, qv (absorbed MLA), leftpad,
     # bidirectional blocks, seqused_q, ragged K/V, caller scratch, every kernel path.
@@ -126,7 +126,7 @@ def _paged_attention_kernel(
             num_pages, max_seqlen_q, max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE,
             PAGED, HAS_QV, HAS_Q_DESCALE, HAS_K_DESCALE, HAS_V_DESCALE, HAS_SINKS, HAS_K_START,
             HAS_BLOCK_IDS, HAS_Q_USED, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST, PAGE_TILES,
-            EVEN_D, PHASES, TMA, WS, GROUP, DV_SPLIT)
+            EVEN_D, PHASES, TMA, WS, GROUP, DV_SPLIT, FOLD_SCALE)
 
 
 @triton.jit
@@ -142,6 +142,7 @@ def _paged_attention_plain_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr, PHASES: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     # The plain form (most decode and prefill calls): a paged cache whose K and V share strides,
     # unit-stride metadata, none of the rare features, the launcher's scratch: one fp32 buffer,
@@ -164,7 +165,7 @@ def _paged_attention_plain_kernel(
             HEAD_DIM, HEAD_DIM_V, MIN_SPLIT_TILES, total_q, num_pages, num_pages, max_seqlen_q,
             max_kv_len, BLOCK_M, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, True, False, False, False,
             False, False, False, False, False, USE_SOFTCAP, NUM_SPLITS, PRECISION, UPCAST,
-            PAGE_TILES, EVEN_D, PHASES, False, False, 1, 1)
+            PAGE_TILES, EVEN_D, PHASES, False, False, 1, 1, FOLD_SCALE)
 
 
 @triton.jit
@@ -188,7 +189,7 @@ def _attend(
     USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PAGE_TILES: tl.constexpr, EVEN_D: tl.constexpr,
     PHASES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
+    DV_SPLIT: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
@@ -300,10 +301,10 @@ def _attend(
         v_descale = tl.load(V_DESCALE + req * stride_vd_b + kv_head * stride_vd_h)
     if not USE_SOFTCAP:
         k_scale = k_scale * LOG2E_C  # scores go straight to the exp2 domain
-    # Plain scores stay raw q.k and the softmax applies k_scale inside its exp2 argument (one
-    # FMA per score), which needs k_scale > 0: a negative scale flips q's sign instead, a zero
-    # one zeroes q (both exact, as the product by the scale was).
-    FOLD: tl.constexpr = not HAS_QV and not USE_SOFTCAP
+    # fold_scale: plain scores stay raw q.k and the softmax applies k_scale inside its exp2
+    # argument (one FMA per score), which needs k_scale > 0: a negative scale flips q's sign
+    # instead, a zero one zeroes q (both exact, as the product by the scale was).
+    FOLD: tl.constexpr = FOLD_SCALE and not HAS_QV and not USE_SOFTCAP
     if FOLD:
         q = (q * tl.where(k_scale > 0, 1.0, tl.where(k_scale < 0, -1.0, 0.0))).to(q.dtype)
         k_scale = tl.where(k_scale == 0, 1.0, tl.abs(k_scale))
@@ -331,7 +332,7 @@ def _attend(
                 mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
                 stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, True)
             s = _scores(q, qv, k.to(compute_dtype), v.to(compute_dtype), k_scale, qv_scale,
-                        softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+                        softcap, HAS_QV, USE_SOFTCAP, PRECISION, FOLD)
             if (start_n < full_lo) | (start_n + BLOCK_N > full_hi) | (pages_ok == 0):
                 s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
                                  kv_len, q_len, stride_block_ids, HAS_BLOCK_IDS)
@@ -358,7 +359,7 @@ def _attend(
                 blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages,
                 stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids,
                 BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, TMA, False, HAS_QV,
-                HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
+                HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION, FOLD)
         # Descriptor tiles of two pages: the masked edge tiles take one page each (per-page
         # gathers of two pages lose the rows' contiguity: scalar loads and spills on sm_90),
         # so every score tile has one shape.
@@ -377,7 +378,7 @@ def _attend(
                     hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale,
                     softcap, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs,
                     stride_block_ids, EDGE_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES,
-                    EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION)
+                    EVEN_D, TMA, True, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION, FOLD)
 
     # ---- epilogue: normalise, write out (or this split's partial) and the LSE ----
     # The only split with keys for these rows writes the result itself. With one split that is
@@ -474,18 +475,19 @@ def _tile_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head
                PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
                EVEN_D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
                HAS_QV: tl.constexpr, HAS_BLOCK_IDS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, FOLD: tl.constexpr):
     # One key tile of the three-phase schedule into (acc, max, sum). Edge tiles (MASKED):
     # predicated gather and every mask. Interior tiles: every row sees every key, so no mask;
     # K/V through tensor descriptors (TMA: one box, or with BLOCK_N = 2 x PAGE_SIZE one box
     # per page of the tile, softmax-updated together) or unpredicated gathers.
-    FOLD: tl.constexpr = not HAS_QV and not USE_SOFTCAP
     if TMA and not MASKED and PAGED and BLOCK_N > PAGE_SIZE:
         k0, k1, v0, v1 = _descriptor_kv_pair(k_desc, v_desc, pt_row, start_n, kv_head,
                                              stride_pt_p, D_PAD, DV_PAD, PAGE_SIZE)
         k0, k1, v0, v1 = k0.to(q.dtype), k1.to(q.dtype), v0.to(q.dtype), v1.to(q.dtype)
-        s0 = _scores(q, qv, k0, v0, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
-        s1 = _scores(q, qv, k1, v1, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+        s0 = _scores(q, qv, k0, v0, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION,
+                     FOLD)
+        s1 = _scores(q, qv, k1, v1, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION,
+                     FOLD)
         acc, m_i, l_i = _online_softmax_pair(s0, s1, v0, v1, acc, m_i, l_i, k_scale, PRECISION,
                                              FOLD)
     else:
@@ -498,7 +500,8 @@ def _tile_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head
                 mask_d, mask_dv, num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp,
                 stride_vs, BLOCK_N, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, MASKED)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION)
+        s = _scores(q, qv, k, v, k_scale, qv_scale, softcap, HAS_QV, USE_SOFTCAP, PRECISION,
+                    FOLD)
         if MASKED:
             s = _mask_scores(s, offs_n, mask_n, lo_row, hi_row, blocks, BLOCK_IDS, q_start,
                              kv_len, q_len, stride_block_ids, HAS_BLOCK_IDS)

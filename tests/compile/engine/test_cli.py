@@ -183,7 +183,8 @@ BAD_ARGS = [
     # bench's own options: choices and ranges, one line under bench's name (were tracebacks).
     (["bench", "--modes", "eager", "compile"],
      r"^python -m compile bench: error: argument --modes: invalid choice: 'compile' \(choose "
-     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'graphs_compiled', 'dense'\)"),
+     r"from 'eager', 'compiled', 'piecewise', 'graphs', 'graphs_compiled', 'graphs_addmm', "
+     r"'dense'\)"),
     (["bench", "--dtype", "fp32"],
      r"^python -m compile bench: error: argument --dtype: invalid choice: 'fp32' \(choose from "
      r"'float32', 'bfloat16', 'float16'\)"),
