@@ -308,10 +308,14 @@ class Route:
     def _target_of(self, chain: tuple[Implementation, ...], state: tuple) -> Callable:
         """What a call in ``state`` runs: the provider's ``fn`` itself, or the ``supports``
         walk of the chain before it."""
-        if chain[0].supports is None:
-            return chain[0].fn
+        first = chain[0]
+        if first.supports is None:
+            return first.fn
+        supports, fn = first.supports, first.fn
 
         def serve(*args, **kwargs):
+            if supports(*args, **kwargs) is None:  # the usual call: the first one serves
+                return fn(*args, **kwargs)
             return self._serving(chain, state, args, kwargs).fn(*args, **kwargs)
         serve.__name__ = serve.__qualname__ = f"{self.op}_{self.device_type}_serving"
         return serve

@@ -63,14 +63,15 @@ def h200(monkeypatch):
 def test_small_batch_decode_keeps_every_multiprocessor_busy(h200, batch, length, wide_table,
                                                             block_n):
     """b = 1..8 decode with 8 KV heads: the programs that get keys cover the device, or every
-    256-key piece of the requests when there are fewer, also when the page table holds 128k
-    tokens; no split is shorter than 256 keys."""
+    ``DECODE_SPLIT_KEYS``-key piece of the requests when there are fewer, also when the page
+    table holds 128k tokens; no split is shorter than ``DECODE_SPLIT_KEYS`` keys."""
     programs = batch * 8
     capacity = 131072 if wide_table else length
     splits, min_tiles = pa.plan_splits(CUDA, programs, capacity, block_n, decode=True)
     busy = programs * _working_splits(_cdiv(length, block_n), splits, min_tiles)
-    assert busy >= min(H200_SMS, programs * _cdiv(length, 256)), (splits, min_tiles)
-    assert min_tiles * block_n >= 256 and splits <= 64
+    piece = pa.DECODE_SPLIT_KEYS
+    assert busy >= min(H200_SMS, programs * _cdiv(length, piece)), (splits, min_tiles)
+    assert min_tiles * block_n >= piece and splits <= 64
 
 
 @pytest.mark.parametrize("length, block_n, splits, min_tiles", [

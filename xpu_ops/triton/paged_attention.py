@@ -651,7 +651,11 @@ def supports_attention(q, k, v, out, qv) -> Optional[str]:
 
 def _supports_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
                    *rest, **kwargs) -> Optional[str]:
-    """``supports=`` of the ``triton`` ``flash_attn_with_kvcache`` (``supports_attention``)."""
+    """``supports=`` of the ``triton`` ``flash_attn_with_kvcache`` (``supports_attention``;
+    its usual case, checked first)."""
+    if (q.shape[-1] <= 256 and v_cache.shape[-1] <= 512 and qv is None and q.stride(-1) == 1
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1):
+        return None
     return supports_attention(q, k_cache, v_cache, out, qv)
 
 
