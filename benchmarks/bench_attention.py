@@ -669,6 +669,9 @@ def main():
                     "those with tma run last, e.g. 'baseline@128,128,8,2;tma@128,128,8,3'")
     ap.add_argument("--peers", default="", help=f"comma list: only these of {ALL_PEERS} "
                     "(default: each row's own)")
+    ap.add_argument("--no-sweeps", action="store_true", help="time no sweep (split counts, "
+                    "tiles, chunk lengths; MLA configs): each is a kernel compile, and the quick "
+                    "rows carry about 40 of them")
     args = ap.parse_args()
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
@@ -681,6 +684,8 @@ def main():
     specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
              if not only or any(x in spec["name"] for x in only)]
     for spec in specs:
+        if args.no_sweeps:
+            spec["sweep"] = ()
         if keep_peers:
             spec["peers"] = tuple(p for p in spec.get("peers", ALL_PEERS) if p in keep_peers)
         if spec["kind"] == "flops":  # prefill and extend: the --configs columns
@@ -695,7 +700,8 @@ def main():
     mla = "MLA decode H128 R512 r64 64x4096"
     if not only or any(x in mla for x in only):
         rows.append(run_mla(mla, ">= 0.50 matmul",
-                            sweep=MLA_QUICK_CFGS if args.quick else MLA_CFGS,
+                            sweep=() if args.no_sweeps else MLA_QUICK_CFGS if args.quick
+                            else MLA_CFGS,
                             variants=parse_variants(args.variant)))
     write_results(rows, copy_tbs, mm_tflops, args.out)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
