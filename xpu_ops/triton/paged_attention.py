@@ -76,7 +76,10 @@ def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad
     its K/V addresses come from one page id and the compiler can stage the loads through shared
     memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages)."""
     decode = rows_per_request <= 64
-    paths = launch_paths(decode) if paths is None else paths
+    if paths is None:  # the defaults: descriptors only where the device has them (else portable)
+        paths = launch_paths(decode)
+        if paths & {"tma", "tma_ws"} and not descriptors_supported(device.type, device.index):
+            paths = paths - {"tma", "tma_ws"}
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
     if ("page_tiles" in paths and decode and page_size is not None
             and PAGE_TILE_MIN_KEYS <= page_size < tiles.block_n
