@@ -47,6 +47,7 @@ def workloads():
         ("decode page 16", [1] * 64, [4096] * 64, 16, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode b64 1k page 16", [1] * 64, [1000] * 64, 16, 32, 8, 128, 128, bf16, False, -1,
          False),
+        ("decode b1 1k page 16 D64", [1], [1024], 16, 32, 8, 64, 64, bf16, True, -1, False),
         ("decode page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode page 128", [1] * 64, [4096] * 64, 128, 32, 8, 128, 128, bf16, False, -1, False),
         ("decode fp8 page 64", [1] * 64, [4096] * 64, 64, 32, 8, 128, 128, fp8, False, -1, False),
@@ -81,9 +82,10 @@ def launch_args(case, paths, sms, tiles=None):
     if tiles:
         config = pa.with_paths(pa._Config(*tiles), paths)
     else:
-        config = pa._pick_config(torch.device("cuda"), max(q_lens) * (hq // hkv),
-                                 max(16, pa.next_pow2(d)), max(16, pa.next_pow2(dv)), 2, paths,
-                                 page)
+        with mock.patch.object(pa, "num_sms", lambda device: sms):
+            config = pa._pick_config(torch.device("cuda"), max(q_lens) * (hq // hkv),
+                                     max(16, pa.next_pow2(d)), max(16, pa.next_pow2(dv)), 2,
+                                     paths, page, kv_programs=b * hkv)
     with mock.patch.object(pa, "num_sms", lambda device: sms):
         params = pa._launch_params(
             torch.device("cuda"), q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape,

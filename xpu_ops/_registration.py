@@ -10,10 +10,11 @@ given), the kernels and a fake. A call then costs one C++ dispatch into the Pyth
 Kernels: ``define_op(..., by_device=True)`` (the ``xpu_ops`` ops) registers one kernel per
 dispatch key of ``providers.DISPATCH_KEYS`` (CPU, CUDA, XPU), as
 ``torch.library.register_kernel`` does, so the dispatcher routes a call by device: the kernel of
-a device type runs the decorated function (the op's shape checks) and then that device type's
-``providers.Route``, which runs the provider resolved for it; other backend keys (sparse
-layouts, other devices) get a ``CompositeExplicitAutograd`` kernel that runs the checks (they
-name a non-dense argument) and otherwise raises ``RuntimeError`` naming the device. Without
+a device type runs the decorated function (the op's shape checks) and then the target of that
+device type's ``providers.Route``: the provider resolved for it, its own function called
+directly. Other backend keys (sparse layouts, other devices) get a
+``CompositeExplicitAutograd`` kernel that runs the checks (they name a non-dense argument) and
+otherwise raises ``RuntimeError`` naming the device. Without
 ``by_device`` the decorated function is the kernel for every device
 (``CompositeExplicitAutograd``).
 
@@ -169,7 +170,8 @@ def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, 
     under ``torch.no_grad()`` otherwise (not differentiable: no provider records a graph)."""
     target = route.target
     one = mutated[0] if len(mutated) == 1 else None  # one written argument: no list to build
-    increment_version, is_grad_enabled = torch.autograd.graph.increment_version, torch.is_grad_enabled
+    increment_version = torch.autograd.graph.increment_version
+    is_grad_enabled = torch.is_grad_enabled
 
     def run(args, kwargs):
         replaced = check(*args, **kwargs)

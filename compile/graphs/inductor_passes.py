@@ -71,8 +71,10 @@ def unfuse_residual_addmm(graph: fx.Graph) -> int:
             mm = graph.call_function(aten.mm.default, (mat1, mat2))
             mm.meta.update(node.meta)
             mm.meta["val"] = aten.mm.default(mat1.meta["val"], mat2.meta["val"])
+            mm.meta["original_aten"] = aten.mm.default
             add = graph.call_function(aten.add.Tensor, (mm, inp))
             add.meta.update(node.meta)
+            add.meta["original_aten"] = aten.add.Tensor  # kernels' "Original ATen" comments
         node.replace_all_uses_with(add)
         graph.erase_node(node)
         rewritten += 1

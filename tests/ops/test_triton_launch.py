@@ -301,3 +301,58 @@ def test_plain_split_launches_share_their_threads_workspace_and_leave_counters_z
     thread.start()
     thread.join()
     assert other[0] != key
+
+
+# ---- small-grid decode tiles (SMALL_GRID_DECODE_TILES) --------------------------------------
+
+@pytest.mark.parametrize("kv_programs, d, page, elem, wide", [
+    (8, 64, 16, 2, True), (64, 64, 16, 2, True), (8, 64, 1, 2, True), (8, 32, 8, 2, True),
+    (264, 64, 16, 2, False),    # 2 programs per multiprocessor: a full grid, no splits
+    (8, 128, 16, 2, False),     # head dim 128: not measured
+    (8, 64, 64, 2, False),      # pages of 32 keys and more: one-page tiles (page_tiles)
+    (8, 64, 16, 4, False),      # fp32
+    (None, 64, 16, 2, False)])  # request count unknown
+def test_small_grid_decode_takes_wide_key_tiles(h200, kv_programs, d, page, elem, wide):
+    """A decode grid small enough to be split, with head dims <= 64, 16-bit q/K/V and pages of
+    under 32 keys, takes 128-key tiles, 4 warps, 3 stages; every other decode launch keeps its
+    tiles."""
+    cfg = pa._pick_config(CUDA, 4, d, d, elem, page_size=page, kv_programs=kv_programs)
+    got = (cfg.block_n, cfg.num_warps, cfg.num_stages)
+    assert (got == pa.SMALL_GRID_DECODE_TILES) == wide, got
+    assert cfg.block_m == 16
+
+
+SMALL_GRID_CASES = [
+    # (new, total keys) per request, page size, Hq, Hkv, D; lengths over several 128-key tiles
+    # and splits, the last tile partial, one empty request and one of a single key
+    xt.AttentionCase(((1, 700),), page_size=16, hq=8, hkv=2, d=64, causal=True),
+    xt.AttentionCase(((1, 333), (1, 0), (1, 1), (1, 515)), page_size=1, hq=4, hkv=1, d=32,
+                     causal=True),
+    xt.AttentionCase(((1, 600), (1, 129)), page_size=64, hq=8, hkv=2, d=64, causal=True,
+                     window=(200, 0)),
+]
+
+
+@in_subprocess
+@pytest.mark.parametrize("case", SMALL_GRID_CASES, ids=["ps16", "ps1-batch4", "ps64-window"])
+def test_small_grid_decode_tiles_match_oracle(case, monkeypatch):
+    """The small-grid decode tiles (128-key tiles, planned splits of >= 256 keys) against the
+    float64 oracle under the interpreter: NaN-poisoned output, NaN slots and garbage page ids
+    past each request."""
+    monkeypatch.setattr(pa, "num_sms", lambda device: 8)
+    args, kwargs = xt.attention_case_inputs(case, "cpu", gen=torch.Generator().manual_seed(7))
+    q, k, v, lens, table, cu, out = args[:7]
+    out.fill_(float("nan"))
+    block_n, warps, stages = pa.SMALL_GRID_DECODE_TILES
+    config = pa.with_paths(pa._Config(16, block_n, warps, stages), frozenset({"page_tiles"}))
+    capacity = table.shape[1] * k.shape[1]
+    with xt.recorded_triton_launches() as launches:
+        lse = pa.paged_attention(
+            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+            max_kv_len=capacity, qv=None, q_descale=None, k_descale=None, v_descale=None,
+            sinks=None, softmax_scale=kwargs["softmax_scale"],
+            window_left=kwargs["window_size_left"], window_right=kwargs["window_size_right"],
+            softcap=0.0, config=config)
+    assert launches[0]["BLOCK_N"] == block_n and launches[0]["NUM_SPLITS"] > 1
+    want, want_lse = oracle.flash_attn_with_kvcache(*args, **kwargs)
+    assert_matches_oracle(out, want, out.dtype, lse, want_lse)

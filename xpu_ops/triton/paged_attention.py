@@ -62,25 +62,41 @@ class _Config:
 # page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
 # 16-key pages, 64-key tiles of per-key addresses were up to 10 % faster than one-page tiles).
 PAGE_TILE_MIN_KEYS = 32
+# (BLOCK_N, num_warps, num_stages) of a decode launch whose grid is small enough to be split
+# (fewer than DECODE_PROGRAMS_PER_SM programs per multiprocessor), with head dims <= 64, 16-bit
+# q/K/V and pages of under PAGE_TILE_MIN_KEYS keys: such a launch is bound by each program's
+# chain of key tiles, so fewer, wider tiles win (H200, per layer in a replayed graph,
+# bench_decode_graph.py, D 64, page 16, 1024 keys: b = 1 8.1 us, b = 8 11.8 us, against
+# 10.1 and 12.9 us for the (64, 2, 4) tiles).
+SMALL_GRID_DECODE_TILES = (128, 4, 3)
 
 
 def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
                  elem_bytes: int, paths: Optional[frozenset] = None,
-                 page_size: Optional[int] = None) -> _Config:
+                 page_size: Optional[int] = None,
+                 kv_programs: Optional[int] = None) -> _Config:
     """Tile shape from shapes only (``rows_per_request = max_seqlen_q * G`` packed M rows), with
     the optional ``paths`` (``_common.OPTIONAL_PATHS``; None: ``launch_paths`` of the launch's
-    kind) on.
+    kind) on. ``kv_programs``: requests x KV heads of the launch (None: unknown).
 
     With ``page_tiles``, a decode tile holds one whole page where pages have
     ``PAGE_TILE_MIN_KEYS`` or more keys (BLOCK_N = page_size when smaller than the default), so
     its K/V addresses come from one page id and the compiler can stage the loads through shared
-    memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages)."""
+    memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages). A decode
+    grid small enough to be split takes ``SMALL_GRID_DECODE_TILES`` where they apply."""
     decode = rows_per_request <= 64
     if paths is None:  # the defaults: descriptors only where the device has them (else portable)
         paths = launch_paths(decode)
         if paths & {"tma", "tma_ws"} and not descriptors_supported(device.type, device.index):
             paths = paths - {"tma", "tma_ws"}
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
+    if (decode and kv_programs is not None and device.type != "cpu" and elem_bytes == 2
+            and max(d_pad, dv_pad) <= 64 and page_size is not None
+            and page_size < PAGE_TILE_MIN_KEYS
+            and kv_programs * cdiv(rows_per_request, tiles.block_m)
+            < DECODE_PROGRAMS_PER_SM * num_sms(device)):
+        block_n, warps, stages = SMALL_GRID_DECODE_TILES
+        tiles = dataclasses.replace(tiles, block_n=block_n, num_warps=warps, num_stages=stages)
     if ("page_tiles" in paths and decode and page_size is not None
             and PAGE_TILE_MIN_KEYS <= page_size < tiles.block_n
             and page_size == next_pow2(page_size)):
@@ -104,11 +120,13 @@ def default_config(q: Tensor, v: Tensor, max_seqlen_q: int, num_heads_kv: int,
                    page_size: Optional[int] = None) -> _Config:
     """The config a launch on these tensors picks, with ``paths`` on (None: the defaults;
     benchmarks A/B paths with ``paged_attention(..., config=default_config(..., paths))``).
-    ``page_size``: of a paged cache (None: ragged K/V)."""
+    ``page_size``: of a paged cache (None: ragged K/V). The request count is taken as
+    ``total_q // max_seqlen_q`` (exact for decode, where it can change the tiles)."""
     group = q.shape[1] // num_heads_kv
     d_pad, dv_pad = max(16, next_pow2(q.shape[-1])), max(16, next_pow2(v.shape[-1]))
+    requests = q.shape[0] // max(max_seqlen_q, 1)
     return _pick_config(q.device, max_seqlen_q * group, d_pad, dv_pad, q.element_size(), paths,
-                        page_size)
+                        page_size, kv_programs=requests * num_heads_kv)
 
 
 def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad: int,
@@ -211,7 +229,8 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     elem = torch.empty((), dtype=q_dtype).element_size()
     page_size = k_shape[1] if paged else 1
     cfg = config or _pick_config(device, max_seqlen_q * group, d_pad, dv_pad, elem,
-                                 page_size=page_size if paged else None)
+                                 page_size=page_size if paged else None,
+                                 kv_programs=batch * num_heads_kv)
     cfg, paths = _kernel_paths(cfg, device, paged, page_size, group, (head_dim, v_shape[-1]),
                                (d_pad, dv_pad), layout, (q_strides, k_strides, v_strides,
                                                          out_strides), flags[0])
