@@ -290,6 +290,16 @@ def main(argv=None, prog=None):
     write_results(args, rows, compile_s, bandwidth, steps)
 
 
+def device_allocations(device) -> int | None:
+    """Device memory allocation and free calls made so far by the caching allocator (CUDA's
+    ``num_device_alloc + num_device_free``; None elsewhere): a step that makes any pays their
+    host time, which a warm allocator avoids."""
+    if torch.device(device).type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+
+
 def counting_builds(backend) -> list:
     """Count ``backend.build_metadata`` calls (one per metadata build) into the returned list."""
     builds, build = [], backend.build_metadata
@@ -347,8 +357,12 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
                 else paged_step(make_forward(model, mode), ids, fb))
         # Best of --rounds medians: the GPU machine's host speed drifts within a run, and a
         # host-bound mode (eager, compiled, piecewise) would otherwise carry that drift.
+        allocs = device_allocations(fb.device)
         seconds, host = min(step_seconds(step, fb.device, args.warmup, args.steps)
                             for _ in range(args.rounds))
+        if allocs is not None:  # device malloc/free calls per step (host time, not in kernels)
+            row[f"{mode}_device_allocs"] = ((device_allocations(fb.device) - allocs)
+                                            / ((args.warmup + args.steps) * args.rounds))
         row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
         if mode != "dense":  # metadata builds per step (issue 17: one)
             row[f"{mode}_builds"] = len(builds) / ((args.warmup + args.steps) * args.rounds)
@@ -359,6 +373,8 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
                       "graph (counters['inductor']['cudagraph_skips']); its figure has none")
         builds_line = (f", {row[f'{mode}_builds']:g} metadata builds/step"
                        if mode != "dense" else "")
+        if f"{mode}_device_allocs" in row:
+            builds_line += f", {row[f'{mode}_device_allocs']:g} device mallocs+frees/step"
         print(f"b={b} {mode}: {row[mode]:.1f} tok/s (step {seconds * 1e3:.2f} ms, host "
               f"{host * 1e3:.2f} ms, {row[mode] / row['roofline']:.2f} of the roofline"
               f"{builds_line})", flush=True)
