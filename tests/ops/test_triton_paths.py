@@ -252,10 +252,18 @@ def test_page_tiles_decode_tiles_hold_one_page(page_size, block_n, stages):
 
 
 @pytest.mark.skipif(_common.ENABLED_PATHS is not None, reason="XPU_OPS_TRITON_PATHS is set")
-def test_decode_launches_take_page_tiles_by_default_and_prefill_does_not():
+@pytest.mark.parametrize("descriptors", [True, False], ids=["hopper", "no-tma"])
+def test_decode_takes_page_tiles_and_prefill_descriptors_where_supported(descriptors,
+                                                                         monkeypatch):
+    """Defaults: decode takes page_tiles; prefill takes tma and phases where the device has
+    tensor descriptors, and the portable three-phase kernel (no page_tiles, which tma would
+    imply) where it has none (XPU, CUDA before sm_90)."""
+    monkeypatch.setattr(pa, "descriptors_supported", lambda *a: descriptors)
     cuda = torch.device("cuda")
     decode = pa._pick_config(cuda, 4, 128, 128, 2, page_size=64)
-    assert (decode.page_tiles, decode.phases, decode.block_n) == (True, False, 64)
+    assert (decode.page_tiles, decode.phases, decode.tma, decode.block_n) == (True, False,
+                                                                              False, 64)
     prefill = pa._pick_config(cuda, 4096 * 4, 128, 128, 2, page_size=64)
-    assert (prefill.page_tiles, prefill.phases, prefill.tma) == (False, False, False)
-    assert (decode.fold_scale, prefill.fold_scale) == (False, True)
+    assert (prefill.page_tiles, prefill.phases, prefill.tma) == (descriptors, True, descriptors)
+    assert (prefill.block_m, prefill.block_n) == (128, 128)
+    assert not (decode.fold_scale or prefill.fold_scale)

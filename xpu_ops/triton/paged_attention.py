@@ -85,7 +85,10 @@ def _pick_config(device: torch.device, rows_per_request: int, d_pad: int, dv_pad
     memory; the pipeline deepens to keep as many bytes in flight (at most 8 stages). A decode
     grid small enough to be split takes ``SMALL_GRID_DECODE_TILES`` where they apply."""
     decode = rows_per_request <= 64
-    paths = launch_paths(decode) if paths is None else paths
+    if paths is None:  # the defaults: descriptors only where the device has them (else portable)
+        paths = launch_paths(decode)
+        if paths & {"tma", "tma_ws"} and not descriptors_supported(device.type, device.index):
+            paths = paths - {"tma", "tma_ws"}
     tiles = _pick_tiles(device, rows_per_request, d_pad, dv_pad, elem_bytes)
     if (decode and kv_programs is not None and device.type != "cpu" and elem_bytes == 2
             and max(d_pad, dv_pad) <= 64 and page_size is not None
