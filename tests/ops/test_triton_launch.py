@@ -283,7 +283,8 @@ def test_plain_split_launches_share_their_threads_workspace_and_leave_counters_z
             pa._WORKSPACES[key][0].fill_(float("nan"))
             pa._WORKSPACES[key][1].fill_(float("nan"))
         lse = pa.paged_attention(
-            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+            max_seqlen_q=kwargs["max_seqlen_q"],
             max_kv_len=table.shape[1] * case.page_size, qv=None, q_descale=None,
             k_descale=None, v_descale=None, sinks=None, softmax_scale=kwargs["softmax_scale"],
             window_left=-1, window_right=0, softcap=0.0, num_splits=splits,
@@ -330,11 +331,14 @@ SMALL_GRID_CASES = [
                      causal=True),
     xt.AttentionCase(((1, 600), (1, 129)), page_size=64, hq=8, hkv=2, d=64, causal=True,
                      window=(200, 0)),
+    # target-verify-like: 4 new tokens per request (16 packed rows), causal over the drafts
+    xt.AttentionCase(((4, 400), (4, 4)), page_size=16, hq=8, hkv=2, d=64, causal=True),
 ]
 
 
 @in_subprocess
-@pytest.mark.parametrize("case", SMALL_GRID_CASES, ids=["ps16", "ps1-batch4", "ps64-window"])
+@pytest.mark.parametrize("case", SMALL_GRID_CASES,
+                         ids=["ps16", "ps1-batch4", "ps64-window", "ps16-verify4"])
 def test_small_grid_decode_tiles_match_oracle(case, monkeypatch):
     """The small-grid decode tiles (128-key tiles, planned splits of >= 256 keys) against the
     float64 oracle under the interpreter: NaN-poisoned output, NaN slots and garbage page ids
@@ -348,7 +352,8 @@ def test_small_grid_decode_tiles_match_oracle(case, monkeypatch):
     capacity = table.shape[1] * k.shape[1]
     with xt.recorded_triton_launches() as launches:
         lse = pa.paged_attention(
-            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None, max_seqlen_q=1,
+            q, k, v, out, lens, cu, page_table=table, cu_seqlens_k=None,
+            max_seqlen_q=kwargs["max_seqlen_q"],
             max_kv_len=capacity, qv=None, q_descale=None, k_descale=None, v_descale=None,
             sinks=None, softmax_scale=kwargs["softmax_scale"],
             window_left=kwargs["window_size_left"], window_right=kwargs["window_size_right"],
