@@ -136,7 +136,8 @@ class StepBuffers:
                                        (self.seq_lens, fb.seq_lens, fill, bs),
                                        (self.seq_lens_cpu, fb.seq_lens_cpu, fill, bs)):
             buf[:values.shape[0]].copy_(values)
-            buf[values.shape[0]:size].fill_(pad)
+            if values.shape[0] < size:  # padded requests (an empty fill still dispatches)
+                buf[values.shape[0]:size].fill_(pad)
         static = self._batch(desc, fb, pos, tokens_per_req, slots_per_req)
         if fb.encoder_lens is not None:  # encoder-decoder: padded requests have no encoder
             b = fb.encoder_lens.shape[0]
