@@ -96,6 +96,24 @@ def test_verify_fails_on_a_wrong_model(capsys, monkeypatch):
     assert rc == 1 and "verify: MISMATCH" in out, out
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_says_its_reference_is_float32(dtype, capsys, monkeypatch):
+    """--verify compares against float32 transformers whatever --dtype is: under a 16-bit
+    dtype its output and --help say so; the float32 check stays exact (any id differs: 1)."""
+    import compile.__main__ as cli
+    monkeypatch.setattr(cli, "hf_generate", lambda m, ids, n, stops: [[1, 2, 3], [4, 5]])
+    note = "the reference is float32 transformers; under --dtype"
+    assert cli.verify(None, [[0], [0]], [[1, 2, 3], [4, 5]], 3, [], dtype)
+    out = capsys.readouterr().out
+    assert "verify: all prompts match" in out and (note in out) == (dtype != "float32"), out
+    assert not cli.verify(None, [[0], [0]], [[1, 2, 3], [4, 6]], 3, [], dtype)
+    out = capsys.readouterr().out
+    assert "verify: prompt 1: MISMATCH (first difference at token 1)" in out, out
+    assert (f"{note} {dtype} greedy ids can drift by rounding" in out) == (dtype != "float32")
+    gen = " ".join(_help(capsys, "generate").split())
+    assert "transformers' generate (in float32 whatever --dtype is;" in gen, gen
+
+
 def test_check_tiny_reports_no_breaks_and_layers_plus_one_pieces(capsys):
     rc = main(["check", "tiny"])
     out = capsys.readouterr().out
