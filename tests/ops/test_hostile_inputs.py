@@ -107,6 +107,50 @@ def test_bad_argument_names_itself(call, kwargs, expected, fake):
     assert re.match(expected, message), message
 
 
+def _mla_decode_call(scale):
+    ws = torch.empty(xpu_ops.flash_mla_get_workspace_size(4, 1, 2), dtype=torch.uint8)
+    return dict(q_nope=torch.randn(1, 2, 8), q_rope=torch.randn(1, 2, 4),
+                kv_cache=torch.randn(1, 4, 12), cache_seqlens=torch.tensor([3], dtype=I32),
+                page_table=torch.tensor([[0]], dtype=I32), workspace=ws, softmax_scale=scale)
+
+
+def _mla_prefill_call(scale):
+    return dict(q_nope=torch.randn(2, 3, 8), q_pe=torch.randn(2, 3, 4),
+                kv_c_and_k_pe_cache=torch.randn(2, 4, 12),
+                cu_seqlens_q=torch.tensor([0, 2], dtype=I32),
+                seq_lens_k=torch.tensor([6], dtype=I32), max_seqlen_q=2,
+                page_table=torch.tensor([[1, 0]], dtype=I32),
+                workspace=torch.empty(0, dtype=torch.uint8), sm_scale=scale)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("call, kwargs, arg, got", [
+    (xpu_ops.flash_attn_with_kvcache, _paged_call(softmax_scale=math.nan), "softmax_scale", "nan"),
+    (xpu_ops.flash_attn_with_kvcache, _paged_call(softmax_scale=math.inf, window_size=(2, 0)),
+     "softmax_scale", "inf"),
+    (xpu_ops.flash_attn_varlen_func, _varlen_call(softmax_scale=-math.inf), "softmax_scale",
+     "-inf"),
+    (xpu_ops.flash_mla_decode, _mla_decode_call(math.nan), "softmax_scale", "nan"),
+    (xpu_ops.flash_mla_prefill, _mla_prefill_call(math.inf), "sm_scale", "inf"),
+], ids=["paged-plain-nan", "paged-window-inf", "varlen-minus-inf", "mla-decode-nan",
+        "mla-prefill-inf"])
+def test_a_non_finite_softmax_scale_names_itself(call, kwargs, arg, got, fake):
+    """NaN/inf scales made every output NaN silently (as softcap=NaN does not): now a
+    ValueError naming the argument, on the plain decode path and the general ones."""
+    message = error_message(call, kwargs, fake)
+    assert message == (f"ValueError: {call.__name__}: {arg} is not finite; expected a finite "
+                       f"float (it multiplies every score), got {got}."), message
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_a_negative_or_zero_softmax_scale_is_legal(scale):
+    """Any finite scale multiplies the scores (API.md): -0.5 and 0 match the float64 oracle."""
+    call = _paged_call(seed=3, softmax_scale=scale)
+    want, _ = _paged_oracle(call)
+    got = xpu_ops.flash_attn_with_kvcache(**call)
+    assert_matches_oracle(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("value, kind", [("2", "'2' (str)"), (1.5, "1.5 (float)"),
                                          (None, "None (NoneType)")])
 def test_num_kv_splits_must_be_an_int(value, kind):

@@ -223,7 +223,22 @@ def float_scalar(fn: str, arg: str, value) -> float:
     return float(value)
 
 
+def finite_scale(fn: str, arg: str, value) -> float:
+    """``float_scalar`` of a score multiplier (``softmax_scale``/``sm_scale``), which must be
+    finite: NaN or an infinity would turn every output into NaN. Any finite value is legal
+    (negative and 0 included: ``s = softmax_scale * q.k``).
+
+    Raises:
+        TypeError: not a real number. ValueError: NaN or infinite, naming ``arg``.
+    """
+    value = float_scalar(fn, arg, value)
+    if not math.isfinite(value):
+        fail(fn, arg, "is not finite", "a finite float (it multiplies every score)", value)
+    return value
+
+
 __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_index",
            "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
            "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
-           "check_speed_hints", "check_workspace_size_args", "float_scalar", "check_optional"]
+           "check_speed_hints", "check_workspace_size_args", "float_scalar", "finite_scale",
+           "check_optional"]

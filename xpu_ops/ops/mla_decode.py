@@ -14,7 +14,7 @@ from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
-from .common import check_index, check_mla_inputs, check_workspace_size_args, float_scalar
+from .common import check_index, check_mla_inputs, check_workspace_size_args, finite_scale
 
 NAME = "flash_mla_decode"
 MAX_KV_SPLITS = 16
@@ -141,7 +141,7 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
         page_table: [b, max_pages_per_seq] int32 page ids; entries past the end are never read.
         workspace: [bytes] uint8 scratch of ``flash_mla_get_workspace_size(...)`` bytes.
         softmax_scale: multiplier on the scores (float), usually ``1/sqrt(D_qk)`` of the
-            un-absorbed head (e.g. ``192 ** -0.5``).
+            un-absorbed head (e.g. ``192 ** -0.5``); finite (NaN or inf raises ValueError).
         num_kv_splits: split-KV count, -1 to derive it from shapes.
     Returns:
         [b, H, R], dtype of q_nope.
@@ -167,6 +167,6 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
     _value_checks.check_flash_mla_decode(kv_cache, cache_seqlens, page_table)
     return torch.ops.xpu_ops.flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens,
                                               page_table, workspace,
-                                              float_scalar(NAME, "softmax_scale", softmax_scale),
+                                              finite_scale(NAME, "softmax_scale", softmax_scale),
                                               int_scalar(NAME, "num_kv_splits", num_kv_splits,
                                                          "an int split count (-1: derived)"))

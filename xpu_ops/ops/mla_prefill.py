@@ -17,7 +17,7 @@ from .. import _value_checks
 from .._registration import define_op
 from .._checks import check_size, check_tensor, check_tensor_args, fail, int_scalar
 from .common import (check_cu_seqlens, check_index, check_mla_inputs, check_workspace_size_args,
-                     float_scalar)
+                     finite_scale)
 
 NAME = "flash_mla_prefill"
 
@@ -108,7 +108,7 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
         page_table: [b, max_pages_per_seq] int32 page ids; entries past the end are never read.
         workspace: [bytes] uint8, ``flash_mla_prefill_get_workspace_size(...)`` bytes or more.
         sm_scale: multiplier on the scores (float), usually ``1/sqrt(D_qk)`` of the un-absorbed
-            head (e.g. ``192 ** -0.5``).
+            head (e.g. ``192 ** -0.5``); finite (NaN or inf raises ValueError).
         causal: bottom-right causal mask (default True).
         num_kv_splits: accepted for sgl-kernel compatibility (any int); results do not depend
             on it.
@@ -141,5 +141,5 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
                                           page_table, max_seqlen_q)
     return torch.ops.xpu_ops.flash_mla_prefill(
         q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace,
-        max_seqlen_q=max_seqlen_q, sm_scale=float_scalar(NAME, "sm_scale", sm_scale),
+        max_seqlen_q=max_seqlen_q, sm_scale=finite_scale(NAME, "sm_scale", sm_scale),
         causal=bool(causal), num_kv_splits=int_scalar(NAME, "num_kv_splits", num_kv_splits))

@@ -21,8 +21,8 @@ from .._checks import (FLOAT_DTYPES, FP8_DTYPES, all_dense_on, check_not_impleme
                        check_tensor, check_tensor_args, fail, tensors_or_none)
 from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
                      check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, float_scalar, no_cap_if_infinite, normalize_window,
-                     output_dtype)
+                     default_softmax_scale, finite_scale, float_scalar, no_cap_if_infinite,
+                     normalize_window, output_dtype)
 
 NAME = "flash_attn_with_kvcache"
 # Defaults of compatibility keywords that check_not_implemented's None/0/False rule misses.
@@ -228,7 +228,8 @@ def flash_attn_with_kvcache(
         qv: [total_q, Hq, Dv] ([b, s, Hq, Dv] for a 4-D q), extra query part dotted with V
             (absorbed MLA extend).
         q_descale/k_descale/v_descale: [b, Hkv] float32 dequantisation scales of fp8 inputs.
-        softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
+        softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``); any
+            finite value (NaN or inf raises ValueError).
         causal, window_size, softcap: see above. sinks: [Hq] float32 logits.
         bidirectional_block_ids: [total_q] int32 block id of each query token (< 0: none), for
             Gemma-3 image tokens: the mask is causal (whatever ``causal`` says; sgl-kernel-xpu
@@ -339,7 +340,7 @@ def flash_attn_with_kvcache(
     else:
         check_values(cache_seqlens)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    softmax_scale = float_scalar(fn, "softmax_scale", softmax_scale)
+    softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
     softcap = float_scalar(fn, "softcap", softcap)
     # Positional, in schema order: keyword arguments cost the dispatcher a dict per call.
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
@@ -365,6 +366,8 @@ def _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     if softmax_scale is None:
         check_head_dim(NAME, "q", q)
         softmax_scale = default_softmax_scale(q.shape[-1])
+    elif not math.isfinite(softmax_scale):  # a float here: one test on the decode path
+        finite_scale(NAME, "softmax_scale", softmax_scale)
     _value_checks.check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table,
                                                 cu_seqlens_q, max_seqlen_q)
     if out is None:

@@ -18,8 +18,8 @@ from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
                        check_tensor_args, fail)
 from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
                      check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, float_scalar, max_seqlen, no_cap_if_infinite,
-                     normalize_window, output_dtype)
+                     default_softmax_scale, finite_scale, float_scalar, max_seqlen,
+                     no_cap_if_infinite, normalize_window, output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
@@ -121,7 +121,8 @@ def flash_attn_varlen_func(
             rows past it are not attended and their output is 0 (LSE ``-inf``); the alignment
             is ``pos(i) = Lk - seqused_q[r] + i``.
         seqused_k: [b] int32 keys used per request (<= the cu_seqlens_k difference).
-        softmax_scale: default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``).
+        softmax_scale: default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``); any finite
+            value (NaN or inf raises ValueError).
         causal, window_size, softcap, sinks, qv, return_softmax_lse, out: as in
             ``flash_attn_with_kvcache``.
         num_splits: KV splits: 1 (default) one pass over the keys, so a row's result does not
@@ -168,7 +169,7 @@ def flash_attn_varlen_func(
     max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                max_seqlen_q, max_seqlen_k, seqused_q)
-    softmax_scale = float_scalar(fn, "softmax_scale", softmax_scale)
+    softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
     softcap = float_scalar(fn, "softcap", softcap)
     # Positional, in schema order (as flash_attn_with_kvcache: no per-call keyword dict).
     lse = torch.ops.xpu_ops.flash_attn_varlen_func.default(
