@@ -35,6 +35,17 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.apply_rotary_emb,
 ]
 
+
+
+def __getattr__(name: str):
+    """``xpu_ops.testing`` (and ``xpu_ops.testing_layouts``) after a plain ``import xpu_ops``:
+    imported on first access, so ``import xpu_ops`` does not pay for them."""
+    if name in ("testing", "testing_layouts"):
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "REGISTERED_OPS", "build_bidirectional_block_ids", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "flash_mla_decode",
