@@ -174,7 +174,11 @@ def check_contiguous_last(fn: str, arg: str, t: torch.Tensor) -> None:
 
 def check_gqa(fn: str, num_heads_q: int, num_heads_kv: int) -> None:
     """Grouped-query attention needs ``Hq % Hkv == 0`` (query head h reads KV head h // (Hq/Hkv))."""
-    if num_heads_kv == 0 or num_heads_q % num_heads_kv != 0:
+    if num_heads_kv == 0:
+        fail(fn, "q/k_cache head counts", "are incompatible",
+             "Hkv >= 1 (at least one KV head) and Hq a multiple of Hkv",
+             f"Hq={num_heads_q}, Hkv={num_heads_kv}")
+    if num_heads_q % num_heads_kv != 0:
         fail(fn, "q/k_cache head counts", "are incompatible",
              "Hq to be a multiple of Hkv (grouped-query attention)",
              f"Hq={num_heads_q}, Hkv={num_heads_kv}")

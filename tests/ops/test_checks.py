@@ -98,10 +98,15 @@ def test_check_size_shape_contiguous():
 
 def test_check_gqa_and_window():
     _checks.check_gqa(FN, 8, 2)
-    for hq, hkv in ((3, 2), (33, 2), (4, 0)):
+    for hq, hkv in ((3, 2), (33, 2)):
         with pytest.raises(ValueError, match=f"q/k_cache head counts are incompatible; expected "
                                              f"Hq to be a multiple of Hkv.*Hq={hq}, Hkv={hkv}"):
             _checks.check_gqa(FN, hq, hkv)
+    for hq in (4, 0):  # no KV head: asks for Hkv >= 1 (0 is a multiple of anything)
+        with pytest.raises(ValueError, match=fr"head counts are incompatible; expected Hkv >= 1 "
+                                             fr"\(at least one KV head\) and Hq a multiple of "
+                                             fr"Hkv, got Hq={hq}, Hkv=0\.$"):
+            _checks.check_gqa(FN, hq, 0)
     assert _checks.check_window(FN, [3, -1]) == (3, -1)
     with pytest.raises(TypeError, match="window_size is not a pair"):
         _checks.check_window(FN, None)

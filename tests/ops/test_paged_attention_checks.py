@@ -107,7 +107,16 @@ def _bad(t, args):
         "out device": (dict(out=torch.empty(total_q, 6, 80, device="meta")), ValueError,
                        "out is on the wrong device"),
         "Hkv 0": (dict(k_cache=kc[:, :, :0], v_cache=vc[:, :, :0]), ValueError,
-                  "head counts are incompatible.*Hkv=0"),
+                  r"head counts are incompatible; expected Hkv >= 1 \(at least one KV head\) "
+                  r"and Hq a multiple of Hkv, got Hq=6, Hkv=0\.$"),
+        # Hq = Hkv = 0 asks for a KV head, not for a multiple (fresh10 finding 7).
+        "Hq Hkv 0": (dict(q=q[:, :0], k_cache=kc[:, :, :0], v_cache=vc[:, :, :0]), ValueError,
+                     r"head counts are incompatible; expected Hkv >= 1 .* got Hq=0, Hkv=0\.$"),
+        # A page size of 0 is named as a head dim of 0 is (fresh10 finding 6): it crashed with
+        # a RuntimeError in the provider, or returned zeros.
+        "page_size 0": (dict(k_cache=kc[:, :0], v_cache=vc[:, :0]), ValueError,
+                        r"k_cache has page size 0; expected k_cache.shape\[1\] \(page_size; a "
+                        r"dense cache's seqlen_k\) >= 1, got shape \(\d+, 0, 2, 80\)\.$"),
         "qv dtype": (dict(qv=torch.zeros(total_q, 6, 80, dtype=torch.half)), ValueError,
                      "qv has dtype torch.float16"),
         "qv shape": (dict(qv=torch.zeros(total_q, 6, 64)), ValueError,
@@ -169,3 +178,21 @@ def test_argument_errors(name, fake):
     assert re.search(match, msg), (match, msg)
     if fake:
         assert msg == error_message(call, {**t, "causal": True, **change}, False)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+def test_the_op_rejects_a_page_size_of_0(fake):
+    """The op itself (its plain-form shortcut included) names a page size of 0, as the
+    wrapper does."""
+    _, args, kw = _wrapper_inputs()
+    args = list(args)
+    args[1], args[2] = args[1][:, :0], args[2][:, :0]
+    call = lambda **k: torch.ops.xpu_ops.flash_attn_with_kvcache(*k.pop("args"), **k)  # noqa: E731
+    msg = error_message(call, {"args": args, **kw}, False)
+    assert msg.startswith("ValueError: flash_attn_with_kvcache: k_cache has page size 0; "), msg
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode()
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with mode, pytest.raises(ValueError, match="k_cache has page size 0"):
+            torch.ops.xpu_ops.flash_attn_with_kvcache(*fargs, **kw)

@@ -37,12 +37,16 @@ _LAYOUTS = ("4-D: [num_pages, page_size, Hkv, D] with page_table, or [b, seqlen_
 
 
 def _check_cache_rank(fn: str, arg: str, cache) -> None:
-    """K/V caches are 4-D; the message names both layouts (a flat [slots, Hkv, D] pool needs a
-    view with its page size)."""
+    """K/V caches are 4-D (the message names both layouts: a flat [slots, Hkv, D] pool needs a
+    view with its page size) with a page size (a dense cache's capacity) of at least 1."""
     if cache.dim() != 4:
         fail(fn, arg, "has the wrong number of dimensions", _LAYOUTS,
              f"{cache.dim()}-D with shape {tuple(cache.shape)}",
              f"View a flat [slots, Hkv, D] pool as {arg}.view(-1, page_size, Hkv, D).")
+    if cache.shape[1] == 0:
+        fail(fn, arg, "has page size 0",
+             f"{arg}.shape[1] (page_size; a dense cache's seqlen_k) >= 1",
+             f"shape {tuple(cache.shape)}")
 
 
 def _check_batch_rows(fn: str, cache_seqlens, page_table, cu_seqlens_q) -> None:
@@ -129,9 +133,9 @@ def _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, 
                                    out, q)):
         return False
     total_q, num_heads_q, head_dim = q.shape
-    _, _, num_heads_kv, head_dim_k = k_cache.shape
+    _, page_size, num_heads_kv, head_dim_k = k_cache.shape
     batch = cache_seqlens.shape[0]
-    return (head_dim >= 1 and head_dim_k == head_dim and v_cache.shape[:3] == k_cache.shape[:3]
+    return (head_dim >= 1 and page_size >= 1 and head_dim_k == head_dim and v_cache.shape[:3] == k_cache.shape[:3]
             and num_heads_kv >= 1 and num_heads_q % num_heads_kv == 0
             and page_table.shape[0] == batch and cu_seqlens_q.shape[0] == batch + 1
             and out.shape == (total_q, num_heads_q, v_cache.shape[3]))
