@@ -414,6 +414,28 @@ def test_rotary_on_appended_keys_and_queries(interleaved, causal, rotary_seqlens
     assert_matches_oracle(out, want, torch.float32, lse, want_lse)
 
 
+def test_rotary_positions_past_the_tables_take_the_last_row_and_debug_names_them():
+    """API.md: with value checks off, a position past ``rotary_cos``/``rotary_sin`` is clamped to
+    the tables' last row (a 4-row table acts as one whose later rows repeat row 3); under
+    ``debug_checks()`` it is a ValueError naming cache_seqlens (positions 4..8 here)."""
+    gen = torch.Generator().manual_seed(18)
+    angle = torch.rand(4, 8, generator=gen) * 6.283
+    k, v = torch.randn(2, 3, 2, 32, generator=gen), torch.randn(2, 3, 2, 32, generator=gen)
+    results = []
+    for rows in (angle, torch.cat([angle, angle[-1:].expand(12, 8)])):   # 4 rows, 16 rows
+        t = _paged(19, q_lens=(3, 2), k_lens=(4, 6), page_size=4, room=3)
+        out, lse = _call(t, causal=True, k=k, v=v, rotary_cos=rows.cos(), rotary_sin=rows.sin())
+        assert not out.isnan().any()
+        results.append((out, lse, t["k_cache"]))
+    for short, full in zip(*results):
+        assert torch.equal(short.nan_to_num(7.0), full.nan_to_num(7.0))
+    t = _paged(19, q_lens=(3, 2), k_lens=(4, 6), page_size=4, room=3)
+    with xpu_ops.debug_checks(), pytest.raises(
+            ValueError, match=r"cache_seqlens reaches past the rotary tables; expected positions "
+                              r"in \[0, rotary_cos.shape\[0\] = 4\), got position 4"):
+        _call(t, causal=True, k=k, v=v, rotary_cos=angle.cos(), rotary_sin=angle.sin())
+
+
 def test_rotary_op_matches_oracle_and_leaves_the_tail():
     gen = torch.Generator().manual_seed(17)
     x = torch.randn(6, 2, 24, generator=gen)
