@@ -135,7 +135,8 @@ def _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, 
     total_q, num_heads_q, head_dim = q.shape
     _, page_size, num_heads_kv, head_dim_k = k_cache.shape
     batch = cache_seqlens.shape[0]
-    return (head_dim >= 1 and page_size >= 1 and head_dim_k == head_dim and v_cache.shape[:3] == k_cache.shape[:3]
+    return (head_dim >= 1 and page_size >= 1 and head_dim_k == head_dim
+            and v_cache.shape[:3] == k_cache.shape[:3]
             and num_heads_kv >= 1 and num_heads_q % num_heads_kv == 0
             and page_table.shape[0] == batch and cu_seqlens_q.shape[0] == batch + 1
             and out.shape == (total_q, num_heads_q, v_cache.shape[3]))
