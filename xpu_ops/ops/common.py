@@ -232,7 +232,7 @@ def finite_scale(fn: str, arg: str, value) -> float:
         TypeError: not a real number. ValueError: NaN or infinite, naming ``arg``.
     """
     value = float_scalar(fn, arg, value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # False for NaN too; a comparison Dynamo traces
         fail(fn, arg, "is not finite", "a finite float (it multiplies every score)", value)
     return value
 
