@@ -76,6 +76,16 @@ class _AngleTables(nn.Module):
         self.register_buffer("cos_cached", angles.cos(), persistent=False)
         self.register_buffer("sin_cached", angles.sin(), persistent=False)
 
+    def angles_at(self, positions: Tensor, dtype: Optional[torch.dtype] = None
+                  ) -> tuple[Tensor, Tensor]:
+        """``cos, sin [T, 1, n]`` of ``positions [T]`` (float32, or ``dtype``), broadcasting over
+        heads."""
+        cos = self.cos_cached[positions]
+        cos = (cos if dtype is None else cos.to(dtype)).unsqueeze(1)
+        sin = self.sin_cached[positions]
+        sin = (sin if dtype is None else sin.to(dtype)).unsqueeze(1)
+        return cos, sin
+
 
 class RotaryEmbedding(_AngleTables):
     """Applies RoPE to packed q/k by absolute position.
@@ -94,19 +104,13 @@ class RotaryEmbedding(_AngleTables):
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
-        cos, sin = self._cos_sin(positions, q.dtype)
+        cos, sin = self.angles_at(positions, q.dtype)  # [T, 1, D]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def rotate(self, positions: Tensor, x: Tensor) -> Tensor:
         """Rotate ``x [T, H, D]`` (any heads, e.g. q and k side by side) by ``positions [T]``."""
-        cos, sin = self._cos_sin(positions, x.dtype)
+        cos, sin = self.angles_at(positions, x.dtype)
         return x * cos + rotate_half(x) * sin
-
-    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos, sin [T, 1, D]`` of ``positions`` in ``dtype``."""
-        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cached[positions].to(dtype).unsqueeze(1)
-        return cos, sin
 
 
 class InterleavedRotaryEmbedding(_AngleTables):
@@ -133,15 +137,12 @@ class InterleavedRotaryEmbedding(_AngleTables):
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]``; shapes kept."""
-        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cached[positions].unsqueeze(1)
+        cos, sin = self.angles_at(positions)  # [T, 1, D/2] float32
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate(self, positions: Tensor, x: Tensor) -> Tensor:
         """Rotate ``x [T, H, D]`` (any heads, e.g. q and k side by side) by ``positions [T]``."""
-        cos = self.cos_cached[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cached[positions].unsqueeze(1)
-        return self._rotate(x, cos, sin)
+        return self._rotate(x, *self.angles_at(positions))
 
 
 __all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_angles", "rope_inv_freq",

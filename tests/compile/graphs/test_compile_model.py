@@ -173,18 +173,20 @@ call_function add""")
 
         # Tensor[index_tensor] cannot run on fake xpu tensors in a torch built without XPU
         # ("not linked with support for xpu devices"); index_select is the same math.
-        def cos_sin(self, positions, dtype):
-            cos = self.cos_cached.index_select(0, positions).to(dtype).unsqueeze(1)
-            sin = self.sin_cached.index_select(0, positions).to(dtype).unsqueeze(1)
-            return cos, sin
+        def angles_at(self, positions, dtype=None):
+            cos = self.cos_cached.index_select(0, positions)
+            sin = self.sin_cached.index_select(0, positions)
+            if dtype is not None:
+                cos, sin = cos.to(dtype), sin.to(dtype)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
 
-        original = rope.RotaryEmbedding._cos_sin
-        rope.RotaryEmbedding._cos_sin = cos_sin
+        original = rope._AngleTables.angles_at
+        rope._AngleTables.angles_at = angles_at
         try:
             with mode, Spy(), torch.no_grad():
                 logits = model(fids, fpos, fb)
         finally:
-            rope.RotaryEmbedding._cos_sin = original
+            rope._AngleTables.angles_at = original
         self.assertIsInstance(logits, FakeTensor)
         self.assertEqual((logits.device.type, tuple(logits.shape)), ("xpu", (3, 64)))
         # num_layers * (store_kv_cache, flash_attn_with_kvcache)
