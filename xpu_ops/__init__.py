@@ -36,7 +36,6 @@ REGISTERED_OPS = [
 ]
 
 
-
 def __getattr__(name: str):
     """``xpu_ops.testing`` (and ``xpu_ops.testing_layouts``) after a plain ``import xpu_ops``:
     imported on first access, so ``import xpu_ops`` does not pay for them."""

@@ -270,7 +270,7 @@ class Route:
         self._current: tuple = (object(), (), None)
 
     def _state(self) -> tuple:
-        forced = _forced.get() or getenv("XPU_OPS_PROVIDER") or None  # _forced_name, inlined
+        forced = _forced_name()
         fns = self._fns
         if len(fns) == 1:  # the usual one (the sgl_kernel binding): no list to build
             return (forced, fns[0]())

@@ -48,9 +48,8 @@ OPTIONAL_PATHS = {
 # (prefill, extend). H200, session 8: ``page_tiles`` was the fastest decode variant at every
 # batch size and page size, by up to 1.4x at pages of 64 and 128. Prefill and extend take
 # ``tma`` where tensor descriptors are supported (``_pick_config`` drops it elsewhere) and
-# ``phases``: H200, session 10, 8x4096 causal / 8x(4096+512) at page 64, ms: one-loop portable
-# 3.98 / 1.08, phases 3.29 / 0.88, tma one page per tile 3.59 / 0.97, tma two pages per tile
-# 2.97 / 0.80 (SDPA 2.05 / 0.89).
+# ``phases``, each faster than the one before it on the H200 prefill and extend rows (RESULTS.md,
+# session 10, prefill and extend kernel paths).
 DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset({"tma", "phases"})}
 
 

@@ -65,9 +65,8 @@ PAGE_TILE_MIN_KEYS = 32
 # (BLOCK_N, num_warps, num_stages) of a decode launch whose grid is small enough to be split
 # (fewer than DECODE_PROGRAMS_PER_SM programs per multiprocessor), with head dims <= 64, 16-bit
 # q/K/V and pages of under PAGE_TILE_MIN_KEYS keys: such a launch is bound by each program's
-# chain of key tiles, so fewer, wider tiles win (H200, per layer in a replayed graph,
-# bench_decode_graph.py, D 64, page 16, 1024 keys: b = 1 8.1 us, b = 8 11.8 us, against
-# 10.1 and 12.9 us for the (64, 2, 4) tiles).
+# chain of key tiles, so fewer, wider tiles win (benchmarks/bench_decode_graph.py; figures in
+# RESULTS.md, session 10, issue 20 on the H200).
 SMALL_GRID_DECODE_TILES = (128, 4, 3)
 
 
@@ -700,7 +699,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
         lse = plain_attention(q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table,
                               max_seqlen_q, page_table.shape[1] * k_cache.shape[1],
                               softmax_scale, window_size_left, window_size_right, softcap,
-                              None if num_splits == 0 else num_splits, return_softmax_lse)
+                              requested_splits(num_splits), return_softmax_lse)
     else:
         lse = paged_attention(
             q, k_cache, v_cache, out, cache_seqlens, cu_seqlens_q, page_table=page_table,
@@ -710,6 +709,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
             window_left=window_size_left, window_right=window_size_right, softcap=softcap,
             num_splits=requested_splits(num_splits), k_start=cache_leftpad,
             block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
-    if return_softmax_lse:
-        return lse
-    return q.new_empty((q.shape[1], 0), dtype=torch.float32)  # providers.empty_lse, inlined
+    return lse if return_softmax_lse else providers.empty_lse(q)
