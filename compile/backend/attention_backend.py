@@ -327,11 +327,14 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
     # ----------------------------------------------------------------- declarations
 
     def shared_read_ends(self, fm: ForwardMode) -> SharedReadEnds:
-        """PRE_REPLAY for the graph-captured modes (DECODE, TARGET_VERIFY, IDLE): every read of
+        """PRE_REPLAY for the graph-captured modes (DECODE, TARGET_VERIFY, IDLE): under
+        sglang's runners (``init_forward_metadata_out_graph``, always host-filled) every read of
         ``req_to_token``, ``seq_lens`` and the spec input happens on the host in the metadata
         prep, and a replay reads only the runner's step buffers and this backend's metadata
-        copies. UNKNOWN for the eager modes, whose layers read ``out_cache_loc`` and the MLA
-        prefix-chunk tensors of the batch itself."""
+        copies. (This project's ``GraphRunner`` computes plain decode metadata inside its graph,
+        so those replays read ``req_to_token`` too; it asks no declaration: the engine's next
+        writes follow the replay on the same stream.) UNKNOWN for the eager modes, whose layers
+        read ``out_cache_loc`` and the MLA prefix-chunk tensors of the batch itself."""
         if fm.is_cuda_graph():
             return SharedReadEnds.PRE_REPLAY
         return SharedReadEnds.UNKNOWN

@@ -73,6 +73,10 @@ class AttentionMetadata:
         causal: whether ``main`` is causal (False for the cascade prefix pass).
         cascade: True when ``expand`` must be merged into ``main``'s result.
         mla_workspace: uint8 scratch of ``flash_mla_decode`` (MLA decode only).
+        in_graph: True when ``main``'s ``cache_seqlens`` and ``page_table`` are written by
+            ``init_forward_metadata_in_graph`` inside the captured step, from the batch's
+            ``seq_lens`` and ``req_pool_indices`` (a plain DECODE step of the graph runner:
+            ``backend_graph.write_decode_metadata``); False when the host filled every value.
     """
 
     main: PagedAttnMetadata
@@ -86,6 +90,7 @@ class AttentionMetadata:
     local: Optional[LocalAttentionMetadata] = None
     encoder: Optional[PagedAttnMetadata] = None
     mla_workspace: Optional[Tensor] = None
+    in_graph: bool = False
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor field as ``("part.field", tensor)`` (graph buffers bind these)."""

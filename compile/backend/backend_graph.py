@@ -5,12 +5,24 @@ tensor of a graph-captured batch lives in a buffer allocated once. The graph run
 buffers (``compile/graphs/step_buffers.py``); the backend only sizes and fills them:
 
 1. ``graph_metadata_buffers(max_bs, max_num_tokens)`` allocates them (page tables as wide as
-   ``context_len``, local-attention and SWA tables included).
-2. ``fill_graph_metadata(fb, buffers, bound=None)`` (host, before each captured or replayed
-   step) builds the batch's metadata once and writes it into the buffers: bound to their
-   leading slices when ``bound`` is None (a descriptor's first step), else copied into
-   ``bound``'s tensors in place; addresses never change. It returns that metadata and makes it
-   ``forward_metadata``, which the captured layers read.
+   ``context_len``, local-attention and SWA tables included; the constant ``cu_seqlens_q`` of
+   in-graph decode steps, written here once).
+2. ``fill_graph_metadata(fb, buffers, bound=None, in_graph=False)`` (host, before each captured
+   or replayed step) returns the step's metadata over the buffers and makes it
+   ``forward_metadata``, which the captured layers read; addresses never change. Two kinds:
+
+   - in-graph (``in_graph`` and ``fills_in_graph(fb)``: a plain DECODE step, no spec input,
+     no encoder, no hybrid SWA pool, no chunked-local layers; MLA included): nothing is built
+     or copied on the host. The first step of a descriptor (``bound`` None) binds views of the
+     buffers (``decode_graph_metadata``: leading rows, full width); the step's per-step values
+     are computed by ``init_forward_metadata_in_graph(fb)``, which the runner calls inside the
+     captured step before the layers (``write_decode_metadata``: ``cache_seqlens`` from
+     ``seq_lens``, page-table rows gathered from ``req_to_token`` rows ``req_pool_indices``),
+     so every replay reads the current step buffers.
+   - host (every other step, and sglang's hooks): the batch's metadata is built once
+     (``build_metadata``) and written into the buffers: bound to their leading slices when
+     ``bound`` is None (a descriptor's first step), else copied into ``bound``'s tensors in
+     place; ``init_forward_metadata_in_graph`` then records nothing.
 
 It does not capture anything itself or own ``out_cache_loc``/``seq_lens``: the runner's step
 buffers hold those. Supported: DECODE (plain, and draft steps with any topk: the cascade's
@@ -23,7 +35,8 @@ the decoder's self attention through a token-slot table (sglang 0.5.23 runs them
 
 sglang's own graph runners call ``init_cuda_graph_state(max_bs, max_num_tokens)`` and
 ``init_forward_metadata_out_graph(fb, in_capture)``: thin wrappers over the same two steps
-whose buffers the backend holds, bound once per (mode, batch size) at capture.
+whose buffers the backend holds, bound once per (mode, batch size) at capture, always of the
+host kind (their reads of ``seq_lens`` and ``req_to_token`` end before the replay).
 """
 
 from __future__ import annotations
@@ -35,8 +48,10 @@ from torch import Tensor
 
 import xpu_ops
 
+from compile.backend.attention_metadata import AttentionMetadata, PagedAttnMetadata
 from compile.backend.local_attention import local_chunks_per_request
 from compile.backend.spec_metadata import padded_spec_info
+from compile.batch import KVWriteLoc
 
 _EXTERNAL = ("write.loc", "write.encoder_loc")  # the runner's step buffers hold these
 
@@ -60,6 +75,8 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     one row per query token (a tree's draft or branch), as wide as a request's tokens; the
     merged rows of trees one row per query token, as wide as ``context_len`` plus a request's
     tokens (sliding-window models) or as the chunk (chunked-local models).
+    ``decode.cu_seqlens_q`` is ``arange(max_bs + 1)``, written here once and by nothing else:
+    the ``cu_seqlens_q`` of in-graph decode steps (any bucket's leading slice).
     """
     dev, i32 = backend.device, dict(dtype=torch.int32, device=backend.device)
     max_pages = -(-backend.max_context_len // backend.page_size)
@@ -68,7 +85,8 @@ def metadata_buffers(backend, max_bs: int, max_num_tokens: int) -> dict[str, Ten
     main_width = backend.max_context_len if backend.is_encoder_decoder else max_pages
     buf = {"main.cu_seqlens_q": torch.zeros(max_bs + 1, **i32),
            "main.cache_seqlens": torch.zeros(max_bs, **i32),
-           "main.page_table": torch.zeros(max_bs, main_width, **i32)}
+           "main.page_table": torch.zeros(max_bs, main_width, **i32),
+           "decode.cu_seqlens_q": torch.arange(max_bs + 1, **i32)}
     if backend.is_encoder_decoder:   # cross attention (its cu_seqlens_q is main's)
         buf["encoder.cache_seqlens"] = torch.zeros(max_bs, **i32)
         buf["encoder.page_table"] = torch.zeros(max_bs, max_pages, **i32)
@@ -150,6 +168,51 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
             b.copy_(f)
 
 
+def decode_graph_metadata(backend, buffers: dict[str, Tensor], loc: Tensor, batch_size: int
+                          ) -> AttentionMetadata:
+    """The in-graph metadata of plain DECODE steps of ``batch_size`` requests: views of
+    ``buffers`` (``cu_seqlens_q`` the constant ``decode.cu_seqlens_q``; ``cache_seqlens`` and
+    the full-width ``page_table`` leading rows, written by ``write_decode_metadata``; the MLA
+    workspace whole) and the step's write slots ``loc``. Nothing is copied."""
+    b = batch_size
+    main = PagedAttnMetadata(cu_seqlens_q=buffers["decode.cu_seqlens_q"][:b + 1],
+                             cache_seqlens=buffers["main.cache_seqlens"][:b],
+                             page_table=buffers["main.page_table"][:b], max_seqlen_q=1,
+                             max_seqlen_k=backend.max_context_len, page_size=backend.page_size)
+    meta = AttentionMetadata(main=main, write=KVWriteLoc(loc=loc), in_graph=True)
+    if backend.use_mla:
+        meta.mla_workspace = buffers["mla_workspace"]
+    return meta
+
+
+def write_decode_metadata(main: PagedAttnMetadata, seq_lens: Tensor, req_pool_indices: Tensor,
+                          req_to_token: Tensor) -> None:
+    """Write a plain DECODE step's per-step metadata into ``main``'s tensors, in place, as
+    ``build_metadata`` computes it; device ops only, fixed shapes (what a graph records).
+
+    Args:
+        main: ``decode_graph_metadata``'s call: ``cache_seqlens [b]`` int32 and ``page_table
+            [b, W]`` int32 (W pages, or token slots when ``page_size`` is 1).
+        seq_lens: [b] tokens per request (the step's keys), any integer dtype.
+        req_pool_indices: [b] int64 rows of ``req_to_token``.
+        req_to_token: [rows, max_context_len] int32 token slots.
+    Writes ``cache_seqlens = seq_lens`` and ``page_table[r, j] = req_to_token[req_pool_indices
+    [r], j * page_size] // page_size`` for every column ``j`` that ``req_to_token`` covers
+    (columns past ``cache_seqlens`` hold slots of unused positions, never read).
+    """
+    main.cache_seqlens.copy_(seq_lens)
+    p, table = main.page_size, main.page_table
+    cols = min(table.shape[1], -(-req_to_token.shape[1] // p))
+    first_slots = req_to_token[:, :cols * p:p].index_select(0, req_pool_indices)  # [b, cols]
+    dst = table[:, :cols]
+    if p == 1:
+        dst.copy_(first_slots)
+    elif p & (p - 1) == 0:  # a power of two: a shift, as build_metadata's _slots_to_pages
+        torch.bitwise_right_shift(first_slots, p.bit_length() - 1, out=dst)
+    else:
+        torch.floor_divide(first_slots, p, out=dst)
+
+
 class GraphMetadataMixin:
     """Graph hooks; mixed into ``XPUAttentionBackend`` (uses its ``build_metadata``).
 
@@ -196,13 +259,30 @@ class GraphMetadataMixin:
         tree masks as ``[batch_size, D, D]``); ``seq_lens`` are the real requests'."""
         return padded_spec_info(spec_info, seq_lens, batch_size)
 
-    def fill_graph_metadata(self, forward_batch, buffers: dict[str, Tensor], bound=None):
-        """Host side of a captured step: build the metadata once, bind it to ``buffers``
-        (``bound`` None) or refill ``bound`` in place; returns it (also ``forward_metadata``).
+    def fills_in_graph(self, fb) -> bool:
+        """Whether a captured step of ``fb`` may compute its metadata inside the graph
+        (``write_decode_metadata``): a plain DECODE step (no spec input, no encoder) of a
+        backend whose decode metadata is the main call alone (no hybrid SWA pool, no
+        chunked-local layers, not encoder-decoder; an MLA workspace is a fixed buffer)."""
+        return (fb.forward_mode.is_decode() and fb.spec_info is None
+                and fb.encoder_lens is None and not self.is_encoder_decoder
+                and not self.attention_chunk_size
+                and not hasattr(self.token_to_kv_pool, "translate_loc_from_full_to_swa"))
+
+    def fill_graph_metadata(self, forward_batch, buffers: dict[str, Tensor], bound=None, *,
+                            in_graph: bool = False):
+        """Host side of a captured step; returns its metadata over ``buffers`` (also
+        ``forward_metadata``).
+
+        ``in_graph`` and ``fills_in_graph(forward_batch)``: no host work but binding
+        ``decode_graph_metadata`` at a descriptor's first step (``bound`` None; else ``bound``
+        itself); the caller runs ``init_forward_metadata_in_graph`` inside the captured step.
+        Otherwise: build the metadata once, bind it to ``buffers`` (``bound`` None) or refill
+        ``bound`` in place.
 
         Raises:
             NotImplementedError: a mode or layer kind without fixed buffers.
-            RuntimeError: more requests than the buffers hold.
+            RuntimeError: more requests than the buffers hold, or ``bound`` of the other kind.
         """
         why = self.graph_mode_unsupported(forward_batch)
         if why is not None:
@@ -212,11 +292,22 @@ class GraphMetadataMixin:
             raise RuntimeError(f"XPUAttentionBackend: batch size {forward_batch.batch_size} "
                                f"exceeds the graph buffers; expected graph_metadata_buffers("
                                f"max_bs >= {forward_batch.batch_size}), got max_bs={max_bs}.")
-        fresh = self.build_metadata(forward_batch, graph=True)
-        if bound is None:
-            bound = bind_metadata(fresh, buffers)
+        in_graph = in_graph and self.fills_in_graph(forward_batch)
+        if bound is not None and bound.in_graph != in_graph:
+            raise RuntimeError(f"XPUAttentionBackend.fill_graph_metadata: bound metadata has "
+                               f"in_graph={bound.in_graph}; expected in_graph={in_graph}, the "
+                               f"kind of this step. Bind one metadata per kind of step.")
+        if in_graph:
+            self.bidirectional_block_ids = None  # as build_metadata: image blocks are per step
+            if bound is None:
+                bound = decode_graph_metadata(self, buffers, forward_batch.out_cache_loc,
+                                              forward_batch.batch_size)
         else:
-            refill_metadata(bound, fresh)
+            fresh = self.build_metadata(forward_batch, graph=True)
+            if bound is None:
+                bound = bind_metadata(fresh, buffers)
+            else:
+                refill_metadata(bound, fresh)
         self.forward_metadata = bound
         return bound
 
@@ -248,7 +339,15 @@ class GraphMetadataMixin:
                                                                  bound)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
-        """Graph-recorded metadata work: none (all of it is host-side, out of the graph)."""
+        """Graph-recorded metadata work, called inside the captured step before the layers:
+        for in-graph metadata (``forward_metadata.in_graph``), ``write_decode_metadata`` from
+        ``forward_batch``'s ``seq_lens`` and ``req_pool_indices``; for host-filled metadata
+        (every other step, and sglang's hooks) nothing."""
+        meta = self.forward_metadata
+        if meta is not None and meta.in_graph:
+            write_decode_metadata(meta.main, forward_batch.seq_lens,
+                                  forward_batch.req_pool_indices, self.req_to_token)
 
 
-__all__ = ["GraphMetadataMixin", "metadata_buffers", "bind_metadata", "refill_metadata"]
+__all__ = ["GraphMetadataMixin", "metadata_buffers", "bind_metadata", "refill_metadata",
+           "decode_graph_metadata", "write_decode_metadata"]

@@ -3,8 +3,8 @@
 Entry points: ``full_and_piecewise(model)`` (what ``python -m compile --mode graphs`` runs) and
 ``GraphRunner(model, forward=...)``; both are called like the model (``(input_ids,
 positions, forward_batch) -> logits``) with the batch's metadata *not* built yet: the runner
-builds it, exactly once per step (``builds_metadata``), as sglang's ``ModelRunner.forward``
-does.
+makes it, exactly once per step (``builds_metadata``), as sglang's ``ModelRunner.forward``
+does (a replayed plain DECODE step computes it inside its graph).
 
 Per step:
 
@@ -13,12 +13,15 @@ Per step:
    draft DECODE with topk 1 or ``topk``; draft extend (DRAFT_EXTEND_V2, or EXTEND with a draft
    input) of ``draft_token_num`` tokens in every request; at most ``max(batch_sizes)``
    requests) is padded to the smallest request bucket ``bs``: ``StepBuffers.load`` copies it
-   into the runner's fixed buffers and writes its metadata into them
-   (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket).
+   into the runner's fixed buffers and gives it its metadata over them
+   (``compile/graphs/step_buffers.py``; a tree mask is padded to the bucket): built on the
+   host, except for a plain DECODE step, whose metadata is computed inside the captured step.
 2. The forward context gets ``BatchDescriptor(FULL, mode, bs)`` and the step runs through one
    ``GraphWrapper`` (``compile/graphs/graph_wrapper.py``): one warm-up step per descriptor
-   (compilation and autotuning), then capture, then replays of the whole step (attention
-   included). Inside it, a ``PiecewiseModel`` forward neither pads nor captures its pieces
+   (compilation and autotuning), then capture, then replays of the whole step: the backend's
+   ``init_forward_metadata_in_graph`` (a plain DECODE step's ``cache_seqlens`` and page
+   table from the step buffers; nothing for other steps), then the model, attention
+   included. Inside it, a ``PiecewiseModel`` forward neither pads nor captures its pieces
    (they see FULL).
 3. Any other step (extend, mixed, ragged draft extend, idle, too many requests) builds its
    metadata with ``init_forward_metadata`` and runs ``forward`` (a ``PiecewiseModel`` then pads
@@ -160,8 +163,11 @@ class GraphRunner:
                                step=backend.speculative_step_id if draft else 0)
 
     def _step(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """What the wrapper runs and captures: ``forward`` over the step buffers."""
-        return self.forward(input_ids, positions, get_forward_context().forward_batch)
+        """What the wrapper runs and captures: the backend's in-graph metadata work
+        (``init_forward_metadata_in_graph``), then ``forward``, over the step buffers."""
+        fb = get_forward_context().forward_batch
+        fb.attn_backend.init_forward_metadata_in_graph(fb)
+        return self.forward(input_ids, positions, fb)
 
     def _buffers(self, fb: ForwardBatch) -> StepBuffers:
         if self.buffers is None:

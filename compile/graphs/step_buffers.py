@@ -18,13 +18,19 @@ step (``load``):
    ``encoder_lens`` (0 for padded requests); a tree mask is padded to the bucket
    (``graph_spec_info``: a padded request's drafts see only themselves).
 2. Give back the ``ForwardBatch`` over those slices (made once per ``BatchDescriptor``).
-3. Build the step's metadata once, on the host, straight into the metadata buffers (the
-   step's backend's ``fill_graph_metadata``: bound at a descriptor's first step, refilled in
-   place after), and make it that backend's ``forward_metadata``.
+3. Give the step its metadata over the metadata buffers (the step's backend's
+   ``fill_graph_metadata(..., in_graph=True)``), made that backend's ``forward_metadata``. A
+   plain DECODE step (``fills_in_graph``) builds and copies nothing on the host: its
+   metadata is bound at the descriptor's first step as views of the buffers, and the captured
+   step computes the values from ``seq_lens`` and ``req_pool_indices`` (the runner calls
+   ``init_forward_metadata_in_graph`` inside it), so its host work per replay is step 1's
+   copies. Every other step's metadata is built once on the host, bound at the descriptor's
+   first step and refilled in place after.
 
-The metadata is rebuilt from the whole padded batch every step, so shrinking or growing batches
-never read stale lengths or page-table rows. Source: sglang's ``CudaGraphRunner`` buffers and its
-backends' ``init_forward_metadata_*_cuda_graph`` split.
+The metadata is computed from the whole padded batch every step (in the graph, or on the
+host), so shrinking or growing batches never read stale lengths or page-table rows. Source:
+sglang's ``CudaGraphRunner`` buffers and its backends' ``init_forward_metadata_*_cuda_graph``
+split.
 """
 
 from __future__ import annotations
@@ -147,11 +153,12 @@ class StepBuffers:
             static.encoder_lens_cpu = list(fb.encoder_lens_cpu) + [0] * (bs - b)
         if static.extend_seq_lens is not None:
             self.extend_seq_lens[:bs].fill_(tokens_per_req)
-        static.seq_lens_sum = int(self.seq_lens_cpu[:bs].sum())
+        pad_rows = bs - fb.seq_lens.shape[0]
+        static.seq_lens_sum = fb.seq_lens_sum + fill * pad_rows  # no host reduction
         # host-side facts (topk, draft count, steps; a tree mask padded to the bucket)
         static.spec_info = self.backend.graph_spec_info(fb.spec_info, fb.seq_lens, bs)
         self.bound[desc] = static.attn_backend.fill_graph_metadata(
-            static, self.metadata, self.bound.get(desc))
+            static, self.metadata, self.bound.get(desc), in_graph=True)
         return ids, pos, static
 
     def _batch(self, desc: BatchDescriptor, fb: ForwardBatch, positions: Tensor,
