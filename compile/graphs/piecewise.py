@@ -63,7 +63,7 @@ from compile.graphs.inductor_passes import piece_config_patches
 from compile.graphs.split_op import enable_split_op, unified_attention
 from compile.graphs.step_buffers import TokenBuffers
 
-DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 class PiecewiseBackend:
