@@ -1,11 +1,15 @@
-"""Where the host time of one decode step goes: cProfile of warm steps of ``bench_model``'s model.
+"""Where the host time of one step goes: cProfile of warm steps of ``bench_model``'s model.
 
     PYTHONPATH=. python benchmarks/profile_step.py --device cuda --mode piecewise --layers 16
+    PYTHONPATH=. python benchmarks/profile_step.py --device cuda --mode graphs --step extend --tokens 64
 
-Builds the same random-weight Llama-3.2-1B-shaped model and DECODE batch as
+Builds the same random-weight Llama-3.2-1B-shaped model and DECODE batch (or ``--step`` EXTEND /
+MIXED batch of ``--tokens`` new tokens, ``bench_model.step_batch``) as
 ``benchmarks/bench_model.py``, warms the mode up (compile, capture), then profiles ``--steps``
-steps (host plan included, one device sync per step) and prints the functions with the largest
-own (``tottime``) and cumulative time. Host time only: on a GPU the kernels run asynchronously.
+steps (host plan included, as ``bench_model.paged_step`` runs it; one device sync per step) and
+prints the functions with the largest own (``tottime``) and cumulative time. Host time only: on
+a GPU the kernels run asynchronously, so a blocking call (a device-to-host read) shows as the
+own time of the call that waits.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pstats
 import torch
 
 from compile.graphs import device as dev
-from bench_model import build, decode_batch, make_forward
+from bench_model import build, decode_batch, make_forward, paged_step, step_batch
 from bench_overhead import stub_kernels
 
 
@@ -95,7 +99,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="requests of a decode step")
+    ap.add_argument("--step", choices=("decode", "extend", "mixed"), default="decode")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens of an extend/mixed step")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--mode", default="piecewise")
     ap.add_argument("--steps", type=int, default=20)
@@ -112,12 +118,13 @@ def main(argv=None) -> None:
     if args.kernels == "stub":
         stub_kernels()
     model = build(args)
-    ids, fb = decode_batch(model, args.batch, args.context)
+    ids, fb = (decode_batch(model, args.batch, args.context) if args.step == "decode"
+               else step_batch(model, args.step, args.tokens, args.context))
     forward = make_forward(model, args.mode)
+    run = paged_step(forward, ids, fb)
 
     def step():
-        fb.attn_backend.init_forward_metadata(fb)
-        forward(ids, fb.positions, fb)
+        run()
         dev.synchronize(fb.device)
 
     with torch.inference_mode():
@@ -134,7 +141,8 @@ def main(argv=None) -> None:
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
-        print(f"### {args.mode}, b={args.batch}, {args.steps} steps, sorted by {key}")
+        what = f"b={args.batch}" if args.step == "decode" else f"{args.step} T={args.tokens}"
+        print(f"### {args.mode}, {what}, {args.steps} steps, sorted by {key}")
         print(buf.getvalue())
 
 
