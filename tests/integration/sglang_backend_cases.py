@@ -176,7 +176,15 @@ class Harness:
 
 def _assert_close(out, expected):
     assert not out.isnan().any(), "NaN in the backend's output (garbage slots were read)"
-    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+    def diagnosis(message: str) -> str:  # which packed rows, and the process's CPU math setup
+        error = (out.double() - expected).abs().flatten(1).amax(1)
+        rows = (error > ATOL).nonzero().flatten().tolist()
+        return (f"{message}\nrows over atol: {rows} of {error.shape[0]}; intra-op threads "
+                f"{torch.get_num_threads()}, float32 matmul precision "
+                f"{torch.get_float32_matmul_precision()}, CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}")
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=diagnosis)
 
 
 @pytest.mark.parametrize("prefix,new", [([5, 0, 20], [4, 17, 1]), ([0, 0, 0], [5, 1, 33])],

@@ -38,7 +38,12 @@ EXPECTED_PASSED = 2 * (4 * 2 + 1) + (10 * 2 + 3 * 2 + 2 * 2)
                     reason="sglang 0.5.23 environment absent; create it with "
                            "`bash scripts/with-sglang.sh true`")
 def test_sglang_xpu_backend_matches_oracle():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+    # One intra-op thread: the child shares CI's two cores with the xdist workers, and with two
+    # threads one case (sglang_backend_cases test_extend[reference-1-cached-prefix]) missed the
+    # float64 oracle by ~1e-4 on its requests with a cached prefix in about 1 of 8 runs on
+    # session 10's machine (never with one thread; not reproduced in 60 two-thread runs since).
+    # Its cause is not known; _assert_close reports the rows and the CPU math setup if it recurs.
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(HERE / "stand_ins"), str(SGLANG_ENV), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("XPU_OPS_PROVIDER", None)
     result = subprocess.run(
