@@ -142,6 +142,70 @@ def test_a_non_finite_softmax_scale_names_itself(call, kwargs, arg, got, fake):
                        f"float (it multiplies every score), got {got}."), message
 
 
+def _paged_op_call(**scalars):
+    """Keyword arguments of the raw ``torch.ops.xpu_ops.flash_attn_with_kvcache`` for
+    ``_paged_call``'s tensors (all schema arguments explicit), with ``scalars`` changed."""
+    call = _paged_call()
+    args = dict(q=call["q"], k_cache=call["k_cache"], v_cache=call["v_cache"],
+                cache_seqlens=call["cache_seqlens"], page_table=call["page_table"],
+                cu_seqlens_q=call["cu_seqlens_q"], out=torch.empty(3, 4, 16), qv=None,
+                q_descale=None, k_descale=None, v_descale=None, sinks=None, cache_leftpad=None,
+                bidirectional_block_ids=None, max_seqlen_q=2, softmax_scale=0.25, causal=True,
+                window_size_left=-1, window_size_right=0, softcap=0.0, num_splits=0,
+                return_softmax_lse=False)
+    return {**args, **scalars}
+
+
+def _varlen_op_call(**scalars):
+    """The raw ``torch.ops.xpu_ops.flash_attn_varlen_func``'s arguments for ``_varlen_call``."""
+    call = _varlen_call()
+    args = dict(call, out=torch.empty(3, 2, 16), seqused_k=None, qv=None, q_descale=None,
+                k_descale=None, v_descale=None, sinks=None, seqused_q=None, max_seqlen_q=2,
+                max_seqlen_k=4, softmax_scale=0.25, causal=False, window_size_left=-1,
+                window_size_right=-1, softcap=0.0, num_splits=1)
+    return {**args, **scalars}
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("op, kwargs, message", [
+    ("flash_attn_with_kvcache", _paged_op_call(softmax_scale=math.nan),
+     "softmax_scale is not finite; expected a finite float (it multiplies every score), got nan."),
+    ("flash_attn_with_kvcache", _paged_op_call(window_size_left=-5),
+     "window_size_left is below -1; expected an int >= -1 (-1: unbounded), got -5."),
+    ("flash_attn_varlen_func", _varlen_op_call(softmax_scale=math.inf),
+     "softmax_scale is not finite; expected a finite float (it multiplies every score), got inf."),
+    ("flash_attn_varlen_func", _varlen_op_call(window_size_right=-2),
+     "window_size_right is below -1; expected an int >= -1 (-1: unbounded), got -2."),
+], ids=["paged-nan-scale", "paged-left-5", "varlen-inf-scale", "varlen-right-2"])
+def test_the_raw_op_checks_its_scalars_as_the_wrapper_does(op, kwargs, message, fake):
+    """A direct ``torch.ops`` call with a NaN scale or a window side below -1 ran and wrote NaN
+    or zeros; the op (and its fake) now refuse it, naming the argument."""
+    got = error_message(getattr(torch.ops.xpu_ops, op).default, kwargs, fake)
+    assert got == f"ValueError: {op}: {message}", got
+
+
+@pytest.mark.parametrize("call, kwargs", [
+    (xpu_ops.flash_attn_with_kvcache, _paged_call(causal="False")),
+    (xpu_ops.flash_attn_with_kvcache, _paged_call(return_softmax_lse=None)),
+    (xpu_ops.flash_attn_varlen_func, _varlen_call(causal="False")),
+    (xpu_ops.flash_attn_varlen_func, _varlen_call(return_softmax_lse=2)),
+], ids=["paged-causal-str", "paged-lse-None", "varlen-causal-str", "varlen-lse-2"])
+def test_a_flag_that_is_not_a_bool_names_itself(call, kwargs):
+    """``causal="False"`` ran causal attention (read by truthiness); a flag must be a bool (or
+    an int 0/1), else a TypeError naming it and what it got."""
+    arg = "causal" if isinstance(kwargs.get("causal"), str) else "return_softmax_lse"
+    value = kwargs[arg]
+    message = error_message(call, kwargs, fake=False)
+    assert message == (f"TypeError: {call.__name__}: {arg} is not a bool; expected True or "
+                       f"False, got {value!r} ({type(value).__name__})."), message
+
+
+def test_an_int_flag_reads_as_its_bool():
+    """``causal=1`` (an int 0/1, as C-style callers pass it) is ``causal=True``."""
+    assert torch.equal(xpu_ops.flash_attn_with_kvcache(**_paged_call(causal=1)),
+                       xpu_ops.flash_attn_with_kvcache(**_paged_call(causal=True)))
+
+
 @pytest.mark.parametrize("scale", [-0.5, 0.0])
 def test_a_negative_or_zero_softmax_scale_is_legal(scale):
     """Any finite scale multiplies the scores (API.md): -0.5 and 0 match the float64 oracle."""

@@ -18,12 +18,14 @@ def _attention():
             torch.randn(pages, page, hkv, d), torch.tensor([5, 1, 8], **I32),
             torch.zeros(b, 2, **I32), torch.arange(b + 1, **I32), torch.empty(b, hq, d)]
 
-    def full(*t):
-        paged_attention._check_flash_attn_with_kvcache(*t, *[None] * 7, max_seqlen_q=1,
-                                                       softcap=0.0, num_splits=0)
+    def full(*t, scale=0.25, left=-1, right=0):
+        paged_attention._check_flash_attn_with_kvcache(
+            *t, *[None] * 7, max_seqlen_q=1, softmax_scale=scale, window_size_left=left,
+            window_size_right=right, softcap=0.0, num_splits=0)
 
-    def fast(*t):
-        return paged_attention._is_plain_valid_flash_attn_with_kvcache(*t, True, 1, 0.0, 0)
+    def fast(*t, scale=0.25, left=-1, right=0):
+        return paged_attention._is_plain_valid_flash_attn_with_kvcache(*t, True, 1, scale, left,
+                                                                       right, 0.0, 0)
     return args, full, fast
 
 
@@ -71,3 +73,18 @@ def test_fast_path_accepts_nothing_the_full_checks_reject(make):
                 rejected += 1
                 assert not fast(*changed), f"argument {i} ({what}) is rejected by the checks"
     assert rejected >= 4 * len(args)         # the mutations do reach the checks
+
+
+@pytest.mark.parametrize("scalars", [dict(scale=float("nan")), dict(scale=float("inf")),
+                                     dict(scale=-float("inf")), dict(left=-2), dict(right=-5)],
+                         ids=["nan-scale", "inf-scale", "-inf-scale", "left-2", "right-5"])
+def test_attention_scalars_are_checked_by_the_op_and_refused_by_the_fast_path(scalars):
+    """A direct ``torch.ops`` call with a non-finite ``softmax_scale`` or a window side below
+    -1 is refused as the wrapper's is (the op's full check, which its fake runs too), and the
+    fast path never accepts it."""
+    args, full, fast = _attention()
+    assert not fast(*args, **scalars)
+    arg = "softmax_scale" if "scale" in scalars else (
+        "window_size_left" if "left" in scalars else "window_size_right")
+    with pytest.raises(ValueError, match=arg):
+        full(*args, **scalars)

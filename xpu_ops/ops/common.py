@@ -32,6 +32,37 @@ def normalize_window(fn: str, window_size, causal: bool) -> tuple[int, int]:
     return left, (0 if causal else right)
 
 
+def check_flag(fn: str, arg: str, value) -> bool:
+    """A boolean keyword (``causal``, ``return_softmax_lse``): a bool, or an int 0 or 1.
+
+    Raises:
+        TypeError: any other value (a string such as ``"False"`` would otherwise read as True).
+    """
+    if type(value) is bool:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    fail(fn, arg, "is not a bool", "True or False", f"{value!r} ({type(value).__name__})",
+         exc=TypeError)
+
+
+def check_op_scalars(fn: str, softmax_scale: float, window_size_left: int,
+                     window_size_right: int) -> None:
+    """An attention op's score scalars, as its wrapper leaves them: ``softmax_scale`` finite
+    (``finite_scale``), each window side ``>= -1`` (-1: unbounded). Runs in the op and its
+    fake, so a direct ``torch.ops`` call is refused as the wrapper's is.
+
+    Raises:
+        ValueError: a non-finite scale or a side below -1, naming the argument.
+    """
+    if not -math.inf < softmax_scale < math.inf:  # a comparison Dynamo traces; False for NaN
+        finite_scale(fn, "softmax_scale", softmax_scale)
+    for arg, side in (("window_size_left", window_size_left),
+                      ("window_size_right", window_size_right)):
+        if side < -1:
+            fail(fn, arg, "is below -1", "an int >= -1 (-1: unbounded)", side)
+
+
 def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
     """An int32 index/length tensor (int64 is rejected with the argument's name)."""
     if (isinstance(t, torch.Tensor) and t.dtype in INDEX_DTYPES and t.dim() == ndim
@@ -241,4 +272,5 @@ __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_i
            "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
            "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
            "check_speed_hints", "check_workspace_size_args", "float_scalar", "finite_scale",
+           "check_flag", "check_op_scalars",
            "check_optional"]

@@ -19,8 +19,9 @@ from . import kvcache_append, kvcache_layout
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, all_dense_on, check_not_implemented, check_size,
                        check_tensor, check_tensor_args, fail, tensors_or_none)
-from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
-                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
+from .common import (check_attention_extras, check_cu_seqlens, check_flag, check_head_dim,
+                     check_index, check_kv_dtype, check_num_splits, check_op_scalars, check_out,
+                     check_query, check_speed_hints,
                      default_softmax_scale, finite_scale, float_scalar, no_cap_if_infinite,
                      normalize_window, output_dtype)
 
@@ -67,9 +68,11 @@ def _check_batch_rows(fn: str, cache_seqlens, page_table, cu_seqlens_q) -> None:
 def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, qv, q_descale, k_descale, v_descale, sinks,
                                    cache_leftpad, bidirectional_block_ids, *, max_seqlen_q,
-                                   softcap, num_splits) -> None:
-    """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
+                                   softmax_scale, window_size_left, window_size_right, softcap,
+                                   num_splits) -> None:
+    """Validate the op's arguments (shapes, dtypes, devices and scalars; runs in the fake too)."""
     fn = NAME
+    check_op_scalars(fn, softmax_scale, window_size_left, window_size_right)
     check_query(fn, q)
     device = q.device
     check_tensor(fn, "k_cache", k_cache)
@@ -113,8 +116,9 @@ def _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_tabl
 
 def _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
                                             cu_seqlens_q, out, no_extras: bool,
-                                            max_seqlen_q: int, softcap: float,
-                                            num_splits: int) -> bool:
+                                            max_seqlen_q: int, softmax_scale: float,
+                                            window_size_left: int, window_size_right: int,
+                                            softcap: float, num_splits: int) -> bool:
     """True for a call of the plain form that ``_check_flash_attn_with_kvcache`` accepts: no
     optional tensor (``no_extras``), K/V in q's float dtype, int32 metadata, every size
     consistent, one device. Attribute reads and integer comparisons only (the op's tensors are
@@ -127,7 +131,8 @@ def _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, 
             and page_table.dim() == 2 and cu_seqlens_q.dim() == 1 and out.dim() == 3
             and cache_seqlens.dtype is int32 and page_table.dtype is int32
             and cu_seqlens_q.dtype is int32 and max_seqlen_q >= 1 and softcap >= 0.0
-            and num_splits >= 0):
+            and num_splits >= 0 and -math.inf < softmax_scale < math.inf
+            and window_size_left >= -1 and window_size_right >= -1):
         return False
     if not all_dense_on(q.device, (k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, q)):
@@ -171,11 +176,14 @@ def flash_attn_with_kvcache_op(
                  and sinks is None and cache_leftpad is None and bidirectional_block_ids is None)
     if not _is_plain_valid_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
                                                    cu_seqlens_q, out, no_extras, max_seqlen_q,
-                                                   softcap, num_splits):
+                                                   softmax_scale, window_size_left,
+                                                   window_size_right, softcap, num_splits):
         _check_flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
             k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
-            max_seqlen_q=max_seqlen_q, softcap=softcap, num_splits=num_splits)
+            max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+            window_size_left=window_size_left, window_size_right=window_size_right,
+            softcap=softcap, num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
         return (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
                 k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
@@ -192,7 +200,9 @@ def _(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_d
     _check_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
                                    out, qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                                    bidirectional_block_ids, max_seqlen_q=max_seqlen_q,
-                                   softcap=softcap, num_splits=num_splits)
+                                   softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                   window_size_right=window_size_right, softcap=softcap,
+                                   num_splits=num_splits)
     return q.new_empty((q.shape[1], q.shape[0] if return_softmax_lse else 0),
                        dtype=torch.float32)
 
@@ -305,10 +315,11 @@ def flash_attn_with_kvcache(
             and (max_seqlen_q is None or type(max_seqlen_q) is int)
             and (softmax_scale is None or type(softmax_scale) is float)
             and type(softcap) is float and window_size == (-1, -1)
+            and type(causal) is bool and type(return_softmax_lse) is bool
             and q.dim() == 3 and k_cache.dim() == 4):
         return _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                           max_seqlen_q, softmax_scale, bool(causal), softcap, num_splits,
-                           bool(return_softmax_lse), out)
+                           max_seqlen_q, softmax_scale, causal, softcap, num_splits,
+                           return_softmax_lse, out)
     optional = (None if type(cache_seqlens) is int else cache_seqlens, page_table, cu_seqlens_q,
                 qv, q_descale, k_descale, v_descale, sinks, out, cache_batch_idx, cache_leftpad,
                 rotary_seqlens, k, v, rotary_cos, rotary_sin, cu_seqlens_k_new,
@@ -328,7 +339,8 @@ def flash_attn_with_kvcache(
     if softmax_scale is None:
         check_head_dim(fn, "q", q3)
         softmax_scale = default_softmax_scale(q3.shape[-1], head_dim_v if qv is not None else 0)
-    causal = bool(causal) or bidirectional_block_ids is not None
+    causal = check_flag(fn, "causal", causal) or bidirectional_block_ids is not None
+    return_softmax_lse = check_flag(fn, "return_softmax_lse", return_softmax_lse)
     left, right = normalize_window(fn, window_size, causal)
 
     def check_values(lens):  # debug value checks, before anything is written
@@ -351,7 +363,7 @@ def flash_attn_with_kvcache(
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
         k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
-        softmax_scale, causal, left, right, softcap, num_splits, bool(return_softmax_lse))
+        softmax_scale, causal, left, right, softcap, num_splits, return_softmax_lse)
     result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, batch_shape,
                             mergeable)
     return (result, lse) if return_softmax_lse else result

@@ -16,19 +16,22 @@ from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
                        check_tensor_args, fail)
-from .common import (check_attention_extras, check_cu_seqlens, check_head_dim, check_index,
-                     check_kv_dtype, check_num_splits, check_out, check_query, check_speed_hints,
-                     default_softmax_scale, finite_scale, float_scalar, max_seqlen,
-                     no_cap_if_infinite, normalize_window, output_dtype)
+from .common import (check_attention_extras, check_cu_seqlens, check_flag, check_head_dim,
+                     check_index, check_kv_dtype, check_num_splits, check_op_scalars, check_out,
+                     check_query, check_speed_hints, default_softmax_scale, finite_scale,
+                     float_scalar, max_seqlen, no_cap_if_infinite, normalize_window,
+                     output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
 
 def _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
                                   q_descale, k_descale, v_descale, sinks, seqused_q, *,
-                                  max_seqlen_q, max_seqlen_k, softcap, num_splits) -> None:
-    """Validate the op's arguments (shapes, dtypes, devices only; runs in the fake too)."""
+                                  max_seqlen_q, max_seqlen_k, softmax_scale, window_size_left,
+                                  window_size_right, softcap, num_splits) -> None:
+    """Validate the op's arguments (shapes, dtypes, devices and scalars; runs in the fake too)."""
     fn = NAME
+    check_op_scalars(fn, softmax_scale, window_size_left, window_size_right)
     check_query(fn, q)
     device = q.device
     check_tensor(fn, "k", k, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
@@ -80,7 +83,9 @@ def flash_attn_varlen_func_op(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale,
             v_descale, sinks, seqused_q)
     _check_flash_attn_varlen_func(*args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softcap=softcap, num_splits=num_splits)
+                                  softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                  window_size_right=window_size_right, softcap=softcap,
+                                  num_splits=num_splits)
     if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
         return (*args, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
                 window_size_right, no_cap_if_infinite(softcap), num_splits)
@@ -94,7 +99,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_desc
     _check_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv,
                                   q_descale, k_descale, v_descale, sinks, seqused_q,
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softcap=softcap, num_splits=num_splits)
+                                  softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                  window_size_right=window_size_right, softcap=softcap,
+                                  num_splits=num_splits)
     return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -162,6 +169,8 @@ def flash_attn_varlen_func(
     if softmax_scale is None:
         check_head_dim(fn, "q", q)
         softmax_scale = default_softmax_scale(q.shape[-1], v.shape[-1] if qv is not None else 0)
+    causal = check_flag(fn, "causal", causal)
+    return_softmax_lse = check_flag(fn, "return_softmax_lse", return_softmax_lse)
     left, right = normalize_window(fn, window_size, causal)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q))
@@ -174,6 +183,6 @@ def flash_attn_varlen_func(
     # Positional, in schema order (as flash_attn_with_kvcache: no per-call keyword dict).
     lse = torch.ops.xpu_ops.flash_attn_varlen_func.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale, k_descale, v_descale,
-        sinks, seqused_q, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), left, right,
+        sinks, seqused_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
         softcap, num_splits)
     return (out, lse) if return_softmax_lse else out
