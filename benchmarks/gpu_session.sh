@@ -1,101 +1,89 @@
 #!/usr/bin/env bash
-# One GPU session (< 9 minutes): gpu tests, a modest bench_model table, generate eager vs graphs.
+# One call on the GPU machine: the chosen parts, one after another, each logged and timed.
 #
-#   OUT=/path/to/results bash benchmarks/gpu_session.sh           # on the H200, from the repo root
-#   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/gpu_session.sh         # CPU check of part (c) only
-#   SKIP_GPU_TESTS=1 ...                                          # parts (b) and (c) only
-#   SKIP_BENCH=1 ...                                              # without part (b)
-#   MODES="eager piecewise graphs" ...                            # the generate modes of (c)
+#   OUT=/path PARTS="suite sgl" bash benchmarks/gpu_session.sh        # on the GPU, repo root
+#   OUT=/tmp/dry PARTS="decode profile" DRY_RUN=1 PYTHON=.venv/bin/python \
+#       bash benchmarks/gpu_session.sh                                # CPU check, tiny shapes
 #
-# Parts, each under its own `timeout` (seconds):
-#   (a) python -m pytest -m gpu -q                               -> $OUT/gpu_tests.log      120
-#   (b) benchmarks/bench_model.py: 4 layers of Llama-3.2-1B width, context 512, decode tokens/s
-#       for eager/compiled/piecewise/graphs at batch 1/8/64        -> $OUT/bench_model.{md,json,png}
-#                                                                     and $OUT/bench_model.log 150
-#   (c) a random-weight SmolLM2-135M-shaped Hugging Face folder (transformers LlamaConfig of the
-#       GGUF's shape, tokenizer from benchmarks/assets/smollm2_tokenizer, extracted offline from
-#       the GGUF), then `python -m compile generate --verify` with --mode eager and --mode graphs
-#                                                                  -> $OUT/generate_{eager,graphs}.log
-#                                                                     make 30, eager 45, graphs 150
-# $OUT/summary.txt gets each part's exit status (124: timed out) and the tokens/s lines.
-# The generated text is meaningless (random weights); --verify still compares greedy ids with
-# transformers' generate (on the CPU) token for token.
+# Parts (each under `timeout`; its log is $OUT/<part>.log, its results $OUT/<part>*):
+#   suite      pytest -m gpu -n 12                                         about 250 s
+#   sgl        scripts/run_sgl_kernel_tests.py -n 8 (sgl-kernel's public tests, saved under the
+#              git-ignored .peer/)                                         about 200 s
+#   decode     bench_model: graphs, dense, graphs_addmm at b = 1/8/64, best of 2 rounds,
+#              16 layers, context 1024 (issue 20's table and plot)        about 120 s
+#   profile    profile_decode.py: the kernels of one graphs decode step, b = 1 and 64 (issue 20's
+#              profile; run it in the same call as `decode`)               about 60 s
+#   steps      bench_model: extend and mixed steps of 64 and 512 tokens, compiled against graphs
+#              (issue 17)                                                  about 150 s
+#   mla        bench_attention --quick, the MLA decode row only, default and mla_split (issue 19)
+#                                                                          about 30 s
+#   attention  bench_attention --quick --no-sweeps: the kernels' one-run table (issue 19; the
+#              FlashInfer prefill rows JIT-compile for about 90 s each)    several minutes
+#   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
+#              generate --verify` in eager and graphs mode                 about 150 s
+#
+# The parts run in the order given and never side by side: the gpu suite and the sgl-kernel tests
+# run together once ran the 139 GiB GPU out of memory. DEADLINE (seconds after the start,
+# default 570: the machine's per-command limit is 600) cuts a part that is still running and
+# skips the parts after it. Wheels under .whl/ (expecttest, flashinfer-python, apache-tvm-ffi:
+# the device README's way of carrying packages) are installed into /tmp/site first.
+# $OUT/summary.txt gets each part's exit status (124: cut at its limit) and seconds.
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/*.py import compile, xpu_ops
 OUT="${OUT:?set OUT to the folder that receives the logs}"
+PARTS="${PARTS:?set PARTS, e.g. PARTS='suite sgl' (see the header)}"
 PY="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
+DEADLINE="${DEADLINE:-570}"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-if [ "$DRY_RUN" = 1 ]; then  # CPU: only part (c), 2 layers, 4 tokens
-    DEVICE=cpu LAYERS=2 TOKENS=4 MODES="eager graphs" EXTRA="--no-inductor"
-else
-    DEVICE=cuda LAYERS=30 TOKENS=32 MODES="${MODES:-eager graphs}" EXTRA=""
+if [ "$DRY_RUN" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ "$DRY_RUN" = 1 ]; then  # CPU: tiny shapes, every part's command line exercised
+    DEVICE=cpu; SMALL="--layers 2 --hidden 128 --context 32"; BATCHES="1 4"; TOKENS="16"
+else
+    DEVICE=cuda; SMALL=""; BATCHES="1 8 64"; TOKENS="64 512"
+fi
 note() { echo "$*" | tee -a "$SUMMARY"; }
-run_part() {  # run_part NAME SECONDS LOG CMD...: timed, logged, status noted
-    local name=$1 seconds=$2 log=$3
-    shift 3
+note "gpu_session $(date -u +%FT%TZ) parts: $PARTS; $(git log --oneline -1 2>/dev/null)"
+
+run_part() {  # run_part NAME LIMIT CMD...: timed, logged, status noted; skipped past DEADLINE
+    local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
+    shift 2
+    if [ "$left" -le 10 ]; then
+        note "$name: skipped (deadline)"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     local t0=$SECONDS
-    timeout -k 10 "$seconds" "$@" > "$log" 2>&1
-    local rc=$?
-    note "$name: exit $rc in $((SECONDS - t0)) s (limit $seconds s; log $(basename "$log"))"
-    return $rc
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    note "$name: exit $? in $((SECONDS - t0)) s (limit $limit s)"
 }
 
-note "gpu_session $(date -u +%FT%TZ) device=$DEVICE $($PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no cuda")' 2>&1)"
-
-if [ "$DRY_RUN" != 1 ] && [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
-    # (a) the gpu-marked tests (pyproject's addopts says -m 'not gpu'; the later -m wins)
-    run_part "a pytest -m gpu" 120 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q
-    tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
-fi
-if [ "$DRY_RUN" != 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
-
-    # (b) decode tokens/s per mode; 12 (mode, batch) runs, each compiles a 4-layer model
-    run_part "b bench_model" 150 "$OUT/bench_model.log" $PY benchmarks/bench_model.py \
-        --device cuda --dtype bfloat16 --layers 4 --context 512 --batches 1 8 64 \
-        --warmup 3 --steps 20 --compile-layers 0 --out "$OUT/bench_model"
-    grep -E "^\| |tok/s" "$OUT/bench_model.log" >> "$SUMMARY"
-fi
-
-# (c) random SmolLM2-135M-shaped folder + generate eager / graphs with --verify
-MODEL_DIR="$OUT/random_smollm2_135m"
-run_part "c make random model" 30 "$OUT/make_model.log" $PY - "$MODEL_DIR" \
-    benchmarks/assets/smollm2_tokenizer "$LAYERS" <<'EOF'
-import shutil
-import sys
-from pathlib import Path
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-out, tokenizer_dir, layers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-# SmolLM2-135M-Instruct's shape, as its GGUF's config reads in transformers
-config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
-                     head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                     eos_token_id=2, hidden_act="silu")
-torch.manual_seed(0)
-model = LlamaForCausalLM(config)  # Hugging Face init: N(0, 0.02) weights, unit norms
-model.save_pretrained(out)
-for f in tokenizer_dir.iterdir():
-    shutil.copy(f, out / f.name)
-print(f"saved {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters to {out}")
-EOF
-if [ $? = 0 ]; then
-    for mode in $MODES; do
-        limit=45; [ "$mode" != eager ] && limit=150
-        run_part "c generate --mode $mode" $limit "$OUT/generate_$mode.log" \
-            $PY -m compile generate --model "$MODEL_DIR" --device "$DEVICE" --mode "$mode" \
-            --max-new-tokens "$TOKENS" --verify --no-progress $EXTRA
-        grep -E "^(prefill|decode|compile|verify: all|verify: MISMATCH)" \
-            "$OUT/generate_$mode.log" | sed "s/^/  [$mode] /" >> "$SUMMARY"
-    done
-fi
-rm -rf "$MODEL_DIR"  # 0.5 GB of random weights: not worth bringing back
+for part in $PARTS; do
+    case $part in
+    suite) run_part suite 300 $PY -m pytest -m gpu -n 12 -q -p no:cacheprovider
+           tail -n 1 "$OUT/suite.log" >> "$SUMMARY" ;;
+    sgl) run_part sgl 300 $PY scripts/run_sgl_kernel_tests.py --out "$OUT/sgl" -n 8 ;;
+    decode) run_part decode 240 $PY benchmarks/bench_model.py --device $DEVICE $SMALL \
+                --modes graphs dense graphs_addmm --batches $BATCHES --rounds 2 \
+                --compile-layers 0 --steps-tokens --out "$OUT/decode" ;;
+    profile) run_part profile 150 $PY benchmarks/profile_decode.py --device $DEVICE $SMALL \
+                 --batches ${BATCHES%% *} ${BATCHES##* } --out "$OUT/profile" ;;
+    steps) run_part steps 200 $PY benchmarks/bench_model.py --device $DEVICE $SMALL \
+               --modes compiled graphs --batches 1 --steps-tokens $TOKENS \
+               --step-modes compiled graphs --compile-layers 0 --out "$OUT/steps" ;;
+    mla) run_part mla 120 $PY benchmarks/bench_attention.py --quick --no-sweeps \
+             --variant mla_split --only MLA --out "$OUT/mla" ;;
+    attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \
+                   --out "$OUT/attention" ;;
+    generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
+    *) note "$part: unknown part (see the header)" ;;
+    esac
+done
 echo "--- summary ($SUMMARY)"; cat "$SUMMARY"
