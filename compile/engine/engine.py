@@ -48,11 +48,6 @@ class Req:
     finish_reason: Optional[str] = None
 
     @property
-    def finished(self) -> bool:
-        """True once ``finish_reason`` is set."""
-        return self.finish_reason is not None
-
-    @property
     def seq_len(self) -> int:
         """Tokens of the request so far (prompt + generated)."""
         return len(self.prompt_ids) + len(self.output_ids)
