@@ -26,11 +26,7 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
-
-try:  # torch >= 2.6
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-except ImportError:  # pragma: no cover - older torch: the pass is unavailable
-    CustomGraphPass = None
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 aten = torch.ops.aten
 
@@ -85,27 +81,24 @@ def _meta(x: Any) -> Optional[torch.Tensor]:
     return x.meta.get("val") if isinstance(x, fx.Node) else None
 
 
-if CustomGraphPass is not None:
-    class ResidualAddmmPass(CustomGraphPass):
-        """``unfuse_residual_addmm`` as an Inductor ``post_grad_custom_post_pass`` (what
-        ``piece_config_patches`` installs)."""
+class ResidualAddmmPass(CustomGraphPass):
+    """``unfuse_residual_addmm`` as an Inductor ``post_grad_custom_post_pass`` (what
+    ``piece_config_patches`` installs)."""
 
-        def __call__(self, graph: fx.Graph) -> None:
-            unfuse_residual_addmm(graph)
+    def __call__(self, graph: fx.Graph) -> None:
+        unfuse_residual_addmm(graph)
 
-        def uuid(self) -> Any:
-            return _VERSION
-else:  # pragma: no cover
-    ResidualAddmmPass = None
+    def uuid(self) -> Any:
+        return _VERSION
 
 
 def piece_config_patches(device: torch.device, unfuse_addmm: Optional[bool] = None) -> dict:
     """Inductor ``config_patches`` for a piece compiled for ``device``: the residual ``addmm``
     pass where ``unfuse_addmm`` (None: on GPUs, where Inductor fuses them; the CPU's ``addmm``
-    adds the residual inside its GEMM call) and the pass exists."""
+    adds the residual inside its GEMM call)."""
     if unfuse_addmm is None:
         unfuse_addmm = device.type in ("cuda", "xpu")
-    if not unfuse_addmm or ResidualAddmmPass is None:
+    if not unfuse_addmm:
         return {}
     return {"post_grad_custom_post_pass": ResidualAddmmPass()}
 
