@@ -23,9 +23,8 @@ import torch
 def as_device(device: torch.device | str | None = None) -> torch.device:
     """``device`` as a ``torch.device`` (None: the current accelerator, else the CPU)."""
     if device is None:
-        acc = getattr(torch, "accelerator", None)
-        if acc is not None and acc.is_available():
-            return torch.device(acc.current_accelerator().type)
+        if torch.accelerator.is_available():
+            return torch.device(torch.accelerator.current_accelerator().type)
         return torch.device("cpu")
     return torch.device(device)
 
