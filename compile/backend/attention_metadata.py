@@ -43,11 +43,9 @@ class PagedAttnMetadata:
         """Number of (possibly virtual) requests ``b`` (``cache_seqlens.shape[0]``)."""
         return self.cache_seqlens.shape[0]
 
-    def with_table(self, page_table: Tensor, page_size: Optional[int] = None
-                   ) -> "PagedAttnMetadata":
+    def with_table(self, page_table: Tensor) -> "PagedAttnMetadata":
         """The same call over another page table (e.g. the SWA pool's)."""
-        return dataclasses.replace(self, page_table=page_table,
-                                   page_size=self.page_size if page_size is None else page_size)
+        return dataclasses.replace(self, page_table=page_table)
 
 
 @dataclasses.dataclass
