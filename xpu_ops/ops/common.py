@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Optional
 
 import torch
 
@@ -72,9 +71,9 @@ def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.
                         fix=f"Build it with dtype=torch.int32 (e.g. {arg}.to(torch.int32)).")
 
 
-def check_query(fn: str, q, device: Optional[torch.device] = None) -> torch.Tensor:
+def check_query(fn: str, q) -> torch.Tensor:
     """``q [total_q, Hq, D]`` in a float or fp8 dtype, with ``D >= 1``."""
-    check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, device=device)
+    check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     check_head_dim(fn, "q", q)
     return q
 
