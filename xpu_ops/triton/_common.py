@@ -53,7 +53,7 @@ OPTIONAL_PATHS = {
 DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset({"tma", "phases"})}
 
 
-def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]:
+def parse_paths(spec: str) -> frozenset[str]:
     """The optional kernel paths named by ``spec`` (comma-separated; "" or "none": none, "all":
     every one).
 
@@ -70,7 +70,7 @@ def parse_paths(spec: str, name: str = "XPU_OPS_TRITON_PATHS") -> frozenset[str]
         return frozenset()
     unknown = sorted(names - set(OPTIONAL_PATHS))
     if unknown:
-        raise ValueError(f"{name}: {', '.join(unknown)} is not an optional kernel path; expected "
+        raise ValueError(f"XPU_OPS_TRITON_PATHS: {', '.join(unknown)} is not an optional kernel path; expected "
                          f"a comma list of {sorted(OPTIONAL_PATHS)}, 'none' or 'all', got "
                          f"{spec!r}. Fix the spelling or leave it unset for the defaults.")
     return frozenset(names)
