@@ -121,8 +121,8 @@ def _slot_call_buffers(part: str, rows: int, width: int, device) -> dict[str, Te
             f"{part}.page_table": torch.zeros(rows, width, **i32)}
 
 
-def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = _EXTERNAL):
-    """Move every tensor of ``meta`` (but the ``external`` ones) into a leading slice of its
+def bind_metadata(meta, buffers: dict[str, Tensor]):
+    """Move every tensor of ``meta`` (but the ``_EXTERNAL`` ones) into a leading slice of its
     buffer, in place, and return ``meta``.
 
     Raises:
@@ -131,7 +131,7 @@ def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = 
     """
     seen: dict[int, Tensor] = {}
     for name, t in list(meta.tensors()):
-        if name in external:
+        if name in _EXTERNAL:
             continue
         if id(t) not in seen:
             if name not in buffers:
@@ -146,7 +146,7 @@ def bind_metadata(meta, buffers: dict[str, Tensor], external: tuple[str, ...] = 
     return meta
 
 
-def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None:
+def refill_metadata(bound, fresh) -> None:
     """Copy ``fresh`` values into ``bound``'s tensors (``bind_metadata``'s result for a batch of
     the same mode and size); columns past the new width keep stale entries, which are never read
     (they lie past ``cache_seqlens``).
@@ -156,7 +156,7 @@ def refill_metadata(bound, fresh, external: tuple[str, ...] = _EXTERNAL) -> None
     """
     fresh_tensors = dict(fresh.tensors())
     for name, b in bound.tensors():
-        if name in external or name == "mla_workspace":
+        if name in _EXTERNAL or name == "mla_workspace":
             continue
         f = fresh_tensors[name]
         if f.shape[0] != b.shape[0] or (f.dim() > 1 and f.shape[1] > b.shape[1]):
