@@ -40,7 +40,7 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def tiny_hf_model(seed: int = 0, std: float = 0.15, num_layers: int = 2):
+def tiny_hf_model(seed: int = 0, std: float = 0.15):
     """A ``transformers`` ``LlamaForCausalLM`` of ``TINY_CONFIG`` shape with N(0, std) weights.
 
     ``std`` is larger than Hugging Face's 0.02 so greedy argmax margins stay well above float32
@@ -49,7 +49,7 @@ def tiny_hf_model(seed: int = 0, std: float = 0.15, num_layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**TINY_CONFIG, "num_hidden_layers": num_layers})
+    config = LlamaConfig(**TINY_CONFIG)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
