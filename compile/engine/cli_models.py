@@ -14,6 +14,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from compile.graphs import device as dev
+
 TINY = "tiny"
 # A 2-layer GQA Llama over a 256-token byte vocabulary (token id = UTF-8 byte).
 TINY_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,8 +65,7 @@ def pick_device(name: str) -> torch.device:
     Raises:
         RuntimeError: the requested accelerator is not available.
     """
-    has = {"cuda": torch.cuda.is_available(),
-           "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(), "cpu": True}
+    has = {kind: dev.is_available(kind) for kind in ("cuda", "xpu", "cpu")}
     if name == "auto":
         return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
     if not has[name]:

@@ -37,6 +37,15 @@ def _module(device: torch.device | str) -> Optional[Any]:
     return None
 
 
+def is_available(device: torch.device | str) -> bool:
+    """True when this torch build can run on ``device``'s type (the CPU always)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return True
+    mod = _module(device)
+    return mod is not None and mod.is_available()
+
+
 def supports_graphs(device: torch.device | str) -> bool:
     """True when ``device`` can capture and replay device graphs with this torch build."""
     mod = _module(device)

@@ -14,28 +14,12 @@ from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
+from ..mla_workspace import mla_num_kv_splits, mla_split_bytes
 from .common import check_index, check_mla_inputs, check_workspace_size_args, finite_scale
 
 NAME = "flash_mla_decode"
-MAX_KV_SPLITS = 16
-TOKENS_PER_SPLIT = 512        # default split granularity of the keys, in tokens
 WORKSPACE_HEADS = 128         # heads assumed when flash_mla_get_workspace_size is not told
 WORKSPACE_LATENT_DIM = 512    # R assumed by the workspace: the partial outputs of each split
-
-
-def mla_num_kv_splits(max_seq_len: int, num_kv_splits: int = -1) -> int:
-    """Split-KV count from shapes only: ``num_kv_splits`` if > 0, else one split per
-    ``TOKENS_PER_SPLIT`` tokens of ``max_seq_len``, between 1 and ``MAX_KV_SPLITS``."""
-    if num_kv_splits > 0:
-        return num_kv_splits
-    return max(1, min(MAX_KV_SPLITS, -(-max_seq_len // TOKENS_PER_SPLIT)))
-
-
-def mla_split_bytes(batch: int, num_heads: int, latent_dim: int) -> int:
-    """Scratch bytes of one KV split: float32 partial outputs ``[b, H, R]`` and LSEs ``[b, H]``.
-    A provider uses ``min(mla_num_kv_splits(...), workspace bytes // mla_split_bytes(...))``
-    splits, so the split count depends on shapes only."""
-    return batch * num_heads * (latent_dim + 1) * 4
 
 
 def _workspace_size(max_seq_len, num_batches, num_heads, num_kv_splits) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import providers
-from ..ops.mla_decode import mla_num_kv_splits, mla_split_bytes
+from ..mla_workspace import mla_num_kv_splits, mla_split_bytes
 from ._common import available, next_pow2
 from .paged_attention import paged_attention
 
