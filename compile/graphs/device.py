@@ -1,4 +1,4 @@
-"""The one place that knows device differences: graph class and context, streams, sync, memory.
+"""The one place that knows device differences: graph class and context, pool handle, sync.
 
 Everything else in ``compile/`` asks this module instead of touching ``torch.cuda`` or
 ``torch.xpu`` directly, so the graph runners read the same on every device:
@@ -15,8 +15,7 @@ No Intel GPU was available to this project: the ``xpu`` column is chosen by attr
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -85,43 +84,19 @@ def graph_pool_handle(device: torch.device | str):
     return fn() if fn is not None else None
 
 
-def graph_capture(graph, device: torch.device | str, *, pool=None, stream=None):
+def graph_capture(graph, device: torch.device | str, *, pool=None):
     """Context manager capturing the work launched inside it into ``graph``.
 
     Args:
         graph: from ``new_graph(device)``.
         pool: a ``graph_pool_handle`` so several graphs share one memory pool (or None).
-        stream: side stream to capture on (None: the graph API's own).
     """
     mod = _module(device)
     ctx = getattr(mod, "graph", None) if mod is not None else None
     if ctx is None:
         raise NotImplementedError(f"graph_capture: device {torch.device(device)} has no graph "
                                   "context manager; expected torch.cuda.graph or torch.xpu.graph.")
-    return ctx(graph, pool=pool, stream=stream)
-
-
-def new_stream(device: torch.device | str):
-    """A new side stream on ``device`` (None on the CPU)."""
-    mod = _module(device)
-    return mod.Stream() if mod is not None else None
-
-
-def current_stream(device: torch.device | str):
-    """The current stream of ``device`` (None on the CPU)."""
-    mod = _module(device)
-    return mod.current_stream() if mod is not None else None
-
-
-@contextlib.contextmanager
-def stream_context(stream) -> Iterator[None]:
-    """Make ``stream`` current inside the block (no-op for None, i.e. on the CPU)."""
-    if stream is None:
-        yield
-        return
-    mod = _module(stream.device)
-    with mod.stream(stream):
-        yield
+    return ctx(graph, pool=pool)
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -131,21 +106,5 @@ def synchronize(device: torch.device | str) -> None:
         mod.synchronize()
 
 
-def empty_cache(device: torch.device | str) -> None:
-    """Return cached, unused device memory to the driver (no-op on the CPU)."""
-    mod = _module(device)
-    if mod is not None and mod.is_available():
-        mod.empty_cache()
-
-
-def memory_allocated(device: torch.device | str) -> int:
-    """Bytes currently allocated by tensors on ``device`` (0 on the CPU: not tracked)."""
-    mod = _module(device)
-    if mod is not None and mod.is_available():
-        return int(mod.memory_allocated())
-    return 0
-
-
 __all__ = ["as_device", "supports_graphs", "graph_class", "new_graph", "graph_pool_handle",
-           "graph_capture", "new_stream", "current_stream", "stream_context", "synchronize",
-           "empty_cache", "memory_allocated"]
+           "graph_capture", "synchronize"]
