@@ -1,4 +1,5 @@
-"""The one place that knows device differences: graph class and context, pool handle, sync.
+"""The one place that knows device differences: availability, graph class and context, pool handle,
+sync.
 
 Everything else in ``compile/`` asks this module instead of touching ``torch.cuda`` or
 ``torch.xpu`` directly, so the graph runners read the same on every device:
@@ -106,5 +107,5 @@ def synchronize(device: torch.device | str) -> None:
         mod.synchronize()
 
 
-__all__ = ["as_device", "supports_graphs", "graph_class", "new_graph", "graph_pool_handle",
-           "graph_capture", "synchronize"]
+__all__ = ["as_device", "is_available", "supports_graphs", "graph_class", "new_graph",
+           "graph_pool_handle", "graph_capture", "synchronize"]
