@@ -134,14 +134,6 @@ class KVWriteLoc:
     swa_loc: Optional[Tensor] = None
     encoder_loc: Optional[Tensor] = None
 
-    def for_layer(self, is_swa: bool, is_cross_attention: bool = False) -> Tensor:
-        """Slots ``[N]`` int64 a layer writes: ``encoder_loc`` for cross attention, ``swa_loc``
-        for a sliding-window layer when there is an SWA pool, else ``loc``.
-        """
-        if is_cross_attention:
-            return self.encoder_loc
-        return self.swa_loc if is_swa and self.swa_loc is not None else self.loc
-
 
 def layer_buffers(layer_num: int, start_layer: int, kv_sharing: Sequence[tuple[int, int]],
                   make) -> list[Tensor]:

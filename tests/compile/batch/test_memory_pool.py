@@ -4,7 +4,7 @@ SWA translation, MLA rows."""
 import pytest
 import torch
 
-from compile.batch import (KVWriteLoc, MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
+from compile.batch import (MHATokenToKVPool, MLATokenToKVPool, PageAllocator,
                            ReqToTokenPool, SWAKVPool)
 
 
@@ -84,8 +84,6 @@ def test_swa_pool_translation_and_routing():
     pool.set_kv_buffer(2, loc.long(), k, k)
     assert torch.equal(pool.get_key_buffer(2)[[48, 50]], k)
     assert pool.is_swa_layer(1) and not pool.is_swa_layer(0)
-    write = KVWriteLoc(loc=loc, swa_loc=swa)
-    assert write.for_layer(True) is swa and write.for_layer(False) is loc
 
 
 def test_mla_pool_rows():
