@@ -9,8 +9,9 @@
 #   suite      pytest -m gpu -n 12                                         about 250 s
 #   sgl        scripts/run_sgl_kernel_tests.py -n 8 (sgl-kernel's public tests, saved under the
 #              git-ignored .peer/)                                         about 200 s
-#   decode     bench_model: graphs, dense, graphs_addmm at b = 1/8/64, best of 2 rounds,
-#              16 layers, context 1024 (issue 20's table and plot)        about 120 s
+#   decode     bench_model: graphs, dense, graphs_addmm, piecewise at b = 1/8/64, best of 2 rounds,
+#              16 layers, context 1024 (issue 20 table and plot, issue 17 piecewise ratio)
+#                                                                          about 160 s
 #   profile    profile_decode.py: the kernels of one graphs decode step, b = 1 and 64 (issue 20's
 #              profile; run it in the same call as `decode`)               about 60 s
 #   steps      bench_model: extend and mixed steps of 64 and 512 tokens, compiled against graphs
@@ -71,7 +72,7 @@ for part in $PARTS; do
            tail -n 1 "$OUT/suite.log" >> "$SUMMARY" ;;
     sgl) run_part sgl 300 $PY scripts/run_sgl_kernel_tests.py --out "$OUT/sgl" -n 8 ;;
     decode) run_part decode 240 $PY benchmarks/bench_model.py --device $DEVICE $SMALL \
-                --modes graphs dense graphs_addmm --batches $BATCHES --rounds 2 \
+                --modes graphs dense graphs_addmm piecewise --batches $BATCHES --rounds 2 \
                 --compile-layers 0 --steps-tokens --out "$OUT/decode" ;;
     profile) run_part profile 150 $PY benchmarks/profile_decode.py --device $DEVICE $SMALL \
                  --batches ${BATCHES%% *} ${BATCHES##* } --out "$OUT/profile" ;;
