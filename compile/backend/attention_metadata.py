@@ -143,16 +143,23 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def _slots_to_pages(slots: Tensor, page_size: int) -> Tensor:
-    """Page ids int32 of token slots (a new tensor)."""
-    if (page_size & (page_size - 1)) == 0:  # a power of two: a shift, cheaper than a division
-        return _int32(slots >> (page_size.bit_length() - 1))
-    return _int32(slots // page_size)
+def slots_to_pages(slots: Tensor, page_size: int, out: Optional[Tensor] = None) -> Tensor:
+    """Page ids int32 of token slots: a new tensor, or written into ``out`` (int32, ``slots``'
+    shape) when given, which is then returned (what a captured step records: no allocation)."""
+    if out is None:
+        if (page_size & (page_size - 1)) == 0:  # a power of two: a shift, cheaper than a division
+            return _int32(slots >> (page_size.bit_length() - 1))
+        return _int32(slots // page_size)
+    if page_size == 1:
+        return out.copy_(slots)
+    if (page_size & (page_size - 1)) == 0:
+        return torch.bitwise_right_shift(slots, page_size.bit_length() - 1, out=out)
+    return torch.floor_divide(slots, page_size, out=out)
 
 
 def page_table_from_tokens(tokens: Tensor, page_size: int) -> Tensor:
     """Token-granular ``[b, L]`` slots -> page ids ``[b, ceil(L / page_size)]`` int32."""
-    return _slots_to_pages(tokens[:, ::page_size], page_size)
+    return slots_to_pages(tokens[:, ::page_size], page_size)
 
 
 def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q: Tensor,
@@ -164,7 +171,7 @@ def paged_metadata(req_to_token: Tensor, req_pool_indices: Tensor, cu_seqlens_q:
                               step=page_size)
     return PagedAttnMetadata(cu_seqlens_q=cu_seqlens_q,
                              cache_seqlens=_int32(cache_seqlens),
-                             page_table=_slots_to_pages(first_slots, page_size),
+                             page_table=slots_to_pages(first_slots, page_size),
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              page_size=page_size)
 
@@ -208,9 +215,9 @@ def swa_metadata(pool, req_to_token: Tensor, req_pool_indices: Tensor,
     first_slots = token_table(req_to_token, req_pool_indices, main.max_seqlen_k, col_offset,
                               step=main.page_size)
     swa_slots = pool.translate_loc_from_full_to_swa(first_slots)
-    return main.with_table(_slots_to_pages(swa_slots, main.page_size))
+    return main.with_table(slots_to_pages(swa_slots, main.page_size))
 
 
 __all__ = ["PagedAttnMetadata", "AttentionMetadata", "cu_seqlens", "uniform_cu_seqlens",
            "token_table", "page_table_from_tokens", "paged_metadata", "slot_metadata",
-           "query_block_ids", "swa_metadata"]
+           "query_block_ids", "swa_metadata", "slots_to_pages"]

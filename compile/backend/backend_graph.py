@@ -48,7 +48,8 @@ from torch import Tensor
 
 import xpu_ops
 
-from compile.backend.attention_metadata import AttentionMetadata, PagedAttnMetadata
+from compile.backend.attention_metadata import (AttentionMetadata, PagedAttnMetadata,
+                                               slots_to_pages, token_table)
 from compile.backend.local_attention import local_chunks_per_request
 from compile.backend.spec_metadata import padded_spec_info
 from compile.batch import KVWriteLoc
@@ -202,15 +203,10 @@ def write_decode_metadata(main: PagedAttnMetadata, seq_lens: Tensor, req_pool_in
     """
     main.cache_seqlens.copy_(seq_lens)
     p, table = main.page_size, main.page_table
-    cols = min(table.shape[1], -(-req_to_token.shape[1] // p))
-    first_slots = req_to_token[:, :cols * p:p].index_select(0, req_pool_indices)  # [b, cols]
-    dst = table[:, :cols]
-    if p == 1:
-        dst.copy_(first_slots)
-    elif p & (p - 1) == 0:  # a power of two: a shift, as build_metadata's _slots_to_pages
-        torch.bitwise_right_shift(first_slots, p.bit_length() - 1, out=dst)
-    else:
-        torch.floor_divide(first_slots, p, out=dst)
+    width = req_to_token.shape[1]
+    cols = min(table.shape[1], -(-width // p))
+    first_slots = token_table(req_to_token, req_pool_indices, min(cols * p, width), step=p)
+    slots_to_pages(first_slots, p, out=table[:, :cols])
 
 
 class GraphMetadataMixin:
