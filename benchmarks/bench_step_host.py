@@ -10,8 +10,8 @@ attention metadata is still built on the host) and the replay call. Rows per bat
                      host call), so the row is the runner's own host work
 
 each as microseconds (``--stat`` over ``--repeats`` of the mean of ``--iters`` calls, after a
-warm-up) and as aten ops dispatched per call (``TorchDispatchMode``: every op on any device,
-host tensors included). Model: ``bench_model``'s Llama shapes with ``--layers`` layers and
+warm-up) and as aten ops dispatched per call (``xpu_ops.testing.counted_ops``: every op on any
+device, host tensors included). Model: ``bench_model``'s Llama shapes with ``--layers`` layers and
 random weights; ``--page-size`` tokens per page; ``--pad`` padded requests in the bucket.
 
     PYTHONPATH=. python benchmarks/bench_step_host.py --device cpu --batches 1 8 32
@@ -27,23 +27,11 @@ import statistics
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile.graphs import GraphRunner
 from compile.graphs import device as dev
+from xpu_ops.testing import counted_ops
 from bench_model import build, decode_batch  # benchmarks/ is on sys.path when run as a script
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it (``counts``: op name -> calls)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _NoReplay:
@@ -81,9 +69,9 @@ def time_us(fn, device, iters: int, repeats: int, stat) -> float:
 
 
 def count_ops(fn) -> collections.Counter:
-    with OpCounter() as counter:
+    with counted_ops() as counts:
         fn()
-    return counter.counts
+    return counts
 
 
 def rows(args):

@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -33,7 +34,7 @@ from .testing_layouts import LAYOUTS, relayout
 
 __all__ = ["REGISTERED_OPS", "AttentionCase", "ATTENTION_CASES", "NO_LSE_CASES", "sample_inputs",
            "paged_kv_cache", "attention_case_inputs", "varlen_case_inputs", "op_name",
-           "recorded_op_calls", "recorded_triton_launches"]
+           "counted_ops", "recorded_op_calls", "recorded_triton_launches"]
 
 #: The op packets the package registers (``xpu_ops.REGISTERED_OPS``), each with a sampler here.
 REGISTERED_OPS = list(xpu_ops.REGISTERED_OPS)
@@ -571,6 +572,28 @@ def recorded_triton_launches() -> Iterator[list]:
         yield seen
     finally:
         pa.launch = real
+
+
+@contextlib.contextmanager
+def counted_ops() -> Iterator[collections.Counter]:
+    """Count every op dispatched inside the block (on any device, host tensors included), as
+    ``{op packet name: calls}`` (``aten.copy_`` counts as ``"copy_"``); the ops still run.
+
+    >>> with counted_ops() as counts:
+    ...     _ = torch.zeros(2) + 1
+    >>> counts["add"]
+    1
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counts: collections.Counter = collections.Counter()
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        yield counts
 
 
 @contextlib.contextmanager

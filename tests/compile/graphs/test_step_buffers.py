@@ -5,16 +5,13 @@ A schedule of decode steps over persistent requests (each step appends one token
 requests leave and join, their rows reused over shuffled pages; batches shrink and grow inside
 and across padded buckets) runs through a ``GraphRunner`` and must equal the float64 oracle and
 the eager backend. After the captures, a replayed step must call no host metadata builder, and
-``StepBuffers.load`` must dispatch only the input copies (counted with ``TorchDispatchMode``).
+``StepBuffers.load`` must dispatch only the input copies (``xpu_ops.testing.counted_ops``).
 """
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile.backend import backend_graph
 from compile.batch import ForwardMode
@@ -23,24 +20,13 @@ from compile.graphs import device as dev
 from tests.compile.graphs.spec_probe import AttentionProbe, Step, tree_oracle
 from tests.compile.oracle import Harness, assert_close
 from tests.markers import requires_gpu_graphs
+from xpu_ops.testing import counted_ops
 
 BUCKETS = (1, 2, 4)
 # requests per step: bucket 4 gets 3, 4, 4, 3, 4, 3, 4 (warm-up, capture, 5 replays), bucket 2
 # gets 2, 2 (warm-up, capture), bucket 1 gets 1 (warm-up)
 SIZES = (3, 4, 2, 4, 1, 3, 2, 4, 3, 4)
 PREFIXES = (15, 0, 31, 16, 1, 47)  # lengths end just before, at and after page boundaries
-
-
-class OpCounter(TorchDispatchMode):
-    """The aten ops dispatched inside it: ``counts`` (name -> calls)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Schedule:
@@ -141,9 +127,9 @@ def test_replayed_decode_builds_no_host_metadata(monkeypatch):
     counts, load = [], runner.buffers.load
 
     def counted_load(*args):
-        with OpCounter() as counter:
+        with counted_ops() as counter:
             result = load(*args)
-        counts.append(counter.counts)
+        counts.append(counter)
         return result
     monkeypatch.setattr(runner.buffers, "load", counted_load)
     for b in (3, 2, 4):
