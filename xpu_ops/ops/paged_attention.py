@@ -383,8 +383,6 @@ def _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     if softmax_scale is None:
         check_head_dim(NAME, "q", q)
         softmax_scale = default_softmax_scale(q.shape[-1])
-    elif not -math.inf < softmax_scale < math.inf:  # one comparison (Dynamo traces it)
-        finite_scale(NAME, "softmax_scale", softmax_scale)
     _value_checks.check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table,
                                                 cu_seqlens_q, max_seqlen_q)
     if out is None:
