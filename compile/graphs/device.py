@@ -49,10 +49,7 @@ def is_available(device: torch.device | str) -> bool:
 
 def supports_graphs(device: torch.device | str) -> bool:
     """True when ``device`` can capture and replay device graphs with this torch build."""
-    mod = _module(device)
-    if mod is None or not mod.is_available():
-        return False
-    return graph_class(device) is not None
+    return is_available(device) and graph_class(device) is not None
 
 
 def graph_class(device: torch.device | str) -> Optional[type]:
