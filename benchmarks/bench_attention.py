@@ -672,6 +672,8 @@ def main():
     ap.add_argument("--no-sweeps", action="store_true", help="time no sweep (split counts, "
                     "tiles, chunk lengths; MLA configs): each is a kernel compile, and the quick "
                     "rows carry about 40 of them")
+    ap.add_argument("--targeted", action="store_true", help="time only the rows with a "
+                    "target (the issue's one-run table: no small-batch rows)")
     args = ap.parse_args()
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
@@ -682,7 +684,8 @@ def main():
     copy_tbs, mm_tflops = ceilings()
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
-             if not only or any(x in spec["name"] for x in only)]
+             if (not only or any(x in spec["name"] for x in only))
+             and not (args.targeted and spec["target"] == "-")]
     for spec in specs:
         if args.no_sweeps:
             spec["sweep"] = ()
@@ -691,25 +694,25 @@ def main():
         if spec["kind"] == "flops":  # prefill and extend: the --configs columns
             spec["configs"] = tuple(c for c in configs if not c[1].tma)
             spec["late_configs"] = tuple(c for c in configs if c[1].tma)
+    mla, mla_rows = "MLA decode H128 R512 r64 64x4096", []
+    if not only or any(x in mla for x in only):  # first: no peer JIT can cut it
+        mla_rows.append(run_mla(mla, ">= 0.50 matmul",
+                                sweep=() if args.no_sweeps else MLA_QUICK_CFGS if args.quick
+                                else MLA_CFGS,
+                                variants=parse_variants(args.variant)))
     rows = []
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
         run = {k: v for k, v in spec.items() if k != "late_configs"}
         rows.append(run_attention(**dict(run, variants=tuple(v for v in spec["variants"]
                                                              if v not in LATE_VARIANTS))))
-        write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
-    mla = "MLA decode H128 R512 r64 64x4096"
-    if not only or any(x in mla for x in only):
-        rows.append(run_mla(mla, ">= 0.50 matmul",
-                            sweep=() if args.no_sweeps else MLA_QUICK_CFGS if args.quick
-                            else MLA_CFGS,
-                            variants=parse_variants(args.variant)))
-    write_results(rows, copy_tbs, mm_tflops, args.out)
+        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, echo=False)
+    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
           flush=True)
     for spec, row in zip(specs, rows):
         late_variants(spec, row)
-        write_results(rows, copy_tbs, mm_tflops, args.out, echo=False)
-    write_results(rows, copy_tbs, mm_tflops, args.out)
+        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, echo=False)
+    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 
 

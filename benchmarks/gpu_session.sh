@@ -6,7 +6,7 @@
 #       bash benchmarks/gpu_session.sh                                # CPU check, tiny shapes
 #
 # Parts (each under `timeout`; its log is $OUT/<part>.log, its results $OUT/<part>*):
-#   suite      pytest -m gpu -n 12                                         about 250 s
+#   suite      pytest -m gpu -n 12, its 15 slowest tests listed            about 320 s
 #   sgl        scripts/run_sgl_kernel_tests.py -n 8 (sgl-kernel's public tests, saved under the
 #              git-ignored .peer/)                                         about 200 s
 #   decode     bench_model: graphs, dense, graphs_addmm, piecewise at b = 1/8/64, best of 2 rounds,
@@ -16,10 +16,13 @@
 #              profile; run it in the same call as `decode`)               about 60 s
 #   steps      bench_model: extend and mixed steps of 64 and 512 tokens, compiled against graphs
 #              (issue 17)                                                  about 150 s
-#   mla        bench_attention --quick, the MLA decode row only, default and mla_split (issue 19)
-#                                                                          about 30 s
-#   attention  bench_attention --quick --no-sweeps: the kernels' one-run table (issue 19; the
-#              FlashInfer prefill rows JIT-compile for about 90 s each)    several minutes
+#   mla        bench_attention, the MLA decode row only: default, mla_split and the MLA_CFGS
+#              tile sweep (issue 19)                                       about 90 s
+#   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
+#              rows with a target, MLA first (issue 19; the FlashInfer prefill rows JIT-compile
+#              for about 90 s each)                                        several minutes
+#   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice (issue 20)
+#                                                                          about 150 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
 #              generate --verify` in eager and graphs mode                 about 150 s
 #
@@ -28,7 +31,8 @@
 # default 570: the machine's per-command limit is 600) cuts a part that is still running and
 # skips the parts after it. Wheels under .whl/ (expecttest, flashinfer-python, apache-tvm-ffi:
 # the device README's way of carrying packages) are installed into /tmp/site first.
-# $OUT/summary.txt gets each part's exit status (124: cut at its limit) and seconds.
+# $OUT/summary.txt gets each part's exit status (124: cut at its limit) and seconds; the logs and
+# results end up in $OUT/results.tgz.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the folder that receives the logs}"
@@ -68,7 +72,7 @@ run_part() {  # run_part NAME LIMIT CMD...: timed, logged, status noted; skipped
 
 for part in $PARTS; do
     case $part in
-    suite) run_part suite 300 $PY -m pytest -m gpu -n 12 -q -p no:cacheprovider
+    suite) run_part suite 420 $PY -m pytest -m gpu -n 12 -q -p no:cacheprovider --durations=15
            tail -n 1 "$OUT/suite.log" >> "$SUMMARY" ;;
     sgl) run_part sgl 300 $PY scripts/run_sgl_kernel_tests.py --out "$OUT/sgl" -n 8 ;;
     decode) run_part decode 240 $PY benchmarks/bench_model.py --device $DEVICE $SMALL \
@@ -79,12 +83,17 @@ for part in $PARTS; do
     steps) run_part steps 200 $PY benchmarks/bench_model.py --device $DEVICE $SMALL \
                --modes compiled graphs --batches 1 --steps-tokens $TOKENS \
                --step-modes compiled graphs --compile-layers 0 --out "$OUT/steps" ;;
-    mla) run_part mla 120 $PY benchmarks/bench_attention.py --quick --no-sweeps \
-             --variant mla_split --only MLA --out "$OUT/mla" ;;
+    mla) run_part mla 150 $PY benchmarks/bench_attention.py --variant mla_split --only MLA \
+             --out "$OUT/mla" ;;
     attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \
-                   --out "$OUT/attention" ;;
+                   --targeted --out "$OUT/attention" ;;
+    gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \
+              $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
     generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
     *) note "$part: unknown part (see the header)" ;;
     esac
 done
+# The device tool brings back at most 8 files: everything but the summary travels as one archive.
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude summary.txt -- * \
+    && find . -mindepth 1 ! -name results.tgz ! -name summary.txt -delete)
 echo "--- summary ($SUMMARY)"; cat "$SUMMARY"

@@ -17,7 +17,9 @@ counts its whole KV pool, which ``bench_model``'s batch sizes to the tokens read
 page per request). Inductor's Triton kernels are launched under a record of their own name with
 their buffers as arguments, each read or written once; those bytes count only where the
 uncaptured step runs the same Inductor graphs (``SAME_INDUCTOR_GRAPHS``: piece graphs fuse and
-name kernels differently). Kernels without bytes show "-".
+name kernels differently). An operator that launches several kernels gives its bytes to the
+longest of them (a split-K GEMM's main kernel, not its reduction). Kernels without bytes show
+"-".
 Writes ``profile_decode_b{b}.md`` and ``.json`` per batch under ``--out``; prints the tables.
 """
 
@@ -127,35 +129,35 @@ def launching_op(event, kernel: str | None):
 def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16", *,
                  inductor_records: bool = True) -> dict[str, int]:
     """``{kernel name: bytes in one step}`` for the kernels whose launching operator's bytes
-    are known (``op_bytes``; an operator that launches several kernels shares its bytes evenly
-    among them); one profiled step with shapes. ``assumed_dtype`` (a profiler dtype name) stands
+    are known (``op_bytes``; an operator that launches several kernels gives them to the
+    longest); one profiled step with shapes. ``assumed_dtype`` (a profiler dtype name) stands
     for every tensor where the profiler records no dtypes; ``inductor_records=False`` ignores
     Inductor's launch records (their kernels get no bytes)."""
     with torch.inference_mode(), profile(activities=activities(device), record_shapes=True) as p:
         step()
     if device == "cpu":
-        launches = [(e, e.name) for e in cpu_leaves(p.events())]
+        launches = [(e, e.name, e.self_cpu_time_total) for e in cpu_leaves(p.events())]
     else:
-        launches = [(e, k.name) for e in p.events() if not is_device(e) for k in e.kernels]
-    by_op: dict[tuple, tuple[object, list[str]]] = {}  # (thread, start, name) names an event
+        launches = [(e, k.name, k.time_range.elapsed_us()) for e in p.events()
+                    if not is_device(e) for k in e.kernels]
+    by_op: dict[tuple, tuple[object, list]] = {}  # (thread, start, name) names an event
     unknown = set()
-    for event, name in launches:
+    for event, name, us in launches:
         op = launching_op(event, name if inductor_records else None)
         if op is None:
             unknown.add(name)
         else:
             key = (op.thread, op.time_range.start, op.name)
-            by_op.setdefault(key, (op, []))[1].append(name)
+            by_op.setdefault(key, (op, []))[1].append((us, name))
     out: dict[str, int] = defaultdict(int)
-    for op, names in by_op.values():
+    for op, launched in by_op.values():
         # torch versions whose profiler records no dtypes: every tensor as the model's dtype
         dtypes = getattr(op, "input_dtypes", None) or [assumed_dtype] * len(op.input_shapes)
         n = op_bytes(op.name, op.input_shapes, dtypes)
-        for name in names:
-            if n is None:
-                unknown.add(name)
-            else:
-                out[name] += n // len(names)
+        if n is None:
+            unknown.update(name for _, name in launched)
+        else:
+            out[max(launched)[1]] += n  # the longest kernel moves the operator's bytes
     return {k: v for k, v in out.items() if k not in unknown}
 
 
