@@ -138,7 +138,7 @@ def kernel_bytes(step, device: str, assumed_dtype: str = "c10::BFloat16", *,
     if device == "cpu":
         launches = [(e, e.name, e.self_cpu_time_total) for e in cpu_leaves(p.events())]
     else:
-        launches = [(e, k.name, k.time_range.elapsed_us()) for e in p.events()
+        launches = [(e, k.name, k.duration) for e in p.events()
                     if not is_device(e) for k in e.kernels]
     by_op: dict[tuple, tuple[object, list]] = {}  # (thread, start, name) names an event
     unknown = set()
