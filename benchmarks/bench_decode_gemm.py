@@ -43,7 +43,8 @@ LAYERS = 16
 
 
 def linear_for(choice: str):
-    """The linear function of ``choice`` (module docstring) and a context to run it under."""
+    """The linear function of ``choice`` (module docstring): ``F.linear``, or for ``autotune``
+    its Inductor compile; the cuBLAS switches of the other choices are ``_Settings``'."""
     if choice == "autotune":
         return torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
     return F.linear
