@@ -623,3 +623,6 @@ def recorded_op_calls(name: str) -> Iterator[list]:
 
     with _Recorder():
         yield seen
+
+
+from . import testing_flash_mla  # noqa: E402,F401  (the FlashMLA surface's samplers)
