@@ -25,7 +25,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     ``seqused_k`` or the ``cu_seqlens_k`` differences; ``seqused_q`` masks the unused rows.
     Writes ``out``, returns the LSE.
     """
-    kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    # Without seqused_k, the kernel's clamped cu_seqlens_k range is the key count; the range's
+    # end is a bound of it that never overflows (an int32 difference with INT32_MIN would).
+    kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:]
     return paged_attention(
         q, k, v, out, kv_lens, cu_seqlens_q, page_table=None, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_kv_len=max_seqlen_k, qv=qv, q_descale=q_descale,
