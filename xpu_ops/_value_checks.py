@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._checks import fail
-from .providers import getenv
+from .provider_table import getenv
 
 ENV = "XPU_OPS_DEBUG_CHECKS"
 _INT_DTYPES = (torch.int32, torch.int64)

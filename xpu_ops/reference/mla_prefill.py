@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from .attention import attend_packed
 from .paged_attention import gather_pages, paged_lengths, request_spans
 
@@ -52,7 +52,7 @@ def _one_request_at_a_time(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor,
     return out
 
 
-@providers.register("flash_mla_prefill", "reference")
+@provider_table.register("flash_mla_prefill", "reference")
 def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table,
                       workspace, *, max_seqlen_q, sm_scale, causal, num_kv_splits):
     """Reference ``flash_mla_prefill`` (contract: ``xpu_ops/ops/mla_prefill.py``).

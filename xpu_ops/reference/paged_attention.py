@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from . import cpu_decode
 from .attention import attend_packed, dequantize, gather_padded, request_ranges
 
@@ -61,7 +61,7 @@ def gather_pages(cache: Tensor, page_table: Tensor, k_lens: Tensor,
     return keys, valid
 
 
-@providers.register("flash_attn_with_kvcache", "reference")
+@provider_table.register("flash_attn_with_kvcache", "reference")
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                             bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
@@ -112,7 +112,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, q
                         window_size_left=window_size_left, window_size_right=window_size_right,
                         softcap=softcap, k_start=cache_leftpad,
                         block_ids=bidirectional_block_ids, key_valid=valid)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    return lse if return_softmax_lse else provider_table.empty_lse(q)
 
 
 def _one_request_at_a_time(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import providers
+from .. import provider_table
 from .attention import attend_packed, dequantize, gather_padded, request_rows
 
 
-@providers.register("flash_attn_varlen_func", "reference")
+@provider_table.register("flash_attn_varlen_func", "reference")
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size_left, window_size_right, softcap,

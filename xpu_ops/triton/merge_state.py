@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, launch, next_pow2
 
 
@@ -64,5 +64,5 @@ def _supports(v_a, s_a, v_b, s_b, v_merged, s_merged):
     return None
 
 
-providers.register("merge_state_v2", "triton", available=available, supports=_supports)(
+provider_table.register("merge_state_v2", "triton", available=available, supports=_supports)(
     merge_state)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
 from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
@@ -691,7 +691,7 @@ def _supports_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
     return supports_attention(q, k_cache, v_cache, out, qv)
 
 
-@providers.register("flash_attn_with_kvcache", "triton", available=available,
+@provider_table.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=_supports_call)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
@@ -720,4 +720,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
             window_left=window_size_left, window_right=window_size_right, softcap=softcap,
             num_splits=requested_splits(num_splits), k_start=cache_leftpad,
             block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    return lse if return_softmax_lse else provider_table.empty_lse(q)

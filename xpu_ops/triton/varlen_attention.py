@@ -7,12 +7,12 @@ cu_seqlens_k[r]``. Everything else (GQA packing, masks, split-KV, LSE) is shared
 
 from __future__ import annotations
 
-from .. import providers
+from .. import provider_table
 from ._common import available
 from .paged_attention import requested_splits, paged_attention, supports_attention
 
 
-@providers.register("flash_attn_varlen_func", "triton", available=available,
+@provider_table.register("flash_attn_varlen_func", "triton", available=available,
                     supports=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, *a,
                     **kw: supports_attention(q, k, v, out, qv))
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
