@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from ..index_k_layout import AMAX_FLOOR, FP8_MAX, is_dense_blocks, split_blocks
 from .kv_cache import write_slots
 
@@ -28,7 +28,7 @@ def _weighted_relu_scores(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor
     return torch.einsum("rhj,rh->rj", dots.relu(), weights)
 
 
-@providers.register("fp8_mqa_logits", "reference")
+@provider_table.register("fp8_mqa_logits", "reference")
 def fp8_mqa_logits(q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
                    max_seqlen_k):
     """Reference ``fp8_mqa_logits``: chunks of query rows against every key, then the
@@ -58,7 +58,7 @@ def _dense_cache(cache: Tensor) -> Tensor:
     return cache if is_dense_blocks(cache) else cache.contiguous()
 
 
-@providers.register("fp8_paged_mqa_logits", "reference")
+@provider_table.register("fp8_paged_mqa_logits", "reference")
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len,
                          clean_logits):
     """Reference ``fp8_paged_mqa_logits``: gathers each request's keys position by position
@@ -118,13 +118,13 @@ def _ranked_positions(score, lengths, row_starts, topk) -> Tensor:
     return chosen
 
 
-@providers.register("fast_topk", "reference")
+@provider_table.register("fast_topk", "reference")
 def fast_topk(score, lengths, row_starts, topk):
     """Reference ``fast_topk``: a stable descending sort per row (ties: lower position)."""
     return _ranked_positions(score, lengths, row_starts, topk).to(torch.int32)
 
 
-@providers.register("fast_topk_transform", "reference")
+@provider_table.register("fast_topk_transform", "reference")
 def fast_topk_transform(score, lengths, page_table, cu_seqlens_q, row_starts, topk):
     """Reference ``fast_topk_transform``: ``fast_topk``'s positions looked up in the row's
     request's page-table row (request by ``cu_seqlens_q``)."""
@@ -152,7 +152,7 @@ def quantize_rows(index_k: Tensor, ue8m0_scale: bool) -> tuple[Tensor, Tensor]:
     return values.view(torch.uint8), scale
 
 
-@providers.register("store_index_k_cache", "reference")
+@provider_table.register("store_index_k_cache", "reference")
 def store_index_k_cache(index_k_cache, loc, index_k, ue8m0_scale):
     """Reference ``store_index_k_cache``: quantise, then two ``write_slots`` (values, scales)
     into views of the blocks (through a contiguous copy written back for other layouts)."""
@@ -168,7 +168,7 @@ def store_index_k_cache(index_k_cache, loc, index_k, ue8m0_scale):
         index_k_cache.copy_(dense)
 
 
-@providers.register("hadamard_transform", "reference")
+@provider_table.register("hadamard_transform", "reference")
 def hadamard_transform(x, scale):
     """Reference ``hadamard_transform``: log2(n) butterfly stages in float32 over the padded
     last dimension."""
