@@ -345,10 +345,10 @@ def client_forms(args: tuple, variant: int) -> tuple:
     return tuple(args)
 
 
-#: Indices of the ``ATTENTION_CASES`` with sinks or fp8 inputs: their ``client_forms`` are
-#: samples too.
-CLIENT_FORM_CASES = tuple(i for i, c in enumerate(ATTENTION_CASES)
-                          if c.sinks or c.kv_dtype is not None or c.q_fp8)
+#: Indices of the first ``ATTENTION_CASES`` with sinks, with fp8 KV and with an fp8 query: their
+#: ``client_forms`` are samples too.
+CLIENT_FORM_CASES = tuple(next(i for i, c in enumerate(ATTENTION_CASES) if has(c)) for has in (
+    lambda c: c.sinks, lambda c: c.kv_dtype is not None and not c.q_fp8, lambda c: c.q_fp8))
 
 
 @_sampler("flash_attn_with_kvcache")

@@ -104,7 +104,7 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         output: [T, Hq * Dv], q's dtype; rows ``[:num_tokens]`` get the attention result, the
             rest zeros.
         layer_id: key into ``forward_context.layers``.
-        sinks: [Hq] float32 sink logits (GPT-OSS), or None.
+        sinks: [Hq] sink logits (GPT-OSS) in a float dtype, or None.
         q_rope: MLA [T, Hq, r] rotary part of the query, or None.
         k_rope: MLA [T, 1, r] rotary key, or None.
         save_kv_cache: False attends without writing ``k``/``v``.
