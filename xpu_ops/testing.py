@@ -656,3 +656,7 @@ def recorded_op_calls(name: str) -> Iterator[list]:
 
     with _Recorder():
         yield seen
+
+
+from . import testing_flash_mla  # noqa: E402,F401  (the FlashMLA surface's samplers)
+from . import testing_dsa  # noqa: E402,F401  (the DSA indexer ops' samplers register on import)

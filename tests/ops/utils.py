@@ -164,3 +164,11 @@ def error_kind(error: BaseException) -> str:
     """The builtin exception type a house error is (``ValueError`` for ``XpuOpsValueError``,
     which is also a ``RuntimeError``): the first builtin class in its MRO."""
     return next(c.__name__ for c in type(error).__mro__ if c.__module__ == "builtins")
+
+
+def skip_if_unimplemented(provider: str, op) -> None:
+    """Skip a generic per-op test for a provider that has no implementation of ``op`` (an op
+    family that has not reached that provider yet; ``python -m xpu_ops info`` lists it)."""
+    if dict(providers.candidates(op_name(op), "cpu")).get(provider) == \
+            "no implementation of this op":
+        pytest.skip(f"{op_name(op)} has no {provider} implementation")
