@@ -9,6 +9,12 @@ op runs the best provider for its device (``reference``, ``triton`` or ``sgl_ker
 import torch
 
 from .ops.block_ids import build_bidirectional_block_ids
+from .ops.dsa_index_cache import store_index_k_cache
+from .ops.dsa_indexer import (fp8_mqa_logits, fp8_paged_mqa_logits,
+                              get_paged_mqa_logits_metadata)
+from .ops.dsa_topk import (fast_topk_transform_fused, fast_topk_transform_ragged_fused,
+                           fast_topk_v2)
+from .ops.hadamard import hadamard_transform
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
@@ -33,6 +39,12 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.store_mla_kv_cache,
     torch.ops.xpu_ops.prepare_swa_spec_page_table,
     torch.ops.xpu_ops.apply_rotary_emb,
+    torch.ops.xpu_ops.fp8_mqa_logits,
+    torch.ops.xpu_ops.fp8_paged_mqa_logits,
+    torch.ops.xpu_ops.fast_topk,
+    torch.ops.xpu_ops.fast_topk_transform,
+    torch.ops.xpu_ops.store_index_k_cache,
+    torch.ops.xpu_ops.hadamard_transform,
 ]
 
 
@@ -51,4 +63,7 @@ __all__ = [
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
     "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks", "refresh",
+    "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
+    "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
+    "store_index_k_cache", "hadamard_transform",
 ]

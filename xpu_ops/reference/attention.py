@@ -202,6 +202,7 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
     Returns:
         softmax_lse [Hq, total_q] float32.
     """
+    max_seqlen_q = min(max_seqlen_q, q.shape[0])  # a loose bound: the tight bound's result
     q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q, q.shape[0])
     q_pad = gather_padded(q, q_idx, q_valid)
     if q_descale is not None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES
-from ..providers import empty_lse
+from ..provider_table import empty_lse
 
 
 def applies(q: Tensor, k_cache: Tensor, page_table: Tensor, cu_seqlens_q: Tensor,

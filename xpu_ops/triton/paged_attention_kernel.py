@@ -152,7 +152,7 @@ def _paged_attention_plain_kernel(
     # 15 runtime arguments (5 of them scalars that change per step) instead of 67. LSE is None
     # when the caller does not want it, SCRATCH and COUNTERS with one split (never read).
     HQ: tl.constexpr = GROUP_SIZE * NUM_HEADS_KV
-    part_s = total_q * (HQ * DV_PAD)
+    part_s = tl.cast(total_q, tl.int64) * (HQ * DV_PAD)  # int64: splits * part_s may pass 2**31
     LSE_PART = SCRATCH
     if NUM_SPLITS > 1:
         LSE_PART = SCRATCH + NUM_SPLITS * part_s
@@ -233,7 +233,8 @@ def _attend(
         q_used = tl.load(Q_USED + req * stride_q_used)
     k_start = 0
     if HAS_K_START:
-        k_start = tl.load(K_START + req * stride_k_start)
+        # a negative leftpad reads as 0 (never a key before position 0), API.md
+        k_start = tl.maximum(tl.load(K_START + req * stride_k_start), 0)
     pos = kv_len - q_used + q_row
     hi_row = kv_len - 1 + tl.zeros_like(pos)
     lo_row = k_start + tl.zeros_like(pos)
