@@ -9,6 +9,9 @@ op runs the best provider for its device (``reference``, ``triton`` or ``sgl_ker
 import torch
 
 from .ops.block_ids import build_bidirectional_block_ids
+from .ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from .ops.gated_delta_rule import (chunk_gated_delta_rule, fused_gdn_gating,
+                                   fused_recurrent_gated_delta_rule)
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
@@ -33,6 +36,11 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.store_mla_kv_cache,
     torch.ops.xpu_ops.prepare_swa_spec_page_table,
     torch.ops.xpu_ops.apply_rotary_emb,
+    torch.ops.xpu_ops.causal_conv1d_fn,
+    torch.ops.xpu_ops.causal_conv1d_update,
+    torch.ops.xpu_ops.fused_gdn_gating,
+    torch.ops.xpu_ops.chunk_gated_delta_rule,
+    torch.ops.xpu_ops.fused_recurrent_gated_delta_rule,
 ]
 
 
@@ -51,4 +59,6 @@ __all__ = [
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
     "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks", "refresh",
+    "causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating", "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
 ]

@@ -623,3 +623,6 @@ def recorded_op_calls(name: str) -> Iterator[list]:
 
     with _Recorder():
         yield seen
+
+
+from . import testing_linear_attention  # noqa: E402,F401  (registers the linear-attention samplers)
