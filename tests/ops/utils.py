@@ -156,3 +156,11 @@ def error_message(call, kwargs, fake) -> str:
         with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
             call(**kwargs)
     return f"{type(info.value).__name__}: {info.value}"
+
+
+def skip_if_unimplemented(provider: str, op) -> None:
+    """Skip a generic per-op test for a provider that has no implementation of ``op`` (an op
+    family that has not reached that provider yet; ``python -m xpu_ops info`` lists it)."""
+    if dict(providers.candidates(op_name(op), "cpu")).get(provider) == \
+            "no implementation of this op":
+        pytest.skip(f"{op_name(op)} has no {provider} implementation")

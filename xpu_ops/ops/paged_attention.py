@@ -285,7 +285,10 @@ def flash_attn_with_kvcache(
         NotImplementedError: ``attention_chunk`` other than 0; k/v appended into an fp8
             cache.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1``, a value out of range: ``cu_seqlens_q``,
-            ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read (unchecked otherwise).
+            ``max_seqlen_q``, ``cache_seqlens`` or a page id that is read, an append's
+            ``cu_seqlens_k_new`` (not from 0, decreasing, past the packed k) (unchecked
+            otherwise). Every check runs before the append's store: a rejected call writes
+            nothing.
     Source: FlashAttention-2 (arXiv 2307.08691) online softmax; paged KV cache from vLLM
     PagedAttention (arXiv 2309.06180); semantics of FlashAttention-3's
     ``hopper/flash_attn_interface.py`` and sgl-kernel(-xpu)'s ``flash_attn_with_kvcache``.
@@ -347,7 +350,17 @@ def flash_attn_with_kvcache(
         _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
                                                     max_seqlen_q, contiguous=dense,
                                                     cache_leftpad=cache_leftpad)
+    out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
+    softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
+    softcap = float_scalar(fn, "softcap", softcap)
     if k is not None or v is not None:
+        # every check of the attention op before the append's store: a rejected call
+        # writes nothing (the op checks again; the lengths' shape is the same after the append)
+        _check_flash_attn_with_kvcache(
+            q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
+            max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, window_size_left=left,
+            window_size_right=right, softcap=softcap, num_splits=num_splits)
         q3, cache_seqlens = kvcache_append.append_new_kv(
             fn, q=q3, cu_seqlens_q=cu_seqlens_q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
             page_table=page_table, cache_seqlens=cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
@@ -356,9 +369,6 @@ def flash_attn_with_kvcache(
             check_values=check_values)
     else:
         check_values(cache_seqlens)
-    out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
-    softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
-    softcap = float_scalar(fn, "softcap", softcap)
     # Positional, in schema order: keyword arguments cost the dispatcher a dict per call.
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, qv, q_descale,
