@@ -201,7 +201,8 @@ def test_update_rejects(over, pattern, fake):
 # Tracing
 # ----------------------------------------------------------------------------------------------
 
-def test_fullgraph_trace_matches_eager():
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fullgraph_trace_matches_eager(provider):
     x, weight, bias, states = _request(torch.Generator().manual_seed(3))
     qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
     slots = torch.tensor([1, 0], dtype=torch.int32)
@@ -213,9 +214,10 @@ def test_fullgraph_trace_matches_eager():
                                                  conv_state_indices=slots)
 
     eager_states, traced_states = states.clone(), states.clone()
-    expected = step(x, eager_states)
-    torch._dynamo.reset()
-    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, traced_states)
+    with running(provider):
+        expected = step(x, eager_states)
+        torch._dynamo.reset()
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, traced_states)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(traced_states, eager_states, atol=0, rtol=0)

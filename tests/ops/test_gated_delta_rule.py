@@ -275,7 +275,8 @@ def test_gating_rejects(over, pattern, fake):
 # Tracing
 # ----------------------------------------------------------------------------------------------
 
-def test_fullgraph_trace_matches_eager():
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fullgraph_trace_matches_eager(provider):
     q, k, v, _, _, states, slots, cu = _batch(5)
     gen = torch.Generator().manual_seed(6)
     a, b = torch.randn(q.shape[0], 4, generator=gen), torch.randn(q.shape[0], 4, generator=gen)
@@ -291,9 +292,10 @@ def test_fullgraph_trace_matches_eager():
         return o, step
 
     eager_states, traced_states = states.clone(), states.clone()
-    expected = layer(q, k, v, eager_states)
-    torch._dynamo.reset()
-    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(q, k, v, traced_states)
+    with running(provider):
+        expected = layer(q, k, v, eager_states)
+        torch._dynamo.reset()
+        got = torch.compile(layer, backend="aot_eager", fullgraph=True)(q, k, v, traced_states)
     for x, y in zip(got, expected):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
     torch.testing.assert_close(traced_states, eager_states, atol=0, rtol=0)
