@@ -20,6 +20,8 @@ from .ops.merge_state import merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
                              flash_mla_get_workspace_size)
 from .ops.mla_prefill import flash_mla_prefill, flash_mla_prefill_get_workspace_size
+from .ops.flash_mla_kvcache import flash_mla_with_kvcache, get_mla_metadata
+from .ops.mla_sparse_prefill import flash_mla_sparse_fwd
 from .ops.paged_attention import flash_attn_with_kvcache
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
@@ -39,6 +41,8 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.store_mla_kv_cache,
     torch.ops.xpu_ops.prepare_swa_spec_page_table,
     torch.ops.xpu_ops.apply_rotary_emb,
+    torch.ops.xpu_ops.flash_mla_with_kvcache,
+    torch.ops.xpu_ops.flash_mla_sparse_fwd,
     torch.ops.xpu_ops.fp8_mqa_logits,
     torch.ops.xpu_ops.fp8_paged_mqa_logits,
     torch.ops.xpu_ops.fast_topk,
@@ -61,7 +65,8 @@ __all__ = [
     "REGISTERED_OPS", "build_bidirectional_block_ids", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "flash_mla_decode",
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
-    "flash_mla_prefill_get_workspace_size", "merge_state_v2", "prepare_swa_spec_page_table",
+    "flash_mla_prefill_get_workspace_size", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
+    "get_mla_metadata", "merge_state_v2", "prepare_swa_spec_page_table",
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks", "refresh",
     "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
     "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",

@@ -50,7 +50,7 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
     >>> with xpu_ops.debug_checks():
     ...     xpu_ops.store_kv_cache(kc, vc, torch.tensor([4]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     Traceback (most recent call last):
-    ValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
+    xpu_ops._checks.XpuOpsValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
     """
     token = _override.set(bool(enabled))
     try:
