@@ -24,9 +24,10 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     (``log2(e)`` times the natural values; -inf stays -inf).
 
     >>> import torch, xpu_ops
+    >>> from xpu_ops import compat_flash_mla
     >>> q, kv = torch.randn(1, 2, 6), torch.randn(4, 1, 6)
     >>> idx = torch.tensor([[[0, 2, -1]]], dtype=torch.int32)
-    >>> _, m, lse = flash_mla_sparse_fwd(q, kv, idx, 0.5, d_v=4)
+    >>> _, m, lse = compat_flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5, d_v=4)
     >>> _, m_e, lse_e = xpu_ops.flash_mla_sparse_fwd(q, kv, idx, 0.5, d_v=4)
     >>> torch.allclose(lse, lse_e * LOG2_E) and torch.allclose(m, m_e * LOG2_E)
     True
