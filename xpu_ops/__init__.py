@@ -15,6 +15,9 @@ from .ops.dsa_indexer import (fp8_mqa_logits, fp8_paged_mqa_logits,
 from .ops.dsa_topk import (fast_topk_transform_fused, fast_topk_transform_ragged_fused,
                            fast_topk_v2)
 from .ops.hadamard import hadamard_transform
+from .ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from .ops.gated_delta_rule import (chunk_gated_delta_rule, fused_gdn_gating,
+                                   fused_recurrent_gated_delta_rule)
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state, merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
@@ -52,6 +55,11 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.fast_topk_transform,
     torch.ops.xpu_ops.store_index_k_cache,
     torch.ops.xpu_ops.hadamard_transform,
+    torch.ops.xpu_ops.causal_conv1d_fn,
+    torch.ops.xpu_ops.causal_conv1d_update,
+    torch.ops.xpu_ops.fused_gdn_gating,
+    torch.ops.xpu_ops.chunk_gated_delta_rule,
+    torch.ops.xpu_ops.fused_recurrent_gated_delta_rule,
 ]
 
 
@@ -75,4 +83,6 @@ __all__ = [
     "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
     "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
     "store_index_k_cache", "hadamard_transform",
+    "causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating", "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
 ]

@@ -10,6 +10,7 @@ module and the names it exports), so these resolve:
                                        get_scheduler_metadata)
     from sgl_kernel import merge_state, merge_state_v2, store_cache_xpu, flash_mla_decode, ...
     from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata, flash_mla_sparse_fwd
+    from sgl_kernel import fp8_mqa_logits, fp8_paged_mqa_logits, hadamard_transform, ...  # DSA
     from sgl_kernel.testing.rotary_embedding import _apply_rotary_emb
 
 These cover every attention name that sglang 0.5.23's attention backends (``xpu_backend.py``,
@@ -37,7 +38,11 @@ _ATTENTION = ("merge_state", "merge_state_v2", "flash_mla_decode",
               "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size",
               "flash_mla_prefill", "flash_mla_prefill_get_workspace_size") + _FLASH_MLA
 #: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
-SGL_KERNEL_NAMES = _ATTENTION + ("store_cache_xpu",)
+SGL_KERNEL_NAMES = _ATTENTION + ("store_cache_xpu",
+                                   # the DSA indexer (sgl-kernel-xpu's names, DeepGEMM's order)
+                                   "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
+                                   "fast_topk_v2", "fast_topk_transform_fused",
+                                   "fast_topk_transform_ragged_fused")
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")
@@ -47,7 +52,7 @@ SHIM_MODULES = {
     f"{SHIM_NAME}.flash_attn": SGL_KERNEL_FLASH_ATTN_NAMES,
     f"{SHIM_NAME}.attention": _ATTENTION,                 # sgl-kernel-xpu's home of these
     f"{SHIM_NAME}.elementwise": ("store_cache_xpu",),
-    f"{SHIM_NAME}.flash_mla": _FLASH_MLA,
+    f"{SHIM_NAME}.flash_mla": _FLASH_MLA,   # sgl-kernel's module: base-2 sparse statistics
     f"{SHIM_NAME}.testing": (),
     f"{SHIM_NAME}.testing.rotary_embedding": ("_apply_rotary_emb",),
 }
@@ -105,11 +110,11 @@ def install_sgl_kernel_shim() -> types.ModuleType:
         return importlib.import_module(SHIM_NAME)   # a real installation wins
     except ImportError:
         pass
-    functions = _functions()
     modules = {}
     for name, exports in SHIM_MODULES.items():       # packages before their submodules
         parent, _, leaf = name.rpartition(".")
         is_package = any(other.startswith(name + ".") for other in SHIM_MODULES)
+        functions = _functions(name)
         modules[name] = _module(name, is_package, **{n: functions[n] for n in exports})
         if parent:
             setattr(modules[parent], leaf, modules[name])
@@ -118,12 +123,17 @@ def install_sgl_kernel_shim() -> types.ModuleType:
     return package
 
 
-def _functions() -> dict:
-    """The xpu-ops function behind each exported name."""
+def _functions(module: str) -> dict:
+    """The xpu-ops function behind each name ``module`` exports (``sgl_kernel.flash_mla``'s
+    ``flash_mla_sparse_fwd`` is sgl-kernel's base-2 form, ``compat_flash_mla``)."""
     import xpu_ops
     from xpu_ops.ops.rotary import apply_rotary_emb_per_token
-    return dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
-                _apply_rotary_emb=apply_rotary_emb_per_token)
+    from . import compat_flash_mla
+    functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
+                     _apply_rotary_emb=apply_rotary_emb_per_token)
+    if module == f"{SHIM_NAME}.flash_mla":
+        functions.update(compat_flash_mla.functions())
+    return functions
 
 
 def uninstall_sgl_kernel_shim() -> bool:

@@ -683,3 +683,4 @@ def recorded_op_calls(name: str) -> Iterator[list]:
 
 from . import testing_flash_mla  # noqa: E402,F401  (the FlashMLA surface's samplers)
 from . import testing_dsa  # noqa: E402,F401  (the DSA indexer ops' samplers register on import)
+from . import testing_linear_attention  # noqa: E402,F401  (registers the linear-attention samplers)

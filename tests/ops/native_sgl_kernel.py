@@ -20,6 +20,7 @@ import torch
 
 from xpu_ops.ops.mla_decode import flash_mla_get_workspace_size as xpu_ops_workspace_size
 from xpu_ops.reference import mla_decode as ref_mla
+from xpu_ops.reference import dsa_indexer as ref_dsa
 from xpu_ops.reference import merge_state as ref_merge
 from xpu_ops.reference import paged_attention as ref_paged
 from xpu_ops.reference import varlen_attention as ref_varlen
@@ -45,6 +46,9 @@ OTHER_SCHEMAS = (
     "flash_mla_decode(Tensor! out, Tensor! q_nope, Tensor! q_pe, Tensor! kv_c_and_k_pe_cache, "
     "Tensor! seq_lens, Tensor! page_table, Tensor! workspace, float sm_scale, "
     "int num_kv_splits) -> ()",
+    "fp8_paged_mqa_logits(Tensor q_fp8, Tensor kv_cache, Tensor weights, Tensor seq_lens, "
+    "Tensor block_tables, Tensor? schedule_metadata, int max_seq_len, bool clean_logits) -> Tensor",
+    "fast_topk(Tensor score, Tensor! indices, Tensor lengths, Tensor? row_starts) -> ()",
 )
 
 _libraries: dict[str, torch.library.Library] = {}
@@ -124,6 +128,35 @@ def _flash_mla_decode(out, q_nope, q_pe, kv_cache, seq_lens, page_table, workspa
                                        sm_scale, num_kv_splits))
 
 
+def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata,
+                          max_seq_len, clean_logits):
+    # sgl-kernel-xpu: uint8 [B, 1, H, D] queries, no schedule metadata, every position below
+    # seq_lens read through the table (ids must be valid there), zeros past it.
+    _require(q_fp8.dtype == torch.uint8 and q_fp8.dim() == 4 and q_fp8.shape[1] == 1,
+             "q_fp8 must be uint8 [B, 1, H, D]")
+    _require(schedule_metadata is None, "schedule_metadata is not supported on XPU")
+    for name, t in (("q_fp8", q_fp8), ("kv_cache", kv_cache), ("weights", weights),
+                    ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        _require(t.is_contiguous(), f"fp8_paged_mqa_logits needs contiguous {name}")
+    bs = kv_cache.shape[1]
+    lens = seq_lens.reshape(-1)
+    _require(max(lens.tolist(), default=0) <= block_tables.shape[1] * bs, "seq_lens past the table")
+    for i, n in enumerate(lens.tolist()):
+        used = block_tables[i, :-(-n // bs)]
+        _require(bool(((used >= 0) & (used < kv_cache.shape[0])).all()), "a block id out of range")
+    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), kv_cache, weights,
+                                          lens, block_tables, max_seq_len, clean_logits)
+    return torch.where(logits == -torch.inf, 0.0, logits)
+
+
+def _fast_topk(score, indices, lengths, row_starts):
+    # Radix select: the set of the top indices.shape[1] (2048) in no specified order.
+    _require(indices.shape[1] == 2048 and indices.is_contiguous() and score.is_contiguous(),
+             "fast_topk writes 2048 indices per row into contiguous tensors")
+    chosen = ref_dsa.fast_topk(score, lengths, row_starts, indices.shape[1])
+    indices.copy_(chosen.roll(37, dims=1))            # any order: the glue sorts
+
+
 def define_native_library(namespace: str, convention: str = "writes") -> str:
     """Register the stand-in under ``torch.ops.<namespace>`` once; return the namespace."""
     if namespace in _libraries:
@@ -137,5 +170,7 @@ def define_native_library(namespace: str, convention: str = "writes") -> str:
     lib.impl("merge_state_v2", _merge_state_v2, "CPU")
     lib.impl("flash_mla_decode", _flash_mla_decode, "CPU")
     lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
+    lib.impl("fp8_paged_mqa_logits", _fp8_paged_mqa_logits, "CPU")
+    lib.impl("fast_topk", _fast_topk, "CPU")
     _libraries[namespace] = lib
     return namespace

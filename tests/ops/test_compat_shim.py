@@ -202,7 +202,7 @@ def test_glue_every_client_attention_import_resolves(shim, module, name):
     imported = importlib.import_module(module)
     value = getattr(imported, name)
     assert callable(value) and is_shim(imported)
-    if hasattr(xpu_ops, name):
+    if hasattr(xpu_ops, name) and module != "sgl_kernel.flash_mla":   # base-2 sparse form there
         assert value is getattr(xpu_ops, name)
 
 

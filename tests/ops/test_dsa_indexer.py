@@ -81,8 +81,8 @@ def test_paged_logits_of_decode_equal_the_ragged_logits(provider):
     slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)])
     q = (torch.randn(1, 1, h, d, generator=gen)).to(E4M3)
     w = torch.randn(1, h, generator=gen)
+    xpu_ops.store_index_k_cache(cache, slots, k)
     with running(provider):
-        xpu_ops.store_index_k_cache(cache, slots, k)
         paged = xpu_ops.fp8_paged_mqa_logits(q, cache, w, torch.tensor([n], dtype=I32), table,
                                              None, n)
     keys = torch.stack([oracle.read_index_k(cache, int(s))[0] for s in slots]).to(E4M3)

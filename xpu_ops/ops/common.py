@@ -54,12 +54,22 @@ def check_op_scalars(fn: str, softmax_scale: float, window_size_left: int,
     Raises:
         ValueError: a non-finite scale or a side below -1, naming the argument.
     """
-    if not -math.inf < softmax_scale < math.inf:  # a comparison Dynamo traces; False for NaN
-        finite_scale(fn, "softmax_scale", softmax_scale)
+    check_finite_scale(fn, "softmax_scale", softmax_scale)
     for arg, side in (("window_size_left", window_size_left),
                       ("window_size_right", window_size_right)):
         if side < -1:
             fail(fn, arg, "is below -1", "an int >= -1 (-1: unbounded)", side)
+
+
+def check_finite_scale(fn: str, arg: str, value: float) -> None:
+    """A raw op's score multiplier (``softmax_scale``/``sm_scale``) is finite, as its wrapper's
+    ``finite_scale`` demands; runs in the op and its fake.
+
+    Raises:
+        ValueError: NaN or infinite, naming ``arg``.
+    """
+    if not -math.inf < value < math.inf:  # a comparison Dynamo traces; False for NaN
+        finite_scale(fn, arg, value)
 
 
 def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
@@ -305,5 +315,5 @@ __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_i
            "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
            "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
            "check_speed_hints", "check_workspace_size_args", "float_scalar", "finite_scale",
-           "check_flag", "check_op_scalars",
+           "check_flag", "check_op_scalars", "check_finite_scale",
            "check_optional"]

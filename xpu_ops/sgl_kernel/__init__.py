@@ -193,3 +193,6 @@ def store_cache(k, v, k_cache, v_cache, indices):
     """sgl_kernel ``store_cache`` (contract: ``xpu_ops/ops/store_cache.py``): the native op of
     the same schema (sgl-kernel-xpu; rows need a unit stride in their last dimension)."""
     native.packet("store_cache").default(k, v, k_cache, v_cache, indices)
+
+
+from . import dsa_indexer  # noqa: E402,F401  (the DSA indexer glue registers on import)
