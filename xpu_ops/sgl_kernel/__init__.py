@@ -195,4 +195,5 @@ def store_cache(k, v, k_cache, v_cache, indices):
     native.packet("store_cache").default(k, v, k_cache, v_cache, indices)
 
 
+from . import flash_mla  # noqa: E402,F401  (the FlashMLA surface's native glue registers)
 from . import dsa_indexer  # noqa: E402,F401  (the DSA indexer glue registers on import)
