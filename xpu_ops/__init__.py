@@ -9,7 +9,7 @@ op runs the best provider for its device (``reference``, ``triton`` or ``sgl_ker
 import torch
 
 from .ops.block_ids import build_bidirectional_block_ids
-from .ops.dsa_index_cache import store_index_k_cache
+from .ops.dsa_index_cache import gather_index_k_cache, store_index_k_cache
 from .ops.dsa_indexer import (fp8_mqa_logits, fp8_paged_mqa_logits,
                               get_paged_mqa_logits_metadata)
 from .ops.dsa_topk import (fast_topk_transform_fused, fast_topk_transform_ragged_fused,
@@ -78,7 +78,7 @@ __all__ = [
     "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks", "refresh",
     "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
     "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
-    "store_index_k_cache", "hadamard_transform",
+    "store_index_k_cache", "gather_index_k_cache", "hadamard_transform",
     "causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating", "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
 ]

@@ -12,6 +12,9 @@ installs a small module under that name whose functions are xpu-ops' own, so the
                             flash_mla_sparse_fwd)
     from sgl_kernel.flash_mla import (get_mla_metadata, flash_mla_with_kvcache,
                                       flash_mla_sparse_fwd)     # base-2 statistics here
+    from sgl_kernel import (fp8_mqa_logits, fp8_paged_mqa_logits, hadamard_transform,
+                            fast_topk_v2, fast_topk_transform_fused,
+                            fast_topk_transform_ragged_fused)        # DSA indexer
 
 These are every name that sglang 0.5.23's ``xpu_backend.py`` and ``flashattention_backend.py``
 import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``), plus
@@ -36,7 +39,11 @@ SHIM_NAME = "sgl_kernel"
 SGL_KERNEL_NAMES = ("merge_state_v2", "flash_mla_decode", "flash_mla_decode_get_workspace_size",
                     "flash_mla_get_workspace_size", "flash_mla_prefill",
                     "flash_mla_prefill_get_workspace_size",
-                    "flash_mla_with_kvcache", "flash_mla_sparse_fwd")  # sgl-kernel-xpu's
+                    "flash_mla_with_kvcache", "flash_mla_sparse_fwd",  # sgl-kernel-xpu's
+                    # the DSA indexer (sgl-kernel-xpu's names, DeepGEMM's argument order)
+                    "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
+                    "fast_topk_v2", "fast_topk_transform_fused",
+                    "fast_topk_transform_ragged_fused")
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")

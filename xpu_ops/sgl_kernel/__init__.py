@@ -167,3 +167,7 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
         out, q_nope.contiguous(), q_rope.contiguous(), kv_cache, cache_seqlens, page_table,
         workspace, softmax_scale, num_kv_splits)
     return out
+
+
+from . import flash_mla  # noqa: E402,F401  (the FlashMLA surface's native glue registers)
+from . import dsa_indexer  # noqa: E402,F401  (the DSA indexer glue registers on import)
