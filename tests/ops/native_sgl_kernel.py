@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from xpu_ops.ops.mla_decode import flash_mla_get_workspace_size as xpu_ops_workspace_size
+from xpu_ops.reference import flash_mla as ref_flash_mla
 from xpu_ops.reference import mla_decode as ref_mla
 from xpu_ops.reference import dsa_indexer as ref_dsa
 from xpu_ops.reference import merge_state as ref_merge
@@ -46,6 +47,13 @@ OTHER_SCHEMAS = (
     "flash_mla_decode(Tensor! out, Tensor! q_nope, Tensor! q_pe, Tensor! kv_c_and_k_pe_cache, "
     "Tensor! seq_lens, Tensor! page_table, Tensor! workspace, float sm_scale, "
     "int num_kv_splits) -> ()",
+    "flash_mla_sparse_decode(Tensor! out, Tensor! lse_out, Tensor! q, Tensor! k_cache, "
+    "Tensor! indices, Tensor? topk_length, Tensor? extra_k_cache, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, Tensor? attn_sink, float sm_scale, int head_dim_v, "
+    "bool is_fp8_kvcache) -> ()",
+    "flash_mla_sparse_prefill(Tensor! out, Tensor! max_logits, Tensor! lse, Tensor! q, "
+    "Tensor! kv, Tensor! indices, float sm_scale, int head_dim_v, Tensor? attn_sink=None, "
+    "Tensor? topk_length=None) -> ()",
     "fp8_paged_mqa_logits(Tensor q_fp8, Tensor kv_cache, Tensor weights, Tensor seq_lens, "
     "Tensor block_tables, Tensor? schedule_metadata, int max_seq_len, bool clean_logits) -> Tensor",
     "fast_topk(Tensor score, Tensor! indices, Tensor lengths, Tensor? row_starts) -> ()",
@@ -128,6 +136,31 @@ def _flash_mla_decode(out, q_nope, q_pe, kv_cache, seq_lens, page_table, workspa
                                        sm_scale, num_kv_splits))
 
 
+def _flash_mla_sparse_decode(out, lse_out, q, k_cache, indices, topk_length, extra_k_cache,
+                             extra_indices, extra_topk_length, attn_sink, sm_scale, head_dim_v,
+                             is_fp8_kvcache):
+    _require(q.dtype == torch.bfloat16, f"sparse decode takes bf16 q, got {q.dtype}")
+    _require(all(t is None or t.is_contiguous() for t in (q, k_cache, indices, topk_length,
+                                                          extra_indices, attn_sink)),
+             "sparse decode takes contiguous tensors")
+    o, lse = ref_flash_mla.flash_mla_with_kvcache(
+        q, k_cache, None, None, head_dim_v, sm_scale, False, is_fp8_kvcache, indices, attn_sink,
+        extra_k_cache, extra_indices, topk_length, extra_topk_length)
+    out.copy_(o)
+    lse_out.copy_(lse.masked_fill(torch.isneginf(lse), float("inf")))   # FlashMLA: +inf empty
+
+
+def _flash_mla_sparse_prefill(out, max_logits, lse, q, kv, indices, sm_scale, head_dim_v,
+                              attn_sink=None, topk_length=None):
+    _require(q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous(),
+             "sparse prefill takes contiguous q, kv and indices")
+    o, m, s = ref_flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, head_dim_v, attn_sink,
+                                                 topk_length)
+    out.copy_(o)
+    max_logits.copy_(m)
+    lse.copy_(s.masked_fill(torch.isneginf(s), float("inf")))
+
+
 def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata,
                           max_seq_len, clean_logits):
     # sgl-kernel-xpu: uint8 [B, 1, H, D] queries, no schedule metadata, every position below
@@ -169,6 +202,8 @@ def define_native_library(namespace: str, convention: str = "writes") -> str:
     lib.impl("fwd", _fwd(names, convention), "CPU")
     lib.impl("merge_state_v2", _merge_state_v2, "CPU")
     lib.impl("flash_mla_decode", _flash_mla_decode, "CPU")
+    lib.impl("flash_mla_sparse_decode", _flash_mla_sparse_decode, "CPU")
+    lib.impl("flash_mla_sparse_prefill", _flash_mla_sparse_prefill, "CPU")
     lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
     lib.impl("fp8_paged_mqa_logits", _fp8_paged_mqa_logits, "CPU")
     lib.impl("fast_topk", _fast_topk, "CPU")

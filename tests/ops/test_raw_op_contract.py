@@ -120,3 +120,62 @@ def test_mla_prefill_rows_no_request_describes_are_zero(provider, num_kv_splits)
     with running(provider):
         out = xpu_ops.flash_mla_prefill(**call)
     assert out[2:].eq(0).all() and not out[:2].isnan().any() and out[:2].ne(0).any()
+
+
+# ---- messages and kinds of a few arguments ---------------------------------------------------
+
+def _append_call(**overrides):
+    gen = torch.Generator().manual_seed(3)
+    call = dict(q=torch.randn(2, 2, 8, generator=gen), k_cache=torch.randn(2, 4, 1, 8, generator=gen),
+                v_cache=torch.randn(2, 4, 1, 8, generator=gen), k=torch.randn(2, 1, 8, generator=gen),
+                v=torch.randn(2, 1, 8, generator=gen), cache_seqlens=torch.tensor([1], dtype=I32),
+                page_table=torch.tensor([[1, 0]], dtype=I32),
+                cu_seqlens_q=torch.tensor([0, 2], dtype=I32),
+                cu_seqlens_k_new=torch.tensor([0, 2], dtype=I32), causal=True)
+    call.update(overrides)
+    return call
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+def test_a_float64_rotary_table_names_the_wrappers_argument(fake):
+    cos = torch.ones(8, 2, dtype=torch.float64)
+    message = error_message(xpu_ops.flash_attn_with_kvcache,
+                            _append_call(rotary_cos=cos, rotary_sin=cos.clone()), fake)
+    assert message.startswith("ValueError: flash_attn_with_kvcache: rotary_cos has dtype "
+                              "torch.float64; expected torch.float16 or torch.bfloat16 or "
+                              "torch.float32"), message
+
+
+def test_float32_keys_into_an_fp8_cache_are_not_told_to_use_the_cache_dtype():
+    e4m3 = torch.float8_e4m3fn
+    call = _append_call(k_cache=torch.zeros(2, 4, 1, 8, dtype=e4m3),
+                        v_cache=torch.zeros(2, 4, 1, 8, dtype=e4m3),
+                        k_descale=torch.ones(1, 1), v_descale=torch.ones(1, 1))
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_with_kvcache: appending k/v "
+                       r"into an fp8 cache is not implemented; .* got torch.float8_e4m3fn\. "
+                       r"Quantize with store_kv_cache"):
+        xpu_ops.flash_attn_with_kvcache(**call)
+
+
+@pytest.mark.parametrize("call, kwargs, arg", [
+    (xpu_ops.flash_attn_with_kvcache, dict(num_splits=True), "num_splits"),
+    (xpu_ops.flash_attn_with_kvcache, dict(softcap=True), "softcap"),
+    (xpu_ops.flash_attn_varlen_func, dict(num_splits=True), "num_splits"),
+    (xpu_ops.store_kv_cache, dict(k_scale=True), "k_scale"),
+], ids=["num_splits", "softcap", "varlen-num_splits", "k_scale"])
+def test_a_bool_is_not_a_number(call, kwargs, arg):
+    e4m3 = torch.float8_e4m3fn
+    base = {
+        xpu_ops.flash_attn_with_kvcache: lambda: {k: v for k, v in _append_call().items()
+                                                  if k not in ("k", "v", "cu_seqlens_k_new")},
+        xpu_ops.flash_attn_varlen_func: lambda: dict(
+            q=torch.randn(2, 1, 8), k=torch.randn(2, 1, 8), v=torch.randn(2, 1, 8),
+            cu_seqlens_q=torch.tensor([0, 2], dtype=I32),
+            cu_seqlens_k=torch.tensor([0, 2], dtype=I32)),
+        xpu_ops.store_kv_cache: lambda: dict(
+            k_cache=torch.zeros(4, 1, 8, dtype=e4m3), v_cache=torch.zeros(4, 1, 8, dtype=e4m3),
+            loc=torch.tensor([1]), k=torch.ones(1, 1, 8), v=torch.ones(1, 1, 8)),
+    }[call]()
+    with pytest.raises(TypeError, match=rf"^\w+: {arg} is not (an integer|a real number); "
+                                        rf".*True"):
+        call(**base, **kwargs)

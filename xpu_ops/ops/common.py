@@ -200,11 +200,15 @@ def check_num_splits(fn: str, num_splits) -> None:
         TypeError: not an integer. ValueError: negative.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        try:
-            num_splits = operator.index(num_splits)
+        given = num_splits
+        try:  # a bool is not a split count (True would read as 1)
+            num_splits = None if isinstance(given, bool) else operator.index(given)
         except TypeError:
+            num_splits = None
+        if num_splits is None:
             fail(fn, "num_splits", "is not an integer", "an int (0: automatic)",
-                 type(num_splits).__name__, exc=TypeError)
+                 f"{given!r} (bool)" if isinstance(given, bool) else type(given).__name__,
+                 exc=TypeError)
     if num_splits < 0:
         fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
 
@@ -283,9 +287,15 @@ def check_workspace_size_args(fn: str, **sizes) -> None:
 
 
 def float_scalar(fn: str, arg: str, value) -> float:
-    """Accept a Python/NumPy real number (not a tensor) for a float argument."""
+    """Accept a Python/NumPy real number (not a tensor, not a bool) for a float argument.
+
+    Raises:
+        TypeError: a string, a bool or another object that is not a real number.
+    """
     if type(value) is float:
         return value
+    if isinstance(value, bool):  # True would read as 1.0
+        fail(fn, arg, "is not a real number", "a float", f"{value!r} (bool)", exc=TypeError)
     if isinstance(value, (str, bytes)):
         fail(fn, arg, "is not a real number", "a float", f"{value!r} (str)",
              f"Pass float({arg}) yourself if the string holds a number.", exc=TypeError)
