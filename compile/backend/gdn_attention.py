@@ -69,9 +69,8 @@ def verify(layer, mixed_qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Te
     [rows, D, Hv, K, V]``); the recurrent state itself is left unchanged."""
     d, idx = meta.draft_token_num, meta.cache_indices
     x = mixed_qkv.view(-1, d, mixed_qkv.shape[-1])                       # [b, D, conv_dim]
-    b = x.shape[0]
-    conv_inputs[:b].copy_(torch.cat([conv[idx.long()], x.transpose(1, 2).to(conv.dtype)],
-                                    dim=-1))
+    conv_inputs[:x.shape[0]].copy_(torch.cat([conv[idx.long()],
+                                              x.transpose(1, 2).to(conv.dtype)], dim=-1))
     x = xpu_ops.causal_conv1d_update(x, conv, layer.conv_weights, layer.bias,
                                      activation=layer.activation, conv_state_indices=idx)
     q, k, v = split_qkv(layer, x.reshape(mixed_qkv.shape))
