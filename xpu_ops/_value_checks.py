@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._checks import fail
-from .providers import getenv
+from .provider_table import getenv
 
 ENV = "XPU_OPS_DEBUG_CHECKS"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -50,7 +50,7 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
     >>> with xpu_ops.debug_checks():
     ...     xpu_ops.store_kv_cache(kc, vc, torch.tensor([4]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     Traceback (most recent call last):
-    ValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
+    xpu_ops._checks.XpuOpsValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
     """
     token = _override.set(bool(enabled))
     try:
@@ -149,8 +149,10 @@ def check_scale(fn: str, arg: str, scale) -> None:
              "Use the scale the cache was calibrated with (1.0 when unscaled).")
 
 
-def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None:
-    """``cu`` starts at 0, never decreases and ends at ``total`` tokens."""
+def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str,
+                     padded: bool = False) -> None:
+    """``cu`` starts at 0, never decreases and ends at ``total`` tokens (``padded``: at most
+    ``total``; the tokens past its end are padding that no request owns)."""
     if not _index_ok(cu, 1) or cu.shape[0] == 0:
         return
     if int(cu[0]) != 0:
@@ -161,7 +163,10 @@ def check_cu_seqlens(fn: str, arg: str, cu, total: int, total_rule: str) -> None
         fail(fn, arg, "decreases", "non-decreasing prefix sums", _at(arg, cu, (where[0] + 1,)),
              f"Build it as a cumulative sum of per-request lengths (previous entry "
              f"{int(cu[where[0]])}).")
-    if int(cu[-1]) != total:
+    if padded and int(cu[-1]) > total:
+        fail(fn, arg, "reaches past the packed k", f"{arg}[-1] <= {total_rule} = {total}",
+             _at(arg, cu, (cu.shape[0] - 1,)), "Pass the prefix sums of the packed new keys.")
+    if not padded and int(cu[-1]) != total:
         fail(fn, arg, "does not end at the number of tokens", f"{arg}[-1] = {total_rule} = "
              f"{total}", _at(arg, cu, (cu.shape[0] - 1,)),
              "Pass the prefix sums of exactly the packed tokens.")
@@ -268,6 +273,14 @@ def check_flash_attn_with_kvcache(q, k_cache, cache_seqlens, page_table, cu_seql
             fail(fn, "cache_leftpad", "is out of range", "0 <= cache_leftpad[r] <= the "
                  "request's keys", _at("cache_leftpad", cache_leftpad, where),
                  "Pad at most the keys each request has.")
+
+
+def check_cu_seqlens_k_new(fn: str, cu_seqlens_k_new, k) -> None:
+    """Debug-switch value check of an append's ``cu_seqlens_k_new``: prefix sums from 0 that
+    never decrease and end at most at ``k.shape[0]`` (``total_new``; the rest is padding)."""
+    if _active(cu_seqlens_k_new, k) and isinstance(k, Tensor):
+        check_cu_seqlens(fn, "cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0],
+                         "k.shape[0] (total_new)", padded=True)
 
 
 def check_rotary_positions(fn: str, positions: Tensor, seqlen_ro: int, arg: str) -> None:

@@ -8,7 +8,10 @@ installs a small module under that name whose functions are xpu-ops' own, so the
                                        get_scheduler_metadata)
     from sgl_kernel import (merge_state_v2, flash_mla_decode, flash_mla_decode_get_workspace_size,
                             flash_mla_get_workspace_size, flash_mla_prefill,
-                            flash_mla_prefill_get_workspace_size)
+                            flash_mla_prefill_get_workspace_size, flash_mla_with_kvcache,
+                            flash_mla_sparse_fwd)
+    from sgl_kernel.flash_mla import (get_mla_metadata, flash_mla_with_kvcache,
+                                      flash_mla_sparse_fwd)     # base-2 statistics here
 
 These are every name that sglang 0.5.23's ``xpu_backend.py`` and ``flashattention_backend.py``
 import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``), plus
@@ -32,7 +35,8 @@ SHIM_NAME = "sgl_kernel"
 #: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
 SGL_KERNEL_NAMES = ("merge_state_v2", "flash_mla_decode", "flash_mla_decode_get_workspace_size",
                     "flash_mla_get_workspace_size", "flash_mla_prefill",
-                    "flash_mla_prefill_get_workspace_size")
+                    "flash_mla_prefill_get_workspace_size",
+                    "flash_mla_with_kvcache", "flash_mla_sparse_fwd")  # sgl-kernel-xpu's
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")
@@ -90,10 +94,13 @@ def install_sgl_kernel_shim() -> types.ModuleType:
     functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata)
     flash_attn = _module(f"{SHIM_NAME}.flash_attn", False,
                          **{name: functions[name] for name in SGL_KERNEL_FLASH_ATTN_NAMES})
-    package = _module(SHIM_NAME, True, flash_attn=flash_attn,
+    from . import compat_flash_mla                 # sgl-kernel's flash_mla module
+    flash_mla = _module(f"{SHIM_NAME}.flash_mla", False, **compat_flash_mla.functions())
+    package = _module(SHIM_NAME, True, flash_attn=flash_attn, flash_mla=flash_mla,
                       **{name: functions[name] for name in SGL_KERNEL_NAMES})
     sys.modules[SHIM_NAME] = package
     sys.modules[flash_attn.__name__] = flash_attn
+    sys.modules[flash_mla.__name__] = flash_mla
     return package
 
 

@@ -1,4 +1,7 @@
-"""Provider registry: which implementation (``sgl_kernel``, ``triton``, ``reference``) runs an op.
+"""Provider routing: which implementation (``sgl_kernel``, ``triton``, ``reference``) runs an op.
+
+The implementations live in ``provider_table.py``, which the provider packages register into;
+this module is the loader (it imports the provider packages, once) and the router.
 
 Each op has up to three implementations. By default the first available one in
 ``PROVIDER_ORDER`` that serves the op's device wins; ``XPU_OPS_PROVIDER=<name>`` or
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import os
 import threading
 import warnings
@@ -42,90 +44,17 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-PROVIDER_ORDER = ("sgl_kernel", "triton", "reference")
-#: The environment variables that xpu_ops reads (once each; ``refresh()`` reads them again).
-ENVIRONMENT = ("XPU_OPS_PROVIDER", "TRITON_INTERPRET", "XPU_OPS_DEBUG_CHECKS")
-#: The dispatch key whose kernels serve each device type.
-DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
+from .provider_table import (DISPATCH_KEYS, ENVIRONMENT, PROVIDER_ORDER, AvailableFn,  # noqa: F401
+                             Implementation, SupportsFn, _registry, _state_fns,
+                             availability_depends_on, empty_lse, forget_environment, getenv,
+                             on_change, register)
 
-# Returns None when the provider can run on a device type, else the reason it cannot.
-AvailableFn = Callable[[str], Optional[str]]
-# Returns None when the provider serves this call, else the reason it declines it.
-SupportsFn = Callable[..., Optional[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One registered implementation: ``fn`` is ``provider``'s code for ``op``; ``available``
-    and the optional ``supports`` return ``None`` or the reason it cannot run / declines a call.
-    """
-    op: str
-    provider: str
-    fn: Callable
-    available: AvailableFn
-    supports: Optional[SupportsFn] = None
-
-
-_registry: dict[str, dict[str, Implementation]] = {}
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("xpu_ops_provider",
                                                                        default=None)
 _fallbacks: dict[tuple[str, str, str], int] = {}
 _routes: dict[tuple[str, str], "Route"] = {}
-# device type (None: every device type) -> zero-argument state functions
-_state_fns: dict[Optional[str], list[Callable[[], object]]] = {}
-_environ: dict[str, Optional[str]] = {}  # name -> value when read (``getenv``)
 _load_lock = threading.Lock()
 _loaded = False
-
-
-def _always(device_type: str) -> Optional[str]:
-    return None
-
-
-def register(op: str, provider: str, *, available: AvailableFn = _always,
-             supports: Optional[SupportsFn] = None) -> Callable[[Callable], Callable]:
-    """Decorator registering ``fn`` as ``provider``'s implementation of ``op``.
-
-    Args:
-        op: op name without namespace, e.g. ``"flash_attn_with_kvcache"``.
-        provider: one of ``PROVIDER_ORDER``.
-        available: ``available(device_type) -> None | reason`` (reason why it cannot run there);
-            asked when a route resolves, not per call.
-        supports: ``supports(*args, **kwargs) -> None | reason`` for one call's arguments;
-            must read only shapes, strides, dtypes and Python scalars (it runs per call).
-    Raises:
-        ValueError: unknown provider name.
-    """
-    if provider not in PROVIDER_ORDER:
-        raise ValueError(f"register: provider {provider!r} is unknown; expected one of "
-                         f"{PROVIDER_ORDER}, got {provider!r}.")
-
-    def decorate(fn: Callable) -> Callable:
-        _registry.setdefault(op, {})[provider] = Implementation(op, provider, fn, available,
-                                                                supports)
-        refresh()
-        return fn
-
-    return decorate
-
-
-def availability_depends_on(state: Callable[[], object],
-                            device_types: Optional[tuple[str, ...]] = None
-                            ) -> Callable[[], object]:
-    """Declare that some provider's ``available`` answer on ``device_types`` (default: every
-    device type) changes with ``state()``.
-
-    ``state`` is a cheap zero-argument function returning a value comparable with ``==`` and
-    hashable (an environment flag, a context variable); the routes of those device types read
-    it on every call and resolve again when it changes. Returns ``state`` (usable as a
-    decorator).
-    """
-    for device_type in device_types or (None,):
-        fns = _state_fns.setdefault(device_type, [])
-        if state not in fns:
-            fns.append(state)
-    refresh()
-    return state
 
 
 def refresh() -> None:
@@ -143,18 +72,12 @@ def refresh() -> None:
     'reference'
     >>> del os.environ["XPU_OPS_PROVIDER"]; xpu_ops.refresh()
     """
-    _environ.clear()
+    forget_environment()
     for route in list(_routes.values()):
         route.forget()
 
 
-def getenv(name: str) -> Optional[str]:
-    """``os.environ.get(name)`` as read at the first request since the last ``refresh()``."""
-    try:
-        return _environ[name]
-    except KeyError:
-        value = _environ[name] = os.environ.get(name)
-        return value
+on_change(refresh)  # a registration or a new state function forgets every resolution
 
 
 def _check_provider_name(name: Optional[str]) -> Optional[str]:
@@ -358,13 +281,6 @@ class Route:
 
     def __repr__(self) -> str:
         return f"Route({self.op!r}, {self.device_type!r})"
-
-
-def empty_lse(q: torch.Tensor) -> torch.Tensor:
-    """The LSE an attention op returns when called with ``return_softmax_lse=False``: an empty
-    contiguous float32 ``[Hq, 0]`` on q's device (what the fakes return), for providers that
-    computed (or never computed) the full one."""
-    return q.new_empty((q.shape[1], 0), dtype=torch.float32)
 
 
 def route(op: str, device_type: str) -> Route:

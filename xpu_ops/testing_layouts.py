@@ -35,8 +35,8 @@ _INT_GARBAGE = 2 ** 30 - 1
 def _garbage_like(buffer: Tensor) -> Tensor:
     """Fill ``buffer`` with garbage that shows when read: NaN for floats (fp8 included, through
     its bytes), a large id for integers, True for bools."""
-    if buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        buffer.view(torch.uint8).fill_(0x7F)                    # NaN in both fp8 formats
+    if buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        buffer.view(torch.uint8).fill_(0x7F)      # NaN in both fp8 formats (uint8: fp8 bytes)
     elif buffer.is_floating_point():
         buffer.fill_(float("nan"))
     elif buffer.dtype == torch.bool:

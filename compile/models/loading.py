@@ -21,7 +21,8 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
     Args:
         hf_model: a ``transformers`` causal LM of a type ``ModelConfig.from_hf`` supports
             (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...), or a
-            ``DeepseekV2ForCausalLM`` (MLA; ``compile.models.deepseek_v2``) or a
+            ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (MLA, MoE;
+            ``compile.models.deepseek_v2``) or a
             ``Llama4ForCausalLM`` (text; ``compile.models.llama4``), or a Gemma 3
             ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
             ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``
@@ -41,7 +42,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
     """
     model_type = getattr(hf_model.config, "model_type", None)
     check_model_type("from_hf", model_type)
-    if model_type == "deepseek_v2":
+    if model_type in ("deepseek_v2", "deepseek_v3"):
         return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
     if model_type == "llama4_text":
         return llama4.from_hf(hf_model, dtype=dtype, device=device)

@@ -3,6 +3,7 @@ bug-report cases for empty states, and every argument check."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -111,3 +112,29 @@ def test_argument_errors(name, fake):
     assert msg.startswith("ValueError: merge_state_v2: ") and re.search(match, msg), msg
     if fake:
         assert msg == error_message(lambda **kw: xpu_ops.merge_state_v2(**kw), kwargs, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton"])
+def test_offsets_past_2_to_the_31_on_gpu(provider):
+    """Tensors of 2**32 elements (sgl-kernel's regression size): the kernel's offsets are
+    int64, so the last tokens merge correctly (an int32 offset would wrap to the first). The
+    reference is PyTorch indexing (int64) and would need ~5x the memory in float32 here."""
+    from ..markers import GPU_DEVICE
+    if GPU_DEVICE is None:
+        pytest.skip("needs a CUDA or XPU device")
+    num_heads, head_dim = 8, 128
+    tokens = 2 ** 32 // (num_heads * head_dim)
+    dev = GPU_DEVICE
+    v_a = torch.ones(tokens, num_heads, head_dim, dtype=torch.bfloat16, device=dev)
+    v_b = torch.full_like(v_a, 3.0)
+    s_a = torch.zeros(tokens, num_heads, device=dev)
+    s_b = torch.zeros(tokens, num_heads, device=dev)
+    v_a[-4:] = 5.0                     # the last tokens differ from the first: (5 + 3) / 2
+    s_b[-4:, -1] = float("-inf")       # and the very last head sees only side a
+    with xpu_ops.use_provider(provider):
+        v, s = xpu_ops.merge_state_v2(v_a, s_a, v_b, s_b)
+    assert v[0].float().eq(2.0).all() and v[-4:, :-1].float().eq(4.0).all()
+    assert v[-4:, -1].float().eq(5.0).all()
+    torch.testing.assert_close(s[-1, :-1].cpu(), torch.full((num_heads - 1,), math.log(2.0)))
+    assert s[-1, -1].item() == 0.0

@@ -121,10 +121,10 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
             fail(fn, arg, "is given for a tensor that is not fp8",
                  f"no {arg} when the tensor it scales has dtype {dtype}", "a tensor",
                  f"Drop {arg} or store that tensor in an fp8 dtype.")
-        check_tensor(fn, arg, t, ndim=2, dtypes=(torch.float32,), device=device)
-        check_shape(fn, arg, t, (batch, num_heads_kv), "[b, Hkv]")
+        check_descale(fn, arg, t, batch, num_heads_kv, device)
     if sinks is not None:
-        check_tensor(fn, "sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+        check_tensor(fn, "sinks", sinks, ndim=1, dtypes=SINK_DTYPES, device=device,
+                     fix="Pass the sink logits in a float dtype (they are read as float32).")
         check_size(fn, "sinks", sinks, 0, num_heads_q, "Hq")
     if not softcap >= 0.0:
         fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it, inf is no cap)",
@@ -135,6 +135,35 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
     if type(max_seqlen_q) is int and max_seqlen_q == 0 and type(total_q) is int and total_q > 0:
         fail(fn, "max_seqlen_q", f"is 0 while q has {total_q} tokens",
              "max_seqlen_q >= 1 (an upper bound of the new tokens of any request)", 0)
+
+
+#: dtypes ``sinks`` may have (sgl-kernel's tests pass them in the model's dtype); read as float32.
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_descale(fn: str, arg: str, t: torch.Tensor, batch: int, num_heads_kv: int,
+                  device: torch.device) -> None:
+    """An fp8 dequantisation scale: float32 ``[1]`` (per tensor), ``[b]`` (per request) or
+    ``[b, Hkv]`` (per request and KV head; any strides, expanded included, as FA3)."""
+    check_tensor(fn, arg, t, ndim=(1, 2), dtypes=(torch.float32,), device=device)
+    shape = tuple(t.shape)
+    if shape == (batch, num_heads_kv) or shape == (batch,) or shape == (1,):
+        return
+    fail(fn, arg, "has the wrong shape",
+         f"[1], [b] or [b, Hkv] = (1,), ({batch},) or ({batch}, {num_heads_kv})", shape,
+         f"Pass one scale, one per request or one per request and KV head.")
+
+
+def kernel_extras(sinks, q_descale, k_descale, v_descale, batch: int, num_heads_kv: int):
+    """The providers' forms of checked extras: float32 ``sinks [Hq]`` and ``[b, Hkv]`` descales
+    (a ``[1]`` or ``[b]`` scale broadcast as an expanded view, no copy). Returns
+    ``(sinks, q_descale, k_descale, v_descale)``, or None when they are in that form already."""
+    if ((sinks is None or sinks.dtype == torch.float32)
+            and all(t is None or t.dim() == 2 for t in (q_descale, k_descale, v_descale))):
+        return None
+    return (None if sinks is None else sinks.to(torch.float32),
+            *(t if t is None or t.dim() == 2 else t.reshape(-1, 1).expand(batch, num_heads_kv)
+              for t in (q_descale, k_descale, v_descale)))
 
 
 def check_out(fn: str, out, shape, dtype: torch.dtype, device: torch.device, rule: str) -> None:
@@ -184,16 +213,21 @@ def max_seqlen(fn: str, arg: str, value, default: int) -> int:
         return default
     return int_scalar(fn, arg, value, "an int number of tokens (or None)")
 def check_speed_hints(fn: str, *, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
-                      max_seqlen_k=None) -> None:
+                      max_seqlen_k=None, ver=3) -> None:
     """FlashAttention-3's speed-only keywords: accepted, never change results, but typed.
 
     ``pack_gqa`` None or a bool; ``sm_margin`` an int >= 0 (None allowed); ``scheduler_metadata``
     None or a tensor (a precomputed FA3 schedule, unused here); ``max_seqlen_k`` None or an
-    int >= 0 (a bound of keys per request).
+    int >= 0 (a bound of keys per request); ``ver`` 3 or 4 (sgl-kernel's choice of its FA3 or
+    FA4 kernel: the same math, one implementation here).
 
     Raises:
-        TypeError: a value of the wrong kind. ValueError: a negative count.
+        TypeError: a value of the wrong kind. ValueError: a negative count, a ``ver`` not 3 or 4.
     """
+    if not (type(ver) is int and ver in (3, 4)) and int_scalar(
+            fn, "ver", ver, "3 or 4 (FlashAttention version)") not in (3, 4):
+        fail(fn, "ver", "is not a FlashAttention version", "3 or 4", repr(ver),
+             "Pass ver=3 or ver=4 (both run the same attention here).")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         fail(fn, "pack_gqa", "is not a bool", "None, True or False", type(pack_gqa).__name__,
              exc=TypeError)

@@ -72,6 +72,7 @@ def _new_tokens(fn: str, k, v, cu_seqlens_k_new, k_cache: Tensor, v_cache: Tenso
         fail(fn, "cu_seqlens_k_new", "is missing for a packed 3-D k",
              "cu_seqlens_k_new [b + 1] int32 (or a 4-D k [b, s_new, Hkv, D])", None)
     check_cu_seqlens(fn, "cu_seqlens_k_new", cu_seqlens_k_new, batch, device)
+    _value_checks.check_cu_seqlens_k_new(fn, cu_seqlens_k_new, k)
     return k, v, cu_seqlens_k_new
 
 

@@ -10,6 +10,7 @@ caller's ``max_seqlen_*`` bounds only, so the code also runs inside CUDA graph c
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -101,6 +102,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
         (*scores.shape[:-1], 1), float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(1, num_heads_kv, group, 1, 1)
+        sink_inf = sink == math.inf            # takes the whole softmax: out 0, LSE +inf
+        sink = torch.where(sink_inf, -math.inf, sink)
         row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     probs = torch.exp(scores - row_max)
@@ -108,7 +111,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, k_lens: Te
     if sinks is not None:
         denom = denom + torch.exp(sink - row_max)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs / torch.where(denom > 0, denom, 1.0), v)
-    lse = (row_max + torch.log(denom)).squeeze(-1)                           # -inf when empty
+    lse = row_max + torch.log(denom)                                         # -inf when empty
+    if sinks is not None:
+        out = torch.where(sink_inf.squeeze(-1).permute(0, 3, 1, 2)[..., None], 0.0, out)
+        lse = torch.where(sink_inf, math.inf, lse)
+    lse = lse.squeeze(-1)
     return out.reshape(b, max_q, num_heads_q, v.shape[-1]), lse.reshape(b, num_heads_q, max_q)
 
 
@@ -202,6 +209,7 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
     Returns:
         softmax_lse [Hq, total_q] float32.
     """
+    max_seqlen_q = min(max_seqlen_q, q.shape[0])  # a loose bound: the tight bound's result
     q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q, q.shape[0])
     q_pad = gather_padded(q, q_idx, q_valid)
     if q_descale is not None:

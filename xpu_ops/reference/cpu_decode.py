@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES
-from ..providers import empty_lse
+from ..provider_table import empty_lse
 
 
 def applies(q: Tensor, k_cache: Tensor, page_table: Tensor, cu_seqlens_q: Tensor,
@@ -224,7 +224,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
         lse.masked_fill_(hidden.all(dim=1)[None, :, None], float("-inf"))
     if sinks is not None:  # one more logit in the denominator
         total = torch.logaddexp(lse, sinks.float().view(num_heads_kv, 1, group))
-        probs.mul_((lse - total).exp_()[..., None])
+        # no key and a -inf sink: -inf - -inf is NaN, the row's weight is 0 (out 0, LSE -inf)
+        probs.mul_((lse - total).exp_().nan_to_num_(0.0)[..., None])
         lse = total
     o = torch.matmul(probs, values)                                           # [Hkv, b, G, Dv]
     out.view(b, num_heads_kv, group, -1).copy_(o.transpose(0, 1))

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from .._checks import FP8_DTYPES
 
 
@@ -80,7 +80,7 @@ def _write_slots_cpu(loc: Tensor, *pairs: tuple[Tensor, Tensor]) -> None:
         rows.index_copy_(0, loc, values)
 
 
-@providers.register("store_kv_cache", "reference")
+@provider_table.register("store_kv_cache", "reference")
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Reference ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
@@ -102,7 +102,7 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
                     src if scale is None else src.float() / scale.float().reshape(()))
 
 
-@providers.register("store_mla_kv_cache", "reference")
+@provider_table.register("store_mla_kv_cache", "reference")
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     """Reference ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 

@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from .. import providers
+from .. import provider_table
 
 
-@providers.register("merge_state_v2", "reference")
+@provider_table.register("merge_state_v2", "reference")
 def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     """Reference ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import providers
+from .. import provider_table
 from .mla_prefill import mla_attention
 
 
-@providers.register("flash_mla_decode", "reference")
+@provider_table.register("flash_mla_decode", "reference")
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):
     """Reference ``flash_mla_decode`` (contract: ``xpu_ops/ops/mla_decode.py``).

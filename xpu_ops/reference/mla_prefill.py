@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from .attention import attend_packed
 from .paged_attention import gather_pages, paged_lengths, request_spans
 
@@ -21,8 +21,9 @@ def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q
     of its own, over its own pages and query rows, so its bits do not depend on how wide the
     batch's padded block is (see ``paged_attention.flash_attn_with_kvcache``)."""
     if per_request:
-        return _one_request_at_a_time(q_nope, q_rope, kv_cache, cu_seqlens_q, seq_lens_k,
-                                      page_table, softmax_scale=softmax_scale, causal=causal)
+        return _one_request_at_a_time(q_nope, q_rope, kv_cache, cu_seqlens_q, max_seqlen_q,
+                                      seq_lens_k, page_table, softmax_scale=softmax_scale,
+                                      causal=causal)
     latent_dim = q_nope.shape[-1]
     q = torch.cat([q_nope, q_rope], dim=-1)                                # [total_q, H, R + r]
     k_lens = paged_lengths(page_table, seq_lens_k, kv_cache.shape[1])
@@ -36,13 +37,14 @@ def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q
 
 
 def _one_request_at_a_time(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor,
-                           cu_seqlens_q: Tensor, seq_lens_k: Tensor, page_table: Tensor, *,
+                           cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens_k: Tensor,
+                           page_table: Tensor, *,
                            softmax_scale: float, causal: bool) -> Tensor:
     """``mla_attention`` once per request: its query rows, its ``[1, pages_r]`` page-table
     slice, ``max_seqlen_q`` its own row count (rows no request describes come back zero)."""
     out = torch.zeros_like(q_nope)
-    for r, lo, hi, pages in request_spans(cu_seqlens_q, page_table, seq_lens_k,
-                                          kv_cache.shape[1]):
+    for r, lo, hi, pages in request_spans(cu_seqlens_q, max_seqlen_q, q_nope.shape[0],
+                                          page_table, seq_lens_k, kv_cache.shape[1]):
         out[lo:hi] = mla_attention(q_nope[lo:hi], q_rope[lo:hi], kv_cache,
                                    cu_seqlens_q.new_tensor([0, hi - lo]), hi - lo,
                                    seq_lens_k[r:r + 1], page_table[r:r + 1, :pages],
@@ -50,7 +52,7 @@ def _one_request_at_a_time(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor,
     return out
 
 
-@providers.register("flash_mla_prefill", "reference")
+@provider_table.register("flash_mla_prefill", "reference")
 def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table,
                       workspace, *, max_seqlen_q, sm_scale, causal, num_kv_splits):
     """Reference ``flash_mla_prefill`` (contract: ``xpu_ops/ops/mla_prefill.py``).

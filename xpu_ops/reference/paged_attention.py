@@ -7,9 +7,9 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from . import cpu_decode
-from .attention import attend_packed, dequantize, gather_padded
+from .attention import attend_packed, dequantize, gather_padded, request_ranges
 
 
 def paged_lengths(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> Tensor:
@@ -18,18 +18,18 @@ def paged_lengths(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> 
     return cache_seqlens.long().clamp(0, page_table.shape[1] * page_size)
 
 
-def request_spans(cu_seqlens_q: Tensor, page_table: Tensor, cache_seqlens: Tensor,
-                  page_size: int) -> Iterator[tuple[int, int, int, int]]:
-    """``(r, lo, hi, pages)`` of each request ``r`` with query rows (``lo < hi``, from
-    ``cu_seqlens_q``): its rows ``[lo, hi)`` and the number of page-table entries its clamped
-    key count covers (``paged_lengths``). For the per-request (batch-invariant) reference
-    paths."""
-    cu = cu_seqlens_q.tolist()
+def request_spans(cu_seqlens_q: Tensor, max_seqlen_q: int, total_q: int, page_table: Tensor,
+                  cache_seqlens: Tensor, page_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(r, lo, hi, pages)`` of each request ``r`` with query rows (``lo < hi``): its rows
+    ``[lo, hi)``, clamped as the batched path clamps them (``request_ranges``: into
+    ``[0, total_q]``, at most ``max_seqlen_q``), and the number of page-table entries its
+    clamped key count covers (``paged_lengths``). For the per-request (batch-invariant)
+    reference paths."""
+    start, lens = request_ranges(cu_seqlens_q, max_seqlen_q, total_q)
     k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
-    for r in range(len(cu) - 1):
-        lo, hi = cu[r], cu[r + 1]
-        if hi > lo:
-            yield r, lo, hi, -(-k_lens[r] // page_size)
+    for r, (lo, n) in enumerate(zip(start.tolist(), lens.tolist())):
+        if n > 0:
+            yield r, lo, lo + n, -(-k_lens[r] // page_size)
 
 
 def gather_pages(cache: Tensor, page_table: Tensor, k_lens: Tensor,
@@ -61,7 +61,7 @@ def gather_pages(cache: Tensor, page_table: Tensor, k_lens: Tensor,
     return keys, valid
 
 
-@providers.register("flash_attn_with_kvcache", "reference")
+@provider_table.register("flash_attn_with_kvcache", "reference")
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
                             bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
@@ -83,8 +83,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
     if num_splits == 1:
         return _one_request_at_a_time(
             q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
-            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, softmax_scale,
-            causal, window_size_left, window_size_right, softcap, return_softmax_lse)
+            k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids, max_seqlen_q,
+            softmax_scale, causal, window_size_left, window_size_right, softcap,
+            return_softmax_lse)
     return _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
                    q_descale, k_descale, v_descale, sinks, cache_leftpad,
                    bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
@@ -111,20 +112,20 @@ def _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, q
                         window_size_left=window_size_left, window_size_right=window_size_right,
                         softcap=softcap, k_start=cache_leftpad,
                         block_ids=bidirectional_block_ids, key_valid=valid)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    return lse if return_softmax_lse else provider_table.empty_lse(q)
 
 
 def _one_request_at_a_time(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv,
                            q_descale, k_descale, v_descale, sinks, cache_leftpad,
-                           bidirectional_block_ids, softmax_scale, causal, window_size_left,
-                           window_size_right, softcap, return_softmax_lse):
+                           bidirectional_block_ids, max_seqlen_q, softmax_scale, causal,
+                           window_size_left, window_size_right, softcap, return_softmax_lse):
     """``_attend`` once per request ``r``: its query rows, its ``[1, pages_r]`` slice of
     ``page_table`` (``pages_r`` = the pages its clamped key count covers), its descales, left
     pad and block ids, ``max_seqlen_q`` its own row count; ``out`` and LSE rows written in place
     (rows no request describes are left as ``_attend`` leaves them: unwritten)."""
     lse = q.new_empty((q.shape[1], q.shape[0] if return_softmax_lse else 0), dtype=torch.float32)
-    for r, lo, hi, pages in request_spans(cu_seqlens_q, page_table, cache_seqlens,
-                                          k_cache.shape[1]):
+    for r, lo, hi, pages in request_spans(cu_seqlens_q, max_seqlen_q, q.shape[0], page_table,
+                                          cache_seqlens, k_cache.shape[1]):
         rows, one = slice(lo, hi), slice(r, r + 1)
         part = _attend(q[rows], k_cache, v_cache, cache_seqlens[one], page_table[one, :pages],
                        cu_seqlens_q.new_tensor([0, hi - lo]), out[rows], _part(qv, rows),

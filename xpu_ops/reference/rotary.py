@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import providers
+from .. import provider_table
 
 
-@providers.register("apply_rotary_emb", "reference")
+@provider_table.register("apply_rotary_emb", "reference")
 def apply_rotary_emb(x, cos, sin, positions, *, interleaved):
     """Reference ``apply_rotary_emb`` (contract: ``xpu_ops/ops/rotary.py``).
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import providers
+from .. import provider_table
 
 
-@providers.register("prepare_swa_spec_page_table", "reference")
+@provider_table.register("prepare_swa_spec_page_table", "reference")
 def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask):
     """Reference ``prepare_swa_spec_page_table`` (contract: ``xpu_ops/ops/swa_spec.py``).
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .. import providers
+from .. import provider_table
 from . import limits, native
 from .native import Binding, binding, bound_to
 
@@ -85,7 +85,7 @@ def _attention_values(q, k, v, qv, q_descale, k_descale, v_descale, sinks, *, ma
                 num_kv_splits=num_splits)
 
 
-@providers.register("flash_attn_with_kvcache", "sgl_kernel", available=_available("fwd"),
+@provider_table.register("flash_attn_with_kvcache", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_with_kvcache)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
@@ -111,10 +111,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
     else:
         values.update(cu_seqlens_k=None, seqused_k=cache_seqlens)
     lse = _run_fwd(out, values)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    return lse if return_softmax_lse else provider_table.empty_lse(q)
 
 
-@providers.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
+@provider_table.register("flash_attn_varlen_func", "sgl_kernel", available=_available("fwd"),
                     supports=limits.flash_attn_varlen_func)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
                            k_descale, v_descale, sinks, seqused_q, max_seqlen_q, max_seqlen_k,
@@ -134,7 +134,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     return _run_fwd(out, values)
 
 
-@providers.register("merge_state_v2", "sgl_kernel", available=_available("merge_state_v2"))
+@provider_table.register("merge_state_v2", "sgl_kernel", available=_available("merge_state_v2"))
 def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     """sgl_kernel ``merge_state_v2`` (contract: ``xpu_ops/ops/merge_state.py``).
 
@@ -153,7 +153,7 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
             target.copy_(staged)
 
 
-@providers.register("flash_mla_decode", "sgl_kernel", available=_available("flash_mla_decode"),
+@provider_table.register("flash_mla_decode", "sgl_kernel", available=_available("flash_mla_decode"),
                     supports=limits.flash_mla_decode)
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):

@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..providers import DISPATCH_KEYS  # torch dispatch key of the kernels of each device type
+from ..provider_table import DISPATCH_KEYS  # torch dispatch key of the kernels of each device type
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled o
 always decorated for compilation; a launch on CPU tensors instead runs an ``InterpretedFunction``
 built from the same Python function, so tests can turn the interpreter on with the environment
 variable at any time, whatever imported this package first: ``interpreting()`` reads it through
-``providers.getenv`` (once; ``xpu_ops.refresh()`` reads it again and re-resolves the routes, so
+``provider_table.getenv`` (once; ``xpu_ops.refresh()`` reads it again and re-resolves the routes, so
 the next op call on the CPU sees the change).
 """
 
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .. import providers
+from .. import provider_table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -96,7 +96,7 @@ def launch_paths(decode: bool) -> frozenset[str]:
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1`` (as of the last ``xpu_ops.refresh()``): Triton kernels
     may run on CPU tensors (slowly)."""
-    return providers.getenv("TRITON_INTERPRET") == "1"
+    return provider_table.getenv("TRITON_INTERPRET") == "1"
 
 
 def available(device_type: str) -> Optional[str]:

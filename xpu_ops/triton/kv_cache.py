@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from .._checks import FP8_DTYPES
 from ._common import available, launch, next_pow2
 
@@ -211,7 +211,7 @@ def _supports_store(k_cache, v_cache, loc, k, v, *args):
     return None
 
 
-@providers.register("store_kv_cache", "triton", available=available, supports=_supports_store)
+@provider_table.register("store_kv_cache", "triton", available=available, supports=_supports_store)
 def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale):
     """Triton ``store_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 
@@ -238,7 +238,7 @@ def _supports_mla(kv_cache, loc, k_nope, k_rope):
     return None
 
 
-@providers.register("store_mla_kv_cache", "triton", available=available, supports=_supports_mla)
+@provider_table.register("store_mla_kv_cache", "triton", available=available, supports=_supports_mla)
 def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     """Triton ``store_mla_kv_cache`` (contract: ``xpu_ops/ops/kv_cache.py``).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, launch, next_pow2
 
 
@@ -20,7 +20,7 @@ def _merge_state_kernel(
     # or +inf as FlashAttention reports empty rows) gets weight 0 and its values are never read
     # (they may be NaN).
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # an [H, N] LSE's head * N may pass 2**31 too
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     s_a = tl.load(S_A + tok * stride_sa_t + head * stride_sa_h)
@@ -64,5 +64,5 @@ def _supports(v_a, s_a, v_b, s_b, v_merged, s_merged):
     return None
 
 
-providers.register("merge_state_v2", "triton", available=available, supports=_supports)(
+provider_table.register("merge_state_v2", "triton", available=available, supports=_supports)(
     merge_state)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import providers
+from .. import provider_table
 from ..mla_workspace import mla_num_kv_splits, mla_split_bytes
 from ._common import available, next_pow2
 from .paged_attention import paged_attention
@@ -28,7 +28,7 @@ def _supports(q_nope, q_rope, kv_cache, *args):
     return None
 
 
-@providers.register("flash_mla_decode", "triton", available=available, supports=_supports)
+@provider_table.register("flash_mla_decode", "triton", available=available, supports=_supports)
 def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
                      softmax_scale, num_kv_splits):
     """Triton ``flash_mla_decode`` (contract: ``xpu_ops/ops/mla_decode.py``).

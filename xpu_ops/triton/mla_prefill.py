@@ -9,7 +9,7 @@ query rows to fill the device, so no split-KV scratch is needed.
 
 from __future__ import annotations
 
-from .. import providers
+from .. import provider_table
 from ._common import available
 from .paged_attention import paged_attention
 
@@ -20,7 +20,7 @@ def _supports(q_nope, q_pe, *args, **kwargs):
     return None
 
 
-@providers.register("flash_mla_prefill", "triton", available=available, supports=_supports)
+@provider_table.register("flash_mla_prefill", "triton", available=available, supports=_supports)
 def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table,
                       workspace, *, max_seqlen_q, sm_scale, causal, num_kv_splits):
     """Triton ``flash_mla_prefill`` (contract: ``xpu_ops/ops/mla_prefill.py``).

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
 from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
@@ -413,6 +413,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
     scalars, so they are computed once per call shape (``_launch_params``, cached); the launch
     itself is ``kernel[grid](...)``.
     """
+    max_seqlen_q, max_kv_len = _tight_bounds(q, k, page_table, max_seqlen_q, max_kv_len)
     plain_like = (page_table is not None and qv is None and q_descale is None
                   and k_descale is None and v_descale is None and sinks is None
                   and k_start is None and block_ids is None and q_used is None)
@@ -487,6 +488,7 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
         lse = torch.empty((num_heads_q, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or cache_seqlens.shape[0] == 0:
         return lse
+    max_seqlen_q = min(max_seqlen_q, total_q)
     params = _launch_params(
         q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(),
         out.stride(), None, page_table.stride(), True, cache_seqlens.shape[0], max_seqlen_q,
@@ -500,6 +502,15 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache_seqlens:
                               max_seqlen_q, max_kv_len, None, None, None, None, None,
                               softmax_scale, window_left, window_right, softcap, num_splits,
                               None, counters, None, lse, None, None, None, return_lse)
+
+
+def _tight_bounds(q: Tensor, k: Tensor, page_table: Optional[Tensor], max_seqlen_q: int,
+                  max_kv_len: int) -> tuple[int, int]:
+    """The caller's bounds cut to what the shapes allow: a request has at most ``total_q`` query
+    rows and (ragged K/V) ``total_k`` keys, so a loose but legal bound (``2**31 - 1``) gives the
+    tight bound's grid and result, and no launch size or int32 offset scales with it."""
+    return min(max_seqlen_q, q.shape[0]), (max_kv_len if page_table is not None
+                                           else min(max_kv_len, k.shape[0]))
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> tuple:
@@ -680,7 +691,7 @@ def _supports_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
     return supports_attention(q, k_cache, v_cache, out, qv)
 
 
-@providers.register("flash_attn_with_kvcache", "triton", available=available,
+@provider_table.register("flash_attn_with_kvcache", "triton", available=available,
                     supports=_supports_call)
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out,
                             qv, q_descale, k_descale, v_descale, sinks, cache_leftpad,
@@ -709,4 +720,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, cu_s
             window_left=window_size_left, window_right=window_size_right, softcap=softcap,
             num_splits=requested_splits(num_splits), k_start=cache_leftpad,
             block_ids=bidirectional_block_ids, return_lse=return_softmax_lse)
-    return lse if return_softmax_lse else providers.empty_lse(q)
+    return lse if return_softmax_lse else provider_table.empty_lse(q)

@@ -152,7 +152,7 @@ def _paged_attention_plain_kernel(
     # 15 runtime arguments (5 of them scalars that change per step) instead of 67. LSE is None
     # when the caller does not want it, SCRATCH and COUNTERS with one split (never read).
     HQ: tl.constexpr = GROUP_SIZE * NUM_HEADS_KV
-    part_s = total_q * (HQ * DV_PAD)
+    part_s = tl.cast(total_q, tl.int64) * (HQ * DV_PAD)  # int64: splits * part_s may pass 2**31
     LSE_PART = SCRATCH
     if NUM_SPLITS > 1:
         LSE_PART = SCRATCH + NUM_SPLITS * part_s
@@ -233,7 +233,8 @@ def _attend(
         q_used = tl.load(Q_USED + req * stride_q_used)
     k_start = 0
     if HAS_K_START:
-        k_start = tl.load(K_START + req * stride_k_start)
+        # a negative leftpad reads as 0 (never a key before position 0), API.md
+        k_start = tl.maximum(tl.load(K_START + req * stride_k_start), 0)
     pos = kv_len - q_used + q_row
     hi_row = kv_len - 1 + tl.zeros_like(pos)
     lo_row = k_start + tl.zeros_like(pos)
@@ -442,6 +443,9 @@ def _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, of
     LN2_C: tl.constexpr = 0.6931471805599453
     if HAS_SINKS:
         sink = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
+        # a +inf sink takes the whole softmax (out 0, LSE +inf; set below), as -inf takes none
+        sink_inf = sink == float("inf")
+        sink = tl.where(sink_inf, float("-inf"), sink)
         m_fin = tl.maximum(m_i, sink)
         m_fin_safe = tl.where(m_fin == float("-inf"), 0.0, m_fin)  # no key, sink -inf
         scale = tl.exp2(m_i - m_fin_safe)
@@ -452,6 +456,9 @@ def _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, of
     out = acc * (v_descale / tl.where(has_keys, l_i, 1.0))[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2_C,
                    float("-inf"))
+    if HAS_SINKS:
+        out = tl.where(sink_inf[:, None], 0.0, out)
+        lse = tl.where(sink_inf, float("inf"), lse)
     if TMA:  # rows past the request's q_len fall outside the box: not written
         o_desc = tl.make_tensor_descriptor(
             O + q_start.to(tl.int64) * stride_ot + (kv_head * GROUP).to(tl.int64) * stride_oh,
@@ -558,8 +565,11 @@ def _merge_splits_tile(
     # compared after the broadcast (the interpreter stores a scalar's bool as int32)
     n_work_m = tl.broadcast_to(n_work, [BLOCK_M])
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    sink_inf = m == float("inf")
     if HAS_SINKS:
         m = tl.load(SINKS + head * stride_sinks, mask=mask_m, other=0.0) * LOG2E_C
+        sink_inf = m == float("inf")  # takes the whole softmax: out 0, LSE +inf (below)
+        m = tl.where(sink_inf, float("-inf"), m)
     den = tl.where(m == float("-inf"), 0.0, 1.0)  # the sink's own term, e^(sink - m)
     for s in tl.static_range(NUM_SPLITS):
         lse2 = tl.load(lse_s, mask=mask_m & (n_work_m > s), other=float("-inf"),
@@ -571,9 +581,10 @@ def _merge_splits_tile(
         lse_s += stride_lsep_s
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     has_keys = den > 0
-    inv_den = 1.0 / tl.where(has_keys, den, 1.0)
+    inv_den = tl.where(sink_inf, 0.0, 1.0 / tl.where(has_keys, den, 1.0))
     lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, den, 1.0))) * LN2_C,
                    float("-inf"))
+    lse = tl.where(sink_inf, float("inf"), lse)
     if LSE is not None:
         tl.store(LSE + head.to(tl.int64) * stride_lse_h + tok, lse, mask=mask_m)
     o_rows = O_PART + tok[:, None] * stride_part_t + head[:, None] * stride_part_h

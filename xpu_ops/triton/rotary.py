@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, launch, next_pow2
 
 
@@ -47,7 +47,7 @@ def _apply_rotary_emb_kernel(
     tl.store(o_row + second, (x1 * s + x2 * c).to(OUT.dtype.element_ty), mask=mask_i)
 
 
-@providers.register("apply_rotary_emb", "triton", available=available)
+@provider_table.register("apply_rotary_emb", "triton", available=available)
 def apply_rotary_emb(x, cos, sin, positions, *, interleaved):
     """Triton ``apply_rotary_emb`` (contract: ``xpu_ops/ops/rotary.py``).
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, launch, next_pow2
 
 
@@ -49,7 +49,7 @@ def _swa_spec_page_table_kernel(
     tl.store(SEQLENS + out_row, prefix + count)
 
 
-@providers.register("prepare_swa_spec_page_table", "triton", available=available)
+@provider_table.register("prepare_swa_spec_page_table", "triton", available=available)
 def prepare_swa_spec_page_table(page_table, prefix_lens, draft_slots, custom_mask):
     """Triton ``prepare_swa_spec_page_table`` (contract: ``xpu_ops/ops/swa_spec.py``).
 

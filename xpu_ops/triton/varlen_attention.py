@@ -7,12 +7,12 @@ cu_seqlens_k[r]``. Everything else (GQA packing, masks, split-KV, LSE) is shared
 
 from __future__ import annotations
 
-from .. import providers
+from .. import provider_table
 from ._common import available
 from .paged_attention import requested_splits, paged_attention, supports_attention
 
 
-@providers.register("flash_attn_varlen_func", "triton", available=available,
+@provider_table.register("flash_attn_varlen_func", "triton", available=available,
                     supports=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, *a,
                     **kw: supports_attention(q, k, v, out, qv))
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, qv, q_descale,
@@ -25,7 +25,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     ``seqused_k`` or the ``cu_seqlens_k`` differences; ``seqused_q`` masks the unused rows.
     Writes ``out``, returns the LSE.
     """
-    kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    # Without seqused_k, the kernel's clamped cu_seqlens_k range is the key count; the range's
+    # end is a bound of it that never overflows (an int32 difference with INT32_MIN would).
+    kv_lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:]
     return paged_attention(
         q, k, v, out, kv_lens, cu_seqlens_q, page_table=None, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_kv_len=max_seqlen_k, qv=qv, q_descale=q_descale,
