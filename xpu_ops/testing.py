@@ -447,6 +447,12 @@ def _merge_state_v2_samples(device, dtype, gen):
                 _nan_poisoned((n, h), torch.float32, device)), {})
 
 
+@_sampler("merge_state")
+def _merge_state_samples(device, dtype, gen):
+    # merge_state (v1) reads the same LSEs in log2 units: the same cases, empty sides included.
+    yield from _merge_state_v2_samples(device, dtype, gen)
+
+
 def _mla_inputs(gen, k_lens, rows, page_size, h, latent, rope, dtype, device):
     """``(q_nope [rows, H, R], q_rope [rows, H, r], kv_cache [num_pages, page_size, R + r],
     page_table, seq_lens)`` of an MLA sample, the cache with garbage past each request's keys."""
@@ -521,6 +527,23 @@ def _store_kv_cache_samples(device, dtype, gen):
         v = _randn(gen, n, hkv, dv, dtype=dt, device=device, scale=2.0)
         scale = (lambda: torch.rand(1, generator=gen).add(0.5).to(device)) if scaled else None
         yield ((k_cache, v_cache, loc, k, v, scale and scale(), scale and scale()), {})
+
+
+@_sampler("store_cache")
+def _store_cache_samples(device, dtype, gen):
+    # (S, N, row dims Dk/Dv, dtype, rows as one head of [N, H, D] (strided), skipped tokens)
+    for slots, n, dk, dv, dt, heads, skip in ((32, 5, 64, 64, torch.float32, 1, ()),
+                                              (64, 7, 128, 96, torch.bfloat16, 3, (1, 4)),
+                                              (16, 4, 80, 80, torch.float16, 2, (0, 1, 2, 3)),
+                                              (8, 0, 64, 64, torch.float32, 1, ())):
+        dt = dtype or dt
+        k_cache = _randn(gen, slots, dk, dtype=dt, device=device)
+        v_cache = _randn(gen, slots, dv, dtype=dt, device=device)
+        indices = torch.randperm(slots, generator=gen)[:n]
+        indices[list(skip)] = -1
+        k = _randn(gen, n, heads, dk, dtype=dt, device=device, scale=2.0)[:, heads - 1]
+        v = _randn(gen, n, heads, dv, dtype=dt, device=device, scale=2.0)[:, 0]
+        yield ((k, v, k_cache, v_cache, indices.to(device)), {})
 
 
 @_sampler("store_mla_kv_cache")

@@ -103,7 +103,7 @@ def test_recurrent_matches_oracle(provider, layout, index):
 # Chunked == recurrent == transformers; chunk size; rollback
 # ----------------------------------------------------------------------------------------------
 
-def _batch(seed, lens=(5, 1, 9), hk=2, hv=4, k_dim=8, v_dim=6, dtype=torch.float32):
+def _batch(seed, lens=(21, 1, 40), hk=2, hv=4, k_dim=8, v_dim=6, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens)
     q = torch.randn(total, hk, k_dim, generator=gen).to(dtype)
@@ -125,7 +125,7 @@ def test_chunked_equals_recurrent_for_every_chunk_size(provider):
     with running(provider):
         expected = xpu_ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, 0.3,
                                                             recurrent_states, slots, cu)
-        for chunk_size in (1, 2, 4, 64):
+        for chunk_size in (1, 2, 16, 32, 64):
             chunk_states = states.clone()
             out = xpu_ops.chunk_gated_delta_rule(q, k, v, g, beta, 0.3, chunk_states, slots,
                                                  init, cu, chunk_size=chunk_size)
@@ -137,9 +137,9 @@ def test_chunked_equals_recurrent_for_every_chunk_size(provider):
 @pytest.mark.parametrize("use_initial", [False, True])
 def test_matches_transformers(provider, use_initial):
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q, k, v, g, beta, states, _, _ = _batch(2, lens=(11,))
+    q, k, v, g, beta, states, _, _ = _batch(2, lens=(35,))
     slot = torch.tensor([2], dtype=torch.int32)
-    cu = torch.tensor([0, 11], dtype=torch.int32)
+    cu = torch.tensor([0, 35], dtype=torch.int32)
     initial = states[2].clone()[None] if use_initial else None
     batch = lambda t: t[None]   # noqa: E731  transformers takes [batch, seq, heads, dim]
     hf_chunk, hf_final = hf.torch_chunk_gated_delta_rule(
@@ -152,7 +152,7 @@ def test_matches_transformers(provider, use_initial):
     with running(provider):
         chunk_states = states.clone()
         out = xpu_ops.chunk_gated_delta_rule(q, k, v, g, beta, None, chunk_states, slot,
-                                             torch.tensor([use_initial]), cu)
+                                             torch.tensor([use_initial]), cu, chunk_size=16)
         rec_states = states.clone()
         if not use_initial:
             rec_states[2] = 0

@@ -54,12 +54,22 @@ def check_op_scalars(fn: str, softmax_scale: float, window_size_left: int,
     Raises:
         ValueError: a non-finite scale or a side below -1, naming the argument.
     """
-    if not -math.inf < softmax_scale < math.inf:  # a comparison Dynamo traces; False for NaN
-        finite_scale(fn, "softmax_scale", softmax_scale)
+    check_finite_scale(fn, "softmax_scale", softmax_scale)
     for arg, side in (("window_size_left", window_size_left),
                       ("window_size_right", window_size_right)):
         if side < -1:
             fail(fn, arg, "is below -1", "an int >= -1 (-1: unbounded)", side)
+
+
+def check_finite_scale(fn: str, arg: str, value: float) -> None:
+    """A raw op's score multiplier (``softmax_scale``/``sm_scale``) is finite, as its wrapper's
+    ``finite_scale`` demands; runs in the op and its fake.
+
+    Raises:
+        ValueError: NaN or infinite, naming ``arg``.
+    """
+    if not -math.inf < value < math.inf:  # a comparison Dynamo traces; False for NaN
+        finite_scale(fn, arg, value)
 
 
 def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
@@ -190,11 +200,15 @@ def check_num_splits(fn: str, num_splits) -> None:
         TypeError: not an integer. ValueError: negative.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        try:
-            num_splits = operator.index(num_splits)
+        given = num_splits
+        try:  # a bool is not a split count (True would read as 1)
+            num_splits = None if isinstance(given, bool) else operator.index(given)
         except TypeError:
+            num_splits = None
+        if num_splits is None:
             fail(fn, "num_splits", "is not an integer", "an int (0: automatic)",
-                 type(num_splits).__name__, exc=TypeError)
+                 f"{given!r} (bool)" if isinstance(given, bool) else type(given).__name__,
+                 exc=TypeError)
     if num_splits < 0:
         fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
 
@@ -273,9 +287,15 @@ def check_workspace_size_args(fn: str, **sizes) -> None:
 
 
 def float_scalar(fn: str, arg: str, value) -> float:
-    """Accept a Python/NumPy real number (not a tensor) for a float argument."""
+    """Accept a Python/NumPy real number (not a tensor, not a bool) for a float argument.
+
+    Raises:
+        TypeError: a string, a bool or another object that is not a real number.
+    """
     if type(value) is float:
         return value
+    if isinstance(value, bool):  # True would read as 1.0
+        fail(fn, arg, "is not a real number", "a float", f"{value!r} (bool)", exc=TypeError)
     if isinstance(value, (str, bytes)):
         fail(fn, arg, "is not a real number", "a float", f"{value!r} (str)",
              f"Pass float({arg}) yourself if the string holds a number.", exc=TypeError)
@@ -305,5 +325,5 @@ __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_i
            "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
            "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
            "check_speed_hints", "check_workspace_size_args", "float_scalar", "finite_scale",
-           "check_flag", "check_op_scalars",
+           "check_flag", "check_op_scalars", "check_finite_scale",
            "check_optional"]

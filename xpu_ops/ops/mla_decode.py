@@ -15,8 +15,8 @@ from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
 from ..mla_workspace import mla_num_kv_splits, mla_split_bytes
-from .common import (check_flag, check_index, check_mla_inputs, check_workspace_size_args,
-                     finite_scale)
+from .common import (check_finite_scale, check_flag, check_index, check_mla_inputs,
+                     check_workspace_size_args, finite_scale)
 from .mla_decode_tokens import decode_tokens
 
 NAME = "flash_mla_decode"
@@ -76,9 +76,10 @@ def flash_mla_get_workspace_size(max_seq_len, num_batches, num_heads=0, page_siz
 
 
 def _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
-                            num_kv_splits) -> None:
-    """Validate shapes/dtypes/devices (runs in the fake too)."""
+                            num_kv_splits, softmax_scale) -> None:
+    """Validate shapes/dtypes/devices and the scale (runs in the fake too)."""
     fn = NAME
+    check_finite_scale(fn, "softmax_scale", softmax_scale)
     check_mla_inputs(fn, q_nope, "q_rope", q_rope, "kv_cache", kv_cache, "b")
     device = q_nope.device
     batch, num_heads, latent_dim = q_nope.shape
@@ -105,14 +106,14 @@ def flash_mla_decode_op(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cache_
     """Op form of ``flash_mla_decode``; returns a new ``[b, H, R]`` tensor, uses ``workspace``
     as scratch (declared mutated)."""
     args = (q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace)
-    _check_flash_mla_decode(*args, num_kv_splits)
+    _check_flash_mla_decode(*args, num_kv_splits, softmax_scale)
 
 
 @flash_mla_decode_op.register_fake
 def _(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace, softmax_scale,
       num_kv_splits):
     _check_flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, workspace,
-                            num_kv_splits)
+                            num_kv_splits, softmax_scale)
     return q_nope.new_empty(q_nope.shape)
 
 

@@ -162,7 +162,7 @@ def flash_attn_with_kvcache_op(
 
     All arguments are explicit (no defaults); see the public wrapper for their meaning.
     ``cache_seqlens`` is the total key count (any append already done). ``window_size_right``
-    is already 0 when ``causal``. ``max_seqlen_q`` bounds the queries of one request (kernels
+    is forced to 0 when ``causal``. ``max_seqlen_q`` bounds the queries of one request (kernels
     size their grid with it; it is never read from tensor values).
 
     Masks beyond the public wrapper's: keys ``j < cache_leftpad[r]`` are invisible; with
@@ -186,13 +186,16 @@ def flash_attn_with_kvcache_op(
             softcap=softcap, num_splits=num_splits)
     extras = None if no_extras else kernel_extras(sinks, q_descale, k_descale, v_descale,
                                                   cache_seqlens.shape[0], k_cache.shape[2])
-    if softcap == math.inf or extras is not None:  # providers' forms: softcap 0 for no cap,
-        if extras is not None:                       # float32 sinks, [b, Hkv] descales
+    # providers' forms: softcap 0 for no cap, float32 sinks, [b, Hkv] descales; causal forces
+    # the right window bound to 0
+    if softcap == math.inf or extras is not None or causal and window_size_right != 0:
+        if extras is not None:
             sinks, q_descale, k_descale, v_descale = extras
         return (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
                 k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
-                max_seqlen_q, softmax_scale, causal, window_size_left, window_size_right,
-                no_cap_if_infinite(softcap), num_splits, return_softmax_lse)
+                max_seqlen_q, softmax_scale, causal, window_size_left,
+                0 if causal else window_size_right, no_cap_if_infinite(softcap), num_splits,
+                return_softmax_lse)
     return None
 
 

@@ -75,7 +75,7 @@ def flash_attn_varlen_func_op(
     """Op form of ``flash_attn_varlen_func``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
 
     ``max_seqlen_q``/``max_seqlen_k`` bound one request's query/key count (grid sizes; never read
-    from tensor values). ``window_size_right`` is already 0 when ``causal``. ``seqused_q``:
+    from tensor values). ``window_size_right`` is forced to 0 when ``causal``. ``seqused_q``:
     request ``r`` uses its first ``seqused_q[r]`` query rows (alignment ``pos = Lk -
     seqused_q[r] + i``); its other rows get output 0 and LSE ``-inf``. ``num_splits`` as in
     ``flash_attn_with_kvcache``'s op (0 auto, 1 one pass, n > 1 at most n KV splits).
@@ -91,9 +91,10 @@ def flash_attn_varlen_func_op(
     if extras is not None:  # the providers' forms: float32 sinks, [b, Hkv] descales
         sinks, q_descale, k_descale, v_descale = extras
         args = (*args[:8], q_descale, k_descale, v_descale, sinks, seqused_q)
-    if softcap == math.inf or extras is not None:  # softcap inf is no cap: the providers' 0
+    # softcap inf is no cap (the providers' 0); causal forces the right window bound to 0
+    if softcap == math.inf or extras is not None or causal and window_size_right != 0:
         return (*args, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
-                window_size_right, no_cap_if_infinite(softcap), num_splits)
+                0 if causal else window_size_right, no_cap_if_infinite(softcap), num_splits)
     return None
 
 

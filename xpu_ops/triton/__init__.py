@@ -14,6 +14,6 @@ if HAS_TRITON:
     from . import rotary, varlen_attention  # noqa: F401
     from . import dsa_indexer, dsa_topk  # noqa: F401
     from . import flash_mla  # noqa: F401
-    from . import causal_conv1d, gated_delta_rule  # noqa: F401
+    from . import causal_conv1d, gated_delta_rule, gated_delta_rule_chunk  # noqa: F401
 
 __all__ = ["HAS_TRITON", "available"]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import provider_table
+from ..index_k_layout import request_of_rows
 from ._common import available, launch
 from .dsa_indexer import declines_strided_rows
 
@@ -122,11 +123,7 @@ def fast_topk(score, lengths, row_starts, topk):
 def fast_topk_transform(score, lengths, page_table, cu_seqlens_q, row_starts, topk):
     """``fast_topk`` with each position looked up in its request's page-table row; the
     request of each row (``-1``: none) comes from one ``searchsorted`` on the device."""
-    rows = torch.arange(score.shape[0], device=score.device)
-    cu = cu_seqlens_q.long()
-    request = torch.searchsorted(cu.contiguous(), rows, right=True) - 1
-    covered = (request >= 0) & (request < page_table.shape[0]) & (rows < cu[-1:])
-    request = torch.where(covered, request, -1)
+    request = request_of_rows(cu_seqlens_q, score.shape[0], page_table.shape[0])
     return _launch(score, lengths, row_starts, topk, request, page_table)
 
 
