@@ -422,3 +422,19 @@ def test_gather_index_k_cache_reads_the_stored_keys(strided):
     k2, scale2 = compiled(cache, slots)
     assert bitwise_equal(k2.view(torch.uint8), k.view(torch.uint8))
     assert torch.equal(scale2.nan_to_num(7.0), scale.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.id == "triton"])
+@pytest.mark.parametrize("index", range(5))
+def test_triton_store_writes_the_reference_bytes(provider, index):
+    """The Triton store encodes fp8 itself: its bytes equal torch's conversion's exactly."""
+    skip_if_unimplemented(provider, OPS.store_index_k_cache)
+    cache, loc, index_k, ue8m0 = _samples(OPS.store_index_k_cache, 700 + index)[index][0]
+    index_k = index_k * torch.logspace(-6, 2, index_k.shape[1], dtype=torch.float32).to(
+        index_k.dtype)                                # subnormal fp8 values and large ones
+    want, got = cache.clone(), cache.clone()
+    with running("reference"):
+        xpu_ops.store_index_k_cache(want, loc, index_k, "ue8m0" if ue8m0 else None)
+    with running(provider):
+        xpu_ops.store_index_k_cache(got, loc, index_k, "ue8m0" if ue8m0 else None)
+    assert bitwise_equal(got, want)
