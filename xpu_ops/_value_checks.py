@@ -360,6 +360,36 @@ def check_prepare_swa_spec_page_table(page_table, prefix_lens) -> None:
         check_prefix_lens("prepare_swa_spec_page_table", prefix_lens, page_table)
 
 
+def check_linear_attention(fn: str, cu_arg: str, cu, total: int, slots_arg: str, slots,
+                           num_slots: int, max_steps: Optional[int] = None) -> None:
+    """Debug-switch value checks of the linear-attention ops: ``cu`` prefix sums of ``total``
+    tokens; every state slot -1 (none) or in ``[0, num_slots)``, none repeated; with
+    ``max_steps`` (the intermediate-state scratch), no request longer than it."""
+    if not (_index_ok(slots, 1) and _active(cu, slots)):
+        return
+    where = _first((slots < -1) | (slots >= num_slots))
+    if where is not None:
+        fail(fn, slots_arg, "has a state slot out of range",
+             f"-1 (no state) or 0 <= {slots_arg} < {num_slots} (slots of the state pool)",
+             _at(slots_arg, slots, where), "Out-of-range slots read zeros and are never written "
+             "when XPU_OPS_DEBUG_CHECKS is off.")
+    used = slots[slots >= 0]
+    if used.unique().numel() != used.numel():
+        fail(fn, slots_arg, "has a repeated state slot", "one slot per request (or -1)",
+             slots.tolist(), "Give each request its own slot; which final state stays is "
+             "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
+    if cu is None:
+        return
+    check_cu_seqlens(fn, cu_arg, cu, total, "the number of tokens")
+    if max_steps is not None and cu.shape[0] > 1:
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > max_steps:
+            fail(fn, "intermediate_states", "has fewer steps than the longest request",
+                 f"intermediate_states.shape[1] >= {longest} tokens", max_steps,
+                 "Allocate one step per draft token; later steps are not kept when "
+                 "XPU_OPS_DEBUG_CHECKS is off.")
+
+
 def check_store_index_k_cache(loc, index_k_cache) -> None:
     """Debug-switch value check of ``store_index_k_cache``: each ``loc`` entry is -1 (skip the
     token, sglang's padding) or a token slot of the cache, and no slot repeats."""
