@@ -175,7 +175,7 @@ _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
 CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3"}))
 #: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``).
 SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES
-                                    + ("deepseek_v2", "deepseek_v3")))
+                                    + ("deepseek_v2", "deepseek_v3", "deepseek_v32")))
 
 
 def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:
