@@ -50,7 +50,7 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
     >>> with xpu_ops.debug_checks():
     ...     xpu_ops.store_kv_cache(kc, vc, torch.tensor([4]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     Traceback (most recent call last):
-    ValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
+    xpu_ops._checks.XpuOpsValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
     """
     token = _override.set(bool(enabled))
     try:
@@ -125,6 +125,21 @@ def check_loc(fn: str, loc, num_slots: int) -> None:
              f"{_at('loc', loc, where)} = loc[{earlier}]",
              "Give each new token its own slot; which of two rows for one slot lands is "
              "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
+
+
+def check_store_cache(fn: str, indices, k_cache) -> None:
+    """``store_cache_xpu``'s ``indices``: -1 (skip the token) or a row in ``[0, S)``."""
+    if not (_index_ok(indices, 1) and isinstance(k_cache, Tensor) and k_cache.dim() >= 1
+            and _active(indices)):
+        return
+    rows = k_cache.shape[0]
+    where = _first((indices < -1) | (indices >= rows))
+    if where is not None:
+        fail(fn, "indices", "has a token slot out of range",
+             f"-1 (skip) or 0 <= indices < {rows} (rows of k_cache)",
+             _at("indices", indices, where),
+             "Pass -1 for a token that is not stored; other out-of-range indices are skipped "
+             "(never written) when XPU_OPS_DEBUG_CHECKS is off.")
 
 
 def check_cache_batch_idx(fn: str, cache_batch_idx, rows: int, rows_rule: str) -> None:

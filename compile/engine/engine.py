@@ -272,6 +272,8 @@ class Engine:
                             f"expected a SamplingParams, got {sampling!r}. Build one with "
                             "compile.engine.engine.SamplingParams(...).")
         sampling.validate(where)
+        # A private copy: the caller may change or reuse its object after this call.
+        sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
         checked = [self._check_prompt(p, sampling, where, name.format(i))
                    for i, p in enumerate(prompts)]
         reqs = [Req(self._next_rid + i, ids, sampling) for i, ids in enumerate(checked)]

@@ -34,7 +34,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from xpu_ops._checks import XpuOpsValueError as _ArgError  # a ValueError, also RuntimeError
 from xpu_ops._registration import define_op
+from xpu_ops.ops.common import SINK_DTYPES
 
 from compile.graphs.forward_context import get_forward_context
 
@@ -48,8 +50,8 @@ _FN = "unified_attention_with_output"
 
 def _check_rows(name: str, x: Optional[Tensor], tokens) -> None:
     if x is not None and (x.dim() < 2 or x.shape[0] != tokens):
-        raise ValueError(f"{_FN}: {name} has shape {tuple(x.shape)}; expected [tokens, ...] with "
-                         f"tokens = q.shape[0] = {tokens}. Pass this step's rows of {name}.")
+        raise _ArgError(f"{_FN}: {name} has shape {tuple(x.shape)}; expected [tokens, ...] with "
+                        f"tokens = q.shape[0] = {tokens}. Pass this step's rows of {name}.")
 
 
 def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
@@ -59,19 +61,19 @@ def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
     so each tensor attribute is read once)."""
     tokens = q.shape[0]
     if output.dim() != 2 or output.shape[0] != tokens:
-        raise ValueError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
-                         f"Hq * Dv] with tokens = q.shape[0] = {tokens}. Allocate it with "
-                         "unified_attention(layer, q, k, v).")
+        raise _ArgError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
+                        f"Hq * Dv] with tokens = q.shape[0] = {tokens}. Allocate it with "
+                        "unified_attention(layer, q, k, v).")
     if output.dtype != q.dtype or output.device != q.device:
-        raise ValueError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
-                         f"{q.dtype} on {q.device}.")
+        raise _ArgError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
+                        f"{q.dtype} on {q.device}.")
     if k_rope is not None and k is None:
-        raise ValueError(f"{_FN}: k_rope is given but k is None; expected the MLA latent k "
-                         "[tokens, 1, R] with k_rope [tokens, 1, r], got k=None.")
+        raise _ArgError(f"{_FN}: k_rope is given but k is None; expected the MLA latent k "
+                        "[tokens, 1, R] with k_rope [tokens, 1, r], got k=None.")
     if k_rope is None and (k is None) != (v is None):
-        raise ValueError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
-                         f"k_rope instead of v); got k={type(k).__name__}, "
-                         f"v={type(v).__name__}.")
+        raise _ArgError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
+                        f"k_rope instead of v); got k={type(k).__name__}, "
+                        f"v={type(v).__name__}.")
     _check_rows("k", k, tokens)
     _check_rows("v", v, tokens)
     if q_rope is not None or k_rope is not None:  # MLA
@@ -79,9 +81,9 @@ def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
         _check_rows("k_rope", k_rope, tokens)
     for name, x in zip(_INDEX_KWARGS, index):  # DSA indexer
         _check_rows(name, x, tokens)
-    if sinks is not None and (sinks.dim() != 1 or sinks.dtype != torch.float32):
-        raise ValueError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
-                         "expected [Hq] torch.float32 (one sink logit per query head).")
+    if sinks is not None and (sinks.dim() != 1 or sinks.dtype not in SINK_DTYPES):
+        raise _ArgError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
+                        "expected [Hq] in a float dtype (one sink logit per query head).")
 
 
 def _rows(x: Optional[Tensor], n: int) -> Optional[Tensor]:
@@ -112,7 +114,7 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         output: [T, Hq * Dv], q's dtype; rows ``[:num_tokens]`` get the attention result, the
             rest zeros.
         layer_id: key into ``forward_context.layers``.
-        sinks: [Hq] float32 sink logits (GPT-OSS), or None.
+        sinks: [Hq] sink logits (GPT-OSS) in a float dtype, or None.
         q_rope: MLA [T, Hq, r] rotary part of the query, or None.
         k_rope: MLA [T, 1, r] rotary key, or None.
         save_kv_cache: False attends without writing ``k``/``v``.

@@ -7,3 +7,4 @@ from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention, s
 from . import rotary, varlen_attention  # noqa: F401
 from . import flash_mla  # noqa: F401
 from . import dsa_indexer  # noqa: F401
+from . import causal_conv1d, gated_delta_rule  # noqa: F401

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import providers
+from .. import provider_table
 from ..mla_fp8_layout import FP8_TILE, fp8_rope_offset, fp8_scale_offset
 from .paged_attention import gather_pages, paged_lengths
 
@@ -109,7 +109,7 @@ def _dense(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, is
     return attend(q, keys[:, None, :, 0], visible, head_dim_v, scale, None)
 
 
-@providers.register("flash_mla_with_kvcache", "reference")
+@provider_table.register("flash_mla_with_kvcache", "reference")
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                            causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
                            extra_indices_in_kvcache, topk_length, extra_topk_length):
@@ -125,7 +125,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, s
     return _fresh(out, q.dtype), _fresh(lse.transpose(1, 2))
 
 
-@providers.register("flash_mla_sparse_fwd", "reference")
+@provider_table.register("flash_mla_sparse_fwd", "reference")
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     """Reference ``flash_mla_sparse_fwd`` (contract: ``xpu_ops/ops/mla_sparse_prefill.py``):
     each token is a request of one query row over its own top-k rows of ``kv``."""

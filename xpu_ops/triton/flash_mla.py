@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ..mla_fp8_layout import fp8_rope_offset
 from ._common import available, launch, next_pow2
 
@@ -258,7 +258,7 @@ def _supports_sparse_fwd(q, kv, indices, sm_scale, d_v, *args):
     return _tile_limits(q.shape[-1], d_v)
 
 
-@providers.register("flash_mla_with_kvcache", "triton", available=available,
+@provider_table.register("flash_mla_with_kvcache", "triton", available=available,
                     supports=_supports_kvcache)
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                            causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
@@ -288,7 +288,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, s
     return out, lse
 
 
-@providers.register("flash_mla_sparse_fwd", "triton", available=available,
+@provider_table.register("flash_mla_sparse_fwd", "triton", available=available,
                     supports=_supports_sparse_fwd)
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     """Triton ``flash_mla_sparse_fwd`` (contract: ``xpu_ops/ops/mla_sparse_prefill.py``): each
