@@ -39,6 +39,7 @@ from xpu_ops._registration import define_op
 from xpu_ops.ops.common import SINK_DTYPES
 
 from compile.graphs.forward_context import get_forward_context
+from compile.graphs.linear_split_op import is_linear_layer, unified_linear_attention
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
 # Backend extras the split op carries (its optional tensor arguments).
@@ -214,14 +215,16 @@ def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optio
 
 def layers_by_id(model: nn.Module) -> dict[int, Any]:
     """``layer_id -> module`` of every PagedAttention-like module (has ``layer_id`` and
-    ``tp_q_head_num``) in ``model``.
+    ``tp_q_head_num``) and every linear-attention layer (``is_linear_layer``) in ``model``
+    (their layer ids are global, so the two kinds never share one).
 
     Raises:
         ValueError: two modules claim the same ``layer_id``.
     """
     layers: dict[int, Any] = {}
     for name, module in model.named_modules():
-        if hasattr(module, "layer_id") and hasattr(module, "tp_q_head_num"):
+        if hasattr(module, "layer_id") and (hasattr(module, "tp_q_head_num")
+                                            or is_linear_layer(module)):
             if module.layer_id in layers and layers[module.layer_id] is not module:
                 raise ValueError(f"layers_by_id: layer_id {module.layer_id} is used twice "
                                  f"(again at {name!r}); expected unique ids per attention layer.")
@@ -230,15 +233,17 @@ def layers_by_id(model: nn.Module) -> dict[int, Any]:
 
 
 def enable_split_op(model: nn.Module, enabled: bool = True) -> dict[int, Any]:
-    """Install ``unified_attention`` as every attention layer's ``split_op`` (``enabled``
-    False: remove it, the layers attend directly again).
+    """Install ``unified_attention`` as every attention layer's ``split_op`` and
+    ``unified_linear_attention`` as every linear-attention layer's (``enabled`` False: remove
+    them, the layers attend directly again).
 
     Returns:
         ``layer_id -> layer``, what ``set_forward_context`` needs.
     """
     layers = layers_by_id(model)
     for layer in layers.values():
-        layer.split_op = unified_attention if enabled else None
+        split = unified_linear_attention if is_linear_layer(layer) else unified_attention
+        layer.split_op = split if enabled else None
     return layers
 
 

@@ -159,7 +159,9 @@ def test_get_mla_metadata_is_a_plan_results_never_depend_on():
     assert sched.dtype == splits.dtype == I32 and splits.tolist() == [0, 1, 2]
     args = _sparse_args(7)
     base = xpu_ops.flash_mla_with_kvcache(*args[:4], 32, None, None, 0.3, indices=args[8])
-    for plan in ((meta, None), (sched, splits), (torch.zeros(9, 8, dtype=I32), None)):
+    foreign = type("FlashMLASchedMeta", (), {})()        # FlashMLA's own plan class
+    for plan in ((meta, None), (sched, splits), (torch.zeros(9, 8, dtype=I32), None),
+                 (foreign, None)):
         got = xpu_ops.flash_mla_with_kvcache(*args[:4], 32, *plan, 0.3, indices=args[8])
         assert all(torch.equal(g, w) for g, w in zip(got, base))
 

@@ -299,3 +299,76 @@ def test_fullgraph_trace_matches_eager(provider):
     for x, y in zip(got, expected):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
     torch.testing.assert_close(traced_states, eager_states, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inconsistent metadata: clamped without debug checks (every provider alike), named with them
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_out_of_range_slots_act_as_no_state(provider):
+    q, k, v, g, beta, states, _, cu = _batch(7, lens=(3, 2, 4))
+    bad = torch.tensor([99, -5, -1], dtype=torch.int32)
+    none = torch.full((3,), -1, dtype=torch.int32)
+    init = torch.ones(3, dtype=torch.bool)
+    with running(provider):
+        for call, extra in ((xpu_ops.chunk_gated_delta_rule, (init,)),
+                            (xpu_ops.fused_recurrent_gated_delta_rule, ())):
+            pool = states.clone()
+            got = call(q, k, v, g, beta, 0.5, pool, bad, *extra, cu)
+            want = call(q, k, v, g, beta, 0.5, states.clone(), none, *extra, cu)
+            assert torch.equal(pool, states)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_prefix_sums_past_the_tokens_are_clamped(provider):
+    # cu_seqlens [0, 3, 50]: request 1 owns rows [3, T) only, as with [0, 3, T].
+    q, k, v, g, beta, states, _, _ = _batch(8, lens=(3, 6))
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with running(provider):
+        pool_a, pool_b = states.clone(), states.clone()
+        got = xpu_ops.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.5, pool_a, slots, torch.tensor([0, 3, 50], dtype=torch.int32))
+        want = xpu_ops.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.5, pool_b, slots, torch.tensor([0, 3, 9], dtype=torch.int32))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(pool_a, pool_b, atol=0, rtol=0)
+
+
+DEBUG_BAD = [
+    (dict(cache_indices=torch.tensor([1, 4], dtype=torch.int32)),
+     r"cache_indices has a state slot out of range; expected -1 \(no state\) or 0 <= "
+     r"cache_indices < 4 .*got cache_indices\[1\] = 4"),
+    (dict(cache_indices=torch.tensor([-2, 0], dtype=torch.int32)),
+     r"cache_indices has a state slot out of range"),
+    (dict(cache_indices=torch.tensor([1, 1], dtype=torch.int32)),
+     r"cache_indices has a repeated state slot"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32)),
+     r"cu_seqlens does not end at the number of tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 2], dtype=torch.int32)), r"cu_seqlens decreases"),
+    (dict(intermediate_states=torch.zeros(2, 2, 4, 8, 6)),
+     r"intermediate_states has fewer steps than the longest request; expected "
+     r"intermediate_states.shape\[1\] >= 3 tokens, got 2"),
+]
+
+
+@pytest.mark.parametrize("over,pattern", DEBUG_BAD, ids=[f"debug-{i}" for i in
+                                                         range(len(DEBUG_BAD))])
+def test_debug_checks_name_inconsistent_metadata(over, pattern):
+    kw = _gdn_kwargs(True, **over)
+    before = kw["ssm_states"].clone()
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
+        xpu_ops.fused_recurrent_gated_delta_rule(**kw)
+    assert torch.equal(kw["ssm_states"], before)
+    if "intermediate_states" not in over:
+        kw = _gdn_kwargs(False, **over)
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
+            xpu_ops.chunk_gated_delta_rule(**kw)
+        assert torch.equal(kw["ssm_states"], before)
+
+
+def test_debug_checks_accept_slot_minus_one():
+    kw = _gdn_kwargs(True, cache_indices=torch.tensor([-1, 2], dtype=torch.int32))
+    with xpu_ops.debug_checks(), running("reference"):
+        xpu_ops.fused_recurrent_gated_delta_rule(**kw)

@@ -209,8 +209,10 @@ def _(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
 
 
 def _check_schedule(tile_scheduler_metadata, num_splits) -> None:
-    if not (tile_scheduler_metadata is None
-            or isinstance(tile_scheduler_metadata, (Tensor, FlashMLASchedMeta))):
+    # FlashMLA's own plan (flash_mla.FlashMLASchedMeta) is accepted by its name, duck-typed.
+    plan = type(tile_scheduler_metadata).__name__ == FlashMLASchedMeta.__name__
+    if not (tile_scheduler_metadata is None or plan
+            or isinstance(tile_scheduler_metadata, Tensor)):
         fail(NAME, "tile_scheduler_metadata", "is not a schedule",
              "None, a tensor or get_mla_metadata()'s plan",
              type(tile_scheduler_metadata).__name__, exc=TypeError)
