@@ -296,3 +296,21 @@ def test_deepseek_shapes_on_gpu(fp8, seqlen_q, topk):
             got = OP(*call)
         torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=torch.tensor([4, 13], dtype=I32)), "cache_seqlens is out of range"),
+    (dict(block_table=torch.tensor([[0, 9, 1], [2, 1, 0]], dtype=I32)),
+     "block_table has a page id out of range in an entry that is read"),
+])
+def test_debug_checks_reject_inconsistent_dense_metadata(change, match):
+    gen = torch.Generator().manual_seed(14)
+    kwargs = dict(q=torch.randn(2, 1, 2, 48, generator=gen),
+                  k_cache=torch.randn(3, 4, 1, 48, generator=gen),
+                  block_table=torch.tensor([[0, 2, -1], [2, 1, 0]], dtype=I32),
+                  cache_seqlens=torch.tensor([7, 12], dtype=I32), head_dim_v=32)
+    xpu_ops.flash_mla_with_kvcache(**kwargs)                 # consistent: fine
+    with xpu_ops.debug_checks():
+        xpu_ops.flash_mla_with_kvcache(**kwargs)
+        with pytest.raises(ValueError, match=f"^flash_mla_with_kvcache: {match}"):
+            xpu_ops.flash_mla_with_kvcache(**{**kwargs, **change})

@@ -24,10 +24,13 @@ def request_spans(cu_seqlens_q: Tensor, max_seqlen_q: int, total_q: int, page_ta
     ``[lo, hi)``, clamped as the batched path clamps them (``request_ranges``: into
     ``[0, total_q]``, at most ``max_seqlen_q``), and the number of page-table entries its
     clamped key count covers (``paged_lengths``). For the per-request (batch-invariant)
-    reference paths."""
+    reference paths. Last request first: when inconsistent prefix sums make two requests
+    describe one row, the earlier request's result is written last and stays, as in the
+    batched path (``attention.scatter_packed``)."""
     start, lens = request_ranges(cu_seqlens_q, max_seqlen_q, total_q)
     k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
-    for r, (lo, n) in enumerate(zip(start.tolist(), lens.tolist())):
+    spans = list(enumerate(zip(start.tolist(), lens.tolist())))
+    for r, (lo, n) in reversed(spans):
         if n > 0:
             yield r, lo, lo + n, -(-k_lens[r] // page_size)
 
