@@ -122,17 +122,19 @@ def test_strided_and_expanded_inputs(provider):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_several_query_tokens(provider, causal):
+@pytest.mark.parametrize("head_dim", [80, 64], ids=["rope16", "no_rope"])
+def test_dense_several_query_tokens(provider, causal, head_dim):
     """Dense pages, 4 query tokens per request, bottom-right causal; a request with fewer keys
-    than queries (its first rows see nothing), shuffled pages, garbage ids past the end."""
+    than queries (its first rows see nothing), shuffled pages, garbage ids past the end. Without
+    a rope part (D = Dv) Triton reads the pages with its slot kernel, else the paged kernel."""
     gen = torch.Generator().manual_seed(6)
-    values = torch.randn(6, 4, 80, generator=gen)
+    values = torch.randn(6, 4, head_dim, generator=gen)
     table = torch.tensor([[4, 1, 2 ** 31 - 1], [0, -1, 7]], dtype=I32)
     seqlens = torch.tensor([10, 2], dtype=I32)
     used = torch.zeros(6, 4, dtype=torch.bool)
     used[4], used[1], used[2, :2], used[0, :2] = True, True, True, True
     cache = flashmla_cache(values, used, 64, False, torch.float32)
-    q = torch.randn(2, 4, 3, 80, generator=gen)
+    q = torch.randn(2, 4, 3, head_dim, generator=gen)
     args = [q, cache, table, seqlens, 64, 0.2, causal, False, None, None, None, None, None, None]
     out, lse = _check(args, provider)
     if causal:
