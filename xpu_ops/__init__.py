@@ -31,8 +31,8 @@ from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
 from .providers import refresh, use_provider
 from ._value_checks import debug_checks  # value checks behind XPU_OPS_DEBUG_CHECKS=1
-from . import compat  # issue 7: install_sgl_kernel_shim
-from .sgl_kernel_fakes import register_sgl_kernel_fakes  # issue 7
+from . import compat  # install_sgl_kernel_shim
+from .sgl_kernel_fakes import register_sgl_kernel_fakes
 
 #: The op packets this package registers, in ``torch.ops.xpu_ops``.
 REGISTERED_OPS = [

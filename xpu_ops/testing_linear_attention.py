@@ -107,8 +107,8 @@ def _chunk_gated_delta_rule_samples(device, dtype, gen):
     # (lens, Hk, Hv, K, V, chunk_size, dtype, l2norm, num_slots, slots, has_initial_state)
     for lens, hk, hv, k_dim, v_dim, chunk, dt, l2, num_slots, slots, init in (
             ((5, 3), 1, 2, 8, 4, 4, torch.float32, True, 5, (1, 3), (True, False)),
-            ((9,), 2, 2, 16, 8, 4, torch.bfloat16, True, 2, (-1,), (True,)),
-            ((2, 0, 6), 1, 3, 8, 8, 64, torch.float16, False, 6, (0, 2, 4), (True, True, True)),
+            ((37,), 2, 2, 16, 8, 16, torch.bfloat16, True, 2, (-1,), (True,)),
+            ((2, 0, 70), 1, 3, 8, 8, 64, torch.float16, False, 6, (0, 2, 4), (True, True, True)),
             ((4, 4), 2, 4, 4, 4, 3, torch.float32, False, 3, (2, 0), (False, True)),
             ((), 1, 2, 8, 4, 64, torch.float32, True, 2, (), ())):
         dt = dtype or dt

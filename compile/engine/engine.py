@@ -26,10 +26,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.backend import XPUAttentionBackend, kv_layout
+from compile.backend import HybridLinearAttnBackend, XPUAttentionBackend, kv_layout, linear_layout
 from compile.backend.parallel_state import ParallelConfig
-from compile.batch import (ForwardBatch, ForwardMode, KVLayout, PageAllocator, ReqToTokenPool,
-                           SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
+from compile.batch import (ForwardBatch, ForwardMode, KVLayout, LinearStatePool, PageAllocator,
+                           ReqToTokenPool, SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
 
@@ -144,6 +144,9 @@ class Engine:
         max_context_len: tokens per request at most (prompt + output); requests are also held
             to the model's ``max_position_embeddings`` (``max_request_tokens``, the smaller).
         max_total_tokens: KV slots in the pool (page 0 is reserved as padding on top of these).
+            A model with linear-attention layers (``compile.backend.LinearAttention``) also gets
+            a ``LinearStatePool`` of ``max_running`` state slots (``state_pool``) and, by
+            default, a ``HybridLinearAttnBackend``.
         chunked_prefill_size: most new tokens in one EXTEND step.
         kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
@@ -199,10 +202,15 @@ class Engine:
                                               kv_dtype or weight.dtype, max_running,
                                               max_context_len)
         window = layout.sliding_window
+        # linear-attention layers (Qwen3-Next): one state slot per request row
+        linear = linear_layout(model)
+        self.state_pool = None if linear is None else LinearStatePool(
+            linear, max_running, max_running, weight.dtype, self.device)
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
-                                         num_attention_heads=cfg.num_attention_heads),
+                                         num_attention_heads=cfg.num_attention_heads,
+                                         index_topk=getattr(cfg, "index_topk", None)),
             tp_size=self.parallel.tp.size, device=self.device, page_size=self.page_size,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
@@ -211,9 +219,14 @@ class Engine:
             is_hybrid_swa=self.swa_pages is not None,
             dcp_group=self.parallel.dcp if dcp > 1 else None,
             server_args=SimpleNamespace(
-                enable_deterministic_inference=enable_deterministic_inference))
+                enable_deterministic_inference=enable_deterministic_inference),
+            state_pool=self.state_pool)
+        if backend_cls is None and self.state_pool is not None:
+            backend_cls = HybridLinearAttnBackend
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
+        if backend_cls is None and layout.index_head_dim:  # DeepSeek-V3.2: sparse MLA
+            from compile.backend.dsa_backend import DSAAttentionBackend as backend_cls
         self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
         if getattr(self.forward, "fixed_table_width", False):
             # a compiled forward gets one page-table width in every step: no recompile when a
@@ -319,6 +332,8 @@ class Engine:
                 break
             req = self.waiting.pop(0)
             req.row = self.req_to_token_pool.alloc(1)[0]
+            if self.state_pool is not None:
+                self.state_pool.alloc([req.row])
             self.running.append(req)
             promised += need
 
@@ -327,6 +342,8 @@ class Engine:
         if self.swa_pages is not None:
             self.swa_pages.release(req.row, req.pages)
         self.allocator.free(req.pages)
+        if self.state_pool is not None:
+            self.state_pool.free([req.row])
         self.req_to_token_pool.free(req.row)
         req.pages, req.row = [], None
         self.running.remove(req)

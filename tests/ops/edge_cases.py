@@ -12,10 +12,10 @@ that case needs:
   4, 8); strided views over NaN buffers and expanded (stride-0) sinks; a loose
   ``max_seqlen_q = 2**31 - 1``.
 
-The paths: the reference's general path (a loose bound keeps decode shapes off the fast path),
-its CPU decode fast path (with and without the LSE, the latter torch SDPA where it applies), its
-one pass (``num_splits=1``); Triton's one pass, split-KV, and each optional kernel path of
-``xpu_ops.triton._common.OPTIONAL_PATHS`` forced through ``ENABLED_PATHS``.
+The paths: the reference's general path (a zero ``cache_leftpad`` keeps decode shapes off the
+fast path), its CPU decode fast path (with and without the LSE, the latter torch SDPA where it
+applies), its one pass (``num_splits=1``); Triton's one pass, split-KV, and each optional kernel
+path of ``xpu_ops.triton._common.OPTIONAL_PATHS`` forced through ``ENABLED_PATHS``.
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ def run_path(edge: EdgeCase, path: str, args: tuple, kwargs: dict):
     """Call the op on ``path`` of the current provider; returns ``(out, lse or None)``."""
     kwargs = dict(kwargs)
     paths = None
-    if path == "general" and edge.decode:
-        kwargs["max_seqlen_q"] = max(kwargs["max_seqlen_q"], 2)   # off the decode fast path
+    if path == "general" and edge.decode and args[12] is None:
+        # off the decode fast path: a zero cache_leftpad (no key hidden) is an extra it skips
+        args = (*args[:12], torch.zeros_like(args[3]), *args[13:])
     elif path == "decode-no-lse":
         kwargs["return_softmax_lse"] = False
     elif path == "one-pass":

@@ -122,17 +122,19 @@ def test_strided_and_expanded_inputs(provider):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_several_query_tokens(provider, causal):
+@pytest.mark.parametrize("head_dim", [80, 64], ids=["rope16", "no_rope"])
+def test_dense_several_query_tokens(provider, causal, head_dim):
     """Dense pages, 4 query tokens per request, bottom-right causal; a request with fewer keys
-    than queries (its first rows see nothing), shuffled pages, garbage ids past the end."""
+    than queries (its first rows see nothing), shuffled pages, garbage ids past the end. Without
+    a rope part (D = Dv) Triton reads the pages with its slot kernel, else the paged kernel."""
     gen = torch.Generator().manual_seed(6)
-    values = torch.randn(6, 4, 80, generator=gen)
+    values = torch.randn(6, 4, head_dim, generator=gen)
     table = torch.tensor([[4, 1, 2 ** 31 - 1], [0, -1, 7]], dtype=I32)
     seqlens = torch.tensor([10, 2], dtype=I32)
     used = torch.zeros(6, 4, dtype=torch.bool)
     used[4], used[1], used[2, :2], used[0, :2] = True, True, True, True
     cache = flashmla_cache(values, used, 64, False, torch.float32)
-    q = torch.randn(2, 4, 3, 80, generator=gen)
+    q = torch.randn(2, 4, 3, head_dim, generator=gen)
     args = [q, cache, table, seqlens, 64, 0.2, causal, False, None, None, None, None, None, None]
     out, lse = _check(args, provider)
     if causal:
@@ -159,7 +161,9 @@ def test_get_mla_metadata_is_a_plan_results_never_depend_on():
     assert sched.dtype == splits.dtype == I32 and splits.tolist() == [0, 1, 2]
     args = _sparse_args(7)
     base = xpu_ops.flash_mla_with_kvcache(*args[:4], 32, None, None, 0.3, indices=args[8])
-    for plan in ((meta, None), (sched, splits), (torch.zeros(9, 8, dtype=I32), None)):
+    foreign = type("FlashMLASchedMeta", (), {})()        # FlashMLA's own plan class
+    for plan in ((meta, None), (sched, splits), (torch.zeros(9, 8, dtype=I32), None),
+                 (foreign, None)):
         got = xpu_ops.flash_mla_with_kvcache(*args[:4], 32, *plan, 0.3, indices=args[8])
         assert all(torch.equal(g, w) for g, w in zip(got, base))
 
@@ -294,3 +298,40 @@ def test_deepseek_shapes_on_gpu(fp8, seqlen_q, topk):
             got = OP(*call)
         torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=torch.tensor([4, 13], dtype=I32)), "cache_seqlens is out of range"),
+    (dict(block_table=torch.tensor([[0, 9, 1], [2, 1, 0]], dtype=I32)),
+     "block_table has a page id out of range in an entry that is read"),
+])
+def test_debug_checks_reject_inconsistent_dense_metadata(change, match):
+    gen = torch.Generator().manual_seed(14)
+    kwargs = dict(q=torch.randn(2, 1, 2, 48, generator=gen),
+                  k_cache=torch.randn(3, 4, 1, 48, generator=gen),
+                  block_table=torch.tensor([[0, 2, -1], [2, 1, 0]], dtype=I32),
+                  cache_seqlens=torch.tensor([7, 12], dtype=I32), head_dim_v=32)
+    xpu_ops.flash_mla_with_kvcache(**kwargs)                 # consistent: fine
+    with xpu_ops.debug_checks():
+        xpu_ops.flash_mla_with_kvcache(**kwargs)
+        with pytest.raises(ValueError, match=f"^flash_mla_with_kvcache: {match}"):
+            xpu_ops.flash_mla_with_kvcache(**{**kwargs, **change})
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_empty_caches_and_batches(provider):
+    """A cache of 0 pages (sparse and dense), and a batch of 0 requests: 0 / -inf, right shapes."""
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 2, 4, 80, generator=gen)
+    empty = torch.randn(0, 4, 1, 80)
+    sparse = [q, empty, None, None, 64, 0.1, False, False,
+              torch.tensor([[[0, -1], [3, 1]]], dtype=I32), None, None, None, None, None]
+    dense = [q, empty, torch.zeros(1, 1, dtype=I32), torch.zeros(1, dtype=I32), 64, 0.1, True,
+             False, None, None, None, None, None, None]
+    for args in (sparse, dense):
+        out, lse = _check(args, provider)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    none = [q[:0], torch.randn(2, 4, 1, 80), None, None, 64, 0.1, False, False,
+            torch.zeros(0, 2, 3, dtype=I32), None, None, None, None, None]
+    out, lse = _call(none, provider)
+    assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 4, 2)

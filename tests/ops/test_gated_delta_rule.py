@@ -103,7 +103,7 @@ def test_recurrent_matches_oracle(provider, layout, index):
 # Chunked == recurrent == transformers; chunk size; rollback
 # ----------------------------------------------------------------------------------------------
 
-def _batch(seed, lens=(5, 1, 9), hk=2, hv=4, k_dim=8, v_dim=6, dtype=torch.float32):
+def _batch(seed, lens=(21, 1, 40), hk=2, hv=4, k_dim=8, v_dim=6, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens)
     q = torch.randn(total, hk, k_dim, generator=gen).to(dtype)
@@ -125,7 +125,7 @@ def test_chunked_equals_recurrent_for_every_chunk_size(provider):
     with running(provider):
         expected = xpu_ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, 0.3,
                                                             recurrent_states, slots, cu)
-        for chunk_size in (1, 2, 4, 64):
+        for chunk_size in (1, 2, 16, 32, 64):
             chunk_states = states.clone()
             out = xpu_ops.chunk_gated_delta_rule(q, k, v, g, beta, 0.3, chunk_states, slots,
                                                  init, cu, chunk_size=chunk_size)
@@ -137,9 +137,9 @@ def test_chunked_equals_recurrent_for_every_chunk_size(provider):
 @pytest.mark.parametrize("use_initial", [False, True])
 def test_matches_transformers(provider, use_initial):
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q, k, v, g, beta, states, _, _ = _batch(2, lens=(11,))
+    q, k, v, g, beta, states, _, _ = _batch(2, lens=(35,))
     slot = torch.tensor([2], dtype=torch.int32)
-    cu = torch.tensor([0, 11], dtype=torch.int32)
+    cu = torch.tensor([0, 35], dtype=torch.int32)
     initial = states[2].clone()[None] if use_initial else None
     batch = lambda t: t[None]   # noqa: E731  transformers takes [batch, seq, heads, dim]
     hf_chunk, hf_final = hf.torch_chunk_gated_delta_rule(
@@ -152,7 +152,7 @@ def test_matches_transformers(provider, use_initial):
     with running(provider):
         chunk_states = states.clone()
         out = xpu_ops.chunk_gated_delta_rule(q, k, v, g, beta, None, chunk_states, slot,
-                                             torch.tensor([use_initial]), cu)
+                                             torch.tensor([use_initial]), cu, chunk_size=16)
         rec_states = states.clone()
         if not use_initial:
             rec_states[2] = 0
@@ -299,3 +299,109 @@ def test_fullgraph_trace_matches_eager(provider):
     for x, y in zip(got, expected):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
     torch.testing.assert_close(traced_states, eager_states, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inconsistent metadata: clamped without debug checks (every provider alike), named with them
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_out_of_range_slots_act_as_no_state(provider):
+    q, k, v, g, beta, states, _, cu = _batch(7, lens=(3, 2, 4))
+    bad = torch.tensor([99, -5, -1], dtype=torch.int32)
+    none = torch.full((3,), -1, dtype=torch.int32)
+    init = torch.ones(3, dtype=torch.bool)
+    with running(provider):
+        for call, extra in ((xpu_ops.chunk_gated_delta_rule, (init,)),
+                            (xpu_ops.fused_recurrent_gated_delta_rule, ())):
+            pool = states.clone()
+            got = call(q, k, v, g, beta, 0.5, pool, bad, *extra, cu)
+            want = call(q, k, v, g, beta, 0.5, states.clone(), none, *extra, cu)
+            assert torch.equal(pool, states)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_prefix_sums_past_the_tokens_are_clamped(provider):
+    # cu_seqlens [0, 3, 50]: request 1 owns rows [3, T) only, as with [0, 3, T].
+    q, k, v, g, beta, states, _, _ = _batch(8, lens=(3, 6))
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with running(provider):
+        pool_a, pool_b = states.clone(), states.clone()
+        got = xpu_ops.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.5, pool_a, slots, torch.tensor([0, 3, 50], dtype=torch.int32))
+        want = xpu_ops.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.5, pool_b, slots, torch.tensor([0, 3, 9], dtype=torch.int32))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(pool_a, pool_b, atol=0, rtol=0)
+
+
+DEBUG_BAD = [
+    (dict(cache_indices=torch.tensor([1, 4], dtype=torch.int32)),
+     r"cache_indices has a state slot out of range; expected -1 \(no state\) or 0 <= "
+     r"cache_indices < 4 .*got cache_indices\[1\] = 4"),
+    (dict(cache_indices=torch.tensor([-2, 0], dtype=torch.int32)),
+     r"cache_indices has a state slot out of range"),
+    (dict(cache_indices=torch.tensor([1, 1], dtype=torch.int32)),
+     r"cache_indices has a repeated state slot"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32)),
+     r"cu_seqlens does not end at the number of tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 2], dtype=torch.int32)), r"cu_seqlens decreases"),
+    (dict(intermediate_states=torch.zeros(2, 2, 4, 8, 6)),
+     r"intermediate_states has fewer steps than the longest request; expected "
+     r"intermediate_states.shape\[1\] >= 3 tokens, got 2"),
+]
+
+
+@pytest.mark.parametrize("over,pattern", DEBUG_BAD, ids=[f"debug-{i}" for i in
+                                                         range(len(DEBUG_BAD))])
+def test_debug_checks_name_inconsistent_metadata(over, pattern):
+    kw = _gdn_kwargs(True, **over)
+    before = kw["ssm_states"].clone()
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
+        xpu_ops.fused_recurrent_gated_delta_rule(**kw)
+    assert torch.equal(kw["ssm_states"], before)
+    if "intermediate_states" not in over:
+        kw = _gdn_kwargs(False, **over)
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
+            xpu_ops.chunk_gated_delta_rule(**kw)
+        assert torch.equal(kw["ssm_states"], before)
+
+
+def test_debug_checks_accept_slot_minus_one():
+    kw = _gdn_kwargs(True, cache_indices=torch.tensor([-1, 2], dtype=torch.int32))
+    with xpu_ops.debug_checks(), running("reference"):
+        xpu_ops.fused_recurrent_gated_delta_rule(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expanded (stride-0) inputs give what their contiguous copies give
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_expanded_inputs_match_contiguous_copies(provider):
+    q, k, v, g, beta, states, slots, cu = _batch(9, lens=(3, 5))
+    gen = torch.Generator().manual_seed(10)
+    expanded = dict(
+        q=q[:, :1].expand(-1, q.shape[1], -1),                     # one key head broadcast
+        g=g[:, :1].expand(-1, g.shape[1]),                          # one decay for every head
+        beta=torch.rand(1, 1, generator=gen).expand(g.shape),       # one beta everywhere
+        A_log=torch.rand(1, generator=gen).expand(4),
+        dt_bias=torch.randn(1, generator=gen).expand(4),
+        a=torch.randn(1, 4, generator=gen).expand(q.shape[0], -1),
+        b=torch.randn(q.shape[0], 4, generator=gen))
+    dense = {name: t.contiguous() for name, t in expanded.items()}
+    init = torch.tensor([True, False])
+    results = []
+    for inputs in (expanded, dense):
+        with running(provider):
+            gating = xpu_ops.fused_gdn_gating(inputs["A_log"], inputs["a"], inputs["dt_bias"],
+                                              inputs["b"])
+            pool_c, pool_r = states.clone(), states.clone()
+            o_c = xpu_ops.chunk_gated_delta_rule(inputs["q"], k, v, inputs["g"], inputs["beta"],
+                                                 None, pool_c, slots, init, cu, chunk_size=16)
+            o_r = xpu_ops.fused_recurrent_gated_delta_rule(inputs["q"], k, v, inputs["g"],
+                                                           inputs["beta"], None, pool_r, slots, cu)
+        results.append((*gating, o_c, pool_c, o_r, pool_r))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -1,6 +1,6 @@
-"""Issue 15, items 3, 4 and 6: edge values, unclear errors, silent acceptances and gradients.
+"""Edge values, unclear errors, silent acceptances and gradients.
 
-Each test reproduces one report of the issue and states the behaviour API.md now promises; both
+Each test reproduces one report and states the behaviour API.md now promises; both
 providers run (Triton through its interpreter on tiny shapes).
 """
 

@@ -209,3 +209,20 @@ def test_workspace_size_takes_the_query_length():
         xpu_ops.flash_mla_decode(q_nope, q_rope, kv, seqlens, table, small, 0.1, causal="no")
     with pytest.raises(TypeError, match="^flash_mla_decode_get_workspace_size: seqlen_q is"):
         xpu_ops.flash_mla_decode_get_workspace_size(64, 2, seqlen_q=1.5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_one_token_split_kv_with_latent_256_rope_32(provider):
+    """The split-KV one-token path at R = 256, r = 32 (a workspace sized for that latent)."""
+    gen = torch.Generator().manual_seed(41)
+    (kv,), page_table, cache_seqlens = paged_kv_cache(gen, [37, 0, 5], 8, [(288,)],
+                                                      dtype=torch.float32, device="cpu")
+    q_nope, q_rope = torch.randn(3, 4, 256, generator=gen), torch.randn(3, 4, 32, generator=gen)
+    workspace = torch.empty(xpu_ops.flash_mla_get_workspace_size(48, 3, 4, num_kv_splits=3,
+                                                                 latent_dim=256),
+                            dtype=torch.uint8)
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, workspace,
+                                       0.1, 3)
+    expected = oracle.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, 0.1)
+    assert_matches_oracle(out, expected, torch.float32)

@@ -13,7 +13,7 @@ import xpu_ops
 from xpu_ops import providers
 from xpu_ops.testing import REGISTERED_OPS, op_name, sample_inputs
 
-from . import dsa_oracle, oracle
+from . import dsa_oracle, oracle, oracle_flash_mla
 from . import oracle_linear_attention as linear_oracle
 from .utils import FP8, LSE_TOL, OPCHECK_UTILS, OUT_TOL, has_fp8
 from ..markers import GPU_DEVICE, requires_gpu
@@ -94,6 +94,15 @@ def _check(name, args, kwargs, result, inputs):
                 row += 1
     elif name == "apply_rotary_emb":
         _close(result, oracle.apply_rotary_emb(*inputs, **kwargs), result.dtype)
+    elif name == "flash_mla_with_kvcache":
+        out64, lse64 = oracle_flash_mla.flash_mla_with_kvcache(*inputs)
+        _close(result[0], out64, result[0].dtype)
+        _close(result[1], lse64, result[0].dtype, GPU_LSE_TOL)
+    elif name == "flash_mla_sparse_fwd":
+        out64, max64, lse64 = oracle_flash_mla.flash_mla_sparse_fwd(*inputs)
+        _close(result[0], out64, result[0].dtype)
+        for got, want in zip(result[1:], (max64, lse64)):
+            _close(got, want, result[0].dtype, GPU_LSE_TOL)
     elif name in _LINEAR:
         _check_linear_attention(name, args, result, inputs)
     elif not dsa_oracle.compare(name, args, result, inputs):

@@ -1,5 +1,5 @@
-"""Glue tests of the FlashMLA surface's ``sgl_kernel`` provider (``xpu_ops/sgl_kernel/flash_mla.py``)
-against ``tests/ops/native_sgl_kernel.py`` (sgl-kernel-xpu's schemas on the CPU reference):
+"""Glue tests of the FlashMLA surface's ``sgl_kernel`` provider
+(``xpu_ops/sgl_kernel/flash_mla.py``) against ``tests/ops/native_sgl_kernel.py`` (sgl-kernel-xpu's schemas on the CPU reference):
 the argument mapping, ``+inf`` empty rows returned as ``-inf``, and the declined calls. Not
 hardware results."""
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import (FLOAT_DTYPES, check_optional, check_size, check_tensor, check_tensor_args,
                        fail)
 from .._registration import define_op
@@ -33,6 +34,15 @@ def check_activation(fn: str, activation) -> None:
         fail(fn, "activation", "is not a str", "None, 'silu' or 'swish'",
              type(activation).__name__, exc=TypeError)
     fail(fn, "activation", "is not supported", "None, 'silu' or 'swish'", repr(activation))
+
+
+def debug_check_slots(fn: str, cu_arg: str, cu, tokens, slots_arg: str, slots, pool,
+                      max_steps=None) -> None:
+    """Under ``xpu_ops.debug_checks()``: ``cu`` prefix sums of ``tokens.shape[0]`` tokens, state
+    slots -1 or inside ``pool`` and distinct (``_value_checks.check_linear_attention``)."""
+    if isinstance(pool, torch.Tensor) and pool.dim() and tokens.dim():
+        _value_checks.check_linear_attention(fn, cu_arg, cu, tokens.shape[0], slots_arg, slots,
+                                             pool.shape[0], max_steps)
 
 
 def check_conv_weights(fn: str, x: Tensor, weight, bias, conv_state_arg: str,
@@ -109,7 +119,9 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     Returns:
         out [total_tokens, dim] in x's dtype, contiguous.
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument; under
+            ``xpu_ops.debug_checks()`` also a slot outside ``[-1, num_slots)`` or repeated, or
+            ``query_start_loc`` that is not prefix sums of ``total_tokens``.
     Source: Mamba's causal_conv1d (Gu and Dao, arXiv 2312.00752); sglang's varlen form.
 
     >>> import torch, xpu_ops
@@ -125,6 +137,8 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
                       conv_states=conv_states, query_start_loc=query_start_loc,
                       cache_indices=cache_indices, has_initial_state=has_initial_state)
     check_activation("causal_conv1d_fn", activation)
+    debug_check_slots("causal_conv1d_fn", "query_start_loc", query_start_loc, x,
+                      "cache_indices", cache_indices, conv_states)
     return torch.ops.xpu_ops.causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc,
                                               cache_indices, has_initial_state, activation)
 
@@ -178,7 +192,8 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation="silu",
     Returns:
         out, x's shape and dtype, contiguous.
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument.
+        TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument; under
+            ``xpu_ops.debug_checks()`` also a slot outside ``[-1, num_slots)`` or repeated.
     Source: Mamba's causal_conv1d_update (Gu and Dao, arXiv 2312.00752).
 
     >>> import torch, xpu_ops
@@ -193,5 +208,8 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation="silu",
                       conv_state=conv_state, weight=weight, bias=bias,
                       conv_state_indices=conv_state_indices)
     check_activation("causal_conv1d_update", activation)
+    if conv_state_indices is not None:
+        debug_check_slots("causal_conv1d_update", "", None, x, "conv_state_indices",
+                          conv_state_indices, conv_state)
     return torch.ops.xpu_ops.causal_conv1d_update(x, conv_state, weight, bias, activation,
                                                   conv_state_indices)

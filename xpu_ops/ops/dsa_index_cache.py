@@ -7,7 +7,8 @@ of two, DeepSeek-V3.2's ``act_quant``), its fp8 bytes are ``float8_e4m3fn(index_
 (round to nearest even; ``|value| <= 448`` by construction; NaN stays NaN), written at token
 slot ``loc[t]`` with the scale. Entries of ``loc`` outside ``[0, num_blocks * block_size)``
 (``-1`` included, sglang's padding) are skipped; repeated slots store one of their rows (which
-one is unspecified). Only the addressed slots' bytes change; every check runs before the write.
+one is unspecified; ``xpu_ops.debug_checks()`` rejects slots below -1 or past the cache and
+repeated slots). Only the addressed slots' bytes change; every check runs before the write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import FLOAT_DTYPES, check_same_size, check_size, check_tensor, \
     check_tensor_args, fail
 from .._registration import define_op
@@ -50,6 +52,7 @@ def store_index_k_cache_op(index_k_cache: Tensor, loc: Tensor, index_k: Tensor,
                            ue8m0_scale: bool) -> None:
     """Op form of ``store_index_k_cache``: writes the addressed slots of ``index_k_cache``."""
     _check_store_index_k_cache(index_k_cache, loc, index_k, ue8m0_scale)
+    _value_checks.check_store_index_k_cache(loc, index_k_cache)
 
 
 @store_index_k_cache_op.register_fake
@@ -100,9 +103,9 @@ def gather_index_k_cache(index_k_cache, slots):
     """The fp8 keys and scales stored at token ``slots`` (sglang's index-buffer read for the
     ragged ``fp8_mqa_logits`` of an extend: each request's cached and new index keys).
 
-    Plain tensor ops on the cache with any strides (traceable, capturable, no host sync); a slot outside
-    ``[0, num_blocks * block_size)`` reads as a zero key with scale 0 (its logits are 0, so keep
-    such slots outside every query's ``[ks, ke)`` range).
+    Plain tensor ops on the cache with any strides (traceable, capturable, no host sync); a
+    slot outside ``[0, num_blocks * block_size)`` reads as a zero key with scale 0 (its logits
+    are 0, so keep such slots outside every query's ``[ks, ke)`` range).
 
     Args:
         index_k_cache: [num_blocks, block_size, 1, D + 4] uint8 fused cache (any strides).

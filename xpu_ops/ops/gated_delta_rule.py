@@ -27,6 +27,7 @@ from torch import Tensor
 from .._checks import (FLOAT_DTYPES, check_optional, check_shape, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
 from .._registration import define_op
+from .causal_conv1d import debug_check_slots
 from .common import check_cu_seqlens, check_flag, check_index, finite_scale
 
 L2NORM_EPS = 1e-6
@@ -204,7 +205,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, h
     Returns:
         o [T, Hv, V] in v's dtype, contiguous (rows no request covers are 0).
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype, device or scalar, naming the argument.
+        TypeError/ValueError: wrong kind, shape, dtype, device or scalar, naming the argument;
+            under ``xpu_ops.debug_checks()`` also a slot outside ``[-1, num_slots)`` or
+            repeated, ``cu_seqlens`` that are not prefix sums of ``T`` (and, for the
+            recurrent form, a request longer than ``intermediate_states``' steps).
     Source: Gated DeltaNet (Yang, Kautz and Hatamizadeh, arXiv 2412.06464); the chunked UT form
     of DeltaNet (Yang et al., arXiv 2406.06484); flash-linear-attention's interface.
 
@@ -227,6 +231,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, h
                       cu_seqlens=cu_seqlens)
     scale, l2norm = _scalars(fn, q, scale, use_qk_l2norm_in_kernel)
     chunk_size = int_scalar(fn, "chunk_size", chunk_size, "an int >= 1 (tokens per chunk)")
+    debug_check_slots(fn, "cu_seqlens", cu_seqlens, q, "cache_indices", cache_indices, ssm_states)
     return torch.ops.xpu_ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states,
                                                     cache_indices, has_initial_state, cu_seqlens,
                                                     l2norm, chunk_size)
@@ -305,7 +310,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_
     Returns:
         o [T, Hv, V] in v's dtype, contiguous (rows no request covers are 0).
     Raises:
-        TypeError/ValueError: wrong kind, shape, dtype, device or scalar, naming the argument.
+        TypeError/ValueError: wrong kind, shape, dtype, device or scalar, naming the argument;
+            under ``xpu_ops.debug_checks()`` also a slot outside ``[-1, num_slots)`` or
+            repeated, ``cu_seqlens`` that are not prefix sums of ``T`` (and, for the
+            recurrent form, a request longer than ``intermediate_states``' steps).
     Source: Gated DeltaNet (Yang, Kautz and Hatamizadeh, arXiv 2412.06464);
     flash-linear-attention's ``fused_recurrent_gated_delta_rule``; sglang's verify scratch.
 
@@ -327,6 +335,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_
                       intermediate_states=intermediate_states)
     scale, l2norm = _scalars(fn, q, scale, use_qk_l2norm_in_kernel)
     disable = check_flag(fn, "disable_state_update", disable_state_update)
+    steps = (intermediate_states.shape[1] if intermediate_states is not None
+             and intermediate_states.dim() > 1 else None)
+    debug_check_slots(fn, "cu_seqlens", cu_seqlens, q, "cache_indices", cache_indices, ssm_states,
+                      steps)
     return torch.ops.xpu_ops.fused_recurrent_gated_delta_rule(
         q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens, l2norm,
         intermediate_states, disable)

@@ -20,6 +20,7 @@ import triton.language as tl
 from .. import provider_table
 from ..mla_fp8_layout import fp8_rope_offset
 from ._common import available, launch, next_pow2
+from .paged_attention import paged_attention
 
 
 @triton.jit
@@ -258,18 +259,45 @@ def _supports_sparse_fwd(q, kv, indices, sm_scale, d_v, *args):
     return _tile_limits(q.shape[-1], d_v)
 
 
+def _dense_paged(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal):
+    """Dense pages through the paged-attention kernel (split-KV planned from shapes), as
+    ``flash_mla_prefill`` runs: ``q := q_rope`` against the rope part, ``qv := q_latent``
+    against the latent part, which also serves as the values (strided views, no copy)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    rows = q.reshape(batch * seqlen_q, num_heads, head_dim)
+    out = q.new_empty((batch, seqlen_q, num_heads, head_dim_v))
+    if rows.shape[0] == 0:
+        return out, q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
+                                device=q.device)
+    lse = paged_attention(rows[..., head_dim_v:], k_cache[..., head_dim_v:],
+                          k_cache[..., :head_dim_v], out.view(batch * seqlen_q, num_heads,
+                                                              head_dim_v),
+                          cache_seqlens, cu_seqlens_q, page_table=block_table, cu_seqlens_k=None,
+                          max_seqlen_q=seqlen_q, max_kv_len=block_table.shape[1] * k_cache.shape[1],
+                          qv=rows[..., :head_dim_v], q_descale=None, k_descale=None,
+                          v_descale=None, sinks=None, softmax_scale=scale, window_left=-1,
+                          window_right=0 if causal else -1, softcap=0.0)
+    lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)
+    return out, torch.empty(lse.shape, dtype=lse.dtype, device=lse.device).copy_(lse)
+
+
 @provider_table.register("flash_mla_with_kvcache", "triton", available=available,
                     supports=_supports_kvcache)
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                            causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
                            extra_indices_in_kvcache, topk_length, extra_topk_length):
     """Triton ``flash_mla_with_kvcache`` (contract: ``xpu_ops/ops/flash_mla_kvcache.py``):
-    ``_flash_mla_kernel`` reads the slots each row selects (sparse) or its pages (dense)."""
-    batch, seqlen_q, num_heads, _ = q.shape
+    ``_flash_mla_kernel`` reads the slots each row selects (sparse) or its pages (dense fp8 or
+    unusual head dims); dense bf16/fp16/fp32 pages run the split-KV paged-attention kernel."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    dense = indices is None
+    if dense and not is_fp8_kvcache and 0 < head_dim - head_dim_v <= 256 and head_dim_v <= 512:
+        return _dense_paged(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                            causal)
     out = q.new_empty((batch, seqlen_q, num_heads, head_dim_v))
     lse = q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
     main = _cache_args(k_cache, is_fp8_kvcache)
-    dense = indices is None
     if dense:
         slots, slot_strides = block_table, (block_table.stride(0), 0, block_table.stride(1))
         n_keys = block_table.shape[1] * main[4]

@@ -1,7 +1,6 @@
-"""Gated delta rule in Triton: ``fused_gdn_gating`` and the token recurrence, which serves
-``fused_recurrent_gated_delta_rule`` (decode, target verify) and, for now,
-``chunk_gated_delta_rule`` (extend: the same recurrence, ``chunk_size`` unused, results equal to
-the chunked form up to rounding; a chunked kernel is still to come).
+"""Gated delta rule in Triton: ``fused_gdn_gating`` and the token recurrence of
+``fused_recurrent_gated_delta_rule`` (decode, target verify); the chunked form of extend is in
+``gated_delta_rule_chunk.py``.
 
 The recurrence keeps one ``[K, BLOCK_V]`` tile of a value head's state in registers per program
 (grid: request x value head x value block) and walks the request's tokens in order.
@@ -68,14 +67,14 @@ def _load_unit(PTR, mask, USE_L2: tl.constexpr):
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    Q, K, V, G, BETA, O, STATES, SLOTS, CU, INIT, INTER,
+    Q, K, V, G, BETA, O, STATES, SLOTS, CU, INTER,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
-    stride_ss, stride_sh, stride_sk, stride_sv, stride_slot, stride_cu, stride_init,
+    stride_ss, stride_sh, stride_sk, stride_sv, stride_slot, stride_cu,
     stride_ir, stride_is, stride_ih, stride_ik, stride_iv,
     total, num_slots, num_v_heads, k_dim, v_dim, group, scale, max_steps,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_L2: tl.constexpr,
-    HAS_INIT: tl.constexpr, STORE_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    STORE_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
 ):
     # Grid (b, Hv, value blocks). S [BLOCK_K, BLOCK_V] float32 in registers; per token:
     # S = e^g S; u = beta (v - S^T k); S += k u^T; o = S^T (scale q).
@@ -89,12 +88,9 @@ def _gdn_recurrent_kernel(
     end = tl.maximum(tl.minimum(tl.maximum(tl.load(CU + (r + 1) * stride_cu), 0), total), start)
     slot = tl.load(SLOTS + r * stride_slot)
     valid = (slot >= 0) & (slot < num_slots)
-    read = valid
-    if HAS_INIT:
-        read = read & (tl.load(INIT + r * stride_init) != 0)
     state_ptrs = (STATES + tl.where(valid, slot, 0).to(tl.int64) * stride_ss + h * stride_sh
                   + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
-    S = tl.load(state_ptrs, mask=_both(mask_kv, read), other=0.0).to(tl.float32)
+    S = tl.load(state_ptrs, mask=_both(mask_kv, valid), other=0.0).to(tl.float32)
     kh = h // group
     inter_ptrs = (INTER + r.to(tl.int64) * stride_ir + h * stride_ih
                   + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
@@ -122,8 +118,7 @@ def _gdn_recurrent_kernel(
 
 
 def _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
-                use_qk_l2norm_in_kernel, *, has_initial_state=None, intermediate_states=None,
-                update_state=True):
+                use_qk_l2norm_in_kernel, *, intermediate_states=None, update_state=True):
     """Launch ``_gdn_recurrent_kernel``; returns ``o [T, Hv, V]`` (rows no request covers 0)."""
     total, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
@@ -135,16 +130,14 @@ def _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
     block_v = max(16, min(next_pow2(v_dim), 8192 // block_k))
     inter = intermediate_states if intermediate_states is not None else ssm_states
     istr = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
-    init = has_initial_state if has_initial_state is not None else cache_indices
     launch(_gdn_recurrent_kernel, (batch, num_v_heads, cdiv(v_dim, block_v)), q.device,
-           q, k, v, g, beta, out, ssm_states, cache_indices, cu_seqlens, init, inter,
+           q, k, v, g, beta, out, ssm_states, cache_indices, cu_seqlens, inter,
            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-           *ssm_states.stride(), cache_indices.stride(0), cu_seqlens.stride(0),
-           init.stride(0), *istr, total, ssm_states.shape[0], num_v_heads, k_dim, v_dim,
+           *ssm_states.stride(), cache_indices.stride(0), cu_seqlens.stride(0), *istr, total,
+           ssm_states.shape[0], num_v_heads, k_dim, v_dim,
            num_v_heads // num_k_heads, float(scale),
            intermediate_states.shape[1] if intermediate_states is not None else 0,
            BLOCK_K=block_k, BLOCK_V=block_v, USE_L2=bool(use_qk_l2norm_in_kernel),
-           HAS_INIT=has_initial_state is not None,
            STORE_INTER=intermediate_states is not None, UPDATE_STATE=bool(update_state),
            num_warps=4 if block_k * block_v >= 4096 else 1)
     return out
@@ -159,12 +152,3 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_
     return _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
                        use_qk_l2norm_in_kernel, intermediate_states=intermediate_states,
                        update_state=not disable_state_update)
-
-
-@providers.register("chunk_gated_delta_rule", "triton", available=available)
-def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, has_initial_state,
-                           cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
-    """Triton ``chunk_gated_delta_rule`` (contract: ``xpu_ops/ops/gated_delta_rule.py``) through
-    the token recurrence (``chunk_size`` unused): exact to rounding, serial in tokens."""
-    return _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
-                       use_qk_l2norm_in_kernel, has_initial_state=has_initial_state)
