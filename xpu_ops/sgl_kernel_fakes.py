@@ -28,6 +28,7 @@ import torch
 #: Raw native ops that get a fake when present and lacking one.
 NATIVE_OPS = ("fwd", "merge_state", "merge_state_v2", "flash_mla_decode", "flash_mla_prefill",
               "flash_mla_sparse_decode", "flash_mla_sparse_prefill",
+              "gdn_attention",   # sgl-kernel-xpu's fused GDN layer: writes its outputs and states
               "fp8_paged_mqa_logits", "fast_topk")            # the DSA indexer's
 
 _libraries: dict[str, torch.library.Library] = {}

@@ -236,8 +236,8 @@ def test_out_of_range_slots_act_as_no_state(provider):
                                         torch.tensor([-1, -1], dtype=torch.int32), init)
         assert torch.equal(pool, states)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-        step = xpu_ops.causal_conv1d_update(x[:2], pool, weight, bias,
-                                            conv_state_indices=torch.tensor([5, -1], dtype=torch.int32))
+        step = xpu_ops.causal_conv1d_update(
+            x[:2], pool, weight, bias, conv_state_indices=torch.tensor([5, -1], dtype=torch.int32))
         assert torch.equal(pool, states)
         torch.testing.assert_close(step[0], torch.nn.functional.silu(bias + weight[:, -1] * x[0]),
                                    atol=1e-6, rtol=1e-6)   # zeros before the token
@@ -261,3 +261,25 @@ def test_debug_checks_name_inconsistent_metadata(call, kwargs, pattern):
     with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
         call(**kwargs)
     assert torch.equal(states, before)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_expanded_inputs_match_contiguous_copies(provider):
+    x, weight, bias, states = _request(torch.Generator().manual_seed(5))
+    expanded = dict(x=x[:1].expand(x.shape[0], -1), weight=weight[:1].expand(x.shape[1], -1),
+                    bias=bias[:1].expand(x.shape[1]))
+    dense = {name: t.contiguous() for name, t in expanded.items()}
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    results = []
+    for inputs in (expanded, dense):
+        pool = states.clone()
+        with running(provider):
+            out = xpu_ops.causal_conv1d_fn(inputs["x"], inputs["weight"], inputs["bias"], pool,
+                                           qsl, slots, torch.tensor([True, False]))
+            step = xpu_ops.causal_conv1d_update(inputs["x"][:2, None].expand(-1, 3, -1), pool,
+                                                inputs["weight"], inputs["bias"],
+                                                conv_state_indices=slots)
+        results.append((out, step, pool))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

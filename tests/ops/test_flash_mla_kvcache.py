@@ -316,3 +316,22 @@ def test_debug_checks_reject_inconsistent_dense_metadata(change, match):
         xpu_ops.flash_mla_with_kvcache(**kwargs)
         with pytest.raises(ValueError, match=f"^flash_mla_with_kvcache: {match}"):
             xpu_ops.flash_mla_with_kvcache(**{**kwargs, **change})
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_empty_caches_and_batches(provider):
+    """A cache of 0 pages (sparse and dense), and a batch of 0 requests: 0 / -inf, right shapes."""
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 2, 4, 80, generator=gen)
+    empty = torch.randn(0, 4, 1, 80)
+    sparse = [q, empty, None, None, 64, 0.1, False, False,
+              torch.tensor([[[0, -1], [3, 1]]], dtype=I32), None, None, None, None, None]
+    dense = [q, empty, torch.zeros(1, 1, dtype=I32), torch.zeros(1, dtype=I32), 64, 0.1, True,
+             False, None, None, None, None, None, None]
+    for args in (sparse, dense):
+        out, lse = _check(args, provider)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    none = [q[:0], torch.randn(2, 4, 1, 80), None, None, 64, 0.1, False, False,
+            torch.zeros(0, 2, 3, dtype=I32), None, None, None, None, None]
+    out, lse = _call(none, provider)
+    assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 4, 2)

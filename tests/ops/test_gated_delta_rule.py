@@ -372,3 +372,36 @@ def test_debug_checks_accept_slot_minus_one():
     kw = _gdn_kwargs(True, cache_indices=torch.tensor([-1, 2], dtype=torch.int32))
     with xpu_ops.debug_checks(), running("reference"):
         xpu_ops.fused_recurrent_gated_delta_rule(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expanded (stride-0) inputs give what their contiguous copies give
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_expanded_inputs_match_contiguous_copies(provider):
+    q, k, v, g, beta, states, slots, cu = _batch(9, lens=(3, 5))
+    gen = torch.Generator().manual_seed(10)
+    expanded = dict(
+        q=q[:, :1].expand(-1, q.shape[1], -1),                     # one key head broadcast
+        g=g[:, :1].expand(-1, g.shape[1]),                          # one decay for every head
+        beta=torch.rand(1, 1, generator=gen).expand(g.shape),       # one beta everywhere
+        A_log=torch.rand(1, generator=gen).expand(4),
+        dt_bias=torch.randn(1, generator=gen).expand(4),
+        a=torch.randn(1, 4, generator=gen).expand(q.shape[0], -1),
+        b=torch.randn(q.shape[0], 4, generator=gen))
+    dense = {name: t.contiguous() for name, t in expanded.items()}
+    init = torch.tensor([True, False])
+    results = []
+    for inputs in (expanded, dense):
+        with running(provider):
+            gating = xpu_ops.fused_gdn_gating(inputs["A_log"], inputs["a"], inputs["dt_bias"],
+                                              inputs["b"])
+            pool_c, pool_r = states.clone(), states.clone()
+            o_c = xpu_ops.chunk_gated_delta_rule(inputs["q"], k, v, inputs["g"], inputs["beta"],
+                                                 None, pool_c, slots, init, cu, chunk_size=16)
+            o_r = xpu_ops.fused_recurrent_gated_delta_rule(inputs["q"], k, v, inputs["g"],
+                                                           inputs["beta"], None, pool_r, slots, cu)
+        results.append((*gating, o_c, pool_c, o_r, pool_r))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

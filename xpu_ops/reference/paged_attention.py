@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import provider_table
 from . import cpu_decode
-from .attention import attend_packed, dequantize, gather_padded, request_ranges
+from .attention import attend_packed, dequantize, gather_padded, request_ranges, tight_bound
 
 
 def paged_lengths(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> Tensor:
@@ -100,6 +100,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, q
             softmax_scale, causal, window_size_left, window_size_right, softcap,
             return_softmax_lse):
     """One batched call (the body of ``flash_attn_with_kvcache``)."""
+    max_seqlen_q = tight_bound(cu_seqlens_q, max_seqlen_q, q.shape[0])
     if cpu_decode.applies(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, qv, q_descale,
                           k_descale, v_descale, cache_leftpad, bidirectional_block_ids):
         return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,
