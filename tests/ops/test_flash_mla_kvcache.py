@@ -335,3 +335,25 @@ def test_empty_caches_and_batches(provider):
             torch.zeros(0, 2, 3, dtype=I32), None, None, None, None, None]
     out, lse = _call(none, provider)
     assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 4, 2)
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.values[0] == "triton"])
+@pytest.mark.parametrize("index", [4, 5, 6])
+def test_split_kv_matches_the_oracle(provider, index, monkeypatch):
+    """Triton's split-KV launch (forced to 3 splits; the extra cache joins the last split)."""
+    from xpu_ops.triton import flash_mla as triton_flash_mla
+    monkeypatch.setattr(triton_flash_mla, "plan_splits", lambda *args: 3)
+    _check(reseeded_sample(OP, index, seed=7100 + index), provider)
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.values[0] == "triton"])
+def test_split_kv_shares_the_ranks(provider, monkeypatch):
+    """40 fp8 slots in 3 splits of whole tiles (16, 16, 8 ranks) with a sink and an extra cache
+    in the last split, against the oracle."""
+    from xpu_ops.triton import flash_mla as triton_flash_mla
+    monkeypatch.setattr(triton_flash_mla, "plan_splits", lambda *args: 3)
+    args = _sparse_args(16, d=288, dv=256, topk=40, pages=(6, 8), dtype=torch.bfloat16, fp8=True)
+    args[9] = torch.tensor([0.0, math.inf, -1.0, 1.0])
+    args[10], args[11] = args[1][:2], torch.randint(-1, 16, (2, 2, 5), dtype=I32)
+    args[12] = torch.tensor([40, 17], dtype=I32)
+    _check(args, provider)

@@ -405,3 +405,37 @@ def test_expanded_inputs_match_contiguous_copies(provider):
         results.append((*gating, o_c, pool_c, o_r, pool_r))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Symbolic token counts: the fakes keep T symbolic and need no value
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", [None, "xpu"], ids=["cpu", "xpu"])
+def test_fakes_keep_symbolic_token_counts(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from .utils import fake_like
+    q, k, v, g, beta, states, slots, cu = _batch(11, lens=(3, 4))
+    a, b = torch.randn(7, 4), torch.randn(7, 4)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    token_dim = {"q": (0,), "k": (0,), "v": (0,), "g": (0,), "beta": (0,), "a": (0,), "b": (0,),
+                 "slots": (0,), "cu": (0,)}
+    real = dict(q=q, k=k, v=v, g=g, beta=beta, a=a, b=b, states=states, slots=slots, cu=cu,
+                A_log=torch.rand(4), dt_bias=torch.randn(4))
+    f = {name: fake_like(mode, t, token_dim.get(name, ()), device) for name, t in real.items()}
+    with mode:
+        gate_g, gate_beta = xpu_ops.fused_gdn_gating(f["A_log"], f["a"], f["dt_bias"], f["b"])
+        init = torch.ones(f["slots"].shape, dtype=torch.bool, device=f["q"].device)
+        o = xpu_ops.chunk_gated_delta_rule(f["q"], f["k"], f["v"], f["g"], f["beta"], None,
+                                           f["states"], f["slots"], init, f["cu"])
+        o_rec = xpu_ops.fused_recurrent_gated_delta_rule(f["q"], f["k"], f["v"], f["g"],
+                                                         f["beta"], None, f["states"], f["slots"],
+                                                         f["cu"])
+    tokens = f["q"].shape[0]
+    assert isinstance(tokens, torch.SymInt)
+    for out in (o, o_rec):
+        assert str(out.shape[0]) == str(tokens) and tuple(out.shape[1:]) == (4, 6)
+        assert out.dtype == v.dtype and out.device == f["q"].device and out.is_contiguous()
+    assert str(gate_g.shape[0]) == str(f["a"].shape[0]) and gate_beta.dtype == torch.float32
