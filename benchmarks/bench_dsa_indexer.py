@@ -8,8 +8,8 @@ Cases (``--cases``):
   ``ragged``   ``fp8_mqa_logits``, an extend of ``b`` new tokens over ``context`` cached ones:
                ``2 * b * H * D * keys`` FLOPs with ``keys`` the causal total
   ``topk``     ``fast_topk_v2`` over ``b`` rows of ``context`` float32 logits: one read of the
-               row is ``b * context * 4`` bytes (the Triton kernel reads it 34 times: 32 bitwise
-               search passes, a count and the compaction)
+               row is ``b * context * 4`` bytes (the Triton kernel reads it 9 times: 8 radix
+               passes of 4 bits and the compaction)
 Ceilings: device copy bandwidth (``decode_roofline.copy_bandwidth``) and a bf16 matmul's
 TFLOP/s, both measured first. Peers: every provider that runs on the device (``reference``,
 ``triton``, ``sgl_kernel`` where installed); DeepGEMM is not a dependency and is not timed.

@@ -176,7 +176,7 @@ CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text
 #: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``); Qwen3-Next
 #: and Qwen3.5 have a config of their own (``compile.models.qwen3_next_config``).
 SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES
-                                     + ("deepseek_v2", "deepseek_v3")
+                                     + ("deepseek_v2", "deepseek_v3", "deepseek_v32")
                                      + ("qwen3_next", "qwen3_5_text")))
 
 

@@ -41,7 +41,8 @@ def _extended(X, STATE, x_row0, j, stride_xt, stride_xd, state_row, stride_sw, o
 
 @triton.jit
 def _conv_tokens(X, STATE, W, BIAS, x_row0, pos, mask, stride_xt, stride_xd, state_row,
-                 stride_sw, offs_d_x, offs_d_s, offs_d, mask_d, stride_wd, stride_ww, stride_b, read,
+                 stride_sw, offs_d_x, offs_d_s, offs_d, mask_d, stride_wd, stride_ww, stride_b,
+                 read,
                  WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """Outputs (float32) of the tokens at positions ``pos`` (broadcast against channels)."""
     acc = tl.zeros(mask.shape, tl.float32)
@@ -147,8 +148,8 @@ def _conv_update_kernel(
                            mask_d, stride_wd, stride_ww, stride_b, valid, WIDTH, HAS_BIAS, SILU)
         tl.store(OUT + (r.to(tl.int64) * seqlen + t) * dim + offs_d,
                  acc.to(OUT.dtype.element_ty), mask=mask_d)
-    _write_state(row_x, STATE, 0, seqlen + offs_d * 0, stride_xs, stride_xd, slot * stride_ss, stride_sw,
-                 offs_d, stride_sd, mask_d, valid, valid, WIDTH)
+    _write_state(row_x, STATE, 0, seqlen + offs_d * 0, stride_xs, stride_xd, slot * stride_ss,
+                 stride_sw, offs_d, stride_sd, mask_d, valid, valid, WIDTH)
 
 
 def _block_d(dim: int) -> int:
