@@ -462,3 +462,22 @@ def test_debug_checks_reject_bad_paged_metadata(over, message):
     with xpu_ops.debug_checks(), pytest.raises(ValueError, match=message):
         xpu_ops.fp8_paged_mqa_logits(**call)
     xpu_ops.fp8_paged_mqa_logits(**call)                            # clamped when off
+
+
+@pytest.mark.parametrize("op", [OPS.fp8_mqa_logits, OPS.fp8_paged_mqa_logits, OPS.fast_topk,
+                                OPS.fast_topk_transform, OPS.store_index_k_cache,
+                                OPS.hadamard_transform], ids=lambda op: op.__name__)
+def test_every_sample_traces_on_a_fake_xpu(op):
+    """No Intel GPU here: each op's fake on device ``xpu`` gives its output's shape, dtype
+    and device, as a traced XPU model needs."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    for args, kwargs in _samples(op, 0):
+        fake = [fake_like(mode, a, device="xpu") if isinstance(a, torch.Tensor) else a
+                for a in args]
+        with mode:
+            out = op(*fake, **kwargs)
+        real = op(*args, **kwargs)
+        if real is None:
+            assert out is None
+            continue
+        assert out.device.type == "xpu" and out.shape == real.shape and out.dtype == real.dtype

@@ -9,6 +9,7 @@ A tiny zoo DeepSeek-V3.2 (index top-k 4, below every length here) on a ``DSAToke
 - the same verify step with its metadata bound into fixed graph buffers
   (``fill_graph_metadata``: ``rows.page_table``/``rows.cache_seqlens``) equals the eager one;
 - the index keys land in the index-key cache at exactly the step's slots;
+- MIXED attends as EXTEND does;
 - modes the backend does not serve, and a model without indexer inputs on a plain backend,
   are refused.
 """
@@ -146,3 +147,19 @@ def test_unsupported_modes_and_plain_backend_are_refused():
     plain_backend.init_forward_metadata(fb)
     with pytest.raises(NotImplementedError, match="DSAAttentionBackend"), torch.no_grad():
         model(ids, pos, fb)
+
+
+def test_mixed_step_equals_extend_step():
+    """MIXED (a prefill chunk beside a decoding request) attends as EXTEND does."""
+    from compile.batch import ForwardMode
+    model = tiny_v32()
+    out = []
+    for mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        h = DSAHarness(model, page_size=4)
+        _prefill(h, model)
+        ids, pos, fb = h.extend([0, 1], [5, 1], init=False)
+        fb.forward_mode = mode
+        h.backend.init_forward_metadata(fb)
+        with torch.no_grad():
+            out.append(model(ids, pos, fb, return_all_logits=True))
+    torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)

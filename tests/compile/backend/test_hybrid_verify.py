@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from compile.batch import ForwardBatch, ForwardMode, SpecInfo  # noqa: E402
 from compile.engine import Engine, SamplingParams  # noqa: E402
-from compile.graphs import GraphRunner, compile_model  # noqa: E402
+from compile.graphs import GraphRunner, compile_model, full_and_piecewise  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 from tests.models.test_qwen3_next_parity import qwen3_next_hf  # noqa: E402
 
@@ -98,13 +98,21 @@ def test_verify_and_rollback_match_transformers(hf, page_size):
     run_rounds(hf, engine, lambda ids, pos, fb: model(ids, pos, fb), graphs=False)
 
 
-def test_verify_in_a_full_graph_matches_transformers(hf):
-    """Rounds 1-4 through a ``GraphRunner``: warm-up, capture, then replays of bucket 2."""
+@pytest.mark.parametrize("through", ["compile_model", "full_and_piecewise"])
+def test_verify_in_a_full_graph_matches_transformers(hf, through):
+    """Rounds 1-4 through a ``GraphRunner`` (its step recorded through ``compile_model``, or
+    through the piecewise model with both split ops, as ``--mode graphs``): warm-up, capture,
+    then replays of bucket 2."""
     torch._dynamo.reset()
     model = from_hf(hf)
     engine = prefill(model, 16)
-    runner = GraphRunner(model, forward=compile_model(model, backend="eager"),
-                         emulate_graphs=True, draft_token_num=D, batch_sizes=(1, 2, 4))
+    if through == "compile_model":
+        runner = GraphRunner(model, forward=compile_model(model, backend="eager"),
+                             emulate_graphs=True, draft_token_num=D, batch_sizes=(1, 2, 4))
+    else:
+        runner = full_and_piecewise(model, inductor=False, emulate_graphs=True,
+                                    draft_token_num=D, batch_sizes=(1, 2, 4),
+                                    graph_sizes=(8, 16))
     run_rounds(hf, engine, runner, graphs=True)
     assert (runner.captures, runner.replays) == (1, len(ACCEPTED) - 2)  # warm-up, capture, rest
 
