@@ -74,7 +74,7 @@ def _fp8_round(x: torch.Tensor) -> torch.Tensor:
     ``float8_e4m3fn`` with scale ``max(amax, 1e-4) / 448`` and back (DeepSeek's ``act_quant``
     with one block per row)."""
     d = x.shape[-1]
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=x.device)
     while h.shape[0] < d:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     x = x.float() @ h * d ** -0.5
