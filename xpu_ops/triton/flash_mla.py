@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import provider_table
-from ..mla_fp8_layout import fp8_rope_offset
+from ..mla_fp8_layout import fp8_rope_offset, is_model1
 from ._common import available, launch, next_pow2, num_sms
 from .paged_attention import paged_attention
 
@@ -343,7 +343,10 @@ def _tile_limits(head_dim: int, head_dim_v: int):
     return None
 
 
-def _supports_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, *args):
+def _supports_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                      causal, is_fp8_kvcache, *args):
+    if is_fp8_kvcache and is_model1(q.shape[-1], head_dim_v, k_cache.shape[-1]):
+        return "DeepSeek-V4 (MODEL1) fp8 pages run on the reference only"
     return _tile_limits(q.shape[-1], head_dim_v)
 
 
