@@ -14,7 +14,9 @@ copies its weights into the zoo's model (``compile.models.from_hf``), applies th
 ``compile.engine.engine.Engine`` and prints the text plus prefill and decode tokens/s (and steady-state
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` (in float32, whatever
-``--dtype`` is) and exits 1 unless the token ids are identical.
+``--dtype`` is) and exits 1 unless the ids agree (``compile.engine.cli_verify``: exactly under
+float32, up to a near tie under 16-bit dtypes). What runs now (loading, compiling, verifying)
+is said on stderr as it starts.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.engine.cli_args import (DTYPES, CliParser, model_name, non_negative_int, positive_int,
-                                     prompt_lines, prompt_text, temperature)
+from compile.engine.cli_args import (DTYPES, MAX_PAGE_SIZE, CliParser, default_threads, model_name,
+                                     non_negative_int, packaged_model_missing, page_size,
+                                     positive_int, prompt_lines, prompt_text, temperature, threads)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
-                                         quiet_unless_rank_zero, shard_model, start_parallel,
+                                         quiet_unless_rank_zero, say, shard_model, start_parallel,
                                          unsupported_by_dcp)
+from compile.engine.cli_verify import hf_generate, verify
 from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
                             full_and_piecewise)
 
@@ -126,29 +130,35 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
                     enable_deterministic_inference=args.enable_deterministic_inference)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
-    bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, desc="generate", unit="tok",
+    compiled = args.mode != "eager"
+    say(f"generating {args.max_new_tokens} tokens for each of {len(prompt_ids)} prompts"
+        + (f"; in --mode {args.mode} the first steps of each batch size compile (and on GPUs "
+           "capture) the model, which takes a while" if compiled else ""))
+    # No ETA: the first steps' compile time makes any estimate meaningless.
+    bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, unit="tok",
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]",
                disable=args.no_progress or not is_rank_zero())
     reqs = [engine.add_request(p, sampling) for p in prompt_ids]
+    steps: dict[str, int] = {}
     while engine.has_work():
         before = sum(len(r.output_ids) for r in reqs)
+        bar.set_description(_step_status(engine, steps, compiled))
         finished = engine.step()
         bar.update(sum(len(r.output_ids) for r in reqs) - before
                    + sum(args.max_new_tokens - len(r.output_ids) for r in finished))
+    bar.set_description("done")
     bar.close()
     return [r.output_ids for r in reqs], engine.stats, forward
 
 
-def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[int]]:
-    """Greedy ids from ``transformers``' own ``generate``, one prompt at a time (no padding)."""
-    outs = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=list(stops) or None,
-                                  pad_token_id=stops[0] if stops else 0)  # pad: unused, b=1
-        outs.append(y[0, len(ids):].tolist())
-    return outs
+def _step_status(engine, steps: dict[str, int], compiled: bool) -> str:
+    """What the next engine step does: prefill or decode (with its batch size), and whether it
+    is one of the first two of its kind, where compiled modes compile and capture."""
+    kind = "prefill" if engine.waiting or any(
+        r.num_cached < len(r.prompt_ids) for r in engine.running) else (
+        f"decode b={len(engine.running)}")
+    steps[kind] = steps.get(kind, 0) + 1
+    return f"{kind} (compiling)" if compiled and steps[kind] <= 2 else kind
 
 
 def report(tokenizer, prompts, outputs, stats, mode: str, forward: Callable,
@@ -218,32 +228,6 @@ def _piecewise_summary(s: dict) -> str:
             f"{s['compiles']} piece compiles, {s['captures']} captures")
 
 
-def verify(hf_model, prompt_ids, outputs, max_new_tokens: int, stops,
-           dtype: str = "float32") -> bool:
-    """Print per prompt whether the engine's ids equal transformers'; True when all do.
-
-    The reference is always ``hf_model`` as loaded (float32); under a 16-bit ``dtype`` the
-    engine's greedy ids can drift from it by rounding after a first difference, which the
-    output says (the check itself is the same exact-ids comparison for every dtype).
-    """
-    expected = hf_generate(hf_model, prompt_ids, max_new_tokens, stops)
-    if dtype != "float32":
-        print(f"verify: the reference is float32 transformers; under --dtype {dtype} greedy "
-              "ids can drift by rounding after the first difference")
-    ok = True
-    for i, (want, got) in enumerate(zip(expected, outputs)):
-        same = want == got
-        ok &= same
-        where = "" if same else f" (first difference at token {_first_diff(want, got)})"
-        print(f"verify: prompt {i}: {'match' if same else 'MISMATCH'}{where}")
-    print("verify: all prompts match" if ok else "verify: MISMATCH")
-    return ok
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def check_prompt_lengths(args, prompt_ids: list[list[int]], max_positions: int) -> None:
     """Exit with a one-line argument error (status 2) when a prompt plus ``--max-new-tokens``
     exceeds the model's ``max_position_embeddings`` (the error names ``--max-new-tokens``, the
@@ -287,25 +271,31 @@ def cmd_generate(args) -> int:
     from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cpu_threads = set_threads(args.threads)
     args.parallel, device = start_parallel(args, pick_device(args.device))
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    name = args.model or "SmolLM2-135M-Instruct (GGUF)"
+    say(f"loading {name} (transformers reads and de-quantises the weights, then they are "
+        f"copied into the zoo model on {device})")
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)
         model = from_hf(hf_model, dtype=dtype, device=device)
     model = shard_model(args, model)
-    ranks = "" if args.parallel.tp.size * args.parallel.dcp.size == 1 else (
-        f", tp {args.parallel.tp.size}, dcp {args.parallel.dcp.size}")
+    ranks = f", {cpu_threads} CPU thread{'s' if cpu_threads != 1 else ''}" if (
+        device.type == "cpu") else ""
+    if args.parallel.tp.size * args.parallel.dcp.size > 1:
+        ranks += f", tp {args.parallel.tp.size}, dcp {args.parallel.dcp.size}"
     if args.enable_deterministic_inference:
         ranks += ", deterministic inference"
     with quiet_unless_rank_zero():
-        print(f"loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
-              f"{time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, mode {args.mode}"
-              f"{ranks})")
+        print(f"loaded {name} in {time.perf_counter() - t0:.1f} s on {device} ({args.dtype}, "
+              f"mode {args.mode}{ranks})")
+        if args.model == "tiny":
+            print("note: 'tiny' has random weights and a byte tokenizer, so its text is noise; "
+                  "it exercises the stack, not a language model")
     prompts = read_prompts(args)
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
@@ -314,17 +304,30 @@ def cmd_generate(args) -> int:
         outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
-    if (args.verify and is_rank_zero()
-            and not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops,
-                           args.dtype)):
-        return 1
+    if args.verify and is_rank_zero():
+        say(f"verifying: transformers' own greedy generate on {len(prompt_ids)} prompts "
+            "(float32 reference)")
+        if not verify(hf_model, prompt_ids, outputs, args.max_new_tokens, stops, args.dtype):
+            return 1
     return 0
+
+
+def set_threads(requested: Optional[int]) -> int:
+    """Set PyTorch's CPU threads for ``--threads`` and return the count in use: the number
+    given (0: PyTorch's default), else ``OMP_NUM_THREADS`` when set (``torchrun`` sets 1),
+    else ``cli_args.default_threads()``."""
+    import os
+    if requested is None and not os.environ.get("OMP_NUM_THREADS"):
+        requested = default_threads()
+    if requested:
+        torch.set_num_threads(requested)
+    return torch.get_num_threads()
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m compile`` parser: ``generate``, ``bench`` and the check subcommand."""
     parser = CliParser(prog="python -m compile", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,check,bench}")
     g = sub.add_parser("generate", help="generate text with a model through the paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", action="append", type=prompt_text, default=argparse.SUPPRESS,
@@ -346,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs: the serving path, decode steps replay whole-step device "
                         "graphs per batch bucket, every other step runs piecewise (one "
                         "compiled model); full_and_piecewise: the same as graphs (its old name)")
-    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--page-size", type=page_size, default=16,
+                   help=f"tokens per KV page (1 to {MAX_PAGE_SIZE})")
     g.add_argument("--chunked-prefill-size", type=positive_int, default=512,
                    help="most prompt tokens in one prefill step")
     g.add_argument("--model", type=model_name, default=argparse.SUPPRESS,  # no "(default: None)"
@@ -359,10 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; >= 0")
     g.add_argument("--verify", action="store_true",
                    help="compare greedy ids with transformers' generate (in float32 "
-                        "whatever --dtype is; under bfloat16/float16 greedy ids can drift by "
-                        "rounding after the first difference); exit 1 on mismatch")
-    g.add_argument("--threads", type=non_negative_int, default=0,
-                   help="CPU threads for PyTorch (0: its default; 1 helps on a busy machine)")
+                        "whatever --dtype is): exactly under float32; under bfloat16/float16 "
+                        "equal up to the first difference, where the engine's token must be a "
+                        "near tie in the reference's logits; exit 1 on mismatch")
+    g.add_argument("--threads", type=threads, default=argparse.SUPPRESS,
+                   help=f"CPU threads for PyTorch, 0 to the cores this process may use (0: "
+                        f"PyTorch's default, every core); default: OMP_NUM_THREADS when set, "
+                        f"else half the cores, at most 8 ({default_threads()} here), which "
+                        f"holds up on a shared or small machine")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--decode-warmup-steps", type=non_negative_int, default=2,
                    help="decode steps of each batch size left out of the steady-state tokens/s "
@@ -421,8 +429,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     to ``bench``.
     """
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: show the commands
+        if is_rank_zero():
+            parser.print_help(sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     args.model = getattr(args, "model", None)  # None: the default model (see --model's help)
+    args.threads = getattr(args, "threads", None)  # None: set_threads picks
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
@@ -430,6 +443,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if getattr(args, "verify", False) and args.temperature != 0:
         error(f"argument --verify: compares greedy ids; expected --temperature 0, "
                      f"got --temperature {args.temperature:g}")
+    missing = packaged_model_missing(args.model) if args.command != "bench" else None
+    if missing:
+        error(f"argument {getattr(args, 'model_flag', 'model')}: expected an installed model, got "
+              f"{args.model or 'default'} ({missing})")
     limit = known_max_positions(args.model) if args.command == "generate" else None
     if limit is not None and args.max_new_tokens >= limit:
         error(f"argument --max-new-tokens: a prompt takes at least 1 of the model's "

@@ -1,6 +1,7 @@
 """``python -m xpu_ops info``: it reports what a call would actually run."""
 
 import io
+import re
 
 import pytest
 
@@ -62,3 +63,20 @@ def test_a_closed_pipe_ends_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_each_skip_reason_is_printed_once_and_lines_stay_short():
+    # before: every op's line repeated the same reasons, 330 characters long
+    text = _info("cpu")
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    reasons = re.findall(r"^  \[(\d+)\] (\w+): ", text, re.M)
+    assert reasons and len({n for n, _ in reasons}) == len(reasons), text
+    for n, _ in reasons:  # every numbered reason is referred to by an op line
+        assert re.search(rf"-> \w+ .*\(skipped .*\[{n}\]", text), text
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "provider" in out, out

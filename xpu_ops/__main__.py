@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import torch
 
 from . import REGISTERED_OPS, providers
 
 
-def describe_choice(op: str, device_type: str, forced) -> str:
+DESCRIPTION = ("Print the devices and, for each operator, the provider a call would run "
+               "(sgl_kernel, triton or reference) and why the preferred ones were skipped.")
+WIDTH = 100  # columns of the reasons printed under each device
+
+
+def describe_choice(op: str, device_type: str, forced, notes: dict | None = None) -> str:
     """``-> provider`` plus why higher-priority providers were skipped, or the error a call
-    would raise when the forced provider cannot run there."""
+    would raise when the forced provider cannot run there.
+
+    With ``notes`` (reason -> number, filled here), a skip is written as ``provider [n]`` and
+    its reason is printed once per device under the op table (``info``)."""
     rows = providers.candidates(op, device_type)
     if forced is not None:
         why = dict(rows)[forced]
@@ -22,9 +31,14 @@ def describe_choice(op: str, device_type: str, forced) -> str:
     if chosen is None:
         return "-> error: no provider can run here"
     rank = providers.PROVIDER_ORDER.index(chosen)
-    skipped = "; ".join(f"{name}: {why}" for name, why in rows
-                        if why is not None and providers.PROVIDER_ORDER.index(name) < rank)
-    return f"-> {chosen}" + (f"   (skipped {skipped})" if skipped else "")
+    skipped = [(name, why) for name, why in rows
+               if why is not None and providers.PROVIDER_ORDER.index(name) < rank]
+    if notes is None:
+        text = "; ".join(f"{name}: {why}" for name, why in skipped)
+    else:
+        text = ", ".join(f"{name} [{notes.setdefault(f'{name}: {why}', len(notes) + 1)}]"
+                         for name, why in skipped)
+    return f"-> {chosen}" + (f"   (skipped {text})" if text else "")
 
 
 def _devices() -> list[str]:
@@ -50,16 +64,20 @@ def info(device_types: list[str], out=sys.stdout) -> None:
     for device_type in device_types:
         note = "" if device_type in available else " (not available in this process)"
         print(f"\ndevice {device_type}{note}:", file=out)
+        notes: dict[str, int] = {}
         for packet in REGISTERED_OPS:
             op = packet._qualified_op_name.split("::")[-1]
-            print(f"  {op:30s} {describe_choice(op, device_type, forced)}", file=out)
+            print(f"  {op:30s} {describe_choice(op, device_type, forced, notes)}", file=out)
+        for reason, number in notes.items():
+            print(textwrap.fill(reason, WIDTH, initial_indent=f"  [{number}] ",
+                                subsequent_indent="      "), file=out)
     for (op, name, reason), count in providers.fallbacks().items():
         print(f"fallback: {op}: {name} declined {count} call(s): {reason}", file=out)
 
 
 def main(argv=None) -> int:
     """Entry point of ``python -m xpu_ops``; returns the exit status (2: bad XPU_OPS_PROVIDER)."""
-    parser = argparse.ArgumentParser(prog="python -m xpu_ops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m xpu_ops", description=DESCRIPTION)
     parser.add_argument("command", choices=["info"], help="info: providers per device and op")
     parser.add_argument("--device", action="append", choices=sorted(providers.DISPATCH_KEYS),
                         help="device type(s) to report (default: cpu plus every available "

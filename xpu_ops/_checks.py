@@ -5,6 +5,11 @@ Every check raises with the house message format
 ``TypeError`` for the wrong kind of object, ``ValueError`` for a bad shape, dtype, device or value,
 ``NotImplementedError`` for a valid but unsupported combination. Checks read only shapes, dtypes
 and devices (never tensor values), so they run unchanged on fake tensors with symbolic sizes.
+
+The ``ValueError`` and ``TypeError`` raised here are ``XpuOpsValueError`` and ``XpuOpsTypeError``:
+subclasses that are also ``RuntimeError``, the type sgl-kernel's native ops raise for a bad
+argument (``TORCH_CHECK``), so client code written as ``pytest.raises(RuntimeError)`` and code
+written as ``pytest.raises(ValueError)`` both catch them.
 """
 
 from __future__ import annotations
@@ -19,11 +24,26 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX_DTYPES = (torch.int32,)
 
 
+class XpuOpsValueError(ValueError, RuntimeError):
+    """A bad value, shape, dtype or device (a ``ValueError``), also a ``RuntimeError`` as
+    sgl-kernel's own argument checks raise."""
+
+
+class XpuOpsTypeError(TypeError, RuntimeError):
+    """An argument of the wrong kind (a ``TypeError``), also a ``RuntimeError`` as sgl-kernel's
+    own argument checks raise."""
+
+
+#: The house class raised for each plain exception type ``fail`` is asked for.
+HOUSE_ERRORS = {ValueError: XpuOpsValueError, TypeError: XpuOpsTypeError}
+
+
 def fail(fn: str, arg: str, problem: str, expected: str, got: object, fix: str = "",
          exc: type = ValueError) -> None:
-    """Raise ``exc`` with the house message format (see the module docstring)."""
+    """Raise ``exc`` with the house message format (see the module docstring); ``ValueError``
+    and ``TypeError`` become their house subclasses (also ``RuntimeError``)."""
     tail = f" {fix}" if fix else ""
-    raise exc(f"{fn}: {arg} {problem}; expected {expected}, got {got}.{tail}")
+    raise HOUSE_ERRORS.get(exc, exc)(f"{fn}: {arg} {problem}; expected {expected}, got {got}.{tail}")
 
 
 def _dtype_list(dtypes: Iterable[torch.dtype]) -> str:

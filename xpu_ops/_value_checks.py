@@ -50,7 +50,7 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
     >>> with xpu_ops.debug_checks():
     ...     xpu_ops.store_kv_cache(kc, vc, torch.tensor([4]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     Traceback (most recent call last):
-    ValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
+    xpu_ops._checks.XpuOpsValueError: store_kv_cache: loc has a token slot out of range; expected 0 <= loc < 4 ...
     """
     token = _override.set(bool(enabled))
     try:
@@ -127,6 +127,21 @@ def check_loc(fn: str, loc, num_slots: int) -> None:
              "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
 
 
+def check_store_cache(fn: str, indices, k_cache) -> None:
+    """``store_cache_xpu``'s ``indices``: -1 (skip the token) or a row in ``[0, S)``."""
+    if not (_index_ok(indices, 1) and isinstance(k_cache, Tensor) and k_cache.dim() >= 1
+            and _active(indices)):
+        return
+    rows = k_cache.shape[0]
+    where = _first((indices < -1) | (indices >= rows))
+    if where is not None:
+        fail(fn, "indices", "has a token slot out of range",
+             f"-1 (skip) or 0 <= indices < {rows} (rows of k_cache)",
+             _at("indices", indices, where),
+             "Pass -1 for a token that is not stored; other out-of-range indices are skipped "
+             "(never written) when XPU_OPS_DEBUG_CHECKS is off.")
+
+
 def check_cache_batch_idx(fn: str, cache_batch_idx, rows: int, rows_rule: str) -> None:
     """Every ``cache_batch_idx`` entry is a row in ``[0, rows)`` (of the dense cache or the
     page table)."""
@@ -187,12 +202,13 @@ def check_max_seqlen(fn: str, arg: str, max_seqlen: int, cu, cu_arg: str) -> Non
 
 
 def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: int,
-                contiguous: bool = False, lens_arg: str = "cache_seqlens") -> None:
+                contiguous: bool = False, lens_arg: str = "cache_seqlens",
+                table_arg: str = "page_table") -> None:
     """``0 <= cache_seqlens <= capacity`` and every page-table entry that is read is a page id.
 
     ``contiguous``: the caller built ``page_table`` for a contiguous cache ``[b, seqlen_k, Hkv,
     D]`` (none was given), so the capacity is stated as ``seqlen_k``. ``lens_arg``: the name of
-    the lengths argument in the caller's signature.
+    the lengths argument in the caller's signature, ``table_arg`` that of the table.
     """
     if not (_index_ok(cache_seqlens, 1) and _index_ok(page_table, 2, cache_seqlens.device)
             and page_table.shape[0] == cache_seqlens.shape[0]):
@@ -207,7 +223,7 @@ def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: i
                  _at(lens_arg, cache_seqlens, where),
                  "Keep each request's length within the cache, or pass a paged cache with "
                  "its page_table.")
-        fail(fn, lens_arg, "is out of range", f"0 <= {lens_arg} <= page_table.shape[1] "
+        fail(fn, lens_arg, "is out of range", f"0 <= {lens_arg} <= {table_arg}.shape[1] "
              f"* page_size = {max_pages} * {page_size} = {capacity} tokens",
              _at(lens_arg, cache_seqlens, where),
              "Give each request enough page-table columns for its tokens.")
@@ -215,9 +231,9 @@ def check_paged(fn: str, cache_seqlens, page_table, page_size: int, num_pages: i
     read = torch.arange(max_pages, device=page_table.device)[None, :] < pages_used[:, None]
     where = _first(read & ((page_table < 0) | (page_table >= num_pages)))
     if where is not None:
-        fail(fn, "page_table", "has a page id out of range in an entry that is read",
+        fail(fn, table_arg, "has a page id out of range in an entry that is read",
              f"0 <= page id < {num_pages} (num_pages) in the first ceil({lens_arg} / "
-             f"page_size) entries of each row", _at("page_table", page_table, where),
+             f"page_size) entries of each row", _at(table_arg, page_table, where),
              "Map each request's pages to physical pages of the cache.")
 
 
@@ -342,3 +358,61 @@ def check_prepare_swa_spec_page_table(page_table, prefix_lens) -> None:
     """Debug-switch value check of ``prepare_swa_spec_page_table``: ``prefix_lens`` within ``P``."""
     if _active(page_table, prefix_lens):
         check_prefix_lens("prepare_swa_spec_page_table", prefix_lens, page_table)
+
+
+def check_linear_attention(fn: str, cu_arg: str, cu, total: int, slots_arg: str, slots,
+                           num_slots: int, max_steps: Optional[int] = None) -> None:
+    """Debug-switch value checks of the linear-attention ops: ``cu`` prefix sums of ``total``
+    tokens; every state slot -1 (none) or in ``[0, num_slots)``, none repeated; with
+    ``max_steps`` (the intermediate-state scratch), no request longer than it."""
+    if not (_index_ok(slots, 1) and _active(cu, slots)):
+        return
+    where = _first((slots < -1) | (slots >= num_slots))
+    if where is not None:
+        fail(fn, slots_arg, "has a state slot out of range",
+             f"-1 (no state) or 0 <= {slots_arg} < {num_slots} (slots of the state pool)",
+             _at(slots_arg, slots, where), "Out-of-range slots read zeros and are never written "
+             "when XPU_OPS_DEBUG_CHECKS is off.")
+    used = slots[slots >= 0]
+    if used.unique().numel() != used.numel():
+        fail(fn, slots_arg, "has a repeated state slot", "one slot per request (or -1)",
+             slots.tolist(), "Give each request its own slot; which final state stays is "
+             "unspecified when XPU_OPS_DEBUG_CHECKS is off.")
+    if cu is None:
+        return
+    check_cu_seqlens(fn, cu_arg, cu, total, "the number of tokens")
+    if max_steps is not None and cu.shape[0] > 1:
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > max_steps:
+            fail(fn, "intermediate_states", "has fewer steps than the longest request",
+                 f"intermediate_states.shape[1] >= {longest} tokens", max_steps,
+                 "Allocate one step per draft token; later steps are not kept when "
+                 "XPU_OPS_DEBUG_CHECKS is off.")
+
+
+def check_store_index_k_cache(loc, index_k_cache) -> None:
+    """Debug-switch value check of ``store_index_k_cache``: each ``loc`` entry is -1 (skip the
+    token, sglang's padding) or a token slot of the cache, and no slot repeats."""
+    fn = "store_index_k_cache"
+    if not (_index_ok(loc, 1) and isinstance(index_k_cache, Tensor) and index_k_cache.dim() == 4
+            and _active(loc, index_k_cache)):
+        return
+    num_slots = index_k_cache.shape[0] * index_k_cache.shape[1]
+    where = _first((loc < -1) | (loc >= num_slots))
+    if where is not None:
+        fail(fn, "loc", "has a token slot out of range", f"-1 (skip) or 0 <= loc < {num_slots} "
+             "(token slots of the cache)", _at("loc", loc, where),
+             "Allocate slots from the index-key pool; such entries are skipped (never written) "
+             "when XPU_OPS_DEBUG_CHECKS is off.")
+    check_loc(fn, loc[loc >= 0], num_slots)
+
+
+def check_fp8_paged_mqa_logits(q, kv_cache, context_lens, block_table) -> None:
+    """Debug-switch value check of ``fp8_paged_mqa_logits``: each request's longest row of
+    keys within its block table, and every block id it reads a block of the cache."""
+    if not (_active(q, kv_cache, context_lens, block_table) and kv_cache.dim() == 4
+            and _index_ok(context_lens, context_lens.dim()) and context_lens.dim() in (1, 2)):
+        return
+    lens = context_lens.amax(1) if context_lens.dim() == 2 else context_lens
+    check_paged("fp8_paged_mqa_logits", lens, block_table, kv_cache.shape[1], kv_cache.shape[0],
+                lens_arg="context_lens", table_arg="block_table")

@@ -1,20 +1,24 @@
-"""Run code written against sgl-kernel (an sglang attention backend) on xpu-ops, unchanged.
+"""Run code written against sgl-kernel (an sglang attention backend, sgl-kernel's and
+sgl-kernel-xpu's own tests) on xpu-ops, unchanged.
 
 ``install_sgl_kernel_shim()`` is an explicit opt-in. When no real ``sgl_kernel`` imports, it
-installs a small module under that name whose functions are xpu-ops' own, so these resolve:
+installs small modules under that name whose functions are xpu-ops' own (``SHIM_MODULES``: each
+module and the names it exports), so these resolve:
 
     import sgl_kernel
     from sgl_kernel.flash_attn import (flash_attn_with_kvcache, flash_attn_varlen_func,
                                        get_scheduler_metadata)
-    from sgl_kernel import (merge_state_v2, flash_mla_decode, flash_mla_decode_get_workspace_size,
-                            flash_mla_get_workspace_size, flash_mla_prefill,
-                            flash_mla_prefill_get_workspace_size)
+    from sgl_kernel import merge_state, merge_state_v2, store_cache_xpu, flash_mla_decode, ...
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata, flash_mla_sparse_fwd
+    from sgl_kernel import fp8_mqa_logits, fp8_paged_mqa_logits, hadamard_transform, ...  # DSA
+    from sgl_kernel.testing.rotary_embedding import _apply_rotary_emb
 
-These are every name that sglang 0.5.23's ``xpu_backend.py`` and ``flashattention_backend.py``
-import from ``sgl_kernel`` (``SGL_KERNEL_NAMES`` / ``SGL_KERNEL_FLASH_ATTN_NAMES``), plus
-``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which its Gemma-3 model imports on XPU.
-``get_scheduler_metadata`` returns None: FA3's precomputed tile schedule is a speed hint that
-``flash_attn_with_kvcache`` accepts as ``scheduler_metadata=None``.
+These cover every attention name that sglang 0.5.23's attention backends (``xpu_backend.py``,
+``flashattention_backend.py``, ``flashmla_backend.py``, the NSA backend) and sgl-kernel-xpu's
+attention tests import from ``sgl_kernel`` (``ATTENTION_IMPORTS`` lists them; a CPU test
+imports each), plus ``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which sglang's
+Gemma-3 model imports on XPU. ``get_scheduler_metadata`` returns None: FA3's precomputed tile
+schedule is a speed hint that ``flash_attn_with_kvcache`` accepts as ``scheduler_metadata=None``.
 
 A real installation (sgl-kernel-xpu, sgl-kernel) is never shadowed: if ``import sgl_kernel``
 succeeds the shim is not installed and the real module is returned. The shim carries
@@ -29,13 +33,33 @@ import sys
 import types
 
 SHIM_NAME = "sgl_kernel"
+_FLASH_MLA = ("flash_mla_with_kvcache", "get_mla_metadata", "flash_mla_sparse_fwd")
+_ATTENTION = ("merge_state", "merge_state_v2", "flash_mla_decode",
+              "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size",
+              "flash_mla_prefill", "flash_mla_prefill_get_workspace_size") + _FLASH_MLA
 #: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
-SGL_KERNEL_NAMES = ("merge_state_v2", "flash_mla_decode", "flash_mla_decode_get_workspace_size",
-                    "flash_mla_get_workspace_size", "flash_mla_prefill",
-                    "flash_mla_prefill_get_workspace_size")
+SGL_KERNEL_NAMES = _ATTENTION + ("store_cache_xpu",
+                                   # the DSA indexer (sgl-kernel-xpu's names, DeepGEMM's order)
+                                   "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
+                                   "fast_topk_v2", "fast_topk_transform_fused",
+                                   "fast_topk_transform_ragged_fused")
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")
+#: Every shim module (submodules after their package) and the names it exports.
+SHIM_MODULES = {
+    SHIM_NAME: SGL_KERNEL_NAMES,
+    f"{SHIM_NAME}.flash_attn": SGL_KERNEL_FLASH_ATTN_NAMES,
+    f"{SHIM_NAME}.attention": _ATTENTION,                 # sgl-kernel-xpu's home of these
+    f"{SHIM_NAME}.elementwise": ("store_cache_xpu",),
+    f"{SHIM_NAME}.flash_mla": _FLASH_MLA,   # sgl-kernel's module: base-2 sparse statistics
+    f"{SHIM_NAME}.testing": (),
+    f"{SHIM_NAME}.testing.rotary_embedding": ("_apply_rotary_emb",),
+}
+#: ``(module, name)`` of every attention import the clients make: sglang 0.5.23's attention
+#: backends and sgl-kernel-xpu main's attention tests.
+ATTENTION_IMPORTS = tuple((module, name) for module, names in SHIM_MODULES.items()
+                          for name in names)
 
 
 def get_scheduler_metadata(*args, **kwargs) -> None:
@@ -86,15 +110,30 @@ def install_sgl_kernel_shim() -> types.ModuleType:
         return importlib.import_module(SHIM_NAME)   # a real installation wins
     except ImportError:
         pass
-    import xpu_ops
-    functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata)
-    flash_attn = _module(f"{SHIM_NAME}.flash_attn", False,
-                         **{name: functions[name] for name in SGL_KERNEL_FLASH_ATTN_NAMES})
-    package = _module(SHIM_NAME, True, flash_attn=flash_attn,
-                      **{name: functions[name] for name in SGL_KERNEL_NAMES})
-    sys.modules[SHIM_NAME] = package
-    sys.modules[flash_attn.__name__] = flash_attn
+    modules = {}
+    for name, exports in SHIM_MODULES.items():       # packages before their submodules
+        parent, _, leaf = name.rpartition(".")
+        is_package = any(other.startswith(name + ".") for other in SHIM_MODULES)
+        functions = _functions(name)
+        modules[name] = _module(name, is_package, **{n: functions[n] for n in exports})
+        if parent:
+            setattr(modules[parent], leaf, modules[name])
+    package = modules[SHIM_NAME]
+    sys.modules.update(modules)
     return package
+
+
+def _functions(module: str) -> dict:
+    """The xpu-ops function behind each name ``module`` exports (``sgl_kernel.flash_mla``'s
+    ``flash_mla_sparse_fwd`` is sgl-kernel's base-2 form, ``compat_flash_mla``)."""
+    import xpu_ops
+    from xpu_ops.ops.rotary import apply_rotary_emb_per_token
+    from . import compat_flash_mla
+    functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
+                     _apply_rotary_emb=apply_rotary_emb_per_token)
+    if module == f"{SHIM_NAME}.flash_mla":
+        functions.update(compat_flash_mla.functions())
+    return functions
 
 
 def uninstall_sgl_kernel_shim() -> bool:

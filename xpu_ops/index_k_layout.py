@@ -48,4 +48,28 @@ def split_blocks(cache: Tensor) -> tuple[Tensor, Tensor]:
     return values, scales.view(torch.float32).squeeze(-1)
 
 
-__all__ = ["SCALE_BYTES", "FP8_MAX", "AMAX_FLOOR", "head_dim", "is_dense_blocks", "split_blocks"]
+def request_of_rows(cu_seqlens_q: Tensor, rows: int, batch: int) -> Tensor:
+    """int64 [rows]: the request ``r`` with ``cu_seqlens_q[r] <= i < cu_seqlens_q[r + 1]`` of
+    each row ``i``, or -1 when none covers it (one ``searchsorted``, no host sync)."""
+    row_ids = torch.arange(rows, device=cu_seqlens_q.device)
+    cu = cu_seqlens_q.long().contiguous()
+    request = torch.searchsorted(cu, row_ids, right=True) - 1
+    covered = (request >= 0) & (request < batch) & (row_ids < cu[-1:])
+    return torch.where(covered, request, -1)
+
+
+def positions_to_slots(positions: Tensor, page_table: Tensor, cu_seqlens_q: Tensor) -> Tensor:
+    """``fast_topk_transform``'s lookup: int32 ``page_table[r(i), p]`` for each selected
+    position ``p >= 0`` of row ``i`` (``request_of_rows``), -1 for padding, positions past the
+    table and rows no request covers."""
+    batch, width = page_table.shape
+    if batch == 0 or width == 0:
+        return torch.full_like(positions, -1, dtype=torch.int32)
+    request = request_of_rows(cu_seqlens_q, positions.shape[0], batch)
+    lookup = page_table[request.clamp(min=0)[:, None], positions.clamp(0, width - 1)]
+    keep = (positions >= 0) & (positions < width) & (request >= 0)[:, None]
+    return torch.where(keep, lookup, -1).to(torch.int32)
+
+
+__all__ = ["SCALE_BYTES", "FP8_MAX", "AMAX_FLOOR", "head_dim", "is_dense_blocks", "split_blocks",
+           "request_of_rows", "positions_to_slots"]

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 #: Raw native ops that get a fake when present and lacking one.
-NATIVE_OPS = ("fwd", "merge_state", "merge_state_v2", "flash_mla_decode", "flash_mla_prefill")
+NATIVE_OPS = ("fwd", "merge_state", "merge_state_v2", "flash_mla_decode", "flash_mla_prefill",
+              "flash_mla_sparse_decode", "flash_mla_sparse_prefill")
 
 _libraries: dict[str, torch.library.Library] = {}
 

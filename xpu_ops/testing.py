@@ -326,12 +326,41 @@ def _block_ids(case: AttentionCase, device) -> Optional[Tensor]:
     return ids.to(device)
 
 
+def client_forms(args: tuple, variant: int) -> tuple:
+    """``args`` of either attention op with sinks and fp8 descales in the other forms sgl-kernel
+    and sgl-kernel-xpu pass (the op reads them as float32 ``[Hq]`` and ``[b, Hkv]``): sinks in
+    bfloat16 (``variant`` odd: one value expanded to ``[Hq]``, stride 0); ``k_descale [1]``
+    (``variant`` odd: a 0-d scale expanded to ``[1]``), ``v_descale`` and ``q_descale [b]``.
+    The values are new (the first KV head's scales); a test builds the ``[b, Hkv]`` form itself.
+    Positions: 8-11 are q/k/v descale and sinks in both ops' schemas."""
+    args = list(args)
+    q_descale, k_descale, v_descale, sinks = args[8:12]
+    if sinks is not None:
+        sinks = (sinks[:1].to(torch.bfloat16).expand(sinks.shape[0]) if variant % 2
+                 else sinks.to(torch.bfloat16))
+    if k_descale is not None:
+        k_descale = k_descale[0, 0].expand(1) if variant % 2 else k_descale[0, :1].clone()
+    per_request = [None if t is None else t[:, 0].contiguous() for t in (q_descale, v_descale)]
+    args[8:12] = per_request[0], k_descale, per_request[1], sinks
+    return tuple(args)
+
+
+#: Indices of the first ``ATTENTION_CASES`` with sinks, with fp8 KV and with an fp8 query: their
+#: ``client_forms`` are samples too.
+CLIENT_FORM_CASES = tuple(next(i for i, c in enumerate(ATTENTION_CASES) if has(c)) for has in (
+    lambda c: c.sinks, lambda c: c.kv_dtype is not None and not c.q_fp8, lambda c: c.q_fp8))
+
+
 @_sampler("flash_attn_with_kvcache")
 def _flash_attn_with_kvcache_samples(device, dtype, gen):
     for case in ATTENTION_CASES + NO_LSE_CASES:
         if dtype is not None and case.q_fp8:
             continue
         yield attention_case_inputs(case, device, dtype, gen)
+    for variant, index in enumerate(CLIENT_FORM_CASES):
+        if dtype is None or not ATTENTION_CASES[index].q_fp8:
+            args, kwargs = attention_case_inputs(ATTENTION_CASES[index], device, dtype, gen)
+            yield client_forms(args, variant), kwargs
 
 
 def varlen_case_inputs(case: AttentionCase, device, dtype: Optional[torch.dtype] = None,
@@ -376,6 +405,10 @@ def _flash_attn_varlen_func_samples(device, dtype, gen):
             continue
         yield varlen_case_inputs(case, device, dtype, gen, seqused=i % 3 == 1,
                                  seqused_q=i % 4 == 2)
+    for variant, index in enumerate(CLIENT_FORM_CASES):
+        if dtype is None or not ATTENTION_CASES[index].q_fp8:
+            args, kwargs = varlen_case_inputs(ATTENTION_CASES[index], device, dtype, gen)
+            yield client_forms(args, variant + 1), kwargs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,6 +445,12 @@ def _merge_state_v2_samples(device, dtype, gen):
         s_a, s_b = s_a.to(device), s_b.to(device)
         yield ((v_a, s_a, v_b, s_b, _nan_poisoned((n, h, d), dt, device),
                 _nan_poisoned((n, h), torch.float32, device)), {})
+
+
+@_sampler("merge_state")
+def _merge_state_samples(device, dtype, gen):
+    # merge_state (v1) reads the same LSEs in log2 units: the same cases, empty sides included.
+    yield from _merge_state_v2_samples(device, dtype, gen)
 
 
 def _mla_inputs(gen, k_lens, rows, page_size, h, latent, rope, dtype, device):
@@ -488,6 +527,23 @@ def _store_kv_cache_samples(device, dtype, gen):
         v = _randn(gen, n, hkv, dv, dtype=dt, device=device, scale=2.0)
         scale = (lambda: torch.rand(1, generator=gen).add(0.5).to(device)) if scaled else None
         yield ((k_cache, v_cache, loc, k, v, scale and scale(), scale and scale()), {})
+
+
+@_sampler("store_cache")
+def _store_cache_samples(device, dtype, gen):
+    # (S, N, row dims Dk/Dv, dtype, rows as one head of [N, H, D] (strided), skipped tokens)
+    for slots, n, dk, dv, dt, heads, skip in ((32, 5, 64, 64, torch.float32, 1, ()),
+                                              (64, 7, 128, 96, torch.bfloat16, 3, (1, 4)),
+                                              (16, 4, 80, 80, torch.float16, 2, (0, 1, 2, 3)),
+                                              (8, 0, 64, 64, torch.float32, 1, ())):
+        dt = dtype or dt
+        k_cache = _randn(gen, slots, dk, dtype=dt, device=device)
+        v_cache = _randn(gen, slots, dv, dtype=dt, device=device)
+        indices = torch.randperm(slots, generator=gen)[:n]
+        indices[list(skip)] = -1
+        k = _randn(gen, n, heads, dk, dtype=dt, device=device, scale=2.0)[:, heads - 1]
+        v = _randn(gen, n, heads, dv, dtype=dt, device=device, scale=2.0)[:, 0]
+        yield ((k, v, k_cache, v_cache, indices.to(device)), {})
 
 
 @_sampler("store_mla_kv_cache")
@@ -625,4 +681,6 @@ def recorded_op_calls(name: str) -> Iterator[list]:
         yield seen
 
 
+from . import testing_flash_mla  # noqa: E402,F401  (the FlashMLA surface's samplers)
 from . import testing_dsa  # noqa: E402,F401  (the DSA indexer ops' samplers register on import)
+from . import testing_linear_attention  # noqa: E402,F401  (registers the linear-attention samplers)

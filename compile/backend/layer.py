@@ -13,6 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from compile.backend.linear_layer import linear_layers
 from compile.batch import KVLayout
 
 
@@ -179,7 +180,8 @@ def kv_layout(model: nn.Module) -> KVLayout:
     are those with ``sliding_window_size >= 0`` (W = ``sliding_window_size + 1``, the largest
     one); the MLA latent rank is ``model.config.kv_lora_rank`` when the config has one (the
     layers then hold ``D = R + r`` and ``Dv = R``); layers with ``kv_sharing_target_layer_id`` are
-    ``kv_sharing`` pairs (they get no buffers).
+    ``kv_sharing`` pairs (they get no buffers); ``LinearAttention`` layers below the last
+    attention layer are ``linear_layer_ids`` (no buffers either: their state is elsewhere).
 
     Raises:
         ValueError: ``model`` has no ``PagedAttention`` layer, or two layers disagree on Hkv, D
@@ -191,7 +193,7 @@ def kv_layout(model: nn.Module) -> KVLayout:
     ...                         PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=1)])
     >>> kv_layout(layers)
     KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), \
-sliding_window=8, kv_lora_rank=0, kv_sharing=())
+sliding_window=8, kv_lora_rank=0, kv_sharing=(), linear_layer_ids=())
     """
     layers = attention_layers(model)
     if not layers:
@@ -212,9 +214,12 @@ sliding_window=8, kv_lora_rank=0, kv_sharing=())
     rank = getattr(getattr(model, "config", None), "kv_lora_rank", None) or 0
     sharing = tuple(sorted((m.layer_id, m.kv_sharing_target_layer_id) for m in layers
                            if m.kv_sharing_target_layer_id is not None))
-    return KVLayout(num_layers=max(m.layer_id for m in layers) + 1, head_num=shape[0],
+    num_layers = max(m.layer_id for m in layers) + 1
+    linear = tuple(sorted(m.layer_id for m in linear_layers(model) if m.layer_id < num_layers))
+    return KVLayout(num_layers=num_layers, head_num=shape[0],
                     head_dim=shape[1], v_head_dim=shape[2], swa_layer_ids=tuple(swa),
-                    sliding_window=window, kv_lora_rank=rank, kv_sharing=sharing)
+                    sliding_window=window, kv_lora_rank=rank, kv_sharing=sharing,
+                    linear_layer_ids=linear)
 
 
 __all__ = ["AttentionType", "PagedAttention", "attention_layers", "is_causal", "kv_layout"]

@@ -30,6 +30,8 @@ class KVLayout:
         kv_lora_rank: R of an MLA latent cache ``[num_slots, 1, R + r]`` (0: not MLA).
         kv_sharing: ``(layer, target)`` of each layer that reads ``target``'s cache (cross-layer
             KV sharing); such layers get no buffers of their own.
+        linear_layer_ids: ids below ``num_layers`` of linear-attention layers (their state
+            lives in ``compile.batch.state_pool.LinearStatePool``); they get no KV buffers.
     """
 
     num_layers: int
@@ -40,6 +42,7 @@ class KVLayout:
     sliding_window: Optional[int] = None
     kv_lora_rank: int = 0
     kv_sharing: tuple[tuple[int, int], ...] = ()
+    linear_layer_ids: tuple[int, ...] = ()
 
     @property
     def full_layer_ids(self) -> tuple[int, ...]:
@@ -49,9 +52,20 @@ class KVLayout:
 
     @property
     def cache_layer_ids(self) -> tuple[int, ...]:
-        """Ids of the layers with a cache of their own (not in ``kv_sharing``), ascending."""
-        shared = {lid for lid, _ in self.kv_sharing}
+        """Ids of the layers with a cache of their own (not in ``kv_sharing`` nor
+        ``linear_layer_ids``), ascending."""
+        shared = {lid for lid, _ in self.kv_sharing} | set(self.linear_layer_ids)
         return tuple(i for i in range(self.num_layers) if i not in shared)
+
+    @property
+    def pool_sharing(self) -> tuple[tuple[int, int], ...]:
+        """``kv_sharing`` plus each linear-attention layer aliased to the first layer with a
+        cache: what the pools take as ``kv_sharing``, so linear layers cost no KV memory
+        (nothing reads or writes their alias)."""
+        if not self.linear_layer_ids:
+            return self.kv_sharing
+        owner = self.cache_layer_ids[0]
+        return self.kv_sharing + tuple((lid, owner) for lid in self.linear_layer_ids)
 
     @property
     def qk_rope_head_dim(self) -> int:
@@ -85,10 +99,10 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
     if layout.kv_lora_rank:
         return MLATokenToKVPool(size, page_size, dtype, layout.kv_lora_rank,
                                 layout.qk_rope_head_dim, layout.num_layers, device,
-                                kv_sharing=layout.kv_sharing)
+                                kv_sharing=layout.pool_sharing)
     return MHATokenToKVPool(size, page_size, dtype, layout.head_num, layout.head_dim,
                             layout.num_layers, device, v_head_dim=layout.v_head_dim,
-                            kv_sharing=layout.kv_sharing)
+                            kv_sharing=layout.pool_sharing)
 
 
 __all__ = ["KVLayout", "check_layout", "make_kv_pool"]

@@ -13,10 +13,12 @@ times over the same model:
 3. ``compile_piecewise(model, capture=False)``: the piecewise split count per Dynamo graph,
    expected ``num_layers + 1`` pieces around ``num_layers`` attention calls.
 
-It also reports the attention kind of every layer (global, sliding window W, chunked local C)
-and, for models with sliding-window layers, the KV cache of one ``KV_REPORT_TOKENS``-token
-request in the engine's hybrid pool against a full pool
-(``compile.batch.swa_pages.kv_cache_bytes``).
+It also reports the attention kind of every layer (global, sliding window W, chunked local C,
+linear: gated delta net), for models with sliding-window layers the KV cache of one
+``KV_REPORT_TOKENS``-token request in the engine's hybrid pool against a full pool
+(``compile.batch.swa_pages.kv_cache_bytes``), and for models with linear-attention layers
+(Qwen3-Next) the KV bytes per token of the full-attention layers and the state bytes per
+request of the linear ones (``compile.batch.state_pool.LinearStateLayout.state_bytes``).
 
 The Dynamo ``eager`` backend is used unless ``--inductor`` is given: breaks, guards and splits
 are decided before Inductor runs. Exit status 1 when any break, a wrong split count or an id
@@ -31,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from compile.backend import attention_layers, kv_layout
+from compile.backend import LinearAttention, PagedAttention, kv_layout, linear_layout
 from compile.batch.swa_pages import KVCacheBytes, kv_cache_bytes
 from compile.engine.cli_args import DTYPES, model_name, positive_int
 
@@ -55,6 +57,9 @@ class CheckResult:
         attention: per attention layer, its kind (``attention_kinds``).
         kv_bytes: KV cache of one ``KV_REPORT_TOKENS``-token request, hybrid vs full pool
             (None without sliding-window layers).
+        kv_bytes_per_token, state_bytes_per_request: models with linear-attention layers: the
+            KV cache of the full-attention layers per token, and the linear layers' state per
+            request (None otherwise).
     """
 
     num_layers: int
@@ -66,6 +71,8 @@ class CheckResult:
     ids_match: bool
     attention: list[str] = dataclasses.field(default_factory=list)
     kv_bytes: Optional[KVCacheBytes] = None
+    kv_bytes_per_token: Optional[int] = None
+    state_bytes_per_request: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -123,22 +130,35 @@ def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckR
     s = piecewise.backend.stats
     n = max(s["graphs"], 1)
     kinds = attention_kinds(model)
-    kv = None
+    kv, dtype = None, next(model.parameters()).dtype
     if any(k.startswith("sliding") for k in kinds):
         kv = kv_cache_bytes(kv_layout(model), KV_REPORT_TOKENS, page_size=page_size,
-                            dtype=next(model.parameters()).dtype)
+                            dtype=dtype)
+    per_token, per_request = None, None
+    linear = linear_layout(model)
+    if linear is not None:
+        layout = kv_layout(model)
+        per_token = (len(layout.cache_layer_ids) * layout.head_num
+                     * (layout.head_dim + layout.v_head_dim) * dtype.itemsize)
+        per_request = linear.state_bytes(dtype)
     return CheckResult(num_layers=model.config.num_hidden_layers, graph_breaks=breaks,
                        break_reasons=reasons, graphs=graphs, pieces_per_graph=s["pieces"] / n,
                        split_ops=s["split_ops"] / n, ids_match=ids == expected == pw_ids,
-                       attention=kinds, kv_bytes=kv)
+                       attention=kinds, kv_bytes=kv, kv_bytes_per_token=per_token,
+                       state_bytes_per_request=per_request)
 
 
 def attention_kinds(model) -> list[str]:
-    """Per ``PagedAttention`` layer of ``model``, in layer order: ``"global"``, ``"sliding
-    window W"`` (W tokens: the query and W - 1 before it) or ``"chunked local C"`` (C tokens)."""
+    """Per attention layer of ``model`` (``PagedAttention`` or ``LinearAttention``), in layer
+    order: ``"global"``, ``"sliding window W"`` (W tokens: the query and W - 1 before it),
+    ``"chunked local C"`` (C tokens) or ``"linear (gated delta net)"``."""
     chunk = getattr(model.config, "attention_chunk_size", None)
     kinds = []
-    for attn in attention_layers(model):
+    for attn in model.modules():
+        if isinstance(attn, LinearAttention):
+            kinds.append("linear (gated delta net)")
+        if not isinstance(attn, PagedAttention):
+            continue
         if attn.use_irope:
             kinds.append(f"chunked local {chunk}")
         elif attn.sliding_window_size >= 0:
@@ -179,6 +199,10 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
         lines.append(f"  KV cache of one {KV_REPORT_TOKENS}-token request: hybrid SWA pool "
                      f"{r.kv_bytes.hybrid / mib:.1f} MiB vs full pool {r.kv_bytes.full / mib:.1f} "
                      f"MiB ({100 * r.kv_bytes.saved_fraction:.0f}% saved)")
+    if r.state_bytes_per_request is not None:
+        lines.append(f"  KV cache {r.kv_bytes_per_token} bytes per token (full-attention "
+                     f"layers); linear-attention state {r.state_bytes_per_request} bytes per "
+                     "request (conv windows and recurrent states, any length)")
     lines.append(f"  graphs compiled: {r.graphs} ({max(r.graphs - 1, 0)} recompiles)")
     want = r.num_layers + 1
     lines.append(f"  piecewise split: {r.pieces_per_graph:g} pieces around {r.split_ops:g} "

@@ -122,7 +122,7 @@ def user_model_errors(name: Optional[str]) -> Iterator[None]:
         kind = type(e).__name__
         if type(e).__module__ != "builtins":  # struct.error, not error
             kind = f"{type(e).__module__}.{kind}"
-        reason = (str(e).strip().splitlines() or [""])[0]
+        reason = " ".join(str(e).split())  # every line of it, on one line
         raise ModelLoadError(f"expected a model that transformers loads and this zoo supports, "
                              f"got {name!r} ({kind}: {reason})") from e
 

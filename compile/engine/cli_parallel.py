@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -87,6 +88,13 @@ def is_rank_zero() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def say(message: str) -> None:
+    """Tell the user what is happening now (loading, compiling, verifying): one line on stderr,
+    from rank 0 only, flushed at once so it shows before the slow part starts."""
+    if is_rank_zero():
+        print(f"[generate] {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def quiet_unless_rank_zero() -> Iterator[None]:
     """Inside the block, ranks other than 0 write nothing to stdout."""
@@ -98,4 +106,4 @@ def quiet_unless_rank_zero() -> Iterator[None]:
 
 
 __all__ = ["add_parallel_arguments", "start_parallel", "shard_model", "unsupported_by_dcp",
-           "is_rank_zero", "quiet_unless_rank_zero"]
+           "is_rank_zero", "quiet_unless_rank_zero", "say"]

@@ -26,10 +26,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile.backend import XPUAttentionBackend, kv_layout
+from compile.backend import HybridLinearAttnBackend, XPUAttentionBackend, kv_layout, linear_layout
 from compile.backend.parallel_state import ParallelConfig
-from compile.batch import (ForwardBatch, ForwardMode, KVLayout, PageAllocator, ReqToTokenPool,
-                           SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
+from compile.batch import (ForwardBatch, ForwardMode, KVLayout, LinearStatePool, PageAllocator,
+                           ReqToTokenPool, SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
 
@@ -144,6 +144,9 @@ class Engine:
         max_context_len: tokens per request at most (prompt + output); requests are also held
             to the model's ``max_position_embeddings`` (``max_request_tokens``, the smaller).
         max_total_tokens: KV slots in the pool (page 0 is reserved as padding on top of these).
+            A model with linear-attention layers (``compile.backend.LinearAttention``) also gets
+            a ``LinearStatePool`` of ``max_running`` state slots (``state_pool``) and, by
+            default, a ``HybridLinearAttnBackend``.
         chunked_prefill_size: most new tokens in one EXTEND step.
         kv_dtype: cache dtype (default: the model's). seed: for temperature sampling.
         backend_cls: attention backend class (default ``XPUAttentionBackend``).
@@ -199,6 +202,10 @@ class Engine:
                                               kv_dtype or weight.dtype, max_running,
                                               max_context_len)
         window = layout.sliding_window
+        # linear-attention layers (Qwen3-Next): one state slot per request row
+        linear = linear_layout(model)
+        self.state_pool = None if linear is None else LinearStatePool(
+            linear, max_running, max_running, weight.dtype, self.device)
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
@@ -211,7 +218,10 @@ class Engine:
             is_hybrid_swa=self.swa_pages is not None,
             dcp_group=self.parallel.dcp if dcp > 1 else None,
             server_args=SimpleNamespace(
-                enable_deterministic_inference=enable_deterministic_inference))
+                enable_deterministic_inference=enable_deterministic_inference),
+            state_pool=self.state_pool)
+        if backend_cls is None and self.state_pool is not None:
+            backend_cls = HybridLinearAttnBackend
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
         self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
@@ -269,6 +279,8 @@ class Engine:
                             f"expected a SamplingParams, got {sampling!r}. Build one with "
                             "compile.engine.engine.SamplingParams(...).")
         sampling.validate(where)
+        # A private copy: the caller may change or reuse its object after this call.
+        sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
         checked = [self._check_prompt(p, sampling, where, name.format(i))
                    for i, p in enumerate(prompts)]
         reqs = [Req(self._next_rid + i, ids, sampling) for i, ids in enumerate(checked)]
@@ -317,6 +329,8 @@ class Engine:
                 break
             req = self.waiting.pop(0)
             req.row = self.req_to_token_pool.alloc(1)[0]
+            if self.state_pool is not None:
+                self.state_pool.alloc([req.row])
             self.running.append(req)
             promised += need
 
@@ -325,6 +339,8 @@ class Engine:
         if self.swa_pages is not None:
             self.swa_pages.release(req.row, req.pages)
         self.allocator.free(req.pages)
+        if self.state_pool is not None:
+            self.state_pool.free([req.row])
         self.req_to_token_pool.free(req.row)
         req.pages, req.row = [], None
         self.running.remove(req)

@@ -36,6 +36,8 @@ class ModelRunnerInfo:
         use_mla_backend: True for MLA models (default: the pool is an MLATokenToKVPool).
         dcp_group: the decode-context-parallel ``ParallelGroup``
             (``compile.backend.dcp_attention``), or None without DCP.
+        state_pool: the ``LinearStatePool`` of a model with linear-attention layers
+            (``compile.backend.HybridLinearAttnBackend`` reads it), or None.
     """
 
     model_config: Any
@@ -51,6 +53,7 @@ class ModelRunnerInfo:
     is_hybrid_swa: bool = False
     use_mla_backend: Optional[bool] = None
     dcp_group: Any = None
+    state_pool: Any = None
 
 
 __all__ = ["ModelRunnerInfo"]

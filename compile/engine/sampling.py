@@ -23,8 +23,10 @@ class SamplingParams:
     Attributes:
         max_new_tokens: tokens to generate at most (an integer >= 1).
         temperature: softmax temperature, a finite number >= 0; 0 is greedy (argmax).
-        stop_token_ids: token ids (integers >= 0); generation ends after sampling any of them
-            (it is kept in the output).
+        stop_token_ids: a tuple or list of token ids (integers >= 0); generation ends after
+            sampling any of them (it is kept in the output).
+    The engine copies the parameters when a request is added, so changing them afterwards
+    affects only requests added later.
     Raises:
         TypeError: a field of the wrong kind (a float ``max_new_tokens``, a string temperature).
         ValueError: ``max_new_tokens < 1``, a negative or non-finite temperature, a negative
@@ -58,7 +60,12 @@ class SamplingParams:
             raise ValueError(f"{where}: temperature is not a finite number >= 0; expected >= 0 "
                              f"(0 = greedy), got {t}. Pass 0 for greedy decoding or a positive "
                              "temperature.")
-        bad = next((i for i in self.stop_token_ids if not (is_integer(i) and i >= 0)), None)
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (tuple, list)):
+            raise TypeError(f"{where}: stop_token_ids has type {type(stops).__name__}; expected "
+                            f"a tuple or list of integer token ids >= 0, got {stops!r}. Pass () "
+                            "for no stop tokens.")
+        bad = next((i for i in stops if not (is_integer(i) and i >= 0)), None)
         if bad is not None:
             kind = ValueError if is_integer(bad) else TypeError
             raise kind(f"{where}: stop_token_ids holds {bad!r}; expected integer token ids >= 0, "

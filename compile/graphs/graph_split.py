@@ -17,21 +17,35 @@ import torch
 from torch import Tensor, fx
 from torch.fx.passes.split_module import split_module
 
+from compile.graphs.linear_split_op import linear_attend_into
 from compile.graphs.split_op import attend_into
+
+# split op name -> its check-free body (what split graphs call)
+_SPLIT_BODIES = {"unified_attention_with_output": attend_into,
+                 "unified_linear_attention_with_output": linear_attend_into}
+
+
+def _split_op_name(node: fx.Node) -> Optional[str]:
+    """The split op ``node`` calls (a key of ``_SPLIT_BODIES``), or None."""
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", node.target)
+    for name in _SPLIT_BODIES:
+        if packet is getattr(torch.ops.xpu_ops, name, None):
+            return name
+    return None
 
 
 def is_split_node(node: fx.Node) -> bool:
-    """True for a call of the split op ``xpu_ops::unified_attention_with_output``."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    packet = getattr(target, "overloadpacket", target)
-    return packet is getattr(torch.ops.xpu_ops, "unified_attention_with_output", None)
+    """True for a call of a split op: ``xpu_ops::unified_attention_with_output`` (paged
+    layers) or ``xpu_ops::unified_linear_attention_with_output`` (linear-attention layers)."""
+    return _split_op_name(node) is not None
 
 
 def call_split_op_kernel(gm: fx.GraphModule) -> None:
     """Make ``gm``'s split-op nodes call ``split_op.attend_into`` (the op's body without its
-    shape checks) directly at run time.
+    shape checks; ``linear_split_op.linear_attend_into`` for linear layers) directly at run
+    time.
 
     The attention submodules only ever run eagerly on real tensors (pieces were compiled on
     fakes before this, and the fakes ran the checks), so the dispatcher round trip (C++
@@ -39,8 +53,9 @@ def call_split_op_kernel(gm: fx.GraphModule) -> None:
     on every layer of every step.
     """
     for node in gm.graph.nodes:
-        if is_split_node(node):
-            node.target = attend_into
+        name = _split_op_name(node)
+        if name is not None:
+            node.target = _SPLIT_BODIES[name]
     gm.recompile()
 
 

@@ -42,8 +42,9 @@ from compile.graphs.forward_context import BatchDescriptor, GraphMode, current_b
 
 class EmulatedGraph:
     """CPU stand-in for a captured device graph (tests): it keeps the callable, the very input
-    tensors of the capture call and that call's outputs; ``replay()`` reruns the callable on
-    those inputs and copies the result into the same outputs. Like a real graph it never sees
+    tensors of the capture call and that call's outputs (making it runs the callable once, the
+    capture call's result); ``replay()`` reruns the callable on those inputs and copies the
+    result into the same outputs. Like a real graph it never sees
     later calls' arguments, so a replay after an input moved reads stale values.
     """
 
@@ -133,18 +134,18 @@ class GraphWrapper:
                                "device graph capture is already recording; graphs cannot nest. "
                                "Pieces inside a full-graph step must see its FULL descriptor "
                                "(compile.graphs.graph_runner.GraphRunner sets it).")
-        if self.emulate:
-            graph = EmulatedGraph(self.runnable, args)
+        if self.emulate:  # ran the step once: this call's result (a step runs once per call,
+            graph = EmulatedGraph(self.runnable, args)  # as it must when it updates state)
             output = graph.outputs
         else:
             graph = dev.new_graph(self.device)
             dev.synchronize(self.device)
             with dev.graph_capture(graph, self.device, pool=self.pool):
                 output = self.runnable(*args)
+            graph.replay()  # capture records without running; run it once for this result
         addresses = [a.data_ptr() if isinstance(a, Tensor) else None for a in args]
         self.entries[desc] = CapturedGraph(graph, addresses, output)
         self.captures += 1
-        graph.replay()  # capture records without running; run it once for this call's result
         return output
 
     def _check_addresses(self, desc: BatchDescriptor, entry: CapturedGraph, args) -> None:

@@ -60,7 +60,7 @@ from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture
                           is_split_node, per_step_placeholders, split_graph)
 from compile.graphs.graph_wrapper import GraphWrapper
 from compile.graphs.inductor_passes import piece_config_patches
-from compile.graphs.split_op import enable_split_op, unified_attention
+from compile.graphs.split_op import enable_split_op
 from compile.graphs.step_buffers import TokenBuffers
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -226,7 +226,9 @@ class PiecewiseModel(nn.Module):
         self.device = torch.device(device)
         self.model = model
         self.layers = enable_split_op(model)
-        self._split_layer = next(iter(self.layers.values()), None)  # checked per step
+        # one layer and its split op, checked per step
+        self._split_layer = next(iter(self.layers.values()), None)
+        self._split_fn = None if self._split_layer is None else self._split_layer.split_op
         self.graph_sizes = sorted(set(int(s) for s in graph_sizes))
         if capture is None:
             capture = emulate_graphs or dev.supports_graphs(self.device)
@@ -270,11 +272,11 @@ class PiecewiseModel(nn.Module):
             RuntimeError: the model's layers no longer attend through the split op (something
                 ran ``enable_split_op(model, False)`` after this model was made).
         """
-        if self._split_layer is not None and self._split_layer.split_op is not unified_attention:
+        if self._split_layer is not None and self._split_layer.split_op is not self._split_fn:
             raise RuntimeError("PiecewiseModel: the model's attention layers no longer attend "
                                "through the split op (enable_split_op(model, False) ran after "
                                "this PiecewiseModel was made, e.g. by making another forward "
-                               "over the same model); expected unified_attention. Give each "
+                               "over the same model); expected the split ops. Give each "
                                "forward its own model, or finish with this one first.")
         outer = current_batch_descriptor()
         if outer is not None and outer.graph_mode is GraphMode.FULL:

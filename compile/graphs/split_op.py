@@ -32,9 +32,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from xpu_ops._checks import XpuOpsValueError as _ArgError  # a ValueError, also RuntimeError
 from xpu_ops._registration import define_op
+from xpu_ops.ops.common import SINK_DTYPES
 
 from compile.graphs.forward_context import get_forward_context
+from compile.graphs.linear_split_op import is_linear_layer, unified_linear_attention
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
 # Backend extras the split op carries (its optional tensor arguments).
@@ -44,8 +47,8 @@ _FN = "unified_attention_with_output"
 
 def _check_rows(name: str, x: Optional[Tensor], tokens) -> None:
     if x is not None and (x.dim() < 2 or x.shape[0] != tokens):
-        raise ValueError(f"{_FN}: {name} has shape {tuple(x.shape)}; expected [tokens, ...] with "
-                         f"tokens = q.shape[0] = {tokens}. Pass this step's rows of {name}.")
+        raise _ArgError(f"{_FN}: {name} has shape {tuple(x.shape)}; expected [tokens, ...] with "
+                        f"tokens = q.shape[0] = {tokens}. Pass this step's rows of {name}.")
 
 
 def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
@@ -54,27 +57,27 @@ def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
     so each tensor attribute is read once)."""
     tokens = q.shape[0]
     if output.dim() != 2 or output.shape[0] != tokens:
-        raise ValueError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
-                         f"Hq * Dv] with tokens = q.shape[0] = {tokens}. Allocate it with "
-                         "unified_attention(layer, q, k, v).")
+        raise _ArgError(f"{_FN}: output has shape {tuple(output.shape)}; expected [tokens, "
+                        f"Hq * Dv] with tokens = q.shape[0] = {tokens}. Allocate it with "
+                        "unified_attention(layer, q, k, v).")
     if output.dtype != q.dtype or output.device != q.device:
-        raise ValueError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
-                         f"{q.dtype} on {q.device}.")
+        raise _ArgError(f"{_FN}: output is {output.dtype} on {output.device}; expected q's "
+                        f"{q.dtype} on {q.device}.")
     if k_rope is not None and k is None:
-        raise ValueError(f"{_FN}: k_rope is given but k is None; expected the MLA latent k "
-                         "[tokens, 1, R] with k_rope [tokens, 1, r], got k=None.")
+        raise _ArgError(f"{_FN}: k_rope is given but k is None; expected the MLA latent k "
+                        "[tokens, 1, R] with k_rope [tokens, 1, r], got k=None.")
     if k_rope is None and (k is None) != (v is None):
-        raise ValueError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
-                         f"k_rope instead of v); got k={type(k).__name__}, "
-                         f"v={type(v).__name__}.")
+        raise _ArgError(f"{_FN}: k and v must both be tensors or both be None (MLA passes "
+                        f"k_rope instead of v); got k={type(k).__name__}, "
+                        f"v={type(v).__name__}.")
     _check_rows("k", k, tokens)
     _check_rows("v", v, tokens)
     if q_rope is not None or k_rope is not None:  # MLA
         _check_rows("q_rope", q_rope, tokens)
         _check_rows("k_rope", k_rope, tokens)
-    if sinks is not None and (sinks.dim() != 1 or sinks.dtype != torch.float32):
-        raise ValueError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
-                         "expected [Hq] torch.float32 (one sink logit per query head).")
+    if sinks is not None and (sinks.dim() != 1 or sinks.dtype not in SINK_DTYPES):
+        raise _ArgError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
+                        "expected [Hq] in a float dtype (one sink logit per query head).")
 
 
 def _rows(x: Optional[Tensor], n: int) -> Optional[Tensor]:
@@ -102,7 +105,7 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         output: [T, Hq * Dv], q's dtype; rows ``[:num_tokens]`` get the attention result, the
             rest zeros.
         layer_id: key into ``forward_context.layers``.
-        sinks: [Hq] float32 sink logits (GPT-OSS), or None.
+        sinks: [Hq] sink logits (GPT-OSS) in a float dtype, or None.
         q_rope: MLA [T, Hq, r] rotary part of the query, or None.
         k_rope: MLA [T, 1, r] rotary key, or None.
         save_kv_cache: False attends without writing ``k``/``v``.
@@ -190,14 +193,16 @@ def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optio
 
 def layers_by_id(model: nn.Module) -> dict[int, Any]:
     """``layer_id -> module`` of every PagedAttention-like module (has ``layer_id`` and
-    ``tp_q_head_num``) in ``model``.
+    ``tp_q_head_num``) and every linear-attention layer (``is_linear_layer``) in ``model``
+    (their layer ids are global, so the two kinds never share one).
 
     Raises:
         ValueError: two modules claim the same ``layer_id``.
     """
     layers: dict[int, Any] = {}
     for name, module in model.named_modules():
-        if hasattr(module, "layer_id") and hasattr(module, "tp_q_head_num"):
+        if hasattr(module, "layer_id") and (hasattr(module, "tp_q_head_num")
+                                            or is_linear_layer(module)):
             if module.layer_id in layers and layers[module.layer_id] is not module:
                 raise ValueError(f"layers_by_id: layer_id {module.layer_id} is used twice "
                                  f"(again at {name!r}); expected unique ids per attention layer.")
@@ -206,15 +211,17 @@ def layers_by_id(model: nn.Module) -> dict[int, Any]:
 
 
 def enable_split_op(model: nn.Module, enabled: bool = True) -> dict[int, Any]:
-    """Install ``unified_attention`` as every attention layer's ``split_op`` (``enabled``
-    False: remove it, the layers attend directly again).
+    """Install ``unified_attention`` as every attention layer's ``split_op`` and
+    ``unified_linear_attention`` as every linear-attention layer's (``enabled`` False: remove
+    them, the layers attend directly again).
 
     Returns:
         ``layer_id -> layer``, what ``set_forward_context`` needs.
     """
     layers = layers_by_id(model)
     for layer in layers.values():
-        layer.split_op = unified_attention if enabled else None
+        split = unified_linear_attention if is_linear_layer(layer) else unified_attention
+        layer.split_op = split if enabled else None
     return layers
 
 

@@ -7,7 +7,7 @@ is mostly a copy. Per-layer attention options are lists indexed by layer id (``l
 qwen2, qwen3, gemma2 (softcap, sandwich norms, scaled embeddings), gemma3_text and the text part
 of gemma3 (``Gemma3Config``: a RoPE base of its own for the sliding-window layers), gpt_oss
 (attention sinks, mixture of experts; default or llama3 RoPE only) and llama4_text
-(``Llama4Config``: the fields only ``compile.models.llama4`` reads). DeepSeek-V2's ``DeepseekV2Config`` (MLA) is a
+(``Llama4Config``: the fields only ``compile.models.llama4`` reads). DeepSeek-V2/V3's ``DeepseekV2Config`` (MLA, MoE) is a
 ``DecoderConfig`` too (``compile.models.deepseek_v2``).
 """
 
@@ -173,8 +173,11 @@ class ModelConfig(DecoderConfig):
 _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
 #: ``model_type`` values ``ModelConfig.from_hf`` reads (DeepSeek-V2 has a config of its own).
 CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3"}))
-#: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``).
-SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES + ("deepseek_v2",)))
+#: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``); Qwen3-Next
+#: and Qwen3.5 have a config of their own (``compile.models.qwen3_next_config``).
+SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES
+                                     + ("deepseek_v2", "deepseek_v3")
+                                     + ("qwen3_next", "qwen3_5_text")))
 
 
 def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:

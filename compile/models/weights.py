@@ -26,6 +26,11 @@ _FUSED = {
                                          "feed_forward.up_proj.weight"),
     "shared_expert.gate_up_proj.weight": ("shared_expert.gate_proj.weight",
                                           "shared_expert.up_proj.weight"),
+    # DeepSeek MoE layers: shared_experts (plural)
+    "shared_experts.gate_up_proj.weight": ("shared_experts.gate_proj.weight",
+                                           "shared_experts.up_proj.weight"),
+    "shared_experts.gate_up_proj.bias": ("shared_experts.gate_proj.bias",
+                                         "shared_experts.up_proj.bias"),
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight",),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight",),
 }

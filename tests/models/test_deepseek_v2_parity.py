@@ -1,6 +1,6 @@
 """Logits parity of the zoo's DeepSeek-V2 (MLA, absorbed) with ``transformers`` on random weights.
 
-A tiny ``DeepseekV2ForCausalLM`` (dense layers only) is copied with ``deepseek_v2.from_hf`` and
+A tiny ``DeepseekV2ForCausalLM`` (dense layers; MoE layers: ``test_deepseek_moe_parity``) is copied with ``deepseek_v2.from_hf`` and
 run through the engine on an MLA latent pool: chunked prefill (chunk 7, so later chunks attend a
 cached prefix through the absorbed ``qv`` path), then decode steps (``flash_mla_decode``). Every
 recorded logit row must equal the ``transformers`` full forward at its position.
@@ -66,10 +66,13 @@ def test_half_rotate_rope_fails():
         check_parity(hf, model, page_size=4)
 
 
-def test_config_rejects_moe_layers():
+def test_config_reads_moe_layers():
+    """Layers from ``first_k_dense_replace`` on are MoE (parity: test_deepseek_moe_parity)."""
     cfg = transformers.DeepseekV2Config(**{**TINY, "first_k_dense_replace": 1})
-    with pytest.raises(NotImplementedError, match="first_k_dense_replace >= 2"):
-        deepseek_v2.DeepseekV2Config.from_hf(cfg)
+    ours = deepseek_v2.DeepseekV2Config.from_hf(cfg)
+    assert ours.mlp_layer_types == ("dense", "sparse")
+    assert (ours.moe.n_routed_experts, ours.moe.num_experts_per_tok) == (4, 2)
+    assert ours.moe.scoring_func == "softmax" and not ours.moe.grouped
 
 
 def test_generic_from_hf_dispatches_to_deepseek_v2():

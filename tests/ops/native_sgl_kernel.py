@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from xpu_ops.ops.mla_decode import flash_mla_get_workspace_size as xpu_ops_workspace_size
+from xpu_ops.reference import flash_mla as ref_flash_mla
 from xpu_ops.reference import mla_decode as ref_mla
+from xpu_ops.reference import dsa_indexer as ref_dsa
 from xpu_ops.reference import merge_state as ref_merge
 from xpu_ops.reference import paged_attention as ref_paged
 from xpu_ops.reference import varlen_attention as ref_varlen
@@ -45,6 +47,16 @@ OTHER_SCHEMAS = (
     "flash_mla_decode(Tensor! out, Tensor! q_nope, Tensor! q_pe, Tensor! kv_c_and_k_pe_cache, "
     "Tensor! seq_lens, Tensor! page_table, Tensor! workspace, float sm_scale, "
     "int num_kv_splits) -> ()",
+    "flash_mla_sparse_decode(Tensor! out, Tensor! lse_out, Tensor! q, Tensor! k_cache, "
+    "Tensor! indices, Tensor? topk_length, Tensor? extra_k_cache, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, Tensor? attn_sink, float sm_scale, int head_dim_v, "
+    "bool is_fp8_kvcache) -> ()",
+    "flash_mla_sparse_prefill(Tensor! out, Tensor! max_logits, Tensor! lse, Tensor! q, "
+    "Tensor! kv, Tensor! indices, float sm_scale, int head_dim_v, Tensor? attn_sink=None, "
+    "Tensor? topk_length=None) -> ()",
+    "fp8_paged_mqa_logits(Tensor q_fp8, Tensor kv_cache, Tensor weights, Tensor seq_lens, "
+    "Tensor block_tables, Tensor? schedule_metadata, int max_seq_len, bool clean_logits) -> Tensor",
+    "fast_topk(Tensor score, Tensor! indices, Tensor lengths, Tensor? row_starts) -> ()",
 )
 
 _libraries: dict[str, torch.library.Library] = {}
@@ -124,6 +136,60 @@ def _flash_mla_decode(out, q_nope, q_pe, kv_cache, seq_lens, page_table, workspa
                                        sm_scale, num_kv_splits))
 
 
+def _flash_mla_sparse_decode(out, lse_out, q, k_cache, indices, topk_length, extra_k_cache,
+                             extra_indices, extra_topk_length, attn_sink, sm_scale, head_dim_v,
+                             is_fp8_kvcache):
+    _require(q.dtype == torch.bfloat16, f"sparse decode takes bf16 q, got {q.dtype}")
+    _require(all(t is None or t.is_contiguous() for t in (q, k_cache, indices, topk_length,
+                                                          extra_indices, attn_sink)),
+             "sparse decode takes contiguous tensors")
+    o, lse = ref_flash_mla.flash_mla_with_kvcache(
+        q, k_cache, None, None, head_dim_v, sm_scale, False, is_fp8_kvcache, indices, attn_sink,
+        extra_k_cache, extra_indices, topk_length, extra_topk_length)
+    out.copy_(o)
+    lse_out.copy_(lse.masked_fill(torch.isneginf(lse), float("inf")))   # FlashMLA: +inf empty
+
+
+def _flash_mla_sparse_prefill(out, max_logits, lse, q, kv, indices, sm_scale, head_dim_v,
+                              attn_sink=None, topk_length=None):
+    _require(q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous(),
+             "sparse prefill takes contiguous q, kv and indices")
+    o, m, s = ref_flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, head_dim_v, attn_sink,
+                                                 topk_length)
+    out.copy_(o)
+    max_logits.copy_(m)
+    lse.copy_(s.masked_fill(torch.isneginf(s), float("inf")))
+
+
+def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata,
+                          max_seq_len, clean_logits):
+    # sgl-kernel-xpu: uint8 [B, 1, H, D] queries, no schedule metadata, every position below
+    # seq_lens read through the table (ids must be valid there), zeros past it.
+    _require(q_fp8.dtype == torch.uint8 and q_fp8.dim() == 4 and q_fp8.shape[1] == 1,
+             "q_fp8 must be uint8 [B, 1, H, D]")
+    _require(schedule_metadata is None, "schedule_metadata is not supported on XPU")
+    for name, t in (("q_fp8", q_fp8), ("kv_cache", kv_cache), ("weights", weights),
+                    ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        _require(t.is_contiguous(), f"fp8_paged_mqa_logits needs contiguous {name}")
+    bs = kv_cache.shape[1]
+    lens = seq_lens.reshape(-1)
+    _require(max(lens.tolist(), default=0) <= block_tables.shape[1] * bs, "seq_lens past the table")
+    for i, n in enumerate(lens.tolist()):
+        used = block_tables[i, :-(-n // bs)]
+        _require(bool(((used >= 0) & (used < kv_cache.shape[0])).all()), "a block id out of range")
+    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), kv_cache, weights,
+                                          lens, block_tables, max_seq_len, clean_logits)
+    return torch.where(logits == -torch.inf, 0.0, logits)
+
+
+def _fast_topk(score, indices, lengths, row_starts):
+    # Radix select: the set of the top indices.shape[1] (2048) in no specified order.
+    _require(indices.shape[1] == 2048 and indices.is_contiguous() and score.is_contiguous(),
+             "fast_topk writes 2048 indices per row into contiguous tensors")
+    chosen = ref_dsa.fast_topk(score, lengths, row_starts, indices.shape[1])
+    indices.copy_(chosen.roll(37, dims=1))            # any order: the glue sorts
+
+
 def define_native_library(namespace: str, convention: str = "writes") -> str:
     """Register the stand-in under ``torch.ops.<namespace>`` once; return the namespace."""
     if namespace in _libraries:
@@ -136,6 +202,10 @@ def define_native_library(namespace: str, convention: str = "writes") -> str:
     lib.impl("fwd", _fwd(names, convention), "CPU")
     lib.impl("merge_state_v2", _merge_state_v2, "CPU")
     lib.impl("flash_mla_decode", _flash_mla_decode, "CPU")
+    lib.impl("flash_mla_sparse_decode", _flash_mla_sparse_decode, "CPU")
+    lib.impl("flash_mla_sparse_prefill", _flash_mla_sparse_prefill, "CPU")
     lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
+    lib.impl("fp8_paged_mqa_logits", _fp8_paged_mqa_logits, "CPU")
+    lib.impl("fast_topk", _fast_topk, "CPU")
     _libraries[namespace] = lib
     return namespace

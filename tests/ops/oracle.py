@@ -87,9 +87,12 @@ def paged_keys(cache: Tensor, page_table: Tensor, r: int, k_len: int) -> Tensor:
 
 
 def _group_scale(descale: Optional[Tensor], r: int, heads: int) -> Tensor | float:
-    """``descale[r]`` [Hkv] broadcast to ``heads`` heads as ``[1, heads, 1]`` (1.0 when None)."""
+    """``descale[r]`` [Hkv] broadcast to ``heads`` heads as ``[1, heads, 1]`` (1.0 when None).
+    A 1-D descale holds one scale per request (``[b]``) or one for all (``[1]``)."""
     if descale is None:
         return 1.0
+    if descale.dim() == 1:
+        return float(descale[r if descale.shape[0] > 1 else 0])
     d = descale[r].to(F64)
     return d.repeat_interleave(heads // d.shape[0])[None, :, None]
 

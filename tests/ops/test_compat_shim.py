@@ -178,3 +178,38 @@ def test_glue_sglang_mla_decode_call(shim):
     out = flash_mla_decode(q_nope, q_pe, kv_cache, cache_seqlens, page_table, workspace, 0.1, -1)
     expected = oracle.flash_mla_decode(q_nope, q_pe, kv_cache, cache_seqlens, page_table, 0.1)
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+
+# Every attention import of the clients, written out from their sources (not from the shim's
+# table): sglang 0.5.23's attention backends and sgl-kernel-xpu main's attention tests.
+CLIENT_IMPORTS = {
+    "sgl_kernel": ("merge_state", "merge_state_v2", "flash_mla_decode",
+                   "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size",
+                   "flash_mla_prefill", "flash_mla_prefill_get_workspace_size",
+                   "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata",
+                   "store_cache_xpu"),
+    "sgl_kernel.flash_attn": ("flash_attn_with_kvcache", "flash_attn_varlen_func",
+                              "get_scheduler_metadata", "build_bidirectional_block_ids"),
+    "sgl_kernel.flash_mla": ("flash_mla_with_kvcache", "flash_mla_sparse_fwd",
+                             "get_mla_metadata"),
+    "sgl_kernel.testing.rotary_embedding": ("_apply_rotary_emb",),
+}
+
+
+@pytest.mark.parametrize("module,name", [(m, n) for m, names in CLIENT_IMPORTS.items()
+                                         for n in names])
+def test_glue_every_client_attention_import_resolves(shim, module, name):
+    imported = importlib.import_module(module)
+    value = getattr(imported, name)
+    assert callable(value) and is_shim(imported)
+    if hasattr(xpu_ops, name) and module != "sgl_kernel.flash_mla":   # base-2 sparse form there
+        assert value is getattr(xpu_ops, name)
+
+
+def test_glue_submodules_are_attributes_of_their_packages(shim):
+    import sgl_kernel.testing.rotary_embedding as rotary
+    import sgl_kernel
+    assert sgl_kernel.testing.rotary_embedding is rotary and sgl_kernel.flash_mla.__name__ == \
+        "sgl_kernel.flash_mla"
+    assert uninstall_sgl_kernel_shim() and "sgl_kernel.testing.rotary_embedding" not in sys.modules
+    install_sgl_kernel_shim()

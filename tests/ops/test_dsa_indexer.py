@@ -81,8 +81,8 @@ def test_paged_logits_of_decode_equal_the_ragged_logits(provider):
     slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)])
     q = (torch.randn(1, 1, h, d, generator=gen)).to(E4M3)
     w = torch.randn(1, h, generator=gen)
+    xpu_ops.store_index_k_cache(cache, slots, k)
     with running(provider):
-        xpu_ops.store_index_k_cache(cache, slots, k)
         paged = xpu_ops.fp8_paged_mqa_logits(q, cache, w, torch.tensor([n], dtype=I32), table,
                                              None, n)
     keys = torch.stack([oracle.read_index_k(cache, int(s))[0] for s in slots]).to(E4M3)
@@ -397,3 +397,68 @@ def test_fullgraph_trace_of_the_indexer_step_equals_eager():
     got = compiled(compiled_cache, loc, k, *args)
     assert torch.equal(got, want) and torch.equal(compiled_cache, eager_cache)
     assert (want >= 0).sum() == 8          # 4 of 9 and 4 of 13 keys
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_gather_index_k_cache_reads_the_stored_keys(strided):
+    gen = torch.Generator().manual_seed(31)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=I32)
+    cache = paged_index_k_cache(gen, table, [7, 5], 4, 16, 5)
+    if strided:                                   # a column slice of a garbage-padded buffer
+        wide = torch.full((5, 4, 1, 40), 0x7F, dtype=torch.uint8)
+        wide[..., ::2] = cache
+        cache = wide[..., ::2]
+    slots = torch.tensor([12, 13, 4, 0, 9, -1, 20, 3], dtype=torch.int64)
+    k, scale = xpu_ops.gather_index_k_cache(cache, slots)
+    assert k.dtype == E4M3 and k.shape == (8, 16) and scale.shape == (8,)
+    for i, s in enumerate(slots.tolist()):
+        if 0 <= s < 20:
+            key, want = oracle.read_index_k(cache.contiguous(), s)
+            assert bitwise_equal(k[i].view(torch.uint8), key.to(E4M3).view(torch.uint8))
+            assert float(scale[i]) == want or math.isnan(want) and math.isnan(float(scale[i]))
+        else:
+            assert not k[i].view(torch.uint8).any() and float(scale[i]) == 0.0
+    compiled = torch.compile(xpu_ops.gather_index_k_cache, backend="aot_eager", fullgraph=True)
+    k2, scale2 = compiled(cache, slots)
+    assert bitwise_equal(k2.view(torch.uint8), k.view(torch.uint8))
+    assert torch.equal(scale2.nan_to_num(7.0), scale.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.id == "triton"])
+@pytest.mark.parametrize("index", range(5))
+def test_triton_store_writes_the_reference_bytes(provider, index):
+    """The Triton store encodes fp8 itself: its bytes equal torch's conversion's exactly."""
+    skip_if_unimplemented(provider, OPS.store_index_k_cache)
+    cache, loc, index_k, ue8m0 = _samples(OPS.store_index_k_cache, 700 + index)[index][0]
+    index_k = index_k * torch.logspace(-6, 2, index_k.shape[1], dtype=torch.float32).to(
+        index_k.dtype)                                # subnormal fp8 values and large ones
+    want, got = cache.clone(), cache.clone()
+    with running("reference"):
+        xpu_ops.store_index_k_cache(want, loc, index_k, "ue8m0" if ue8m0 else None)
+    with running(provider):
+        xpu_ops.store_index_k_cache(got, loc, index_k, "ue8m0" if ue8m0 else None)
+    assert bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("loc,message", [
+    ([3, -2, 5], r"loc has a token slot out of range; .* got loc\[1\] = -2"),
+    ([3, 8, 1], r"loc has a token slot out of range; .* got loc\[1\] = 8"),
+    ([3, -1, 3], "loc has a repeated token slot")])
+def test_debug_checks_reject_bad_store_slots_before_writing(loc, message):
+    cache = torch.full((2, 4, 1, 20), 0x7F, dtype=torch.uint8)
+    before = cache.clone()
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match=message):
+        xpu_ops.store_index_k_cache(cache, torch.tensor(loc), torch.randn(3, 16))
+    assert bitwise_equal(cache, before)
+    xpu_ops.store_index_k_cache(cache, torch.tensor(loc), torch.randn(3, 16))   # checks off
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(block_table=torch.tensor([[0, 7], [2, 1]], dtype=I32),
+          context_lens=torch.tensor([6, 5], dtype=I32)), "block_table has a page id out of range"),
+    (dict(context_lens=torch.tensor([3, 9], dtype=I32)), "context_lens is out of range")])
+def test_debug_checks_reject_bad_paged_metadata(over, message):
+    call = _paged_call(**over)
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match=message):
+        xpu_ops.fp8_paged_mqa_logits(**call)
+    xpu_ops.fp8_paged_mqa_logits(**call)                            # clamped when off

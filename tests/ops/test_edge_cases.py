@@ -21,7 +21,7 @@ import xpu_ops  # noqa: E402
 
 from .edge_cases import (EDGE_CASES, REFERENCE_PATHS, TRITON_PATHS, applies,  # noqa: E402
                          check_result, edge_case_inputs, oracle_of, run_path)
-from ..markers import GPU_DEVICE, requires_gpu  # noqa: E402
+from ..markers import GPU_DEVICE  # noqa: E402
 
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
 _ALL = os.environ.get("XPU_OPS_EDGE_CASES") == "all"
@@ -51,8 +51,7 @@ def _check(name, provider, path, device):
     want, want_lse = oracle_of(edge, tuple(t.cpu() if isinstance(t, torch.Tensor) else t
                                            for t in args), kwargs)
     out, lse = run_path(edge, path, args, kwargs)
-    check_result(edge, out.cpu(), None if lse is None else lse.cpu(), want, want_lse,
-                 [(v, b) for v, b in guards])
+    check_result(edge, out.cpu(), None if lse is None else lse.cpu(), want, want_lse, guards)
 
 
 @pytest.mark.parametrize("name, provider, path", _params())
@@ -61,16 +60,13 @@ def test_edge_case(name, provider, path):
         _check(name, provider, path, "cpu")
 
 
-@pytest.mark.parametrize("provider, path", [("triton", p) for p in TRITON_PATHS])
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider, path", [("reference", "general"), ("reference", "one-pass")]
+                         + [("triton", p) for p in TRITON_PATHS])
 @pytest.mark.parametrize("name", list(EDGE_CASES))
-@pytest.mark.usefixtures()
 def test_edge_cases_on_gpu(name, provider, path):
-    """Run it on the GPU machine: ``pytest -m gpu tests/ops/test_edge_cases.py``."""
+    """The whole table, Triton compiled: ``pytest -m gpu tests/ops/test_edge_cases.py``."""
     if GPU_DEVICE is None:
         pytest.skip("needs a CUDA or XPU device")
     with xpu_ops.use_provider(provider):
         _check(name, provider, path, GPU_DEVICE)
-
-
-test_edge_cases_on_gpu = pytest.mark.gpu(test_edge_cases_on_gpu)
-_ = requires_gpu

@@ -3,8 +3,9 @@
 
 - Valid inputs in odd layouts (each tensor argument drawn contiguous, strided or expanded)
   match the float64 oracle on both providers.
-- Inconsistent metadata with value checks off (prefix sums past ``q``, wild lengths and page ids,
-  an understated ``max_seqlen_q``, out-of-range ``loc`` slots): the process survives, nothing
+- Inconsistent metadata with value checks off (prefix sums past ``q``, int32 extremes in
+  lengths, page ids and prefix sums, an understated or loose ``max_seqlen_q``, out-of-range
+  ``loc`` slots; the append path in ``test_fuzz_append.py``): the process survives, nothing
   outside the given tensors changes (guard regions around ``out`` and the caches; ``softmax_lse``
   is returned whole), rows the metadata describes equal the oracle of API.md's "Writes" rule,
   the others keep their contents; with ``debug_checks()`` the same call raises ``ValueError``
@@ -179,14 +180,16 @@ def _corrupted_paged_call(data, gen):
         what = data.draw(st.sampled_from(["cu", "lens", "page", "max_q"]))
         if what == "cu":
             cu[data.draw(st.integers(0, b))] = data.draw(
-                st.sampled_from([-5, -1, 1, 2, sum(q_lens) + 1, 50, 2 ** 30]))
+                st.sampled_from([-(2 ** 31), -5, -1, 1, 2, sum(q_lens) + 1, 50, 2 ** 30,
+                                 2 ** 31 - 1]))
         elif what == "lens":
             lens[data.draw(st.integers(0, b - 1))] = data.draw(corrupt_lengths)
         elif what == "page":
             table[data.draw(st.integers(0, b - 1)), data.draw(st.integers(0, width - 1))] = \
                 data.draw(corrupt_pages)
-        else:
-            max_seqlen_q = data.draw(st.integers(1, max_seqlen_q))
+        else:  # understated, or loose up to the int32 limit (the tight bound's result)
+            max_seqlen_q = data.draw(st.one_of(st.integers(1, max_seqlen_q),
+                                               st.sampled_from([2 ** 31 - 1])))
     q = torch.randn(sum(q_lens), hq, d, generator=gen)
     return q, cache, torch.randn_like(cache), lens, table, cu, max_seqlen_q
 

@@ -92,7 +92,7 @@ BAD = {
     "v_a int": (dict(v_a=torch.ones(4, 2, 8, dtype=torch.int32)), "v_a has dtype torch.int32"),
     "v_b dtype": (dict(v_b=torch.randn(4, 2, 8).half()), "v_b has dtype torch.float16"),
     "v_b shape": (dict(v_b=torch.randn(4, 2, 4)), "v_b has the wrong shape"),
-    "s_a dtype": (dict(s_a=torch.randn(4, 2).double()), "s_a has dtype torch.float64"),
+    "s_a dtype": (dict(s_a=torch.zeros(4, 2, dtype=torch.int32)), "s_a has dtype torch.int32"),
     "s_b shape": (dict(s_b=torch.randn(2, 4)), r"s_b has the wrong shape; expected \[N, H\]"),
     "s_a 3-D": (dict(s_a=torch.randn(4, 2, 1)), "s_a has the wrong number of dimensions"),
     "v_merged shape": (dict(v_merged=torch.empty(4, 2, 4)), "v_merged has the wrong shape"),

@@ -126,3 +126,103 @@ def test_strided_q_nope(provider):
 def test_workspace_size_rejects_bad_sizes(kwargs, exc, match):
     with pytest.raises(exc, match=f"^flash_mla_get_workspace_size: {match}"):
         xpu_ops.flash_mla_get_workspace_size(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The LSE and several query tokens per request (MTP / speculative verify)
+# ----------------------------------------------------------------------------------------------
+
+def _oracle_tokens(q_nope, q_rope, kv_cache, cache_seqlens, page_table, scale, causal):
+    """Float64 loops: request ``i``'s row ``s`` over its first ``cache_seqlens[i]`` tokens
+    (bottom-right causal when asked); ``(out [b, s_q, H, R], lse [b, H, s_q])``."""
+    b, s_q, h, latent = q_nope.shape
+    page_size = kv_cache.shape[1]
+    out = torch.zeros(b, s_q, h, latent, dtype=torch.float64)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        n = int(cache_seqlens[i])
+        keys = torch.stack([kv_cache[int(page_table[i, j // page_size]), j % page_size]
+                            for j in range(n)]).double() if n else None
+        for s in range(s_q):
+            last = n - s_q + s if causal else n - 1
+            if last < 0:
+                continue
+            k = keys[:last + 1]
+            q = torch.cat([q_nope[i, s], q_rope[i, s]], -1).double()
+            scores = scale * q @ k.T
+            lse[i, :, s] = scores.logsumexp(-1)
+            out[i, s] = scores.softmax(-1) @ k[:, :latent]
+    return out, lse
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("latent,rope", [(64, 16), (256, 32)])
+def test_several_query_tokens_with_lse(provider, causal, latent, rope):
+    gen = torch.Generator().manual_seed(21)
+    (kv,), page_table, cache_seqlens = paged_kv_cache(gen, [9, 2, 20], 4, [(latent + rope,)],
+                                                      dtype=torch.float32, device="cpu")
+    q_nope = torch.randn(3, 3, 4, latent, generator=gen)
+    q_rope = torch.randn(3, 3, 4, rope, generator=gen)
+    size = xpu_ops.flash_mla_get_workspace_size(32, 3, 4, seqlen_q=3, latent_dim=latent)
+    workspace = torch.empty(size, dtype=torch.uint8)
+    with xpu_ops.use_provider(provider):
+        out, lse = xpu_ops.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table,
+                                            workspace, 0.2, causal=causal,
+                                            return_softmax_lse=True)
+    expected, expected_lse = _oracle_tokens(q_nope, q_rope, kv, cache_seqlens, page_table, 0.2,
+                                            causal)
+    assert_matches_oracle(out, expected, torch.float32, lse, expected_lse)
+    if causal:                                    # request 1 has 2 keys for 3 queries
+        assert (out[1, 0] == 0).all() and torch.isneginf(lse[1, :, 0]).all()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_one_token_lse_matches_the_split_kv_output(provider):
+    args = reseeded_sample(OP, 0, seed=31)
+    with xpu_ops.use_provider(provider):
+        plain = xpu_ops.flash_mla_decode(*args)
+        out, lse = xpu_ops.flash_mla_decode(*args, return_softmax_lse=True)
+    assert out.shape == plain.shape and lse.shape == plain.shape[:2]
+    torch.testing.assert_close(out, plain, atol=2e-5, rtol=2e-5)
+    q_nope, q_rope, kv, seqlens, table = args[:5]
+    _, expected_lse = _oracle_tokens(q_nope[:, None], q_rope[:, None], kv, seqlens, table,
+                                     args[6], False)
+    torch.testing.assert_close(lse.double(), expected_lse[..., 0], atol=2e-5, rtol=2e-5)
+
+
+def test_workspace_size_takes_the_query_length():
+    one = xpu_ops.flash_mla_decode_get_workspace_size(4096, 2, 16)
+    assert xpu_ops.flash_mla_decode_get_workspace_size(4096, 2, 16, seqlen_q=3) == 3 * one
+    assert xpu_ops.flash_mla_get_workspace_size(4096, 2, 16, latent_dim=256) < one
+    q_nope, q_rope = torch.randn(2, 3, 16, 64), torch.randn(2, 3, 16, 16)
+    kv = torch.randn(1, 4, 80)
+    seqlens, table = torch.ones(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32)
+    small = torch.empty(xpu_ops.flash_mla_get_workspace_size(4, 2, 16, latent_dim=64),
+                        dtype=torch.uint8)
+    with pytest.raises(ValueError, match="^flash_mla_decode: workspace is too small"):
+        xpu_ops.flash_mla_decode(q_nope, q_rope, kv, seqlens, table, small, 0.1)
+    with pytest.raises(ValueError, match="^flash_mla_decode: q_rope has the wrong size in "
+                                         "dimension 1"):
+        xpu_ops.flash_mla_decode(q_nope, q_rope[:, :2], kv, seqlens, table, small, 0.1)
+    with pytest.raises(TypeError, match="^flash_mla_decode: causal is not a bool"):
+        xpu_ops.flash_mla_decode(q_nope, q_rope, kv, seqlens, table, small, 0.1, causal="no")
+    with pytest.raises(TypeError, match="^flash_mla_decode_get_workspace_size: seqlen_q is"):
+        xpu_ops.flash_mla_decode_get_workspace_size(64, 2, seqlen_q=1.5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_one_token_split_kv_with_latent_256_rope_32(provider):
+    """The split-KV one-token path at R = 256, r = 32 (a workspace sized for that latent)."""
+    gen = torch.Generator().manual_seed(41)
+    (kv,), page_table, cache_seqlens = paged_kv_cache(gen, [37, 0, 5], 8, [(288,)],
+                                                      dtype=torch.float32, device="cpu")
+    q_nope, q_rope = torch.randn(3, 4, 256, generator=gen), torch.randn(3, 4, 32, generator=gen)
+    workspace = torch.empty(xpu_ops.flash_mla_get_workspace_size(48, 3, 4, num_kv_splits=3,
+                                                                 latent_dim=256),
+                            dtype=torch.uint8)
+    with xpu_ops.use_provider(provider):
+        out = xpu_ops.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, workspace,
+                                       0.1, 3)
+    expected = oracle.flash_mla_decode(q_nope, q_rope, kv, cache_seqlens, page_table, 0.1)
+    assert_matches_oracle(out, expected, torch.float32)

@@ -13,7 +13,8 @@ import xpu_ops
 from xpu_ops import providers
 from xpu_ops.testing import REGISTERED_OPS, op_name, sample_inputs
 
-from . import dsa_oracle, oracle
+from . import dsa_oracle, oracle, oracle_flash_mla
+from . import oracle_linear_attention as linear_oracle
 from .utils import FP8, LSE_TOL, OPCHECK_UTILS, OUT_TOL, has_fp8
 from ..markers import GPU_DEVICE, requires_gpu
 
@@ -93,8 +94,51 @@ def _check(name, args, kwargs, result, inputs):
                 row += 1
     elif name == "apply_rotary_emb":
         _close(result, oracle.apply_rotary_emb(*inputs, **kwargs), result.dtype)
+    elif name == "flash_mla_with_kvcache":
+        out64, lse64 = oracle_flash_mla.flash_mla_with_kvcache(*inputs)
+        _close(result[0], out64, result[0].dtype)
+        _close(result[1], lse64, result[0].dtype, GPU_LSE_TOL)
+    elif name == "flash_mla_sparse_fwd":
+        out64, max64, lse64 = oracle_flash_mla.flash_mla_sparse_fwd(*inputs)
+        _close(result[0], out64, result[0].dtype)
+        for got, want in zip(result[1:], (max64, lse64)):
+            _close(got, want, result[0].dtype, GPU_LSE_TOL)
+    elif name in _LINEAR:
+        _check_linear_attention(name, args, result, inputs)
     elif not dsa_oracle.compare(name, args, result, inputs):
         raise AssertionError(f"no oracle for {name}")
+
+
+_LINEAR = ("causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating",
+           "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+_STATE_TOL = dict(atol=2e-3, rtol=2e-3, equal_nan=True)
+
+
+def _check_linear_attention(name, args, result, inputs):
+    """The linear-attention ops: outputs and every state pool they write (NaN slots stay NaN)."""
+    if name == "fused_gdn_gating":
+        g64, beta64 = linear_oracle.gdn_gating(*inputs)
+        _close(result[0], g64, torch.float32)
+        _close(result[1], beta64, inputs[3].dtype)   # beta is rounded to b's dtype
+        return
+    if name in ("causal_conv1d_fn", "causal_conv1d_update"):
+        fn = getattr(linear_oracle, name)
+        out64, states64 = fn(*inputs)
+        pools = [(args[3] if name == "causal_conv1d_fn" else args[1], states64)]
+    else:
+        q, k, v, g, beta, scale, states, slots = inputs[:8]
+        if name == "chunk_gated_delta_rule":
+            extra = dict(has_initial_state=inputs[8])
+            cu, l2 = inputs[9], inputs[10]
+        else:
+            cu, l2 = inputs[8], inputs[9]
+            extra = dict(intermediate_states=inputs[10], disable_state_update=inputs[11])
+        out64, states64, inter64 = linear_oracle.gated_delta_rule(q, k, v, g, beta, scale, states,
+                                                                  slots, cu, l2, **extra)
+        pools = [(args[6], states64)] + ([(args[10], inter64)] if inter64 is not None else [])
+    _close(result, out64, result.dtype)
+    for got, want in pools:
+        torch.testing.assert_close(got.cpu().double(), want, **_STATE_TOL)
 
 
 def _cache_equal(got, want):

@@ -130,9 +130,10 @@ def _bad(t, args):
                             "k_descale has dtype torch.float64; expected torch.float32"),
         "v_descale shape": (dict(k_cache=kc.to(fp8), v_cache=vc.to(fp8),
                                  v_descale=torch.ones(b, 6)), ValueError,
-                            r"v_descale has the wrong shape; expected \[b, Hkv\] = \(3, 2\)"),
-        "sinks dtype": (dict(sinks=torch.zeros(6, dtype=torch.half)), ValueError,
-                        "sinks has dtype torch.float16; expected torch.float32"),
+                            r"v_descale has the wrong shape; expected \[1\], \[b\] or \[b, Hkv\] "
+                            r"= \(1,\), \(3,\) or \(3, 2\)"),
+        "sinks dtype": (dict(sinks=torch.zeros(6, dtype=torch.int32)), ValueError,
+                        "sinks has dtype torch.int32; expected torch.float32 or torch.bfloat16"),
         "sinks size": (dict(sinks=torch.zeros(2)), ValueError,
                        r"sinks has the wrong size in dimension 0; expected Hq = 6"),
         "softcap negative": (dict(softcap=-1.0), ValueError, "softcap is negative or NaN"),

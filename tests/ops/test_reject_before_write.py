@@ -53,7 +53,7 @@ BAD_APPEND_ARGS = [
     ("softcap", dict(softcap=-1.0)),
     ("softcap", dict(softcap=math.nan)),
     ("sinks", dict(sinks=torch.zeros(3))),
-    ("sinks", dict(sinks=torch.zeros(4, dtype=torch.float64))),
+    ("sinks", dict(sinks=torch.zeros(4, dtype=torch.int32))),
     ("softmax_scale", dict(softmax_scale=math.nan)),
     ("softmax_scale", dict(softmax_scale=math.inf)),
     ("qv", dict(qv=torch.zeros(3, 4, D + 1))),

@@ -19,7 +19,8 @@ from xpu_ops.testing import paged_kv_cache
 from .native_sgl_kernel import OTHER_SCHEMAS, define_native_library
 
 CONVENTIONS = ("writes", "returns")
-NATIVE_OPS = ("fwd", "merge_state_v2", "flash_mla_decode")
+NATIVE_OPS = ("fwd", "merge_state_v2", "flash_mla_decode", "flash_mla_sparse_decode",
+              "flash_mla_sparse_prefill")
 
 
 @pytest.fixture(params=CONVENTIONS)

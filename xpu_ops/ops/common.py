@@ -54,12 +54,22 @@ def check_op_scalars(fn: str, softmax_scale: float, window_size_left: int,
     Raises:
         ValueError: a non-finite scale or a side below -1, naming the argument.
     """
-    if not -math.inf < softmax_scale < math.inf:  # a comparison Dynamo traces; False for NaN
-        finite_scale(fn, "softmax_scale", softmax_scale)
+    check_finite_scale(fn, "softmax_scale", softmax_scale)
     for arg, side in (("window_size_left", window_size_left),
                       ("window_size_right", window_size_right)):
         if side < -1:
             fail(fn, arg, "is below -1", "an int >= -1 (-1: unbounded)", side)
+
+
+def check_finite_scale(fn: str, arg: str, value: float) -> None:
+    """A raw op's score multiplier (``softmax_scale``/``sm_scale``) is finite, as its wrapper's
+    ``finite_scale`` demands; runs in the op and its fake.
+
+    Raises:
+        ValueError: NaN or infinite, naming ``arg``.
+    """
+    if not -math.inf < value < math.inf:  # a comparison Dynamo traces; False for NaN
+        finite_scale(fn, arg, value)
 
 
 def check_index(fn: str, arg: str, t, ndim: int, device: torch.device) -> torch.Tensor:
@@ -121,10 +131,10 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
             fail(fn, arg, "is given for a tensor that is not fp8",
                  f"no {arg} when the tensor it scales has dtype {dtype}", "a tensor",
                  f"Drop {arg} or store that tensor in an fp8 dtype.")
-        check_tensor(fn, arg, t, ndim=2, dtypes=(torch.float32,), device=device)
-        check_shape(fn, arg, t, (batch, num_heads_kv), "[b, Hkv]")
+        check_descale(fn, arg, t, batch, num_heads_kv, device)
     if sinks is not None:
-        check_tensor(fn, "sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+        check_tensor(fn, "sinks", sinks, ndim=1, dtypes=SINK_DTYPES, device=device,
+                     fix="Pass the sink logits in a float dtype (they are read as float32).")
         check_size(fn, "sinks", sinks, 0, num_heads_q, "Hq")
     if not softcap >= 0.0:
         fail(fn, "softcap", "is negative or NaN", "softcap >= 0 (0 disables it, inf is no cap)",
@@ -135,6 +145,35 @@ def check_attention_extras(fn: str, *, q: torch.Tensor, k_dtype: torch.dtype,
     if type(max_seqlen_q) is int and max_seqlen_q == 0 and type(total_q) is int and total_q > 0:
         fail(fn, "max_seqlen_q", f"is 0 while q has {total_q} tokens",
              "max_seqlen_q >= 1 (an upper bound of the new tokens of any request)", 0)
+
+
+#: dtypes ``sinks`` may have (sgl-kernel's tests pass them in the model's dtype); read as float32.
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_descale(fn: str, arg: str, t: torch.Tensor, batch: int, num_heads_kv: int,
+                  device: torch.device) -> None:
+    """An fp8 dequantisation scale: float32 ``[1]`` (per tensor), ``[b]`` (per request) or
+    ``[b, Hkv]`` (per request and KV head; any strides, expanded included, as FA3)."""
+    check_tensor(fn, arg, t, ndim=(1, 2), dtypes=(torch.float32,), device=device)
+    shape = tuple(t.shape)
+    if shape == (batch, num_heads_kv) or shape == (batch,) or shape == (1,):
+        return
+    fail(fn, arg, "has the wrong shape",
+         f"[1], [b] or [b, Hkv] = (1,), ({batch},) or ({batch}, {num_heads_kv})", shape,
+         f"Pass one scale, one per request or one per request and KV head.")
+
+
+def kernel_extras(sinks, q_descale, k_descale, v_descale, batch: int, num_heads_kv: int):
+    """The providers' forms of checked extras: float32 ``sinks [Hq]`` and ``[b, Hkv]`` descales
+    (a ``[1]`` or ``[b]`` scale broadcast as an expanded view, no copy). Returns
+    ``(sinks, q_descale, k_descale, v_descale)``, or None when they are in that form already."""
+    if ((sinks is None or sinks.dtype == torch.float32)
+            and all(t is None or t.dim() == 2 for t in (q_descale, k_descale, v_descale))):
+        return None
+    return (None if sinks is None else sinks.to(torch.float32),
+            *(t if t is None or t.dim() == 2 else t.reshape(-1, 1).expand(batch, num_heads_kv)
+              for t in (q_descale, k_descale, v_descale)))
 
 
 def check_out(fn: str, out, shape, dtype: torch.dtype, device: torch.device, rule: str) -> None:
@@ -161,11 +200,15 @@ def check_num_splits(fn: str, num_splits) -> None:
         TypeError: not an integer. ValueError: negative.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        try:
-            num_splits = operator.index(num_splits)
+        given = num_splits
+        try:  # a bool is not a split count (True would read as 1)
+            num_splits = None if isinstance(given, bool) else operator.index(given)
         except TypeError:
+            num_splits = None
+        if num_splits is None:
             fail(fn, "num_splits", "is not an integer", "an int (0: automatic)",
-                 type(num_splits).__name__, exc=TypeError)
+                 f"{given!r} (bool)" if isinstance(given, bool) else type(given).__name__,
+                 exc=TypeError)
     if num_splits < 0:
         fail(fn, "num_splits", "is negative", "0 (automatic) or a split count >= 1", num_splits)
 
@@ -184,16 +227,21 @@ def max_seqlen(fn: str, arg: str, value, default: int) -> int:
         return default
     return int_scalar(fn, arg, value, "an int number of tokens (or None)")
 def check_speed_hints(fn: str, *, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
-                      max_seqlen_k=None) -> None:
+                      max_seqlen_k=None, ver=3) -> None:
     """FlashAttention-3's speed-only keywords: accepted, never change results, but typed.
 
     ``pack_gqa`` None or a bool; ``sm_margin`` an int >= 0 (None allowed); ``scheduler_metadata``
     None or a tensor (a precomputed FA3 schedule, unused here); ``max_seqlen_k`` None or an
-    int >= 0 (a bound of keys per request).
+    int >= 0 (a bound of keys per request); ``ver`` 3 or 4 (sgl-kernel's choice of its FA3 or
+    FA4 kernel: the same math, one implementation here).
 
     Raises:
-        TypeError: a value of the wrong kind. ValueError: a negative count.
+        TypeError: a value of the wrong kind. ValueError: a negative count, a ``ver`` not 3 or 4.
     """
+    if not (type(ver) is int and ver in (3, 4)) and int_scalar(
+            fn, "ver", ver, "3 or 4 (FlashAttention version)") not in (3, 4):
+        fail(fn, "ver", "is not a FlashAttention version", "3 or 4", repr(ver),
+             "Pass ver=3 or ver=4 (both run the same attention here).")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         fail(fn, "pack_gqa", "is not a bool", "None, True or False", type(pack_gqa).__name__,
              exc=TypeError)
@@ -239,9 +287,15 @@ def check_workspace_size_args(fn: str, **sizes) -> None:
 
 
 def float_scalar(fn: str, arg: str, value) -> float:
-    """Accept a Python/NumPy real number (not a tensor) for a float argument."""
+    """Accept a Python/NumPy real number (not a tensor, not a bool) for a float argument.
+
+    Raises:
+        TypeError: a string, a bool or another object that is not a real number.
+    """
     if type(value) is float:
         return value
+    if isinstance(value, bool):  # True would read as 1.0
+        fail(fn, arg, "is not a real number", "a float", f"{value!r} (bool)", exc=TypeError)
     if isinstance(value, (str, bytes)):
         fail(fn, arg, "is not a real number", "a float", f"{value!r} (str)",
              f"Pass float({arg}) yourself if the string holds a number.", exc=TypeError)
@@ -271,5 +325,5 @@ __all__ = ["output_dtype", "default_softmax_scale", "normalize_window", "check_i
            "check_query", "check_head_dim", "no_cap_if_infinite", "max_seqlen", "check_kv_dtype",
            "check_attention_extras", "check_out", "check_cu_seqlens", "check_num_splits",
            "check_speed_hints", "check_workspace_size_args", "float_scalar", "finite_scale",
-           "check_flag", "check_op_scalars",
+           "check_flag", "check_op_scalars", "check_finite_scale",
            "check_optional"]

@@ -7,7 +7,8 @@ of two, DeepSeek-V3.2's ``act_quant``), its fp8 bytes are ``float8_e4m3fn(index_
 (round to nearest even; ``|value| <= 448`` by construction; NaN stays NaN), written at token
 slot ``loc[t]`` with the scale. Entries of ``loc`` outside ``[0, num_blocks * block_size)``
 (``-1`` included, sglang's padding) are skipped; repeated slots store one of their rows (which
-one is unspecified). Only the addressed slots' bytes change; every check runs before the write.
+one is unspecified; ``xpu_ops.debug_checks()`` rejects slots below -1 or past the cache and
+repeated slots). Only the addressed slots' bytes change; every check runs before the write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import FLOAT_DTYPES, check_same_size, check_size, check_tensor, \
     check_tensor_args, fail
 from .._registration import define_op
@@ -50,6 +52,7 @@ def store_index_k_cache_op(index_k_cache: Tensor, loc: Tensor, index_k: Tensor,
                            ue8m0_scale: bool) -> None:
     """Op form of ``store_index_k_cache``: writes the addressed slots of ``index_k_cache``."""
     _check_store_index_k_cache(index_k_cache, loc, index_k, ue8m0_scale)
+    _value_checks.check_store_index_k_cache(loc, index_k_cache)
 
 
 @store_index_k_cache_op.register_fake
@@ -96,4 +99,57 @@ def store_index_k_cache(index_k_cache, loc, index_k, scale_fmt=None):
     torch.ops.xpu_ops.store_index_k_cache(index_k_cache, loc, index_k, scale_fmt == "ue8m0")
 
 
-__all__ = ["store_index_k_cache"]
+def gather_index_k_cache(index_k_cache, slots):
+    """The fp8 keys and scales stored at token ``slots`` (sglang's index-buffer read for the
+    ragged ``fp8_mqa_logits`` of an extend: each request's cached and new index keys).
+
+    Plain tensor ops on the cache with any strides (traceable, capturable, no host sync); a slot outside
+    ``[0, num_blocks * block_size)`` reads as a zero key with scale 0 (its logits are 0, so keep
+    such slots outside every query's ``[ks, ke)`` range).
+
+    Args:
+        index_k_cache: [num_blocks, block_size, 1, D + 4] uint8 fused cache (any strides).
+        slots: [n] int32 or int64 token slots.
+    Returns:
+        ``(k [n, D] float8_e4m3fn, k_scale [n] float32)``, new tensors: ``fp8_mqa_logits``' kv.
+    Raises:
+        TypeError/ValueError: wrong kind, rank, dtype or device, naming the argument.
+
+    >>> import torch, xpu_ops
+    >>> cache = torch.zeros(2, 4, 1, 20, dtype=torch.uint8)
+    >>> xpu_ops.store_index_k_cache(cache, torch.tensor([6]), torch.full((1, 16), 2.0))
+    >>> k, scale = xpu_ops.gather_index_k_cache(cache, torch.tensor([6, 1, -1]))
+    >>> (k.float() * scale[:, None])[:, 0].tolist(), k.dtype
+    ([2.0, 0.0, 0.0], torch.float8_e4m3fn)
+    """
+    fn = "gather_index_k_cache"
+    check_tensor_args(fn, index_k_cache=index_k_cache, slots=slots)
+    check_tensor(fn, "index_k_cache", index_k_cache, ndim=4, dtypes=(torch.uint8,),
+                 fix="Pass the fused fp8 index-key cache's bytes (.view(torch.uint8)).")
+    check_size(fn, "index_k_cache", index_k_cache, 2, 1, "one index-key head")
+    if index_k_cache.shape[3] <= SCALE_BYTES or index_k_cache.shape[3] % SCALE_BYTES:
+        fail(fn, "index_k_cache", "has a last dimension that is not D + 4 with D % 4 == 0",
+             "D + 4 bytes per token, D a positive multiple of 4", tuple(index_k_cache.shape))
+    check_tensor(fn, "slots", slots, ndim=1, dtypes=_LOC_DTYPES, device=index_k_cache.device)
+    num_blocks, block_size, _, width = index_k_cache.shape
+    dim = width - SCALE_BYTES
+    s = slots.long()
+    inside = (s >= 0) & (s < num_blocks * block_size)
+    if num_blocks * block_size == 0:
+        s = s.new_zeros(s.shape)
+        index_k_cache = index_k_cache.new_zeros((1, 1, 1, width))
+        block_size = 1
+    s = torch.where(inside, s, 0)
+    block, row = (s // block_size)[:, None], (s % block_size)[:, None]
+    # byte f of a block (its logical order) sits at [f // width, 0, f % width]
+    value_byte = row * dim + torch.arange(dim, device=s.device)                   # [n, D]
+    scale_byte = block_size * dim + row * SCALE_BYTES + torch.arange(
+        SCALE_BYTES, device=s.device)                                               # [n, 4]
+    k = index_k_cache[block, value_byte // width, 0, value_byte % width]
+    scale = index_k_cache[block, scale_byte // width, 0, scale_byte % width]
+    k = torch.where(inside[:, None], k, 0).view(torch.float8_e4m3fn)
+    scale = torch.where(inside, scale.view(torch.float32)[:, 0], 0.0)
+    return k, scale
+
+
+__all__ = ["store_index_k_cache", "gather_index_k_cache"]

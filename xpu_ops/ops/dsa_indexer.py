@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._checks import (check_size, check_tensor, check_tensor_args, fail, int_scalar)
 from .._registration import define_op
 from ..index_k_layout import SCALE_BYTES
@@ -164,6 +165,7 @@ def fp8_paged_mqa_logits_op(q: Tensor, kv_cache: Tensor, weights: Tensor, contex
     """Op form of ``fp8_paged_mqa_logits`` (the checks; the provider of q's device computes)."""
     _check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table,
                                 max_context_len, clean_logits)
+    _value_checks.check_fp8_paged_mqa_logits(q, kv_cache, context_lens, block_table)
 
 
 @fp8_paged_mqa_logits_op.register_fake
@@ -184,7 +186,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     ``L = context_lens[i] - next_n + n + 1`` (1-D ``context_lens``: the queries are the last
     ``next_n`` tokens, causal among themselves) or ``L = context_lens[i, n]`` (2-D). ``L`` is
     clamped into ``[0, min(max_context_len, block_table.shape[1] * block_size)]``; positions
-    ``>= L``, and keys of a block id outside ``[0, num_blocks)``, are ``-inf``.
+    ``>= L``, and keys of a block id outside ``[0, num_blocks)``, are ``-inf``
+    (``xpu_ops.debug_checks()`` rejects such lengths and block ids instead).
 
     Args:
         q: [b, next_n, H, D] float8_e4m3fn (uint8 bytes are viewed; a 3-D [b, H, D] means

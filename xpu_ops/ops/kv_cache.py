@@ -30,6 +30,19 @@ def num_slots(cache: Tensor):
     return shape[0] if len(shape) == 3 else shape[0] * shape[1]
 
 
+def snapshot_aliased(caches: tuple[Tensor, ...], sources: tuple[Tensor, ...]
+                     ) -> Optional[tuple[Tensor, ...]]:
+    """``sources``, each one that shares memory with a cache of ``caches`` cloned first (e.g.
+    ``k`` a view of rows of ``k_cache``), or None when none does: a store reads every source
+    row as it was before the call, whichever slots it overwrites (API.md "Writes"). Storage
+    addresses only, no sync; a clone only for an aliased call."""
+    cache_ptrs = {c.untyped_storage().data_ptr() for c in caches}
+    aliased = [s.untyped_storage().data_ptr() in cache_ptrs for s in sources]
+    if not any(aliased):
+        return None
+    return tuple(s.clone() if a else s for s, a in zip(sources, aliased))
+
+
 def _check_scale(fn: str, arg: str, scale, cache: Tensor) -> None:
     if scale is None:
         return
@@ -94,10 +107,13 @@ def _is_plain_valid_store_kv_cache(k_cache, v_cache, loc, k, v) -> bool:
 @define_op("xpu_ops::store_kv_cache", mutates_args=("k_cache", "v_cache"), by_device=True)
 def store_kv_cache_op(k_cache: Tensor, v_cache: Tensor, loc: Tensor, k: Tensor, v: Tensor,
                       k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
-    """Op form of ``store_kv_cache`` (all arguments explicit)."""
+    """Op form of ``store_kv_cache`` (all arguments explicit); ``k``/``v`` that share memory
+    with a cache are read as they were before the call (``snapshot_aliased``)."""
     if not (k_scale is None and v_scale is None
             and _is_plain_valid_store_kv_cache(k_cache, v_cache, loc, k, v)):
         _check_store_kv_cache(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    sources = snapshot_aliased((k_cache, v_cache), (k, v))
+    return None if sources is None else (k_cache, v_cache, loc, *sources, k_scale, v_scale)
 
 
 @store_kv_cache_op.register_fake
@@ -135,7 +151,9 @@ def store_kv_cache(k_cache, v_cache, loc, k, v, k_scale=None, v_scale=None):
             ``[0, slots)`` are never written (skipped, without a host sync); with
             ``XPU_OPS_DEBUG_CHECKS=1`` (or ``xpu_ops.debug_checks()``) they raise, and so do
             duplicate slots.
-        k: [N, Hkv, D], v: [N, Hkv, Dv] fp16|bf16|fp32; never modified.
+        k: [N, Hkv, D], v: [N, Hkv, Dv] fp16|bf16|fp32; never modified. They may be views
+            of the caches themselves (e.g. rows of ``k_cache``): every row is read as it was
+            before the call, whichever slots the call overwrites.
         k_scale, v_scale: per-tensor scale (positive finite float or 1-element float32
             tensor) for fp8 caches: the cache stores ``k / k_scale`` (read back with
             ``k_descale = k_scale``). Values beyond the fp8 range saturate to its largest
@@ -191,8 +209,11 @@ def _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope) -> None:
 
 @define_op("xpu_ops::store_mla_kv_cache", mutates_args=("kv_cache",), by_device=True)
 def store_mla_kv_cache_op(kv_cache: Tensor, loc: Tensor, k_nope: Tensor, k_rope: Tensor) -> None:
-    """Op form of ``store_mla_kv_cache``."""
+    """Op form of ``store_mla_kv_cache``; ``k_nope``/``k_rope`` that share memory with the
+    cache are read as they were before the call (``snapshot_aliased``)."""
     _check_store_mla_kv_cache(kv_cache, loc, k_nope, k_rope)
+    sources = snapshot_aliased((kv_cache,), (k_nope, k_rope))
+    return None if sources is None else (kv_cache, loc, *sources)
 
 
 @store_mla_kv_cache_op.register_fake

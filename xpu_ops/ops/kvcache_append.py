@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _value_checks
-from .._checks import FP8_DTYPES, check_size, check_tensor, fail
+from .._checks import FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor, fail
 from .common import check_cu_seqlens, check_index
 from .rotary import apply_rotary_emb
 
@@ -48,13 +48,14 @@ def _new_tokens(fn: str, k, v, cu_seqlens_k_new, k_cache: Tensor, v_cache: Tenso
         missing = "v" if v is None else "k"
         fail(fn, missing, "is missing", "k and v together (the new keys and values)", None)
     device = k_cache.device
+    if k_cache.dtype in FP8_DTYPES:  # before k's dtype: "pass the cache's dtype" would not help
+        raise NotImplementedError(f"{fn}: appending k/v into an fp8 cache is not implemented; "
+                                  f"expected a float16/bfloat16/float32 cache, got "
+                                  f"{k_cache.dtype}. Quantize with store_kv_cache(k_scale=...) "
+                                  f"before the call and pass k=None, v=None.")
     check_tensor(fn, "k", k, ndim=(3, 4), dtypes=(k_cache.dtype,), device=device,
                  fix="Pass the new keys in the cache's dtype.")
     check_tensor(fn, "v", v, ndim=k.dim(), dtypes=(v_cache.dtype,), device=device)
-    if k.dtype in FP8_DTYPES:
-        raise NotImplementedError(f"{fn}: appending k/v into an fp8 cache is not implemented; "
-                                  f"expected a float16/bfloat16/float32 cache, got {k.dtype}. "
-                                  f"Quantize with store_kv_cache(k_scale=...) before the call.")
     for dim in range(k.dim() - 1):
         check_size(fn, "v", v, dim, k.shape[dim], f"k.shape[{dim}]")
     check_size(fn, "k", k, -2, k_cache.shape[2], "k_cache.shape[2] (Hkv)")
@@ -81,8 +82,9 @@ def _check_rotary(fn: str, rotary_cos, rotary_sin, rotary_seqlens, head_dim: int
     if rotary_cos is None or rotary_sin is None:
         missing = "rotary_sin" if rotary_sin is None else "rotary_cos"
         fail(fn, missing, "is missing", "rotary_cos and rotary_sin together", None)
-    check_tensor(fn, "rotary_cos", rotary_cos, ndim=2, device=device)
-    check_tensor(fn, "rotary_sin", rotary_sin, ndim=2, device=device)
+    check_tensor(fn, "rotary_cos", rotary_cos, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor(fn, "rotary_sin", rotary_sin, ndim=2, dtypes=(rotary_cos.dtype,),
+                 device=device)
     for dim in (0, 1):
         check_size(fn, "rotary_sin", rotary_sin, dim, rotary_cos.shape[dim],
                    f"rotary_cos.shape[{dim}]")

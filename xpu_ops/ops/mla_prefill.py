@@ -16,8 +16,8 @@ from torch import Tensor
 from .. import _value_checks
 from .._registration import define_op
 from .._checks import check_size, check_tensor, check_tensor_args, fail, int_scalar
-from .common import (check_cu_seqlens, check_index, check_mla_inputs, check_workspace_size_args,
-                     finite_scale)
+from .common import (check_cu_seqlens, check_finite_scale, check_flag, check_index,
+                     check_mla_inputs, check_workspace_size_args, finite_scale)
 
 NAME = "flash_mla_prefill"
 
@@ -46,9 +46,10 @@ def flash_mla_prefill_get_workspace_size(max_seq_len, num_batches, num_heads=0, 
 
 
 def _check_flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k,
-                             page_table, workspace, max_seqlen_q) -> None:
-    """Validate shapes/dtypes/devices (runs in the fake too)."""
+                             page_table, workspace, max_seqlen_q, sm_scale) -> None:
+    """Validate shapes/dtypes/devices and the scale (runs in the fake too)."""
     fn = NAME
+    check_finite_scale(fn, "sm_scale", sm_scale)
     check_mla_inputs(fn, q_nope, "q_pe", q_pe, "kv_c_and_k_pe_cache", kv_c_and_k_pe_cache,
                      "total_q")
     device = q_nope.device
@@ -73,17 +74,18 @@ def flash_mla_prefill_op(q_nope: Tensor, q_pe: Tensor, kv_c_and_k_pe_cache: Tens
                          cu_seqlens_q: Tensor, seq_lens_k: Tensor, page_table: Tensor,
                          workspace: Tensor, *, max_seqlen_q: int, sm_scale: float, causal: bool,
                          num_kv_splits: int) -> Tensor:
-    """Op form of ``flash_mla_prefill``; returns a new ``[total_q, H, R]`` tensor, may use
-    ``workspace`` as scratch (declared mutated)."""
+    """Op form of ``flash_mla_prefill``; returns a new ``[total_q, H, R]`` tensor (rows that
+    no request describes, with inconsistent metadata, are 0), may use ``workspace`` as scratch
+    (declared mutated)."""
     args = (q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace)
-    _check_flash_mla_prefill(*args, max_seqlen_q)
+    _check_flash_mla_prefill(*args, max_seqlen_q, sm_scale)
 
 
 @flash_mla_prefill_op.register_fake
 def _(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace, *,
       max_seqlen_q, sm_scale, causal, num_kv_splits):
     _check_flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k,
-                             page_table, workspace, max_seqlen_q)
+                             page_table, workspace, max_seqlen_q, sm_scale)
     return q_nope.new_empty(q_nope.shape)
 
 
@@ -109,7 +111,8 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
         workspace: [bytes] uint8, ``flash_mla_prefill_get_workspace_size(...)`` bytes or more.
         sm_scale: multiplier on the scores (float), usually ``1/sqrt(D_qk)`` of the un-absorbed
             head (e.g. ``192 ** -0.5``); finite (NaN or inf raises ValueError).
-        causal: bottom-right causal mask (default True).
+        causal: bottom-right causal mask (default True); a bool (or an int 0 or 1), any
+            other value is a TypeError (``"False"`` is not read as True).
         num_kv_splits: accepted for sgl-kernel compatibility (any int); results do not depend
             on it.
     Returns:
@@ -142,4 +145,4 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
     return torch.ops.xpu_ops.flash_mla_prefill(
         q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, page_table, workspace,
         max_seqlen_q=max_seqlen_q, sm_scale=finite_scale(NAME, "sm_scale", sm_scale),
-        causal=bool(causal), num_kv_splits=int_scalar(NAME, "num_kv_splits", num_kv_splits))
+        causal=check_flag(NAME, "causal", causal), num_kv_splits=int_scalar(NAME, "num_kv_splits", num_kv_splits))

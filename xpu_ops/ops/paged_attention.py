@@ -21,7 +21,7 @@ from .._checks import (FLOAT_DTYPES, FP8_DTYPES, all_dense_on, check_not_impleme
                        check_tensor, check_tensor_args, fail, tensors_or_none)
 from .common import (check_attention_extras, check_cu_seqlens, check_flag, check_head_dim,
                      check_index, check_kv_dtype, check_num_splits, check_op_scalars, check_out,
-                     check_query, check_speed_hints,
+                     check_query, check_speed_hints, kernel_extras,
                      default_softmax_scale, finite_scale, float_scalar, no_cap_if_infinite,
                      normalize_window, output_dtype)
 
@@ -162,7 +162,7 @@ def flash_attn_with_kvcache_op(
 
     All arguments are explicit (no defaults); see the public wrapper for their meaning.
     ``cache_seqlens`` is the total key count (any append already done). ``window_size_right``
-    is already 0 when ``causal``. ``max_seqlen_q`` bounds the queries of one request (kernels
+    is forced to 0 when ``causal``. ``max_seqlen_q`` bounds the queries of one request (kernels
     size their grid with it; it is never read from tensor values).
 
     Masks beyond the public wrapper's: keys ``j < cache_leftpad[r]`` are invisible; with
@@ -184,11 +184,18 @@ def flash_attn_with_kvcache_op(
             max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
             window_size_left=window_size_left, window_size_right=window_size_right,
             softcap=softcap, num_splits=num_splits)
-    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+    extras = None if no_extras else kernel_extras(sinks, q_descale, k_descale, v_descale,
+                                                  cache_seqlens.shape[0], k_cache.shape[2])
+    # providers' forms: softcap 0 for no cap, float32 sinks, [b, Hkv] descales; causal forces
+    # the right window bound to 0
+    if softcap == math.inf or extras is not None or causal and window_size_right != 0:
+        if extras is not None:
+            sinks, q_descale, k_descale, v_descale = extras
         return (q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, qv, q_descale,
                 k_descale, v_descale, sinks, cache_leftpad, bidirectional_block_ids,
-                max_seqlen_q, softmax_scale, causal, window_size_left, window_size_right,
-                no_cap_if_infinite(softcap), num_splits, return_softmax_lse)
+                max_seqlen_q, softmax_scale, causal, window_size_left,
+                0 if causal else window_size_right, no_cap_if_infinite(softcap), num_splits,
+                return_softmax_lse)
     return None
 
 
@@ -215,7 +222,7 @@ def flash_attn_with_kvcache(
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
     scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
     return_softmax_lse=False, sinks=None, out=None, bidirectional_block_ids=None,
-    max_seqlen_k=None,
+    max_seqlen_k=None, ver=3,
 ):
     """Attention of new query tokens over a KV cache (sgl-kernel / FlashAttention-3 compatible).
 
@@ -242,10 +249,12 @@ def flash_attn_with_kvcache(
         max_seqlen_q: upper bound of new tokens in one request (int); default total_q.
         qv: [total_q, Hq, Dv] ([b, s, Hq, Dv] for a 4-D q), extra query part dotted with V
             (absorbed MLA extend).
-        q_descale/k_descale/v_descale: [b, Hkv] float32 dequantisation scales of fp8 inputs.
+        q_descale/k_descale/v_descale: float32 dequantisation scales of fp8 inputs, [b, Hkv],
+            [b] or [1] (broadcast to [b, Hkv]; expanded views fine).
         softmax_scale: float, default ``1/sqrt(D)`` (``1/sqrt(D + Dv)`` with ``qv``); any
             finite value (NaN or inf raises ValueError).
-        causal, window_size, softcap: see above. sinks: [Hq] float32 logits.
+        causal, window_size, softcap: see above. sinks: [Hq] logits in any float dtype
+            (read as float32).
         bidirectional_block_ids: [total_q] int32 block id of each query token (< 0: none), for
             Gemma-3 image tokens: the mask is causal (whatever ``causal`` says; sgl-kernel-xpu
             passes ``causal=False``) except that a query and a key with the same id >= 0 see
@@ -270,7 +279,8 @@ def flash_attn_with_kvcache(
             rotary_seqlens`` ([b] int32) or ``cache_seqlens``; the first rotary_dim features
             turn, GPT-J pairs when ``rotary_interleaved`` (default), NeoX halves otherwise.
         pack_gqa, sm_margin, scheduler_metadata, max_seqlen_k: FlashAttention-3 speed hints,
-            accepted (typed) and never changing the result.
+            accepted (typed) and never changing the result. ver: 3 or 4, sgl-kernel's choice
+            of FA3 or FA4 (the same math; one implementation here).
         attention_chunk: not implemented; only 0 (chunked-local attention: use window_size on
             the virtual batches instead).
     Returns:
@@ -307,7 +317,7 @@ def flash_attn_with_kvcache(
     """
     fn = NAME
     _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
-                    scheduler_metadata, max_seqlen_k)
+                    scheduler_metadata, max_seqlen_k, ver)
     if (k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None
             and cache_batch_idx is None and cache_leftpad is None and cu_seqlens_k_new is None
             and rotary_seqlens is None and q_descale is None and k_descale is None
@@ -405,7 +415,7 @@ def _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
 
 
 def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
-                    scheduler_metadata, max_seqlen_k) -> None:
+                    scheduler_metadata, max_seqlen_k, ver) -> None:
     """The scalar keywords (the usual call passes none of them, and is tested without building
     keyword dicts)."""
     fn = NAME
@@ -417,9 +427,10 @@ def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, s
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
     if not (pack_gqa is None and sm_margin == 0 and scheduler_metadata is None
-            and max_seqlen_k is None):
+            and max_seqlen_k is None and type(ver) is int and ver == 3):
         check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin,
-                          scheduler_metadata=scheduler_metadata, max_seqlen_k=max_seqlen_k)
+                          scheduler_metadata=scheduler_metadata, max_seqlen_k=max_seqlen_k,
+                          ver=ver)
 
 
 def _unpacked(out, out3, lse, batch_shape, mergeable):

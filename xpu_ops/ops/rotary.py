@@ -82,3 +82,40 @@ def apply_rotary_emb(x, cos, sin, positions, *, interleaved=False):
     check_tensor_args(NAME, x=x, cos=cos, sin=sin, positions=positions)
     return torch.ops.xpu_ops.apply_rotary_emb(x, cos, sin, positions,
                                               interleaved=bool(interleaved))
+
+
+def apply_rotary_emb_per_token(x, cos, sin, is_neox_style: bool):
+    """Rotary embedding with one table row per token: vLLM's and sgl-kernel's testing form
+    (``sgl_kernel.testing.rotary_embedding._apply_rotary_emb``), ``apply_rotary_emb`` with
+    ``positions = arange(N)`` and ``interleaved = not is_neox_style``.
+
+    Args:
+        x: [N, H, D] fp16|bf16|fp32 (the features to rotate: ``D = 2 * cos.shape[1]``; any
+            further features are copied).
+        cos, sin: [N, D / 2] float tables, row ``t`` for token ``t``.
+        is_neox_style: NeoX halves (True) or GPT-J interleaved pairs (False).
+    Returns:
+        [N, H, D] in x's dtype (computed in float32); ``x`` is not modified.
+    Raises:
+        TypeError/ValueError (also RuntimeError): as ``apply_rotary_emb``; ``cos`` with fewer
+        rows than tokens.
+
+    >>> import torch
+    >>> from xpu_ops.ops.rotary import apply_rotary_emb_per_token
+    >>> x = torch.randn(2, 1, 4); angle = torch.rand(2, 2)
+    >>> y = apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), is_neox_style=False)
+    >>> c, s = angle[1, 0].cos(), angle[1, 0].sin()
+    >>> torch.allclose(y[1, 0, :2], torch.stack([x[1, 0, 0] * c - x[1, 0, 1] * s, x[1, 0, 0] * s + x[1, 0, 1] * c]))
+    True
+    """
+    check_tensor_args("_apply_rotary_emb", x=x, cos=cos, sin=sin)
+    if not isinstance(is_neox_style, bool):
+        fail("_apply_rotary_emb", "is_neox_style", "is not a bool", "True (NeoX) or False (GPT-J)",
+             type(is_neox_style).__name__, exc=TypeError)
+    check_tensor("_apply_rotary_emb", "x", x, ndim=3)
+    check_tensor("_apply_rotary_emb", "cos", cos, ndim=2)
+    if cos.shape[0] < x.shape[0]:
+        check_size("_apply_rotary_emb", "cos", cos, 0, x.shape[0], "x.shape[0] (one row a token)")
+    positions = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    return torch.ops.xpu_ops.apply_rotary_emb(x, cos, sin, positions,
+                                              interleaved=not is_neox_style)

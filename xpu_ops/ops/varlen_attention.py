@@ -19,8 +19,8 @@ from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_size, check_tensor,
 from .common import (check_attention_extras, check_cu_seqlens, check_flag, check_head_dim,
                      check_index, check_kv_dtype, check_num_splits, check_op_scalars, check_out,
                      check_query, check_speed_hints, default_softmax_scale, finite_scale,
-                     float_scalar, max_seqlen, no_cap_if_infinite, normalize_window,
-                     output_dtype)
+                     float_scalar, kernel_extras, max_seqlen, no_cap_if_infinite,
+                     normalize_window, output_dtype)
 
 NAME = "flash_attn_varlen_func"
 
@@ -75,7 +75,7 @@ def flash_attn_varlen_func_op(
     """Op form of ``flash_attn_varlen_func``: writes ``out``, returns ``softmax_lse [Hq, total_q]``.
 
     ``max_seqlen_q``/``max_seqlen_k`` bound one request's query/key count (grid sizes; never read
-    from tensor values). ``window_size_right`` is already 0 when ``causal``. ``seqused_q``:
+    from tensor values). ``window_size_right`` is forced to 0 when ``causal``. ``seqused_q``:
     request ``r`` uses its first ``seqused_q[r]`` query rows (alignment ``pos = Lk -
     seqused_q[r] + i``); its other rows get output 0 and LSE ``-inf``. ``num_splits`` as in
     ``flash_attn_with_kvcache``'s op (0 auto, 1 one pass, n > 1 at most n KV splits).
@@ -86,9 +86,15 @@ def flash_attn_varlen_func_op(
                                   softmax_scale=softmax_scale, window_size_left=window_size_left,
                                   window_size_right=window_size_right, softcap=softcap,
                                   num_splits=num_splits)
-    if softcap == math.inf:  # the cap's limit, no cap: the providers' softcap 0
+    extras = kernel_extras(sinks, q_descale, k_descale, v_descale, cu_seqlens_q.shape[0] - 1,
+                           k.shape[1])
+    if extras is not None:  # the providers' forms: float32 sinks, [b, Hkv] descales
+        sinks, q_descale, k_descale, v_descale = extras
+        args = (*args[:8], q_descale, k_descale, v_descale, sinks, seqused_q)
+    # softcap inf is no cap (the providers' 0); causal forces the right window bound to 0
+    if softcap == math.inf or extras is not None or causal and window_size_right != 0:
         return (*args, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size_left,
-                window_size_right, no_cap_if_infinite(softcap), num_splits)
+                0 if causal else window_size_right, no_cap_if_infinite(softcap), num_splits)
     return None
 
 
@@ -109,7 +115,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
     seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
     v_descale=None, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
-    return_softmax_lse=False, sinks=None, out=None,
+    return_softmax_lse=False, sinks=None, out=None, ver=3,
 ):
     """Attention over ragged K/V (no cache), sgl-kernel ``flash_attn_varlen_func`` compatible.
 
@@ -136,7 +142,7 @@ def flash_attn_varlen_func(
             depend on the other requests of the batch; 0 lets the provider choose; n > 1 at
             most n splits. Results agree to rounding whatever the value.
         pack_gqa, sm_margin: speed hints (None/bool, int >= 0), accepted; results never
-            depend on them.
+            depend on them. ver: 3 or 4 (sgl-kernel's FA3 or FA4: the same math).
     Returns:
         ``out [total_q, Hq, Dv]`` or ``(out, softmax_lse [Hq, total_q] float32)``.
     Raises:
@@ -157,7 +163,7 @@ def flash_attn_varlen_func(
     fn = NAME
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
-    check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin, ver=ver)
     check_tensor_args(fn, ("seqused_q", "seqused_k", "qv", "q_descale", "k_descale",
                            "v_descale", "sinks", "out"),
                       q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

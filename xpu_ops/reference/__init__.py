@@ -5,4 +5,6 @@ Importing this package registers every reference implementation with ``xpu_ops.p
 
 from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention, swa_spec  # noqa: F401
 from . import rotary, varlen_attention  # noqa: F401
+from . import flash_mla  # noqa: F401
 from . import dsa_indexer  # noqa: F401
+from . import causal_conv1d, gated_delta_rule  # noqa: F401

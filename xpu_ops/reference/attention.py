@@ -217,7 +217,7 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
         q_pad = q_pad * q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
     qv_pad = None if qv is None else gather_padded(qv, q_idx, q_valid)
     q_block_ids = None
-    if block_ids is not None:
+    if block_ids is not None and q.shape[0] > 0:
         q_block_ids = torch.where(q_valid, block_ids[q_idx.clamp(max=max(q.shape[0] - 1, 0))], -1)
     masks = ExtraMasks(k_start=k_start, q_used=q_used, q_block_ids=q_block_ids,
                        key_valid=key_valid)

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from .. import provider_table
-from ..index_k_layout import AMAX_FLOOR, FP8_MAX, is_dense_blocks, split_blocks
+from ..index_k_layout import (AMAX_FLOOR, FP8_MAX, is_dense_blocks, positions_to_slots,
+                              split_blocks)
 from .kv_cache import write_slots
 
 _ROWS_PER_CHUNK = 64          # query rows scored at once (bounds the [rows, H, keys] scores)
@@ -127,18 +128,9 @@ def fast_topk(score, lengths, row_starts, topk):
 @provider_table.register("fast_topk_transform", "reference")
 def fast_topk_transform(score, lengths, page_table, cu_seqlens_q, row_starts, topk):
     """Reference ``fast_topk_transform``: ``fast_topk``'s positions looked up in the row's
-    request's page-table row (request by ``cu_seqlens_q``)."""
-    positions = _ranked_positions(score, lengths, row_starts, topk)              # [rows, k]
-    rows = score.shape[0]
-    batch, width = page_table.shape
-    row_ids = torch.arange(rows, device=score.device)
-    request = torch.searchsorted(cu_seqlens_q.long().contiguous(), row_ids, right=True) - 1
-    covered = (request >= 0) & (request < batch) & (row_ids < cu_seqlens_q.long()[-1:])
-    if batch == 0 or width == 0:
-        return torch.full_like(positions, -1, dtype=torch.int32)
-    lookup = page_table[request.clamp(0, batch - 1)[:, None], positions.clamp(0, width - 1)]
-    keep = (positions >= 0) & (positions < width) & covered[:, None]
-    return torch.where(keep, lookup, -1).to(torch.int32)
+    request's page-table row (``positions_to_slots``)."""
+    return positions_to_slots(_ranked_positions(score, lengths, row_starts, topk), page_table,
+                              cu_seqlens_q)
 
 
 def quantize_rows(index_k: Tensor, ue8m0_scale: bool) -> tuple[Tensor, Tensor]:

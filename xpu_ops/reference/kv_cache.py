@@ -111,3 +111,14 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     """
     rows = kv_cache.select(2, 0) if kv_cache.dim() == 4 else kv_cache   # [a, b, R + r]
     write_slots(rows, loc, torch.cat([k_nope, k_rope], dim=-1).view(loc.shape[0], rows.shape[-1]))
+
+
+@provider_table.register("store_cache", "reference")
+def store_cache(k, v, k_cache, v_cache, indices):
+    """Reference ``store_cache`` (contract: ``xpu_ops/ops/store_cache.py``): rows ``[N, D]``
+    into rows ``indices`` of the flat caches ``[S, D]``; indices outside ``[0, S)`` (-1 above
+    all) are skipped."""
+    if indices.shape[0] == 0:
+        return
+    write_slots(paged_view(k_cache, 1), indices, k)
+    write_slots(paged_view(v_cache, 1), indices, v)

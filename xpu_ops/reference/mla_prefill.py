@@ -28,7 +28,7 @@ def mla_attention(q_nope: Tensor, q_rope: Tensor, kv_cache: Tensor, cu_seqlens_q
     q = torch.cat([q_nope, q_rope], dim=-1)                                # [total_q, H, R + r]
     k_lens = paged_lengths(page_table, seq_lens_k, kv_cache.shape[1])
     kv, valid = gather_pages(kv_cache.unsqueeze(2), page_table, k_lens)   # [b, L, 1, R + r]
-    out = q_nope.new_empty(q_nope.shape)
+    out = q_nope.new_zeros(q_nope.shape)   # rows no request describes: 0 (API.md)
     attend_packed(q, cu_seqlens_q, max_seqlen_q, kv, kv[..., :latent_dim], k_lens, out,
                   qv=None, q_descale=None, sinks=None, softmax_scale=softmax_scale,
                   window_size_left=-1, window_size_right=0 if causal else -1, softcap=0.0,

@@ -16,7 +16,8 @@ Argument mapping (providers receive the op's own, validated arguments):
   ``[Hq, total_q]`` float32; ``+inf`` LSE of empty rows (FlashAttention-3) becomes ``-inf``.
   Works with both conventions of ``fwd``: returning ``(out, lse, ...)`` or writing
   ``out``/``softmax_lse`` and returning nothing (``native.fwd_convention``).
-* ``merge_state_v2`` and ``flash_mla_decode`` -> the native ops of the same name.
+* ``merge_state_v2``, ``merge_state`` and ``flash_mla_decode`` -> the native ops of the same
+  name.
 
 Nothing here has run on an Intel GPU: the mapping is tested against a test-only library that
 defines sgl-kernel-xpu's schemas with reference implementations (``tests/ops``).
@@ -142,12 +143,22 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
     An LSE of ``+inf`` is passed as ``-inf`` (both mean an empty state here; native kernels are
     not all known to treat ``+inf`` so).
     """
+    _merge_native("merge_state_v2", v_a, s_a, v_b, s_b, v_merged, s_merged)
+
+
+@provider_table.register("merge_state", "sgl_kernel", available=_available("merge_state"))
+def merge_state(v_a, s_a, v_b, s_b, v_merged, s_merged):
+    """sgl_kernel ``merge_state`` (v1, base-2 LSEs; contract: ``xpu_ops/ops/merge_state.py``):
+    the native op of that name, staged as ``merge_state_v2``."""
+    _merge_native("merge_state", v_a, s_a, v_b, s_b, v_merged, s_merged)
+
+
+def _merge_native(name: str, v_a, s_a, v_b, s_b, v_merged, s_merged) -> None:
     # Native kernels index dense rows; callers often pass a transposed LSE ([H, N] -> [N, H]).
     outputs = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                for t in (v_merged, s_merged)]
     s_a, s_b = (torch.where(s == math.inf, -math.inf, s).contiguous() for s in (s_a, s_b))
-    native.packet("merge_state_v2").default(v_a.contiguous(), s_a, v_b.contiguous(), s_b,
-                                            *outputs)
+    native.packet(name).default(v_a.contiguous(), s_a, v_b.contiguous(), s_b, *outputs)
     for staged, target in zip(outputs, (v_merged, s_merged)):
         if staged is not target:
             target.copy_(staged)
@@ -167,3 +178,22 @@ def flash_mla_decode(q_nope, q_rope, kv_cache, cache_seqlens, page_table, worksp
         out, q_nope.contiguous(), q_rope.contiguous(), kv_cache, cache_seqlens, page_table,
         workspace, softmax_scale, num_kv_splits)
     return out
+
+
+def _supports_store_cache(k, v, k_cache, v_cache, indices):
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} has a non-unit stride in its last dimension"
+    return None
+
+
+@provider_table.register("store_cache", "sgl_kernel", available=_available("store_cache"),
+                         supports=_supports_store_cache)
+def store_cache(k, v, k_cache, v_cache, indices):
+    """sgl_kernel ``store_cache`` (contract: ``xpu_ops/ops/store_cache.py``): the native op of
+    the same schema (sgl-kernel-xpu; rows need a unit stride in their last dimension)."""
+    native.packet("store_cache").default(k, v, k_cache, v_cache, indices)
+
+
+from . import flash_mla  # noqa: E402,F401  (the FlashMLA surface's native glue registers)
+from . import dsa_indexer  # noqa: E402,F401  (the DSA indexer glue registers on import)

@@ -12,5 +12,8 @@ if HAS_TRITON:
     from . import kv_cache, merge_state, mla_decode, mla_prefill, paged_attention  # noqa: F401
     from . import swa_spec  # noqa: F401
     from . import rotary, varlen_attention  # noqa: F401
+    from . import dsa_index_cache, dsa_indexer, dsa_topk  # noqa: F401
+    from . import flash_mla  # noqa: F401
+    from . import causal_conv1d, gated_delta_rule, gated_delta_rule_chunk  # noqa: F401
 
 __all__ = ["HAS_TRITON", "available"]

@@ -248,3 +248,19 @@ def store_mla_kv_cache(kv_cache, loc, k_nope, k_rope):
     rows = kv_cache.select(2, 0) if kv_cache.dim() == 4 else kv_cache   # [a, b, R + r]
     store_rows(k_nope, rows, loc, None)
     store_rows(k_rope, rows, loc, None, col_offset=k_nope.shape[-1])
+
+
+def _supports_store_cache(k, v, k_cache, v_cache, indices):
+    if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:
+        return "fp8 rows (copied as bytes by the reference provider)"
+    return _supports_store(k_cache, v_cache, indices, k, v)
+
+
+@provider_table.register("store_cache", "triton", available=available,
+                         supports=_supports_store_cache)
+def store_cache(k, v, k_cache, v_cache, indices):
+    """Triton ``store_cache`` (contract: ``xpu_ops/ops/store_cache.py``): ``store_kv_cache``'s
+    kernels on one-head views (rows ``[N, 1, D]`` into flat caches ``[S, 1, D]``), which skip
+    indices outside ``[0, S)``."""
+    store_kv_cache(k_cache.unsqueeze(1), v_cache.unsqueeze(1), indices, k.unsqueeze(1),
+                   v.unsqueeze(1), None, None)

@@ -30,7 +30,7 @@ def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_
     dtype.
     """
     latent_dim = q_nope.shape[-1]
-    out = q_nope.new_empty(q_nope.shape)
+    out = q_nope.new_zeros(q_nope.shape)   # rows no request describes: 0 (API.md)
     if q_nope.shape[0] == 0:
         return out
     kv = kv_c_and_k_pe_cache

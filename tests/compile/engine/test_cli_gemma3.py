@@ -53,6 +53,7 @@ def test_unsupported_model_type_is_one_line_naming_the_supported(command, tmp_pa
     transformers = pytest.importorskip("transformers")
     # a folder whose config transformers knows; no weights: the type is refused before them
     transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")  # present: the folder passes the parse
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("weights loaded before the type check"))
     flag = ["--model"] if command == "generate" else []

@@ -357,3 +357,31 @@ def test_stats_steps_count_prefill_and_decode_steps_apart(models):
         engine.step()
     assert (engine.stats.steps, engine.stats.decode_steps) == (4, 3)
     assert engine.stats.compiled_decode_steps == set()   # eager: nothing compiles
+
+
+def test_sampling_changed_after_add_does_not_reach_the_queued_request(models):
+    """The engine copies SamplingParams at admission: changing the caller's object afterwards
+    (before the fix: a torch shape error mid-step, or a request run to the new length) leaves
+    the queued request as it was added."""
+    hf, model = models
+    p = prompt(6, 50)
+    engine = Engine(model, page_size=4, max_running=2, max_context_len=64, max_total_tokens=128)
+    sp = SamplingParams(max_new_tokens=3)
+    req = engine.add_request(p, sp)
+    sp.max_new_tokens, sp.temperature, sp.stop_token_ids = 40, 0.5, [1, 2, 3]
+    engine.generate([])
+    assert req.output_ids == greedy_ref(hf, p, 3) and req.sampling is not sp
+    assert req.sampling.stop_token_ids == () and req.sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize("stops", [None, 7, "12"])
+def test_stop_token_ids_of_the_wrong_kind_name_the_field(models, stops):
+    with pytest.raises(TypeError, match=rf"^SamplingParams: stop_token_ids has type "
+                                        rf"{type(stops).__name__}; expected a tuple or list"):
+        SamplingParams(stop_token_ids=stops)
+    sp = SamplingParams()
+    sp.stop_token_ids = stops
+    engine = Engine(models[1], max_context_len=32, max_total_tokens=64)
+    with pytest.raises(TypeError, match=r"^Engine.add_request: stop_token_ids has type"):
+        engine.add_request([1, 2], sp)
+    assert not engine.waiting

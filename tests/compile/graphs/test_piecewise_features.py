@@ -265,8 +265,8 @@ Q = torch.zeros(2, 8)  # q of 2 tokens
                                                        r"\[tokens, ...\] with tokens = .* = 2"),
     ((Q, Q, Q, torch.zeros(2, 8)), dict(q_rope=torch.zeros(1, 4, 2)), r"q_rope has shape"),
     ((Q, Q, None, torch.zeros(2, 8)), dict(k_rope=torch.zeros(5, 1, 2)), r"k_rope has shape"),
-    ((Q, Q, Q, torch.zeros(2, 8)), dict(sinks=torch.zeros(4, dtype=torch.float64)),
-     r"sinks is torch.float64 of shape \(4,\); expected \[Hq\] torch.float32"),
+    ((Q, Q, Q, torch.zeros(2, 8)), dict(sinks=torch.zeros(4, dtype=torch.int32)),
+     r"sinks is torch.int32 of shape \(4,\); expected \[Hq\] in a float dtype"),
     ((Q, Q, Q, torch.zeros(2, 8)), dict(sinks=torch.zeros(2, 2)), r"sinks .* shape \(2, 2\)"),
 ], ids=["output_rows", "output_dtype", "kv_pair", "k_rope_without_k", "k_rows", "q_rope_rows",
         "k_rope_rows", "sinks_dtype", "sinks_ndim"])
