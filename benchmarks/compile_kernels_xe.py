@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import xpu_ops  # noqa: E402,F401  (registers the ops)
-from xpu_ops import provider_table  # noqa: E402
+from xpu_ops import _registration, provider_table  # noqa: E402
 from xpu_ops.testing import AttentionCase, attention_case_inputs, sample_inputs  # noqa: E402
 from xpu_ops.triton import _common  # noqa: E402
 
@@ -168,10 +168,29 @@ def record(op: str, args: tuple, kwargs: dict, paths: Optional[frozenset], cores
 
     modules = [m for name, m in sys.modules.items()
                if name.startswith("xpu_ops.triton.") and getattr(m, "launch", None) is _common.launch]
+    # as the op's dispatcher kernel gets them: bound to the schema's positions, then its checks,
+    # which may normalise some (the provider gets what they return, e.g. broadcast descales)
+    args, kwargs = _bind(op, args, kwargs)
+    replaced = _registration.DEFINED[f"xpu_ops::{op}"].fn(*args, **kwargs)
+    args = args if replaced is None else replaced
     fn = provider_table._registry[op]["triton"].fn
     with _recording(modules, recorder, paths, cores):
         fn(*_to_meta(args), **_to_meta(kwargs))
     return seen
+
+
+def _bind(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as the dispatcher passes them to the op's kernel: every argument that
+    is not keyword-only by position, defaults filled in."""
+    schema = getattr(torch.ops.xpu_ops, op).default._schema
+    positional, keyword = list(args), {}
+    for arg in schema.arguments[len(args):]:
+        value = kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        if arg.kwarg_only:
+            keyword[arg.name] = value
+        else:
+            positional.append(value)
+    return tuple(positional), keyword
 
 
 class _recording:
@@ -255,15 +274,17 @@ def native_resources(spv: bytes, device: Optional[str]) -> str:
             f"{'/'.join(count) or '?'} instructions")
 
 
-def compile_launch(launch: Launch, target: str) -> dict:
-    """Compile one launch for one target: ``{"ok", "spv_bytes", "native", "error"}``."""
+def compile_launch(launch: Launch, target: str, native: bool = True) -> dict:
+    """Compile one launch for one target: ``{"ok", "spv_bytes", "native", "error"}``; with
+    ``native``, also to the target's native code where ``ocloc`` knows it."""
     try:
         src, options = source_of(launch)
         compiled = triton.compile(src, target=GPUTarget("xpu", TARGETS[target], 32),
                                   options=options)
         spv = compiled.asm["spv"]
         return {"ok": True, "spv_bytes": len(spv),
-                "native": native_resources(spv, OCLOC_DEVICES.get(target)), "error": ""}
+                "native": native_resources(spv, OCLOC_DEVICES.get(target)) if native else "",
+                "error": ""}
     except Exception as e:  # report and go on: the point is to list them all
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         return {"ok": False, "spv_bytes": 0, "native": "",
@@ -315,6 +336,8 @@ def main() -> int:
                     help=f"comma list of {sorted(TARGETS)} (default: all)")
     ap.add_argument("--only", default="", help="comma list of call-label substrings")
     ap.add_argument("--out", default="", help="folder for results.json and results.md")
+    ap.add_argument("--no-native", action="store_true",
+                    help="SPIR-V only: skip ocloc's native compilation (the slow part)")
     args = ap.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     unknown = sorted(set(targets) - set(TARGETS))
@@ -328,7 +351,7 @@ def main() -> int:
     found, refused = collect(targets, only)
     rows = []
     for (target, _), (launch, labels) in found.items():
-        result = compile_launch(launch, target)
+        result = compile_launch(launch, target, native=not args.no_native)
         rows.append({"target": target, "kernel": launch.name, "constexprs":
                      constexpr_summary(launch), "calls": len(labels), "first_call": labels[0],
                      **result})
