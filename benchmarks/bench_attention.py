@@ -1,7 +1,7 @@
-"""Benchmark the ``triton`` attention kernels against the device's ceilings and peers (issue 3).
+"""Benchmark the ``triton`` attention kernels against the device's ceilings and peers.
 
 One process: measure the ceilings (device-to-device copy bandwidth, a large bf16 matmul), then
-each workload of the issue's table with the Triton provider and the peers that apply (torch SDPA
+each workload of the targets table with the Triton provider and the peers that apply (torch SDPA
 on contiguous K/V, FlexAttention over the paged cache, the reference provider, FlashInfer when it
 imports). Writes ``attention.md`` (table), ``attention.png`` (plot) and ``attention.json`` to
 ``--out``. Times are medians of ``triton.testing.do_bench`` (device events) after warm-up.
@@ -564,7 +564,7 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
         dict(name="decode 64 x U[100,8000]", target=">= 0.90 copy", k_lens=uniform, q_lens=one,
              page=64, peers=("reference", "flex", "flashinfer"),
              sweep=splits((1, 2, 4, 8)) + chunks, **decode),
-        # small batches (issue 20: b = 1 decode fills a fraction of the device): the plan's
+        # small batches (b = 1 decode fills a fraction of the device): the plan's
         # split count against forced ones, also under a 128k-token page table (a graph's)
         dict(name="decode 1x1024 D64 page 16, 2k table (Llama-3.2-1B)", target="-",
              k_lens=[1024], q_lens=[1], page=16, d=64, peers=(), table_tokens=2048,
@@ -673,7 +673,7 @@ def main():
                     "tiles, chunk lengths; MLA configs): each is a kernel compile, and the quick "
                     "rows carry about 40 of them")
     ap.add_argument("--targeted", action="store_true", help="time only the rows with a "
-                    "target (the issue's one-run table: no small-batch rows)")
+                    "target (the one-run table: no small-batch rows)")
     args = ap.parse_args()
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)

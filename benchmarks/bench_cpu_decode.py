@@ -15,7 +15,7 @@ steps (``b`` = the number of prompts):
 Rounds alternate the two (``--rounds``); the table reports each side's median and the ratio
 engine tokens/s over transformers tokens/s (>= 1: the engine is at least as fast).
 
-    PYTHONPATH=. python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # RESULTS.md's CPU figure
+    PYTHONPATH=. python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # the CPU figure
 
 (``PYTHONPATH=.``: without it, run from a worktree, the editable install imports ``/work/main``'s
 ``compile`` and ``xpu_ops``.) The engine's model comes from ``from_hf``, which on the CPU stores

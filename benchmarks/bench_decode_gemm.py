@@ -1,4 +1,4 @@
-"""The GEMMs of one decode step, alone: which GEMM choice streams the weights fastest (issue 20).
+"""The GEMMs of one decode step, alone: which GEMM choice streams the weights fastest.
 
 A decode step of the 16-layer Llama-3.2-1B shape (``bench_model``'s) runs, per layer, the fused
 QKV projection ``[b, 2048] x [2048, 3072]``, the output projection ``[b, 2048] x [2048, 2048]``,

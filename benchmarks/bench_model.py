@@ -7,8 +7,8 @@ model, fullgraph=True)``: ``torch.compile``, Inductor, no graphs), ``piecewise``
 attention eager between them), ``graphs`` (the serving path, ``python -m compile --mode graphs``:
 ``compile.graphs.graph_runner.full_and_piecewise``; the decode steps timed here replay whole-step
 graphs recorded through the piecewise model), ``graphs_compiled`` (the same whole-step decode
-graphs recorded through ``compile_model`` instead: the ``--mode graphs`` of earlier sessions,
-kept for the A/B), ``graphs_addmm`` (``graphs`` with the pieces compiled as before session 10:
+graphs recorded through ``compile_model`` instead: the earlier ``--mode graphs``,
+kept for the A/B), ``graphs_addmm`` (``graphs`` with the pieces compiled the earlier way:
 Inductor's residual ``addmm`` kept, ``full_and_piecewise(model, unfuse_addmm=False)``; the A/B of
 ``compile/graphs/inductor_passes.py``).
 Peer: ``dense`` (``dense_baseline.DenseLlama``: the same weights in a gpt-fast-style model with a
@@ -364,7 +364,7 @@ def decode_row(model, b: int, args, bandwidth: float) -> dict:
             row[f"{mode}_device_allocs"] = ((device_allocations(fb.device) - allocs)
                                             / ((args.warmup + args.steps) * args.rounds))
         row[mode], row[f"{mode}_host_ms"] = b / seconds, host * 1e3
-        if mode != "dense":  # metadata builds per step (issue 17: one)
+        if mode != "dense":  # metadata builds per step (expected: one)
             row[f"{mode}_builds"] = len(builds) / ((args.warmup + args.steps) * args.rounds)
         if mode == "dense" and fb.device.type != "cpu":  # Inductor skips graphs silently
             row["dense_graph_skips"] = counters["inductor"]["cudagraph_skips"] - skips

@@ -21,7 +21,7 @@ def compile_summary(args, compile_s) -> str:
 
 
 def speed_table(rows, cols) -> str:
-    """Markdown: tokens/s of every mode and the roofline, plus the mode ratios of issue 17
+    """Markdown: tokens/s of every mode and the roofline, plus the mode ratios
     (graphs over the old whole-step graphs, pure piecewise over graphs) and graphs over its
     A/B without the residual ``addmm`` pass."""
     ratios = (("graphs", "eager", "x"), ("graphs", "graphs_compiled", ""),

@@ -17,7 +17,7 @@ tokens/s (``EngineStats.decode_split``: the first ``--warmup-steps`` decode step
 size, where compilation and capture happen, left out), the KV pool's bytes per rank, the bytes
 per token of context per rank, and ``servable_tokens``: how many tokens of context the same
 ``--kv-gib`` per rank holds (DCP=2 halves the bytes per token, so it doubles them).
-Targets (issue 22): TP=2 decode tokens/s at b=64 >= 1.6x TP=1; DCP=2 servable tokens = 2x.
+Targets: TP=2 decode tokens/s at b=64 >= 1.6x TP=1; DCP=2 servable tokens = 2x.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the chosen parts, one after another, each logged and timed.
+# One call on the GPU machine: the chosen parts, one after another, each logged and timed, into
+# a run folder that benchmarks/make_results_page.py turns into that device kind's section of
+# benchmarks/RESULTS.md:
+#
+#   OUT=/tmp/run PARTS="decode profile attention mla gemm" bash benchmarks/gpu_session.sh
+#   mkdir -p benchmarks/results/h100 && tar xzf /tmp/run/results.tgz -C benchmarks/results/h100 \
+#       && cp /tmp/run/summary.txt benchmarks/results/h100/       # back on this machine
+#   python benchmarks/make_results_page.py                    # every folder in benchmarks/results
 #
 #   OUT=/path PARTS="suite sgl" bash benchmarks/gpu_session.sh        # on the GPU, repo root
 #   OUT=/tmp/dry PARTS="decode profile" DRY_RUN=1 PYTHON=.venv/bin/python \
@@ -10,18 +17,18 @@
 #   sgl        scripts/run_sgl_kernel_tests.py -n 8 (sgl-kernel's public tests, saved under the
 #              git-ignored .peer/)                                         about 200 s
 #   decode     bench_model: graphs, dense, graphs_addmm, piecewise at b = 1/8/64, best of 2 rounds,
-#              16 layers, context 1024 (issue 20 table and plot, issue 17 piecewise ratio)
+#              16 layers, context 1024 (tokens/s table and plot, piecewise / graphs ratio)
 #                                                                          about 160 s
-#   profile    profile_decode.py: the kernels of one graphs decode step, b = 1 and 64 (issue 20's
-#              profile; run it in the same call as `decode`)               about 60 s
+#   profile    profile_decode.py: the kernels of one graphs decode step, b = 1 and 64 (run it in
+#              the same call as `decode`)                                  about 60 s
 #   steps      bench_model: extend and mixed steps of 64 and 512 tokens, compiled against graphs
-#              (issue 17)                                                  about 150 s
+#                                                                          about 150 s
 #   mla        bench_attention, the MLA decode row only: default, mla_split and the MLA_CFGS
-#              tile sweep (issue 19)                                       about 90 s
+#              tile sweep                                                  about 90 s
 #   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
-#              rows with a target, MLA first (issue 19; the FlashInfer prefill rows JIT-compile
-#              for about 90 s each)                                        several minutes
-#   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice (issue 20)
+#              rows with a target, MLA first (the FlashInfer prefill rows JIT-compile for about
+#              90 s each)                                                  several minutes
+#   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
 #              generate --verify` in eager and graphs mode                 about 150 s
@@ -32,7 +39,8 @@
 # skips the parts after it. Wheels under .whl/ (expecttest, flashinfer-python, apache-tvm-ffi:
 # the device README's way of carrying packages) are installed into /tmp/site first.
 # $OUT/summary.txt gets each part's exit status (124: cut at its limit) and seconds; the logs and
-# results end up in $OUT/results.tgz.
+# results end up in $OUT/results.tgz, with env.txt (device, torch, Triton and Python versions)
+# and commands.txt (each part's command line, "part<TAB>command", $OUT spelled out).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the folder that receives the logs}"
@@ -56,6 +64,22 @@ else
 fi
 note() { echo "$*" | tee -a "$SUMMARY"; }
 note "gpu_session $(date -u +%FT%TZ) parts: $PARTS; $(git log --oneline -1 2>/dev/null)"
+$PY - > "$OUT/env.txt" <<'EOF'
+import platform, torch
+try:
+    import triton
+    tri = f"Triton {triton.__version__}"
+except ImportError:
+    tri = "no Triton"
+if torch.cuda.is_available():
+    dev = torch.cuda.get_device_name()
+elif hasattr(torch, "xpu") and torch.xpu.is_available():
+    dev = torch.xpu.get_device_name()
+else:
+    dev = f"CPU ({platform.processor() or platform.machine()})"
+print(f"{dev}, torch {torch.__version__}, {tri}, Python {platform.python_version()}")
+EOF
+: > "$OUT/commands.txt"
 
 run_part() {  # run_part NAME LIMIT CMD...: timed, logged, status noted; skipped past DEADLINE
     local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
@@ -65,6 +89,8 @@ run_part() {  # run_part NAME LIMIT CMD...: timed, logged, status noted; skipped
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
+    local command="$*"
+    printf '%s\t%s\n' "$name" "${command//$OUT/\$OUT}" >> "$OUT/commands.txt"
     local t0=$SECONDS
     timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     note "$name: exit $? in $((SECONDS - t0)) s (limit $limit s)"

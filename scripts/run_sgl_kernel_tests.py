@@ -1,136 +1,88 @@
 """Run sgl-kernel's public attention tests unmodified on xpu-ops and count results per function.
 
-sgl-kernel's ``sgl-kernel/tests/test_flash_attention.py`` and ``test_merge_state_v2.py`` (public
-sglang repository; saved by hand under the git-ignored ``.peer/``, never committed) run with
-``import sgl_kernel`` resolving to xpu-ops (``-p sgl_kernel_shim``, ``scripts/sgl_kernel_shim.py``).
-Runs:
+sgl-kernel's tests from the sglang repository (``sgl-kernel/tests/test_flash_attention.py``,
+``test_merge_state_v2.py``, ``test_flashmla.py``; saved by hand, never committed) are read from
+``<peer>/sglang/sgl-kernel/tests/`` (``scripts/prepare_peer.py``) or, the older layout, directly
+from ``<peer>/``; ``import sgl_kernel`` resolves to xpu-ops (``-p sgl_kernel_shim``). Jobs
+(``--list``), each one pytest process meant to fit a 10-minute GPU call:
 
-* ``flash_published``: ``test_flash_attention.py`` as published.
-* ``flash_switches_off``: a generated copy (``.peer/generated/``) whose ``DISABLE_*`` switches for
-  split, paged KV, append KV, local, softcap and pack-GQA are False (FP16/FP8 left as published;
-  the file hard-codes its switches, so an environment variable cannot reach them).
-* ``merge``: ``test_merge_state_v2.py`` as published.
+* ``flash_<i>of<n>``: ``test_flash_attention.py`` as published, split into ``--flash-shards``
+  shards (every n-th test);
+* ``flash_switches_off_<i>of<n>``: only when the file still hard-codes a ``DISABLE_*`` switch
+  for split, paged KV, append KV, local, softcap or pack-GQA as True: a generated copy
+  (``<peer>/generated/``) with those switches False (FP16/FP8 as published);
+* ``merge``: ``test_merge_state_v2.py``; ``flashmla``: ``test_flashmla.py``.
 
-Writes, under ``--out`` (default ``$OUT``): ``<run>.xml`` (JUnit), ``<run>.log`` (pytest output),
-``sgl_kernel_tests.json`` and ``sgl_kernel_tests.md`` (passed / failed / errors / skipped per test
-function per run, with the torch, Triton and device names). Exit status 1 when anything failed.
+Writes under ``--out`` (default ``$OUT``) each job's log and outcomes, and
+``sgl_kernel_tests.json`` / ``.md`` (per job, file and function; see ``client_test_runs``).
+Exit status 1 when anything failed, errored or was stopped at its budget.
 
-    python scripts/run_sgl_kernel_tests.py                           # all three runs, -n 4
-    python scripts/run_sgl_kernel_tests.py --runs merge -n 0         # one run, no xdist
+    python scripts/run_sgl_kernel_tests.py --list
+    python scripts/run_sgl_kernel_tests.py --jobs flash_1of4,flash_2of4 -n 8 --budget 280
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import json
-import os
 import pathlib
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import client_test_runs as runs  # noqa: E402
+
 SWITCHES_OFF = ("DISABLE_SPLIT", "DISABLE_PAGEDKV", "DISABLE_APPENDKV", "DISABLE_LOCAL",
                 "DISABLE_SOFTCAP", "DISABLE_PACKGQA")
-RUNS = ("flash_published", "flash_switches_off", "merge")
+#: job name -> sgl-kernel test file.
+SGLANG_FILES = {"flash": "test_flash_attention.py", "merge": "test_merge_state_v2.py",
+                "flashmla": "test_flashmla.py"}
 
 
-def switches_off_copy(peer: pathlib.Path) -> pathlib.Path:
-    """``test_flash_attention.py`` with each of ``SWITCHES_OFF`` set to False (each assignment
-    must appear exactly once as ``NAME = True``), written to ``peer/generated/``."""
-    source = (peer / "test_flash_attention.py").read_text()
-    for name in SWITCHES_OFF:
-        line = f"\n{name} = True\n"
-        if source.count(line) != 1:
-            sys.exit(f"run_sgl_kernel_tests: `{line.strip()}` occurs {source.count(line)} times "
-                     "in test_flash_attention.py; expected once. Is it the published file?")
-        source = source.replace(line, f"\n{name} = False\n")
-    target = peer / "generated" / "test_flash_attention_switches_off.py"
-    target.parent.mkdir(exist_ok=True)
+def find(peer: pathlib.Path, name: str) -> pathlib.Path | None:
+    """The saved file ``name``: the current layout first, then the older flat one."""
+    for path in (peer / "sglang" / "sgl-kernel" / "tests" / name, peer / name):
+        if path.exists():
+            return path
+    return None
+
+
+def switches_off_copy(path: pathlib.Path, peer: pathlib.Path) -> pathlib.Path | None:
+    """``path`` with each ``NAME = True`` of ``SWITCHES_OFF`` set to False, written to
+    ``peer/generated/``; None when no switch is on (the published file already runs them)."""
+    source = path.read_text()
+    on = [name for name in SWITCHES_OFF if f"\n{name} = True\n" in source]
+    if not on:
+        return None
+    for name in on:
+        source = source.replace(f"\n{name} = True\n", f"\n{name} = False\n")
+    target = peer / "generated" / "sglang" / "test_flash_attention_switches_off.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(source)
     return target
 
 
-def test_file(run: str, peer: pathlib.Path) -> pathlib.Path:
-    if run == "flash_switches_off":
-        return switches_off_copy(peer)
-    path = peer / ("test_merge_state_v2.py" if run == "merge" else "test_flash_attention.py")
-    if not path.exists():
-        sys.exit(f"run_sgl_kernel_tests: {path} is missing; save sgl-kernel/tests/{path.name} "
-                 "from the sglang repository there (unmodified).")
-    return path
-
-
-def run_pytest(run: str, path: pathlib.Path, out: pathlib.Path, workers: int,
-               extra: list[str]) -> int:
-    """One pytest process over ``path``; JUnit XML and the log go to ``out``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "scripts"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "sgl_kernel_shim",
-           "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out / (run + '.xml')}",
-           *(["-n", str(workers)] if workers > 0 else []), *extra]
-    with open(out / f"{run}.log", "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-
-
-def counts(junit: pathlib.Path) -> dict[str, dict[str, int]]:
-    """``{test function: {passed, failed, errors, skipped}}`` from a JUnit XML report."""
-    table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        function = case.get("name", "").split("[")[0]
-        kinds = {child.tag for child in case}
-        outcome = ("failed" if "failure" in kinds else "errors" if "error" in kinds
-                   else "skipped" if "skipped" in kinds else "passed")
-        table[function][outcome] += 1
-    return {f: {k: c[k] for k in ("passed", "failed", "errors", "skipped")}
-            for f, c in sorted(table.items())}
-
-
-def environment() -> dict[str, str]:
-    import torch
-    import triton
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    return {"torch": torch.__version__, "triton": triton.__version__, "device": device}
-
-
-def markdown(results: dict, env: dict) -> str:
-    lines = [f"sgl-kernel tests on xpu-ops (shim): {env['device']}, torch {env['torch']}, "
-             f"Triton {env['triton']}", "",
-             "| run | test function | passed | failed | errors | skipped |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for run, table in results.items():
-        for function, c in table.items():
-            lines.append(f"| {run} | {function} | {c['passed']} | {c['failed']} | "
-                         f"{c['errors']} | {c['skipped']} |")
-    return "\n".join(lines) + "\n"
+def jobs(peer: pathlib.Path, flash_shards: int) -> list[runs.Job]:
+    found = {job: find(peer, name) for job, name in SGLANG_FILES.items()}
+    missing = [SGLANG_FILES[j] for j, p in found.items() if p is None]
+    if missing:
+        print(f"run_sgl_kernel_tests: not saved under {peer}: {', '.join(missing)} "
+              "(scripts/prepare_peer.py --sglang-tests DIR)", file=sys.stderr)
+    result = []
+    if found["flash"] is not None:
+        result += runs.sharded("flash", [found["flash"]], flash_shards)
+        copy = switches_off_copy(found["flash"], peer)
+        if copy is not None:
+            result += runs.sharded("flash_switches_off", [copy], flash_shards)
+    result += [runs.Job(job, (found[job],)) for job in ("merge", "flashmla")
+               if found[job] is not None]
+    return result
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peer", type=pathlib.Path, default=ROOT / ".peer")
-    parser.add_argument("--out", type=pathlib.Path, default=os.environ.get("OUT", "sgl_out"))
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {RUNS}")
-    parser.add_argument("-n", type=int, default=4, help="pytest-xdist workers (0: none)")
-    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    parser = runs.parser(__doc__.split("\n")[0])
+    parser.add_argument("--flash-shards", type=int, default=4,
+                        help="shards of test_flash_attention.py (jobs flash_<i>of<n>)")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    results, failed = {}, False
-    for run in args.runs.split(","):
-        if run not in RUNS:
-            parser.error(f"--runs: unknown run {run!r}; expected some of {RUNS}")
-        status = run_pytest(run, test_file(run, args.peer), args.out, args.n, args.pytest_args)
-        junit = args.out / f"{run}.xml"
-        results[run] = counts(junit) if junit.exists() else {}
-        failed |= status != 0 or not results[run]
-    env = environment()
-    (args.out / "sgl_kernel_tests.json").write_text(
-        json.dumps({"environment": env, "results": results}, indent=2))
-    (args.out / "sgl_kernel_tests.md").write_text(markdown(results, env))
-    print(markdown(results, env))
-    return 1 if failed else 0
+    return runs.main_loop(args, jobs(args.peer, args.flash_shards), "sgl_kernel_tests",
+                          "sgl-kernel tests on xpu-ops (shim)")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,15 @@ from .ops.mla_prefill import flash_mla_prefill, flash_mla_prefill_get_workspace_
 from .ops.flash_mla_kvcache import flash_mla_with_kvcache, get_mla_metadata
 from .ops.mla_sparse_prefill import flash_mla_sparse_fwd
 from .ops.paged_attention import flash_attn_with_kvcache
+from .ops.sparse_attn import (convert_vertical_slash_indexes,
+                              convert_vertical_slash_indexes_mergehead, sparse_attn_func)
 from .ops.store_cache import store_cache_xpu
 from .ops.swa_spec import prepare_swa_spec_page_table
 from .ops.varlen_attention import flash_attn_varlen_func
 from .providers import refresh, use_provider
 from ._value_checks import debug_checks  # value checks behind XPU_OPS_DEBUG_CHECKS=1
-from . import compat  # issue 7: install_sgl_kernel_shim
-from .sgl_kernel_fakes import register_sgl_kernel_fakes  # issue 7
+from . import compat  # install_sgl_kernel_shim
+from .sgl_kernel_fakes import register_sgl_kernel_fakes
 
 #: The op packets this package registers, in ``torch.ops.xpu_ops``.
 REGISTERED_OPS = [
@@ -41,6 +43,8 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.merge_state_v2,
     torch.ops.xpu_ops.merge_state,
     torch.ops.xpu_ops.store_cache,
+    torch.ops.xpu_ops.sparse_attn_func,
+    torch.ops.xpu_ops.convert_vertical_slash_indexes,
     torch.ops.xpu_ops.flash_mla_decode,
     torch.ops.xpu_ops.flash_mla_prefill,
     torch.ops.xpu_ops.store_kv_cache,
@@ -78,7 +82,8 @@ __all__ = [
     "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size", "flash_mla_prefill",
     "flash_mla_prefill_get_workspace_size", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
     "get_mla_metadata", "merge_state", "merge_state_v2", "prepare_swa_spec_page_table",
-    "store_cache_xpu", "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",
+    "sparse_attn_func", "convert_vertical_slash_indexes",
+    "convert_vertical_slash_indexes_mergehead", "store_cache_xpu", "store_kv_cache", "store_mla_kv_cache", "use_provider", "debug_checks",
     "refresh",
     "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
     "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",

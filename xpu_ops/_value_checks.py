@@ -416,3 +416,13 @@ def check_fp8_paged_mqa_logits(q, kv_cache, context_lens, block_table) -> None:
     lens = context_lens.amax(1) if context_lens.dim() == 2 else context_lens
     check_paged("fp8_paged_mqa_logits", lens, block_table, kv_cache.shape[1], kv_cache.shape[0],
                 lens_arg="context_lens", table_arg="block_table")
+
+
+def check_flash_mla_with_kvcache(k_cache, block_table, cache_seqlens) -> None:
+    """Debug-switch value check of dense ``flash_mla_with_kvcache``: ``cache_seqlens`` within
+    the block table's capacity, page ids in range in the entries that are read."""
+    if (block_table is None or cache_seqlens is None or not isinstance(k_cache, Tensor)
+            or k_cache.dim() != 4 or not _active(k_cache, block_table, cache_seqlens)):
+        return
+    check_paged("flash_mla_with_kvcache", cache_seqlens, block_table, k_cache.shape[1],
+                k_cache.shape[0], table_arg="block_table")

@@ -12,9 +12,12 @@ module and the names it exports), so these resolve:
     from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata, flash_mla_sparse_fwd
     from sgl_kernel import fp8_mqa_logits, fp8_paged_mqa_logits, hadamard_transform, ...  # DSA
     from sgl_kernel.testing.rotary_embedding import _apply_rotary_emb
+    from sgl_kernel.sparse_flash_attn import (sparse_attn_func, convert_vertical_slash_indexes,
+                                              convert_vertical_slash_indexes_mergehead)
 
 These cover every attention name that sglang 0.5.23's attention backends (``xpu_backend.py``,
-``flashattention_backend.py``, ``flashmla_backend.py``, the NSA backend) and sgl-kernel-xpu's
+``flashattention_backend.py``, ``flashmla_backend.py``, the NSA backend,
+``dual_chunk_flashattention_backend.py``) and sgl-kernel-xpu's
 attention tests import from ``sgl_kernel`` (``ATTENTION_IMPORTS`` lists them; a CPU test
 imports each), plus ``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which sglang's
 Gemma-3 model imports on XPU. ``get_scheduler_metadata`` returns None: FA3's precomputed tile
@@ -37,8 +40,10 @@ _FLASH_MLA = ("flash_mla_with_kvcache", "get_mla_metadata", "flash_mla_sparse_fw
 _ATTENTION = ("merge_state", "merge_state_v2", "flash_mla_decode",
               "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size",
               "flash_mla_prefill", "flash_mla_prefill_get_workspace_size") + _FLASH_MLA
+_SPARSE = ("sparse_attn_func", "convert_vertical_slash_indexes",
+           "convert_vertical_slash_indexes_mergehead")
 #: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
-SGL_KERNEL_NAMES = _ATTENTION + ("store_cache_xpu",
+SGL_KERNEL_NAMES = _ATTENTION + _SPARSE + ("store_cache_xpu",
                                    # the DSA indexer (sgl-kernel-xpu's names, DeepGEMM's order)
                                    "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
                                    "fast_topk_v2", "fast_topk_transform_fused",
@@ -53,6 +58,7 @@ SHIM_MODULES = {
     f"{SHIM_NAME}.attention": _ATTENTION,                 # sgl-kernel-xpu's home of these
     f"{SHIM_NAME}.elementwise": ("store_cache_xpu",),
     f"{SHIM_NAME}.flash_mla": _FLASH_MLA,   # sgl-kernel's module: base-2 sparse statistics
+    f"{SHIM_NAME}.sparse_flash_attn": _SPARSE,
     f"{SHIM_NAME}.testing": (),
     f"{SHIM_NAME}.testing.rotary_embedding": ("_apply_rotary_emb",),
 }

@@ -10,7 +10,9 @@ are covered): ops that return nothing get a fake that only checks nothing and re
 the tensor-returning ``fwd`` returns ``out [total_q, Hq, Dv]`` (the ``out`` argument itself when
 the schema aliases it) and ``softmax_lse [Hq, total_q]`` float32 (``[b, s, Hq, Dv]`` and
 ``[b, Hq, s]`` for a 4-D query), then one empty float32 tensor per further return
-(split-KV accumulators, whose native sizes are not part of any published contract).
+(split-KV accumulators, whose native sizes are not part of any published contract);
+sgl-kernel-xpu's ``fp8_paged_mqa_logits`` returns float32 ``[b * next_n, max_seq_len]`` (its
+``fast_topk`` writes ``indices`` and returns nothing).
 
 Known limit: the older ``fwd`` schema returns an alias of its ``out`` argument
 (``-> (Tensor(a!), ...)``). With the fake it traces under ``torch.compile`` (Dynamo) and passes
@@ -25,7 +27,9 @@ import torch
 
 #: Raw native ops that get a fake when present and lacking one.
 NATIVE_OPS = ("fwd", "merge_state", "merge_state_v2", "flash_mla_decode", "flash_mla_prefill",
-              "flash_mla_sparse_decode", "flash_mla_sparse_prefill")
+              "flash_mla_sparse_decode", "flash_mla_sparse_prefill",
+              "gdn_attention",   # sgl-kernel-xpu's fused GDN layer: writes its outputs and states
+              "fp8_paged_mqa_logits", "fast_topk")            # the DSA indexer's
 
 _libraries: dict[str, torch.library.Library] = {}
 
@@ -64,11 +68,25 @@ def _fwd_fake(schema: torch.FunctionSchema):
     return fake
 
 
+def _paged_mqa_logits_fake(schema: torch.FunctionSchema):
+    """``fp8_paged_mqa_logits``: float32 ``[b * next_n, max_seq_len]`` (a 3-D query: next_n 1)."""
+    names = [arg.name for arg in schema.arguments]
+
+    def fake(*args, **kwargs):
+        a = dict(zip(names, args), **kwargs)
+        q = a["q_fp8"]
+        rows = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+        return q.new_empty((rows, a["max_seq_len"]), dtype=torch.float32)
+    return fake
+
+
 def _fake_for(name: str, schema: torch.FunctionSchema):
     if len(schema.returns) == 0:
         return _returns_nothing
     if name == "fwd" and len(schema.returns) >= 2:
         return _fwd_fake(schema)
+    if name == "fp8_paged_mqa_logits" and len(schema.returns) == 1:
+        return _paged_mqa_logits_fake(schema)
     return None   # a schema this module does not know: leave it alone
 
 

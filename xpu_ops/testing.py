@@ -529,6 +529,59 @@ def _store_kv_cache_samples(device, dtype, gen):
         yield ((k_cache, v_cache, loc, k, v, scale and scale(), scale and scale()), {})
 
 
+def sparse_attn_inputs(gen, b, sq, sk, hq, hkv, d, nnz_s, nnz_v, bm, bn, dtype, device):
+    """``(q, k, v, block_count, block_offset, column_count, column_index, out)`` of
+    ``sparse_attn_func``: random offsets (some past ``seqlen_k``), columns (some negative or past
+    ``seqlen_k``) and counts (some above capacity), NaN-poisoned ``out``."""
+    rows = -(-sq // bm)
+    q = _randn(gen, b, sq, hq, d, dtype=dtype, device=device)
+    k = _randn(gen, b, sk, hkv, d, dtype=dtype, device=device)
+    v = _randn(gen, b, sk, hkv, d, dtype=dtype, device=device)
+    i32 = torch.int32
+    block_count = torch.randint(0, nnz_s + 2, (b, hq, rows), generator=gen, dtype=i32)
+    block_offset = torch.randint(0, sk + bn, (b, hq, rows, nnz_s), generator=gen, dtype=i32)
+    column_count = torch.randint(0, nnz_v + 2, (b, hq, rows), generator=gen, dtype=i32)
+    column_index = torch.randint(-2, sk + 2, (b, hq, rows, nnz_v), generator=gen, dtype=i32)
+    out = _nan_poisoned((b, sq, hq, d), dtype, device)
+    return (q, k, v, *(t.to(device) for t in (block_count, block_offset, column_count,
+                                              column_index)), out)
+
+
+@_sampler("sparse_attn_func")
+def _sparse_attn_func_samples(device, dtype, gen):
+    # (b, seqlen_q, seqlen_k, Hq, Hkv, D, NNZ_S, NNZ_V, block_size_M/N, dtype, causal, softcap)
+    for b, sq, sk, hq, hkv, d, nnz_s, nnz_v, bm, bn, dt, causal, softcap in (
+            (1, 9, 13, 2, 2, 32, 2, 3, 4, 4, torch.float32, False, 0.0),
+            (2, 7, 12, 4, 2, 64, 3, 2, 4, 2, torch.bfloat16, True, 0.0),
+            (1, 5, 5, 2, 1, 32, 1, 0, 8, 4, torch.float16, True, 5.0),
+            (2, 1, 16, 2, 2, 32, 0, 4, 4, 8, torch.float32, True, 0.0)):
+        args = sparse_attn_inputs(gen, b, sq, sk, hq, hkv, d, nnz_s, nnz_v, bm, bn,
+                                  dtype or dt, device)
+        yield args, dict(softmax_scale=d ** -0.5, causal=causal, softcap=softcap,
+                         block_size_M=bm, block_size_N=bn)
+
+
+@_sampler("convert_vertical_slash_indexes")
+def _convert_vertical_slash_indexes_samples(device, dtype, gen):
+    # (q_lens, kv_lens, H, NNZ_V, NNZ_S, context_size, block_size_M/N, causal, mergehead)
+    for q_lens, kv_lens, h, nnz_v, nnz_s, ctx, bm, bn, causal, merge in (
+            ((6,), (6,), 1, 2, 1, 6, 2, 2, True, False),
+            ((9, 5), (17, 5), 2, 4, 3, 9, 4, 2, True, False),
+            ((8,), (12,), 2, 3, 2, 8, 4, 4, False, False),
+            ((7, 3), (9, 8), 2, 3, 3, 7, 2, 2, True, True)):
+        i32 = torch.int32
+        verticals = torch.stack([torch.randperm(max(kv_lens), generator=gen)[:nnz_v].sort().values
+                                 for _ in range(len(q_lens) * h)]).view(len(q_lens), h, nnz_v)
+        slashes = torch.stack([torch.randperm(max(kv_lens), generator=gen)[:nnz_s].sort(
+            descending=True).values for _ in range(len(q_lens) * h)]).view(len(q_lens), h, nnz_s)
+        counts = ((torch.randint(0, nnz_v + 1, (h,), generator=gen, dtype=i32).to(device),
+                   torch.randint(0, nnz_s + 2, (h,), generator=gen, dtype=i32).to(device))
+                  if merge else (None, None))
+        yield ((torch.tensor(q_lens, dtype=i32, device=device),
+                torch.tensor(kv_lens, dtype=i32, device=device), verticals.to(i32).to(device),
+                slashes.to(i32).to(device), *counts, ctx, bm, bn, causal), {})
+
+
 @_sampler("store_cache")
 def _store_cache_samples(device, dtype, gen):
     # (S, N, row dims Dk/Dv, dtype, rows as one head of [N, H, D] (strided), skipped tokens)

@@ -126,6 +126,10 @@ class XPUAttentionBackend(MetadataBuilderMixin, GraphMetadataMixin, AttentionBac
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool,
                  sinks: Optional[Tensor] = None, **kwargs) -> Tensor:
         meta = self._metadata()
+        if kwargs.get("index_q") is not None:
+            raise NotImplementedError(f"XPUAttentionBackend: layer {layer.layer_id} passes DSA "
+                                      "indexer inputs (index_q); expected a DSAAttentionBackend "
+                                      "(compile.backend.dsa_backend), got XPUAttentionBackend.")
         if self.use_mla:
             return mla_attention.forward_absorbed(self, q, k, v, layer, fb, save_kv_cache,
                                                   meta, sinks=sinks, **kwargs)

@@ -179,7 +179,8 @@ def kv_layout(model: nn.Module) -> KVLayout:
     Hkv, D and Dv are the layers' (all layers must agree: one pool shape); sliding-window layers
     are those with ``sliding_window_size >= 0`` (W = ``sliding_window_size + 1``, the largest
     one); the MLA latent rank is ``model.config.kv_lora_rank`` when the config has one (the
-    layers then hold ``D = R + r`` and ``Dv = R``); layers with ``kv_sharing_target_layer_id`` are
+    layers then hold ``D = R + r`` and ``Dv = R``) and the DSA index-key dim its
+    ``index_head_dim`` (DeepSeek-V3.2); layers with ``kv_sharing_target_layer_id`` are
     ``kv_sharing`` pairs (they get no buffers); ``LinearAttention`` layers below the last
     attention layer are ``linear_layer_ids`` (no buffers either: their state is elsewhere).
 
@@ -193,7 +194,7 @@ def kv_layout(model: nn.Module) -> KVLayout:
     ...                         PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=1)])
     >>> kv_layout(layers)
     KVLayout(num_layers=2, head_num=2, head_dim=8, v_head_dim=8, swa_layer_ids=(0,), \
-sliding_window=8, kv_lora_rank=0, kv_sharing=(), linear_layer_ids=())
+sliding_window=8, kv_lora_rank=0, kv_sharing=(), linear_layer_ids=(), index_head_dim=0)
     """
     layers = attention_layers(model)
     if not layers:
@@ -212,6 +213,7 @@ sliding_window=8, kv_lora_rank=0, kv_sharing=(), linear_layer_ids=())
     window = max((m.sliding_window_size + 1 for m in layers if m.sliding_window_size >= 0),
                  default=None)
     rank = getattr(getattr(model, "config", None), "kv_lora_rank", None) or 0
+    index_dim = getattr(getattr(model, "config", None), "index_head_dim", None) or 0
     sharing = tuple(sorted((m.layer_id, m.kv_sharing_target_layer_id) for m in layers
                            if m.kv_sharing_target_layer_id is not None))
     num_layers = max(m.layer_id for m in layers) + 1
@@ -219,7 +221,7 @@ sliding_window=8, kv_lora_rank=0, kv_sharing=(), linear_layer_ids=())
     return KVLayout(num_layers=num_layers, head_num=shape[0],
                     head_dim=shape[1], v_head_dim=shape[2], swa_layer_ids=tuple(swa),
                     sliding_window=window, kv_lora_rank=rank, kv_sharing=sharing,
-                    linear_layer_ids=linear)
+                    linear_layer_ids=linear, index_head_dim=index_dim if rank else 0)
 
 
 __all__ = ["AttentionType", "PagedAttention", "attention_layers", "is_causal", "kv_layout"]

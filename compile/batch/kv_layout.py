@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from compile.batch.dsa_pool import DSATokenToKVPool
 from compile.batch.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 
@@ -32,6 +33,8 @@ class KVLayout:
             KV sharing); such layers get no buffers of their own.
         linear_layer_ids: ids below ``num_layers`` of linear-attention layers (their state
             lives in ``compile.batch.state_pool.LinearStatePool``); they get no KV buffers.
+        index_head_dim: Di of a DSA index-key cache beside the MLA latent cache (DeepSeek-V3.2's
+            lightning indexer; ``compile.batch.dsa_pool``); 0: none.
     """
 
     num_layers: int
@@ -43,6 +46,7 @@ class KVLayout:
     kv_lora_rank: int = 0
     kv_sharing: tuple[tuple[int, int], ...] = ()
     linear_layer_ids: tuple[int, ...] = ()
+    index_head_dim: int = 0
 
     @property
     def full_layer_ids(self) -> tuple[int, ...]:
@@ -82,8 +86,9 @@ def check_layout(function: str, layout) -> None:
 
 def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> MHATokenToKVPool | MLATokenToKVPool:
-    """One pool holding every layer of ``layout``: ``MLATokenToKVPool`` when ``kv_lora_rank``,
-    else ``MHATokenToKVPool``; ``size`` token slots per layer (page 0 included).
+    """One pool holding every layer of ``layout``: ``MLATokenToKVPool`` when ``kv_lora_rank``
+    (``DSATokenToKVPool`` with an ``index_head_dim`` too), else ``MHATokenToKVPool``;
+    ``size`` token slots per layer (page 0 included).
 
     Raises:
         TypeError: ``layout`` is not a ``KVLayout``.
@@ -96,6 +101,11 @@ def make_kv_pool(layout: KVLayout, size: int, page_size: int, dtype: torch.dtype
     (32, 1, 8)
     """
     check_layout("make_kv_pool", layout)
+    if layout.kv_lora_rank and layout.index_head_dim:
+        return DSATokenToKVPool(size, page_size, dtype, layout.kv_lora_rank,
+                                layout.qk_rope_head_dim, layout.num_layers, device,
+                                kv_sharing=layout.kv_sharing,
+                                index_head_dim=layout.index_head_dim)
     if layout.kv_lora_rank:
         return MLATokenToKVPool(size, page_size, dtype, layout.kv_lora_rank,
                                 layout.qk_rope_head_dim, layout.num_layers, device,

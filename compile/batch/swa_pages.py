@@ -150,7 +150,8 @@ def kv_cache_bytes(layout: KVLayout, context_len: int, *, page_size: int = 16,
     # per token and layer: K and V rows, or one latent row [R + r] (MLA)
     width = layout.head_dim if layout.kv_lora_rank else layout.head_num * (
         layout.head_dim + layout.v_head_dim)
-    per_slot = width * dtype.itemsize
+    per_slot = width * dtype.itemsize + (layout.index_head_dim + 4 if layout.index_head_dim
+                                          else 0)  # DSA index key (fp8) and its float32 scale
     full_slots = (-(-num_requests * context_len // page_size) + 1) * page_size  # + page 0
     owners = layout.cache_layer_ids  # KV-sharing layers have no buffers
     n_swa = len(set(layout.swa_layer_ids) & set(owners))

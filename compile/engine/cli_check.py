@@ -18,7 +18,9 @@ linear: gated delta net), for models with sliding-window layers the KV cache of 
 ``KV_REPORT_TOKENS``-token request in the engine's hybrid pool against a full pool
 (``compile.batch.swa_pages.kv_cache_bytes``), and for models with linear-attention layers
 (Qwen3-Next) the KV bytes per token of the full-attention layers and the state bytes per
-request of the linear ones (``compile.batch.state_pool.LinearStateLayout.state_bytes``).
+request of the linear ones (``compile.batch.state_pool.LinearStateLayout.state_bytes``), and for
+MLA models (DeepSeek) whether each layer attends densely or sparsely (DeepSeek-V3.2's DSA: the
+indexer's top-k) with the latent KV and DSA index-key bytes per token (``mla_cache_bytes``).
 
 The Dynamo ``eager`` backend is used unless ``--inductor`` is given: breaks, guards and splits
 are decided before Inductor runs. Exit status 1 when any break, a wrong split count or an id
@@ -60,6 +62,7 @@ class CheckResult:
         kv_bytes_per_token, state_bytes_per_request: models with linear-attention layers: the
             KV cache of the full-attention layers per token, and the linear layers' state per
             request (None otherwise).
+        mla_bytes: MLA models: ``mla_cache_bytes`` (None otherwise).
     """
 
     num_layers: int
@@ -73,6 +76,7 @@ class CheckResult:
     kv_bytes: Optional[KVCacheBytes] = None
     kv_bytes_per_token: Optional[int] = None
     state_bytes_per_request: Optional[int] = None
+    mla_bytes: Optional["MLACacheBytes"] = None
 
     @property
     def ok(self) -> bool:
@@ -145,14 +149,44 @@ def check_model(model, *, inductor: bool = False, page_size: int = 16) -> CheckR
                        break_reasons=reasons, graphs=graphs, pieces_per_graph=s["pieces"] / n,
                        split_ops=s["split_ops"] / n, ids_match=ids == expected == pw_ids,
                        attention=kinds, kv_bytes=kv, kv_bytes_per_token=per_token,
-                       state_bytes_per_request=per_request)
+                       state_bytes_per_request=per_request, mla_bytes=mla_cache_bytes(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class MLACacheBytes:
+    """Cache bytes per token of an MLA model, per layer and over its layers with a cache.
+
+    Attributes:
+        latent: one layer's latent row ``(R + r) * itemsize``.
+        index: one DSA layer's index key and scale ``Di + 4`` (0 without DSA).
+        layers: layers with a cache of their own.
+    """
+
+    latent: int
+    index: int
+    layers: int
+
+
+def mla_cache_bytes(model) -> Optional[MLACacheBytes]:
+    """``MLACacheBytes`` of ``model``'s pools (``kv_layout``), None when it is not MLA."""
+    layout = kv_layout(model)
+    if not layout.kv_lora_rank:
+        return None
+    itemsize = next(model.parameters()).dtype.itemsize
+    index = layout.index_head_dim + 4 if layout.index_head_dim else 0  # fp8 key, float32 scale
+    return MLACacheBytes(latent=layout.head_dim * itemsize, index=index,
+                         layers=len(layout.cache_layer_ids))
 
 
 def attention_kinds(model) -> list[str]:
     """Per attention layer of ``model`` (``PagedAttention`` or ``LinearAttention``), in layer
     order: ``"global"``, ``"sliding window W"`` (W tokens: the query and W - 1 before it),
-    ``"chunked local C"`` (C tokens) or ``"linear (gated delta net)"``."""
+    ``"chunked local C"`` (C tokens), ``"linear (gated delta net)"``, ``"dense MLA"`` (an MLA
+    model's layer) or ``"sparse MLA (top-k K)"`` (a DeepSeek-V3.2 layer with an indexer)."""
     chunk = getattr(model.config, "attention_chunk_size", None)
+    mla = bool(getattr(model.config, "kv_lora_rank", 0))
+    sparse = {id(m.attn) for m in model.modules()
+              if hasattr(m, "indexer") and isinstance(getattr(m, "attn", None), PagedAttention)}
     kinds = []
     for attn in model.modules():
         if isinstance(attn, LinearAttention):
@@ -163,6 +197,10 @@ def attention_kinds(model) -> list[str]:
             kinds.append(f"chunked local {chunk}")
         elif attn.sliding_window_size >= 0:
             kinds.append(f"sliding window {attn.sliding_window_size + 1}")
+        elif id(attn) in sparse:
+            kinds.append(f"sparse MLA (top-k {model.config.index_topk})")
+        elif mla:
+            kinds.append("dense MLA")
         else:
             kinds.append("global")
     return kinds
@@ -203,6 +241,11 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
         lines.append(f"  KV cache {r.kv_bytes_per_token} bytes per token (full-attention "
                      f"layers); linear-attention state {r.state_bytes_per_request} bytes per "
                      "request (conv windows and recurrent states, any length)")
+    if r.mla_bytes is not None:
+        m = r.mla_bytes
+        lines.append(f"  KV cache per token and layer: MLA latent {m.latent} bytes, DSA index keys "
+                     f"{m.index} bytes; all {m.layers} layers: {m.layers * m.latent} + "
+                     f"{m.layers * m.index} = {m.layers * (m.latent + m.index)} bytes per token")
     lines.append(f"  graphs compiled: {r.graphs} ({max(r.graphs - 1, 0)} recompiles)")
     want = r.num_layers + 1
     lines.append(f"  piecewise split: {r.pieces_per_graph:g} pieces around {r.split_ops:g} "
@@ -243,5 +286,5 @@ def add_parser(sub) -> None:
     c.set_defaults(func=cmd_check, error=c.error, model_flag="model")
 
 
-__all__ = ["CheckResult", "check_model", "attention_kinds", "format_attention", "format_result",
-           "cmd_check", "add_parser", "KV_REPORT_TOKENS"]
+__all__ = ["CheckResult", "MLACacheBytes", "mla_cache_bytes", "check_model", "attention_kinds",
+           "format_attention", "format_result", "cmd_check", "add_parser", "KV_REPORT_TOKENS"]

@@ -209,7 +209,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         self.model_runner = ModelRunnerInfo(
             model_config=SimpleNamespace(context_len=max_context_len,
-                                         num_attention_heads=cfg.num_attention_heads),
+                                         num_attention_heads=cfg.num_attention_heads,
+                                         index_topk=getattr(cfg, "index_topk", None)),
             tp_size=self.parallel.tp.size, device=self.device, page_size=self.page_size,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             kv_cache_dtype=self.token_to_kv_pool.dtype, sliding_window_size=(
@@ -224,6 +225,8 @@ class Engine:
             backend_cls = HybridLinearAttnBackend
         if backend_cls is None and dcp > 1:
             from compile.backend.dcp_attention import DCPAttentionBackend as backend_cls
+        if backend_cls is None and layout.index_head_dim:  # DeepSeek-V3.2: sparse MLA
+            from compile.backend.dsa_backend import DSAAttentionBackend as backend_cls
         self.attn_backend = (backend_cls or XPUAttentionBackend)(self.model_runner)
         if getattr(self.forward, "fixed_table_width", False):
             # a compiled forward gets one page-table width in every step: no recompile when a

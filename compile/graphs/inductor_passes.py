@@ -8,7 +8,7 @@ becomes an ``addmm``; the ``addmm`` is then a non-pointwise user of the residual
 attention output projection's add becomes one too. Each ``addmm`` with a full-size input runs a
 device-to-device copy of the residual into its output and a GEMM with ``beta = 1``; at decode
 shapes cuBLAS picks split-K kernels for those that stream the weights at about half the rate of
-the ``beta = 0`` kernels (H200 profile of session 9, b = 1: the down projection's pair took
+the ``beta = 0`` kernels (H200 kernel profile, b = 1: the down projection's pair took
 17 us for 33.5 MB, the gate/up GEMM 17.8 us for 67 MB). A whole-model graph (the dense peer) has
 no piece outputs, so it keeps the plain ``mm``.
 

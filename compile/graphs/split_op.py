@@ -11,7 +11,9 @@ eagerly with whatever metadata the step has.
 
 Every attention layer kind of the zoo goes through it: plain, sliding-window and soft-capped
 layers (facts of the layer), attention sinks (``sinks``, GPT-OSS), absorbed MLA (``k`` the latent,
-``q_rope``/``k_rope`` the rotary parts, ``v`` None; DeepSeek-V2) and cross-layer KV sharing
+``q_rope``/``k_rope`` the rotary parts, ``v`` None; DeepSeek-V2), sparse MLA (the same plus
+``index_q``/``index_k``/``index_weights``, the DSA indexer's inputs; DeepSeek-V3.2) and
+cross-layer KV sharing
 (``k = v = None``; the layer reads ``kv_sharing_target_layer_id``'s cache).
 
 Rows past ``forward_context.num_tokens`` are padding: they are not attended and their output rows
@@ -41,7 +43,9 @@ from compile.graphs.linear_split_op import is_linear_layer, unified_linear_atten
 
 OP_NAME = "xpu_ops::unified_attention_with_output"
 # Backend extras the split op carries (its optional tensor arguments).
-SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope")
+SPLIT_OP_KWARGS = ("sinks", "q_rope", "k_rope", "index_q", "index_k", "index_weights")
+# DSA (sparse MLA) indexer inputs, appended after save_kv_cache in the schema
+_INDEX_KWARGS = ("index_q", "index_k", "index_weights")
 _FN = "unified_attention_with_output"
 
 
@@ -52,7 +56,8 @@ def _check_rows(name: str, x: Optional[Tensor], tokens) -> None:
 
 
 def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
-           sinks: Optional[Tensor], q_rope: Optional[Tensor], k_rope: Optional[Tensor]) -> None:
+           sinks: Optional[Tensor], q_rope: Optional[Tensor], k_rope: Optional[Tensor],
+           index: tuple = ()) -> None:
     """Shape checks that need no values (run in the fake too; eagerly once per layer and step,
     so each tensor attribute is read once)."""
     tokens = q.shape[0]
@@ -75,6 +80,8 @@ def _check(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
     if q_rope is not None or k_rope is not None:  # MLA
         _check_rows("q_rope", q_rope, tokens)
         _check_rows("k_rope", k_rope, tokens)
+    for name, x in zip(_INDEX_KWARGS, index):  # DSA indexer
+        _check_rows(name, x, tokens)
     if sinks is not None and (sinks.dim() != 1 or sinks.dtype not in SINK_DTYPES):
         raise _ArgError(f"{_FN}: sinks is {sinks.dtype} of shape {tuple(sinks.shape)}; "
                         "expected [Hq] in a float dtype (one sink logit per query head).")
@@ -88,12 +95,15 @@ def _rows(x: Optional[Tensor], n: int) -> Optional[Tensor]:
 @define_op(OP_NAME, mutates_args=("output",),
            schema="(Tensor q, Tensor? k, Tensor? v, Tensor(a!) output, int layer_id, "
                   "Tensor? sinks=None, Tensor? q_rope=None, Tensor? k_rope=None, "
-                  "bool save_kv_cache=True) -> ()")
+                  "bool save_kv_cache=True, Tensor? index_q=None, Tensor? index_k=None, "
+                  "Tensor? index_weights=None) -> ()")
 def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                                   output: Tensor, layer_id: int, sinks: Optional[Tensor] = None,
                                   q_rope: Optional[Tensor] = None,
                                   k_rope: Optional[Tensor] = None,
-                                  save_kv_cache: bool = True) -> None:
+                                  save_kv_cache: bool = True, index_q: Optional[Tensor] = None,
+                                  index_k: Optional[Tensor] = None,
+                                  index_weights: Optional[Tensor] = None) -> None:
     """Attention of layer ``layer_id`` over the forward context's batch, into ``output``.
 
     Args:
@@ -109,6 +119,8 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
         q_rope: MLA [T, Hq, r] rotary part of the query, or None.
         k_rope: MLA [T, 1, r] rotary key, or None.
         save_kv_cache: False attends without writing ``k``/``v``.
+        index_q, index_k, index_weights: DSA (sparse MLA) indexer inputs ``[T, Hi, Di]``,
+            ``[T, Di]``, ``[T, Hi]`` float32 (``compile.backend.dsa_backend``), or None.
     Raises:
         RuntimeError: no forward context is set.
         ValueError: ``output`` has the wrong shape, dtype or device; ``k``/``v``/``q_rope``/
@@ -116,13 +128,16 @@ def unified_attention_with_output(q: Tensor, k: Optional[Tensor], v: Optional[Te
             float32.
         NotImplementedError: the backend returned ``(out, lse)`` (MLA's MHA prefill path).
     """
-    _check(q, k, v, output, sinks, q_rope, k_rope)
-    attend_into(q, k, v, output, layer_id, sinks, q_rope, k_rope, save_kv_cache)
+    index = (index_q, index_k, index_weights)
+    _check(q, k, v, output, sinks, q_rope, k_rope, index)
+    attend_into(q, k, v, output, layer_id, sinks, q_rope, k_rope, save_kv_cache, *index)
 
 
 def attend_into(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Tensor,
                 layer_id: int, sinks: Optional[Tensor] = None, q_rope: Optional[Tensor] = None,
-                k_rope: Optional[Tensor] = None, save_kv_cache: bool = True) -> None:
+                k_rope: Optional[Tensor] = None, save_kv_cache: bool = True,
+                index_q: Optional[Tensor] = None, index_k: Optional[Tensor] = None,
+                index_weights: Optional[Tensor] = None) -> None:
     """The split op's body without its shape checks: what the attention submodules of a split
     graph call (``graph_split.call_split_op_kernel``). Their fake ran the checks on the traced
     shapes, and Dynamo's guards hold every call to those shapes, so they would only repeat.
@@ -141,6 +156,9 @@ def attend_into(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Ten
     if sinks is not None or q_rope is not None or k_rope is not None:
         extras = {name: x for name, x in (("sinks", sinks), ("q_rope", q_rope),
                                           ("k_rope", k_rope)) if x is not None}
+    if index_q is not None:  # DSA
+        extras.update(index_q=index_q[:n], index_k=_rows(index_k, n),
+                      index_weights=_rows(index_weights, n))
     # The backend writes straight into the op's output (ForwardBatch._attn_output).
     previous, batch._attn_output = batch._attn_output, out
     try:
@@ -159,19 +177,22 @@ def attend_into(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], output: Ten
 
 
 @unified_attention_with_output.register_fake
-def _(q, k, v, output, layer_id, sinks=None, q_rope=None, k_rope=None, save_kv_cache=True):
-    _check(q, k, v, output, sinks, q_rope, k_rope)
+def _(q, k, v, output, layer_id, sinks=None, q_rope=None, k_rope=None, save_kv_cache=True,
+      index_q=None, index_k=None, index_weights=None):
+    _check(q, k, v, output, sinks, q_rope, k_rope, (index_q, index_k, index_weights))
 
 
 def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], *,
                       sinks: Optional[Tensor] = None, q_rope: Optional[Tensor] = None,
                       k_rope: Optional[Tensor] = None, save_kv_cache: bool = True,
-                      **unknown) -> Tensor:
+                      index_q: Optional[Tensor] = None, index_k: Optional[Tensor] = None,
+                      index_weights: Optional[Tensor] = None, **unknown) -> Tensor:
     """What ``PagedAttention.forward`` returns in piecewise mode: a fresh output, filled by the op.
 
     Args:
         layer: the PagedAttention (its ``layer_id``, ``tp_q_head_num``, ``v_head_dim``).
-        q, k, v, sinks, q_rope, k_rope, save_kv_cache: as ``unified_attention_with_output``.
+        q, k, v, sinks, q_rope, k_rope, save_kv_cache, index_q, index_k, index_weights: as
+            ``unified_attention_with_output``.
         **unknown: any other keyword is refused (the op cannot carry it).
     Returns:
         [T, Hq * Dv] in q's dtype.
@@ -187,7 +208,8 @@ def unified_attention(layer: nn.Module, q: Tensor, k: Optional[Tensor], v: Optio
                          device=q.device)
     torch.ops.xpu_ops.unified_attention_with_output(
         q, k, v, output, layer.layer_id, sinks=sinks, q_rope=q_rope, k_rope=k_rope,
-        save_kv_cache=save_kv_cache)
+        save_kv_cache=save_kv_cache, index_q=index_q, index_k=index_k,
+        index_weights=index_weights)
     return output
 
 

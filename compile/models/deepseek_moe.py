@@ -17,7 +17,8 @@ Routing, per token (``x [T, hidden]``, E routed experts in ``n_group`` groups of
 
 Every routed expert is a SwiGLU ``down(silu(gate) * up)`` of ``moe_intermediate_size``; the
 shared experts are one such MLP of ``n_shared_experts * moe_intermediate_size`` that every token
-runs (a ``LlamaMLP``, gate/up fused; biases when ``mlp_bias``). The layer's output is ``sum_e weight_e expert_e(x) + shared(x)``.
+runs (a ``LlamaMLP``, gate/up fused; biases when ``mlp_bias``). The layer's output is
+``sum_e weight_e expert_e(x) + shared(x)``.
 
 Written densely, as ``compile.models.moe``: every expert runs on every token and the dense
 ``[T, E]`` routing weights (zero outside the token's top-k) mix the results, so the routing has

@@ -215,11 +215,17 @@ class DeepseekV2Attention(nn.Module):
         over the latent cache (queries ``[T, H, R]`` plus rope ``[T, H, r]``; output through
         ``w_vc``).
         """
-        t = hidden_states.shape[0]
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         else:
             q = self.q_proj(hidden_states)
+        return self.mla(positions, hidden_states, q, forward_batch)
+
+    def mla(self, positions: Tensor, hidden_states: Tensor, q: Tensor, forward_batch,
+            **extras) -> Tensor:
+        """The attention after the query projection ``q [T, H * (Dn + r)]``; ``extras`` go to
+        ``PagedAttention`` (DeepSeek-V3.2: the indexer's inputs). Returns ``[T, hidden]``."""
+        t = hidden_states.shape[0]
         q_nope, q_rope = q.view(t, self.h, self.dn + self.r).split([self.dn, self.r], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.rank, self.r], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)              # [T, 1, R]
@@ -227,7 +233,7 @@ class DeepseekV2Attention(nn.Module):
         w_kc, w_vc = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)   # [T, H, R]
         out = self.attn(q_latent.reshape(t, self.h * self.rank), latent, None, forward_batch,
-                        q_rope=q_rope.contiguous(), k_rope=k_rope)      # [T, H * R]
+                        q_rope=q_rope.contiguous(), k_rope=k_rope, **extras)  # [T, H * R]
         out = torch.bmm(out.view(t, self.h, self.rank).transpose(0, 1), w_vc.transpose(1, 2))
         return self.o_proj(out.transpose(0, 1).reshape(t, self.h * self.dv))  # [T, hidden]
 
@@ -236,8 +242,10 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     """``PreNormDecoderLayer`` of MLA (``DeepseekV2Attention``) and a dense gated MLP or, where
     ``config.is_moe_layer``, the DeepSeek mixture of experts."""
 
-    def __init__(self, config: DeepseekV2Config, layer_id: int, rotary, dtype=None, device=None):
-        self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
+    def __init__(self, config: DeepseekV2Config, layer_id: int, rotary, dtype=None, device=None,
+                 self_attn: Optional[nn.Module] = None):
+        if self_attn is None:
+            self_attn = DeepseekV2Attention(config, layer_id, rotary, dtype, device)
         mlp = (DeepseekMoE(config.moe, config, dtype, device) if config.is_moe_layer(layer_id)
                else LlamaMLP(config, dtype, device))
         super().__init__(config, self_attn, mlp, dtype, device)
@@ -247,12 +255,14 @@ class DeepseekV2Model(DecoderModel):
     """``DecoderModel`` of ``DeepseekV2DecoderLayer``s sharing one RoPE table of
     ``qk_rope_head_dim`` features (interleaved pairs, or halves without ``rope_interleave``)."""
 
-    def __init__(self, config: DeepseekV2Config, dtype=None, device=None):
+    def __init__(self, config: DeepseekV2Config, dtype=None, device=None, make_layer=None):
+        """``make_layer(layer_id, rotary)`` builds a layer (default ``DeepseekV2DecoderLayer``)."""
         rope_class = InterleavedRotaryEmbedding if config.rope_interleave else RotaryEmbedding
         rotary = rope_class(config.qk_rope_head_dim, config.max_position_embeddings,
                             config.rope_theta).to(device)
-        super().__init__(config, lambda i: DeepseekV2DecoderLayer(config, i, rotary, dtype, device),
-                         dtype, device)
+        make_layer = make_layer or (lambda i, rotary: DeepseekV2DecoderLayer(
+            config, i, rotary, dtype, device))
+        super().__init__(config, lambda i: make_layer(i, rotary), dtype, device)
 
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):

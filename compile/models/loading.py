@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from compile.models import deepseek_v2, gemma3, llama4, qwen3_next
+from compile.models import deepseek_v2, deepseek_v32, gemma3, llama4, qwen3_next
 from compile.models.config import ModelConfig, check_model_type
 from compile.models.llama import LlamaForCausalLM
 from compile.models.weights import column_major_weights, copy_from_hf
@@ -22,11 +22,13 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
         hf_model: a ``transformers`` causal LM of a type ``ModelConfig.from_hf`` supports
             (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ...), or a
             ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (MLA, MoE;
-            ``compile.models.deepseek_v2``) or a
+            ``compile.models.deepseek_v2``), a ``DeepseekV32ForCausalLM`` (MLA with DSA sparse
+            attention; ``compile.models.deepseek_v32``) or a
             ``Llama4ForCausalLM`` (text; ``compile.models.llama4``), or a Gemma 3
             ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
-            ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``
-            (``compile.models.qwen3_next``: gated-delta-net and full-attention layers).
+            ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` /
+            ``Qwen3_5MoeForCausalLM`` (``compile.models.qwen3_next``: gated-delta-net and
+            full-attention layers).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
         cpu_column_major: on the CPU, a ``LlamaForCausalLM`` (every type but the three above)
             stores its linear weights and tied embedding column-major
@@ -44,11 +46,13 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
     check_model_type("from_hf", model_type)
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return deepseek_v2.from_hf(hf_model, dtype=dtype, device=device)
+    if model_type == "deepseek_v32":
+        return deepseek_v32.from_hf(hf_model, dtype=dtype, device=device)
     if model_type == "llama4_text":
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
     if model_type in ("gemma3_text", "gemma3"):
         return gemma3.from_hf(hf_model, dtype=dtype, device=device)
-    if model_type in ("qwen3_next", "qwen3_5_text"):
+    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         return qwen3_next.from_hf(hf_model, dtype=dtype, device=device)
     model = copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
                          device)

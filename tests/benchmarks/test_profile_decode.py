@@ -44,7 +44,7 @@ def test_cpu_matmul_profile_has_its_time_and_exact_bytes():
 
 
 def test_profiles_graphs_at_a_batch_of_many_requests(tmp_path, monkeypatch, capsys):
-    """The session-7 H200 crash at b = 64 (a Dynamo ConstraintViolationError): making the
+    """An H200 crash at b = 64 (a Dynamo ConstraintViolationError): making the
     uncaptured forward switched the shared model's split op off before the captured steps ran.
     Tiny shapes; the pieces run without Inductor and the uncaptured step on Dynamo's eager
     backend, which is where the crash happened (Dynamo, not Inductor)."""

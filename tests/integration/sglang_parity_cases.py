@@ -1,5 +1,5 @@
 """Side by side: sglang 0.5.23's own ``XPUAttentionBackend`` (over ``install_sgl_kernel_shim``)
-and this project's ``compile.backend.XPUAttentionBackend`` on the same batches (issue 18).
+and this project's ``compile.backend.XPUAttentionBackend`` on the same batches.
 
 Run with ``sglang_backend_cases.py`` by ``test_sglang_backend.py`` in its child process. Each
 case builds sglang's pools and batch (``sglang_backend_cases.Harness``), copies the pools'

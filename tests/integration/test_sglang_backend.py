@@ -1,5 +1,5 @@
-"""Integration: sglang 0.5.23's ``XPUAttentionBackend`` runs on xpu-ops (issue 14, item 5), and
-matches this project's backend mode by mode (issue 18).
+"""Integration: sglang 0.5.23's ``XPUAttentionBackend`` runs on xpu-ops, and
+matches this project's backend mode by mode.
 
 The cases live in ``sglang_backend_cases.py`` (sglang's backend against the float64 oracle) and
 ``sglang_parity_cases.py`` (sglang's backend and ``compile.backend.XPUAttentionBackend`` side by
@@ -41,7 +41,7 @@ def test_sglang_xpu_backend_matches_oracle():
     # One intra-op thread: the child shares CI's two cores with the xdist workers, and with two
     # threads one case (sglang_backend_cases test_extend[reference-1-cached-prefix]) missed the
     # float64 oracle by ~1e-4 on its requests with a cached prefix in about 1 of 8 runs on
-    # session 10's machine (never with one thread; not reproduced in 60 two-thread runs since).
+    # one shared 2-core machine (never with one thread; not reproduced in 60 two-thread runs since).
     # Its cause is not known; _assert_close reports the rows and the CPU math setup if it recurs.
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(HERE / "stand_ins"), str(SGLANG_ENV), str(ROOT), os.environ.get("PYTHONPATH", "")]))

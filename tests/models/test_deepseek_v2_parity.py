@@ -1,6 +1,7 @@
 """Logits parity of the zoo's DeepSeek-V2 (MLA, absorbed) with ``transformers`` on random weights.
 
-A tiny ``DeepseekV2ForCausalLM`` (dense layers; MoE layers: ``test_deepseek_moe_parity``) is copied with ``deepseek_v2.from_hf`` and
+A tiny ``DeepseekV2ForCausalLM`` (dense layers; MoE layers: ``test_deepseek_moe_parity``) is
+copied with ``deepseek_v2.from_hf`` and
 run through the engine on an MLA latent pool: chunked prefill (chunk 7, so later chunks attend a
 cached prefix through the absorbed ``qv`` path), then decode steps (``flash_mla_decode``). Every
 recorded logit row must equal the ``transformers`` full forward at its position.

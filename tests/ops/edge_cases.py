@@ -10,12 +10,14 @@ that case needs:
   ``+inf`` sinks, on decode (the CPU reference's fast path) and extend shapes;
 - softcap ``inf`` (no cap) and a saturating small cap; page size 1; every GQA ratio (1, 2, 3,
   4, 8); strided views over NaN buffers and expanded (stride-0) sinks; a loose
-  ``max_seqlen_q = 2**31 - 1``.
+  ``max_seqlen_q = 2**31 - 1``; int32 extremes in ``cache_seqlens`` (clamped into the
+  capacity, so the page-table column past each request is read: its garbage ids in range
+  give keys, out of range hide them, as API.md's "Writes" says).
 
-The paths: the reference's general path (a loose bound keeps decode shapes off the fast path),
-its CPU decode fast path (with and without the LSE, the latter torch SDPA where it applies), its
-one pass (``num_splits=1``); Triton's one pass, split-KV, and each optional kernel path of
-``xpu_ops.triton._common.OPTIONAL_PATHS`` forced through ``ENABLED_PATHS``.
+The paths: the reference's general path (a zero ``cache_leftpad`` keeps decode shapes off the
+fast path), its CPU decode fast path (with and without the LSE, the latter torch SDPA where it
+applies), its one pass (``num_splits=1``); Triton's one pass, split-KV, and each optional kernel
+path of ``xpu_ops.triton._common.OPTIONAL_PATHS`` forced through ``ENABLED_PATHS``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class EdgeCase:
     layout: str = "contiguous"            # "strided": q, out, caches and metadata as strided
                                           # views over NaN/garbage; "expanded": stride-0 sinks
     max_seqlen_q: Optional[int] = None    # a loose bound instead of the tight one
+    cache_seqlens: tuple = ()             # int32 extremes instead of the lengths (checks off:
+                                          # clamped into [0, capacity], API.md "Writes")
 
     @property
     def decode(self) -> bool:
@@ -72,6 +76,9 @@ EDGE_CASES = {
                                    causal=True), layout="strided"),
     "expanded-sinks-decode": EdgeCase(Case(((1, 4), (1, 6)), page_size=2, hq=4, hkv=2, d=16,
                                            sinks=True), layout="expanded"),
+    "int32-extreme-lengths": EdgeCase(Case(((1, 3), (2, 5), (1, 4)), page_size=2, hq=4, hkv=2,
+                                           d=16, causal=True),
+                                      cache_seqlens=(INT32_MAX, -(2 ** 31), 2 ** 31 - 2)),
     "loose-max-seqlen-q": EdgeCase(Case(((2, 5), (1, 1)), page_size=2, hq=2, hkv=1, d=16,
                                         causal=True), max_seqlen_q=INT32_MAX),
 }
@@ -104,6 +111,10 @@ def edge_case_inputs(edge: EdgeCase, device="cpu", seed: int = 0) -> tuple[tuple
         kwargs["softcap"] = edge.softcap
     if edge.max_seqlen_q is not None:
         kwargs["max_seqlen_q"] = edge.max_seqlen_q
+    if edge.cache_seqlens:  # the clamped lengths make every slot a key: finite values there
+        args[3] = torch.tensor(edge.cache_seqlens, dtype=torch.int32, device=args[3].device)
+        for i in (1, 2):
+            args[i] = torch.nan_to_num(args[i], nan=0.5)
     guards = []
     if edge.layout == "strided":
         for i in (0, 1, 2, 3, 4, 5, 6):          # q, caches, cache_seqlens, page_table, cu, out
@@ -132,8 +143,9 @@ def run_path(edge: EdgeCase, path: str, args: tuple, kwargs: dict):
     """Call the op on ``path`` of the current provider; returns ``(out, lse or None)``."""
     kwargs = dict(kwargs)
     paths = None
-    if path == "general" and edge.decode:
-        kwargs["max_seqlen_q"] = max(kwargs["max_seqlen_q"], 2)   # off the decode fast path
+    if path == "general" and edge.decode and args[12] is None:
+        # off the decode fast path: a zero cache_leftpad (no key hidden) is an extra it skips
+        args = (*args[:12], torch.zeros_like(args[3]), *args[13:])
     elif path == "decode-no-lse":
         kwargs["return_softmax_lse"] = False
     elif path == "one-pass":
@@ -155,6 +167,15 @@ def oracle_of(edge: EdgeCase, args: tuple, kwargs: dict):
     kwargs = dict(kwargs, max_seqlen_q=max(kwargs["max_seqlen_q"], 1))
     softcap = kwargs["softcap"]
     kwargs["softcap"] = 0.0 if softcap == math.inf else softcap
+    if edge.cache_seqlens:  # lengths clamped, page ids past the end read or hidden
+        q, k_cache, v_cache, lens, table, cu = dense[:6]
+        out, lse, _ = oracle.flash_attn_with_kvcache_unchecked(
+            q, k_cache, v_cache, lens, table, cu, max_seqlen_q=kwargs["max_seqlen_q"],
+            softmax_scale=kwargs["softmax_scale"], causal=kwargs["causal"],
+            window_size_left=kwargs["window_size_left"],
+            window_size_right=kwargs["window_size_right"], softcap=kwargs["softcap"],
+            sinks=dense[11])
+        return out, lse
     return oracle.flash_attn_with_kvcache(*dense, **kwargs)
 
 

@@ -236,8 +236,8 @@ def test_out_of_range_slots_act_as_no_state(provider):
                                         torch.tensor([-1, -1], dtype=torch.int32), init)
         assert torch.equal(pool, states)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-        step = xpu_ops.causal_conv1d_update(x[:2], pool, weight, bias,
-                                            conv_state_indices=torch.tensor([5, -1], dtype=torch.int32))
+        step = xpu_ops.causal_conv1d_update(
+            x[:2], pool, weight, bias, conv_state_indices=torch.tensor([5, -1], dtype=torch.int32))
         assert torch.equal(pool, states)
         torch.testing.assert_close(step[0], torch.nn.functional.silu(bias + weight[:, -1] * x[0]),
                                    atol=1e-6, rtol=1e-6)   # zeros before the token
@@ -261,3 +261,72 @@ def test_debug_checks_name_inconsistent_metadata(call, kwargs, pattern):
     with xpu_ops.debug_checks(), pytest.raises(ValueError, match=pattern):
         call(**kwargs)
     assert torch.equal(states, before)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_expanded_inputs_match_contiguous_copies(provider):
+    x, weight, bias, states = _request(torch.Generator().manual_seed(5))
+    expanded = dict(x=x[:1].expand(x.shape[0], -1), weight=weight[:1].expand(x.shape[1], -1),
+                    bias=bias[:1].expand(x.shape[1]))
+    dense = {name: t.contiguous() for name, t in expanded.items()}
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    results = []
+    for inputs in (expanded, dense):
+        pool = states.clone()
+        with running(provider):
+            out = xpu_ops.causal_conv1d_fn(inputs["x"], inputs["weight"], inputs["bias"], pool,
+                                           qsl, slots, torch.tensor([True, False]))
+            step = xpu_ops.causal_conv1d_update(inputs["x"][:2, None].expand(-1, 3, -1), pool,
+                                                inputs["weight"], inputs["bias"],
+                                                conv_state_indices=slots)
+        results.append((out, step, pool))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", [None, "xpu"], ids=["cpu", "xpu"])
+def test_fakes_keep_symbolic_token_counts(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from .utils import fake_like
+    x, weight, bias, states = _request(torch.Generator().manual_seed(6))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    real = dict(x=x, weight=weight, bias=bias, states=states,
+                qsl=torch.tensor([0, 3, 7], dtype=torch.int32),
+                slots=torch.tensor([0, 2], dtype=torch.int32), init=torch.tensor([True, False]),
+                step=torch.randn(2, 3, x.shape[1]))
+    dynamic = {"x": (0,), "qsl": (0,), "slots": (0,), "init": (0,), "step": (0, 1)}
+    f = {name: fake_like(mode, t, dynamic.get(name, ()), device) for name, t in real.items()}
+    with mode:
+        out = xpu_ops.causal_conv1d_fn(f["x"], f["weight"], f["bias"], f["states"], f["qsl"],
+                                       f["slots"], f["init"])
+        step = xpu_ops.causal_conv1d_update(f["step"], f["states"], f["weight"], f["bias"],
+                                            conv_state_indices=f["slots"])
+    assert isinstance(out.shape[0], torch.SymInt) and str(out.shape[0]) == str(f["x"].shape[0])
+    assert [str(s) for s in step.shape] == [str(s) for s in f["step"].shape]
+    assert out.device == step.device == f["x"].device and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("token_programs", [1, 3])
+def test_long_requests_share_few_token_programs(provider, token_programs, monkeypatch):
+    # Triton's prefill launch has about TOKEN_PROGRAMS token-block programs in all; with 1 or
+    # 3 each program strides over several 16-token blocks of its request.
+    if provider == "triton":
+        from xpu_ops.triton import causal_conv1d as triton_conv
+        monkeypatch.setattr(triton_conv, "TOKEN_PROGRAMS", token_programs)
+    gen = torch.Generator().manual_seed(7)
+    lens, dim, width = (40, 3, 0, 33), 5, 4
+    x, weight = torch.randn(sum(lens), dim, generator=gen), torch.randn(dim, width, generator=gen)
+    states = torch.randn(4, dim, width - 1, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    slots = torch.tensor([2, 0, -1, 3], dtype=torch.int32)
+    init = torch.tensor([True, False, True, True])
+    expected_out, expected_states = oracle.causal_conv1d_fn(x, weight, None, states, qsl, slots,
+                                                            init, "silu")
+    with running(provider):
+        out = xpu_ops.causal_conv1d_fn(x, weight, None, states, qsl, slots, init)
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states.double(), expected_states, atol=0, rtol=0)

@@ -171,3 +171,28 @@ def test_int32_extremes_in_cu_seqlens_k_are_clamped(provider, cu_k, dense_cu_k):
     got = _run(xpu_ops.flash_attn_varlen_func, dict(call, cu_seqlens_k=torch.tensor(cu_k, dtype=I32)),
                provider)
     _same(got, want)
+
+
+# ---- rows two requests describe (decreasing prefix sums): the reference's paths agree ------
+
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_reference_paths_agree_on_a_row_two_requests_describe(num_splits):
+    """``cu_seqlens_q = [0, 3, 1, 3]``: request 2 describes rows 1-2 of request 0. Every
+    reference path gives such a row the earlier request's result (API.md leaves the provider's
+    choice unspecified; the reference's is fixed so that its paths agree)."""
+    call = _paged(q_lens=(3, 0, 0), k_lens=(5, 3, 4), out=torch.full((3, 4, 8), math.nan),
+                  cu_seqlens_q=torch.tensor([0, 3, 1, 3], dtype=I32), max_seqlen_q=3)
+    first_only = _run(xpu_ops.flash_attn_with_kvcache,
+                      dict(call, cu_seqlens_q=torch.tensor([0, 3, 3, 3], dtype=I32),
+                           out=call["out"].clone()), "reference")
+    got = _run(xpu_ops.flash_attn_with_kvcache, dict(call, num_splits=num_splits), "reference")
+    _same(got, first_only)
+    mla = _mla_prefill(3, -1, (0, 3, 1, 3))
+    mla["seq_lens_k"] = torch.tensor([4, 3, 2], dtype=I32)
+    mla["page_table"] = torch.tensor([[3, 1], [0, 4], [2, 0]], dtype=I32)
+    mla_first = _run(xpu_ops.flash_mla_prefill,
+                     dict(mla, cu_seqlens_q=torch.tensor([0, 3, 3, 3], dtype=I32)), "reference")
+    for splits in (-1, 1):
+        torch.testing.assert_close(_run(xpu_ops.flash_mla_prefill,
+                                        dict(mla, num_kv_splits=splits), "reference"),
+                                   mla_first, rtol=1e-6, atol=1e-6)

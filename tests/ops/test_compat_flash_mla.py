@@ -6,33 +6,20 @@ block-table and index padding of 2147480000, base-2 statistics of
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 import torch
 
 import xpu_ops
-from xpu_ops.compat import install_sgl_kernel_shim, is_shim, uninstall_sgl_kernel_shim
 from xpu_ops.mla_fp8_layout import quantize_fp8_tokens
 
 from . import oracle_flash_mla as oracle
+from .test_compat_shim import shim  # noqa: F401  (the fixture: installs, then removes it)
 from .utils import assert_matches_oracle
 
 I32 = torch.int32
 PAD = 2147480000
-
-
-@pytest.fixture
-def shim():
-    existing = sys.modules.get("sgl_kernel")
-    if (existing is not None and not is_shim(existing)) or (
-            existing is None and importlib.util.find_spec("sgl_kernel") is not None):
-        pytest.skip("a real sgl_kernel is installed; the shim must not (and will not) shadow it")
-    module = install_sgl_kernel_shim()
-    yield module
-    uninstall_sgl_kernel_shim()
 
 
 def test_names_resolve(shim):

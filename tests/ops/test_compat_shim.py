@@ -193,6 +193,9 @@ CLIENT_IMPORTS = {
     "sgl_kernel.flash_mla": ("flash_mla_with_kvcache", "flash_mla_sparse_fwd",
                              "get_mla_metadata"),
     "sgl_kernel.testing.rotary_embedding": ("_apply_rotary_emb",),
+    # dual_chunk_flashattention_backend.py and sgl-kernel-xpu's test_flash_attn_sparse.py
+    "sgl_kernel.sparse_flash_attn": ("sparse_attn_func", "convert_vertical_slash_indexes",
+                                     "convert_vertical_slash_indexes_mergehead"),
 }
 
 

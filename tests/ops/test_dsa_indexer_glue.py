@@ -87,3 +87,28 @@ def test_the_sgl_kernel_shim_exports_the_indexer_functions():
             xpu_ops.fast_topk_transform_ragged_fused)
     finally:
         xpu_ops.compat.uninstall_sgl_kernel_shim()
+
+
+def test_native_indexer_ops_get_fakes_and_compile_fullgraph():
+    """sglang's DSA backend calls the raw native ops: with ``register_sgl_kernel_fakes`` they
+    trace (shape of the logits, top-k written in place) and a compiled call equals eager."""
+    namespace = define_native_library("xpu_ops_glue_dsa_fakes", "writes")
+    xpu_ops.register_sgl_kernel_fakes(namespace)
+    ops = getattr(torch.ops, namespace)
+    q, cache, w, lens, table, max_len, _ = list(sample_inputs(
+        torch.ops.xpu_ops.fp8_paged_mqa_logits, "cpu"))[0][0]
+    width = 2100
+    table = torch.cat([table, table.new_zeros(table.shape[0], 600)], 1)   # room for 2100 keys
+
+    def step(q, cache, w, lens, table):
+        logits = ops.fp8_paged_mqa_logits(q.view(torch.uint8), cache, w, lens, table, None,
+                                          width, False)
+        indices = torch.empty(logits.shape[0], 2048, dtype=I32)
+        ops.fast_topk(logits, indices, lens, None)
+        return logits, indices
+
+    args = (q, cache, w, lens.clamp(max=8), table)
+    want = step(*args)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
+    assert want[0].shape == (q.shape[0], width)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -122,17 +122,19 @@ def test_strided_and_expanded_inputs(provider):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_several_query_tokens(provider, causal):
+@pytest.mark.parametrize("head_dim", [80, 64], ids=["rope16", "no_rope"])
+def test_dense_several_query_tokens(provider, causal, head_dim):
     """Dense pages, 4 query tokens per request, bottom-right causal; a request with fewer keys
-    than queries (its first rows see nothing), shuffled pages, garbage ids past the end."""
+    than queries (its first rows see nothing), shuffled pages, garbage ids past the end. Without
+    a rope part (D = Dv) Triton reads the pages with its slot kernel, else the paged kernel."""
     gen = torch.Generator().manual_seed(6)
-    values = torch.randn(6, 4, 80, generator=gen)
+    values = torch.randn(6, 4, head_dim, generator=gen)
     table = torch.tensor([[4, 1, 2 ** 31 - 1], [0, -1, 7]], dtype=I32)
     seqlens = torch.tensor([10, 2], dtype=I32)
     used = torch.zeros(6, 4, dtype=torch.bool)
     used[4], used[1], used[2, :2], used[0, :2] = True, True, True, True
     cache = flashmla_cache(values, used, 64, False, torch.float32)
-    q = torch.randn(2, 4, 3, 80, generator=gen)
+    q = torch.randn(2, 4, 3, head_dim, generator=gen)
     args = [q, cache, table, seqlens, 64, 0.2, causal, False, None, None, None, None, None, None]
     out, lse = _check(args, provider)
     if causal:
@@ -296,3 +298,62 @@ def test_deepseek_shapes_on_gpu(fp8, seqlen_q, topk):
             got = OP(*call)
         torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=torch.tensor([4, 13], dtype=I32)), "cache_seqlens is out of range"),
+    (dict(block_table=torch.tensor([[0, 9, 1], [2, 1, 0]], dtype=I32)),
+     "block_table has a page id out of range in an entry that is read"),
+])
+def test_debug_checks_reject_inconsistent_dense_metadata(change, match):
+    gen = torch.Generator().manual_seed(14)
+    kwargs = dict(q=torch.randn(2, 1, 2, 48, generator=gen),
+                  k_cache=torch.randn(3, 4, 1, 48, generator=gen),
+                  block_table=torch.tensor([[0, 2, -1], [2, 1, 0]], dtype=I32),
+                  cache_seqlens=torch.tensor([7, 12], dtype=I32), head_dim_v=32)
+    xpu_ops.flash_mla_with_kvcache(**kwargs)                 # consistent: fine
+    with xpu_ops.debug_checks():
+        xpu_ops.flash_mla_with_kvcache(**kwargs)
+        with pytest.raises(ValueError, match=f"^flash_mla_with_kvcache: {match}"):
+            xpu_ops.flash_mla_with_kvcache(**{**kwargs, **change})
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_empty_caches_and_batches(provider):
+    """A cache of 0 pages (sparse and dense), and a batch of 0 requests: 0 / -inf, right shapes."""
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 2, 4, 80, generator=gen)
+    empty = torch.randn(0, 4, 1, 80)
+    sparse = [q, empty, None, None, 64, 0.1, False, False,
+              torch.tensor([[[0, -1], [3, 1]]], dtype=I32), None, None, None, None, None]
+    dense = [q, empty, torch.zeros(1, 1, dtype=I32), torch.zeros(1, dtype=I32), 64, 0.1, True,
+             False, None, None, None, None, None, None]
+    for args in (sparse, dense):
+        out, lse = _check(args, provider)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    none = [q[:0], torch.randn(2, 4, 1, 80), None, None, 64, 0.1, False, False,
+            torch.zeros(0, 2, 3, dtype=I32), None, None, None, None, None]
+    out, lse = _call(none, provider)
+    assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 4, 2)
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.values[0] == "triton"])
+@pytest.mark.parametrize("index", [4, 5, 6])
+def test_split_kv_matches_the_oracle(provider, index, monkeypatch):
+    """Triton's split-KV launch (forced to 3 splits; the extra cache joins the last split)."""
+    from xpu_ops.triton import flash_mla as triton_flash_mla
+    monkeypatch.setattr(triton_flash_mla, "plan_splits", lambda *args: 3)
+    _check(reseeded_sample(OP, index, seed=7100 + index), provider)
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.values[0] == "triton"])
+def test_split_kv_shares_the_ranks(provider, monkeypatch):
+    """40 fp8 slots in 3 splits of whole tiles (16, 16, 8 ranks) with a sink and an extra cache
+    in the last split, against the oracle."""
+    from xpu_ops.triton import flash_mla as triton_flash_mla
+    monkeypatch.setattr(triton_flash_mla, "plan_splits", lambda *args: 3)
+    args = _sparse_args(16, d=288, dv=256, topk=40, pages=(6, 8), dtype=torch.bfloat16, fp8=True)
+    args[9] = torch.tensor([0.0, math.inf, -1.0, 1.0])
+    args[10], args[11] = args[1][:2], torch.randint(-1, 16, (2, 2, 5), dtype=I32)
+    args[12] = torch.tensor([40, 17], dtype=I32)
+    _check(args, provider)

@@ -1,4 +1,4 @@
-"""Hostile fuzzing (issue 15, items 1 and 2), bounded for a 2-core CI (hypothesis, derandomized;
+"""Hostile fuzzing, bounded for a 2-core CI (hypothesis, derandomized;
 ``XPU_OPS_HYPOTHESIS_EXAMPLES=500`` explores more, randomly).
 
 - Valid inputs in odd layouts (each tensor argument drawn contiguous, strided or expanded)

@@ -372,3 +372,70 @@ def test_debug_checks_accept_slot_minus_one():
     kw = _gdn_kwargs(True, cache_indices=torch.tensor([-1, 2], dtype=torch.int32))
     with xpu_ops.debug_checks(), running("reference"):
         xpu_ops.fused_recurrent_gated_delta_rule(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expanded (stride-0) inputs give what their contiguous copies give
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_expanded_inputs_match_contiguous_copies(provider):
+    q, k, v, g, beta, states, slots, cu = _batch(9, lens=(3, 5))
+    gen = torch.Generator().manual_seed(10)
+    expanded = dict(
+        q=q[:, :1].expand(-1, q.shape[1], -1),                     # one key head broadcast
+        g=g[:, :1].expand(-1, g.shape[1]),                          # one decay for every head
+        beta=torch.rand(1, 1, generator=gen).expand(g.shape),       # one beta everywhere
+        A_log=torch.rand(1, generator=gen).expand(4),
+        dt_bias=torch.randn(1, generator=gen).expand(4),
+        a=torch.randn(1, 4, generator=gen).expand(q.shape[0], -1),
+        b=torch.randn(q.shape[0], 4, generator=gen))
+    dense = {name: t.contiguous() for name, t in expanded.items()}
+    init = torch.tensor([True, False])
+    results = []
+    for inputs in (expanded, dense):
+        with running(provider):
+            gating = xpu_ops.fused_gdn_gating(inputs["A_log"], inputs["a"], inputs["dt_bias"],
+                                              inputs["b"])
+            pool_c, pool_r = states.clone(), states.clone()
+            o_c = xpu_ops.chunk_gated_delta_rule(inputs["q"], k, v, inputs["g"], inputs["beta"],
+                                                 None, pool_c, slots, init, cu, chunk_size=16)
+            o_r = xpu_ops.fused_recurrent_gated_delta_rule(inputs["q"], k, v, inputs["g"],
+                                                           inputs["beta"], None, pool_r, slots, cu)
+        results.append((*gating, o_c, pool_c, o_r, pool_r))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Symbolic token counts: the fakes keep T symbolic and need no value
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", [None, "xpu"], ids=["cpu", "xpu"])
+def test_fakes_keep_symbolic_token_counts(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from .utils import fake_like
+    q, k, v, g, beta, states, slots, cu = _batch(11, lens=(3, 4))
+    a, b = torch.randn(7, 4), torch.randn(7, 4)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    token_dim = {"q": (0,), "k": (0,), "v": (0,), "g": (0,), "beta": (0,), "a": (0,), "b": (0,),
+                 "slots": (0,), "cu": (0,)}
+    real = dict(q=q, k=k, v=v, g=g, beta=beta, a=a, b=b, states=states, slots=slots, cu=cu,
+                A_log=torch.rand(4), dt_bias=torch.randn(4))
+    f = {name: fake_like(mode, t, token_dim.get(name, ()), device) for name, t in real.items()}
+    with mode:
+        gate_g, gate_beta = xpu_ops.fused_gdn_gating(f["A_log"], f["a"], f["dt_bias"], f["b"])
+        init = torch.ones(f["slots"].shape, dtype=torch.bool, device=f["q"].device)
+        o = xpu_ops.chunk_gated_delta_rule(f["q"], f["k"], f["v"], f["g"], f["beta"], None,
+                                           f["states"], f["slots"], init, f["cu"])
+        o_rec = xpu_ops.fused_recurrent_gated_delta_rule(f["q"], f["k"], f["v"], f["g"],
+                                                         f["beta"], None, f["states"], f["slots"],
+                                                         f["cu"])
+    tokens = f["q"].shape[0]
+    assert isinstance(tokens, torch.SymInt)
+    for out in (o, o_rec):
+        assert str(out.shape[0]) == str(tokens) and tuple(out.shape[1:]) == (4, 6)
+        assert out.dtype == v.dtype and out.device == f["q"].device and out.is_contiguous()
+    assert str(gate_g.shape[0]) == str(f["a"].shape[0]) and gate_beta.dtype == torch.float32

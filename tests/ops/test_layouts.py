@@ -1,4 +1,4 @@
-"""Issue 15, item 1: results never depend on layout (API.md "Layouts"), on every provider.
+"""Results never depend on layout (API.md "Layouts"), on every provider.
 
 ``sample_inputs(op, device, layout="strided")`` gives every sample with every tensor argument
 as a view with other strides (expanded scales and sinks, column-sliced page tables, strided

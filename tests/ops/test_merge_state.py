@@ -55,7 +55,7 @@ def test_empty_states(provider, dtype, empty_lse):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_posinf_lse_bug_report(provider):
-    # Issue 14: sgl-kernel's test_merge_state_v2.py marks empty rows with +inf; the merge gave NaN.
+    # sgl-kernel's test_merge_state_v2.py marks empty rows with +inf; the merge gave NaN.
     gen = torch.Generator().manual_seed(12)
     v_a, v_b = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
     s_a, s_b = torch.randn(4, 2, generator=gen), torch.randn(4, 2, generator=gen)

@@ -153,3 +153,14 @@ def test_deepseek_shapes_on_gpu(topk):
     torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
     for g, w in zip(got[1:], want[1:]):
         torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p.values[0] == "triton"])
+def test_split_kv_matches_the_oracle(provider, monkeypatch):
+    """Triton's split-KV launch (forced to 2 splits): max_logits and lse merged too."""
+    from xpu_ops.triton import flash_mla as triton_flash_mla
+    monkeypatch.setattr(triton_flash_mla, "plan_splits", lambda *args: 2)
+    args = _args(6, topk=40)
+    args[5], args[6] = torch.tensor([0.5, -1.0, math.inf, 2.0]), torch.tensor([40, 3, 0],
+                                                                               dtype=I32)
+    _check(args, provider)

@@ -1,6 +1,6 @@
 """``flash_attn_with_kvcache``: numerics against the float64 oracle for every provider that can
 run, the public wrapper's forms and defaults, every argument check, and the cases from public bug
-reports listed in issue 2 (item 6)."""
+reports."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_wrapper_accepts_bidirectional_block_ids_none():
 
 
 # ----------------------------------------------------------------------------------------------
-# Cases from public bug reports (issue 2, item 6)
+# Cases from public bug reports
 # ----------------------------------------------------------------------------------------------
 
 def _one_request(q_len, k_len, *, hq=2, hkv=2, d=64, page_size=4, seed=0):

@@ -20,7 +20,7 @@ from .native_sgl_kernel import OTHER_SCHEMAS, define_native_library
 
 CONVENTIONS = ("writes", "returns")
 NATIVE_OPS = ("fwd", "merge_state_v2", "flash_mla_decode", "flash_mla_sparse_decode",
-              "flash_mla_sparse_prefill")
+              "flash_mla_sparse_prefill", "fp8_paged_mqa_logits", "fast_topk")
 
 
 @pytest.fixture(params=CONVENTIONS)
@@ -149,3 +149,35 @@ def test_glue_direct_native_call_compiles_fullgraph(namespace):
     expected = step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     compiled = torch.compile(step, fullgraph=True, backend=COMPILE_BACKEND[_convention(namespace)])
     torch.testing.assert_close(compiled(*args), expected, rtol=0, atol=0)
+
+
+# sgl-kernel-xpu's fused gated-delta-net op (``sgl-kernel-xpu/src/...gdn...``, the non-spec
+# form sglang 0.5.23's XpuGDNAttnBackend calls): it writes core_attn_out, z and both states.
+GDN_ATTENTION_SCHEMA = (
+    "gdn_attention(Tensor! core_attn_out, Tensor! z, Tensor projected_states_qkvz, "
+    "Tensor projected_states_ba, int num_k_heads, int num_v_heads, int head_k_dim, "
+    "int head_v_dim, Tensor! conv_state, Tensor! ssm_state, Tensor conv_weights, "
+    "Tensor? conv_bias, str activation, Tensor A_log, Tensor dt_bias, int num_prefills, "
+    "int num_decodes, Tensor? has_initial_state, Tensor non_spec_query_start_loc, "
+    "Tensor non_spec_state_indices_tensor, int num_actual_tokens, int tp_size) -> ()")
+
+
+def test_glue_gdn_attention_gets_a_fake_and_traces_fake():
+    namespace = "xpu_ops_glue_fakes_gdn"
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(GDN_ATTENTION_SCHEMA)
+    assert not has_fake(f"{namespace}::gdn_attention")
+    assert xpu_ops.register_sgl_kernel_fakes(namespace) == [f"{namespace}::gdn_attention"]
+    assert has_fake(f"{namespace}::gdn_attention")
+    hk, hv, k, v, width, tokens = 2, 4, 8, 8, 4, 3
+    dim = 2 * hk * k + hv * v
+    mode = FakeTensorMode()
+    with mode:
+        out, z = torch.empty(tokens, hv, v), torch.empty(tokens, hv, v)
+        result = getattr(torch.ops, namespace).gdn_attention(
+            out, z, torch.empty(tokens, dim + hv * v), torch.empty(tokens, 2 * hv), hk, hv, k, v,
+            torch.empty(5, width - 1, dim), torch.empty(5, hv, v, k), torch.empty(dim, width),
+            None, "silu", torch.empty(hv), torch.empty(hv), 0, tokens, None,
+            torch.arange(tokens + 1, dtype=torch.int32), torch.arange(tokens, dtype=torch.int32),
+            tokens, 1)
+    assert result is None

@@ -103,9 +103,9 @@ def gather_index_k_cache(index_k_cache, slots):
     """The fp8 keys and scales stored at token ``slots`` (sglang's index-buffer read for the
     ragged ``fp8_mqa_logits`` of an extend: each request's cached and new index keys).
 
-    Plain tensor ops on the cache with any strides (traceable, capturable, no host sync); a slot outside
-    ``[0, num_blocks * block_size)`` reads as a zero key with scale 0 (its logits are 0, so keep
-    such slots outside every query's ``[ks, ke)`` range).
+    Plain tensor ops on the cache with any strides (traceable, capturable, no host sync); a
+    slot outside ``[0, num_blocks * block_size)`` reads as a zero key with scale 0 (its logits
+    are 0, so keep such slots outside every query's ``[ks, ke)`` range).
 
     Args:
         index_k_cache: [num_blocks, block_size, 1, D + 4] uint8 fused cache (any strides).

@@ -248,7 +248,8 @@ def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms):
         TypeError/ValueError: wrong kind, rank or dtype, or a size that is not positive.
 
     >>> import torch, xpu_ops
-    >>> xpu_ops.get_paged_mqa_logits_metadata(torch.tensor([64, 0, 128], dtype=torch.int32), 64, 2).tolist()
+    >>> lens = torch.tensor([64, 0, 128], dtype=torch.int32)
+    >>> xpu_ops.get_paged_mqa_logits_metadata(lens, 64, 2).tolist()
     [[0, 0], [2, 0], [3, 0]]
     """
     fn = "get_paged_mqa_logits_metadata"

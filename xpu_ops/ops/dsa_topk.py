@@ -130,7 +130,8 @@ def fast_topk_transform_fused(score, lengths, page_table_size_1, cu_seqlens_q, t
     >>> score = torch.tensor([[0.5, 3.0, 1.0], [1.0, 0.0, 9.0]])
     >>> table = torch.tensor([[70, 71, 72], [80, 81, 82]], dtype=torch.int32)
     >>> cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    >>> xpu_ops.fast_topk_transform_fused(score, torch.tensor([3, 3], dtype=torch.int32), table, cu, 2).tolist()
+    >>> lengths = torch.tensor([3, 3], dtype=torch.int32)
+    >>> xpu_ops.fast_topk_transform_fused(score, lengths, table, cu, 2).tolist()
     [[71, 72], [80, 82]]
     """
     check_tensor_args(TRANSFORM, ("row_starts",), score=score, lengths=lengths,

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
@@ -264,6 +265,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
             (sparse-only arguments with dense attention, causal with sparse, a missing
             block_table or cache_seqlens when dense).
         NotImplementedError: descale_q / descale_k given.
+        ValueError: with ``XPU_OPS_DEBUG_CHECKS=1`` (dense), ``cache_seqlens`` past the block
+            table or a page id that is read out of range.
     Source: FlashMLA ``flash_mla_interface.py`` and ``tests/ref.py`` (semantics);
     DeepSeek-V2 (arXiv 2405.04434) MLA; DeepSeek-V3.2 DSA sparse attention.
 
@@ -290,6 +293,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
             fail(NAME, arg, "is not implemented", "None (bf16/fp16 queries; an fp8 cache "
                  "through is_fp8_kvcache)", "a tensor", exc=NotImplementedError)
     head_dim_v = int_scalar(NAME, "head_dim_v", head_dim_v)
+    if indices is None:
+        _value_checks.check_flash_mla_with_kvcache(k_cache, block_table, cache_seqlens)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     return torch.ops.xpu_ops.flash_mla_with_kvcache(

@@ -26,6 +26,17 @@ def request_ranges(cu_seqlens: Tensor, max_len: int, total: int) -> tuple[Tensor
     return start, (end - start).clamp(max=max_len)
 
 
+def tight_bound(cu_seqlens: Tensor, max_len: int, total: int) -> int:
+    """The caller's bound ``max_len`` of a request's length cut to ``total`` (no request has
+    more rows) and, on the CPU, where reading values costs no synchronisation, to the longest
+    clamped request (``request_ranges``): a loose bound gives the tight bound's padded blocks
+    (and a decode batch the CPU decode path)."""
+    max_len = min(max_len, total)
+    if cu_seqlens.device.type == "cpu" and cu_seqlens.shape[0] > 1 and max_len > 1:
+        max_len = int(request_ranges(cu_seqlens, max_len, total)[1].max())
+    return max_len
+
+
 def request_rows(cu_seqlens: Tensor, max_len: int, total: int) -> tuple[Tensor, Tensor, Tensor]:
     """Packed row index of every (request, slot) pair.
 
@@ -209,7 +220,7 @@ def attend_packed(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, k_pad: Ten
     Returns:
         softmax_lse [Hq, total_q] float32.
     """
-    max_seqlen_q = min(max_seqlen_q, q.shape[0])  # a loose bound: the tight bound's result
+    max_seqlen_q = tight_bound(cu_seqlens_q, max_seqlen_q, q.shape[0])
     q_idx, q_valid, q_lens = request_rows(cu_seqlens_q, max_seqlen_q, q.shape[0])
     q_pad = gather_padded(q, q_idx, q_valid)
     if q_descale is not None:

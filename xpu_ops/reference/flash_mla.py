@@ -68,7 +68,7 @@ def attend(q: Tensor, keys: Tensor, visible: Tensor, head_dim_v: int, scale: flo
 
 
 def _sparse_keys(cache: Tensor, indices: Tensor, length: Optional[Tensor], is_fp8: bool,
-                 head_dim_v: int) -> tuple[Tensor, Tensor]:
+                 head_dim: int, head_dim_v: int) -> tuple[Tensor, Tensor]:
     """``(keys [b, s, topk, D] float32, valid [b, s, topk])`` of the slots ``indices`` selects
     (valid: inside the cache and within ``length [b]``)."""
     slots = cache.shape[0] * cache.shape[1]
@@ -79,7 +79,7 @@ def _sparse_keys(cache: Tensor, indices: Tensor, length: Optional[Tensor], is_fp
         ranks = torch.arange(topk, device=indices.device)
         valid = valid & (ranks[None, None, :] < length.long()[:, None, None])
     if slots == 0:
-        return flat.new_zeros((*indices.shape, 0), dtype=torch.float32), valid
+        return flat.new_zeros((*indices.shape, head_dim), dtype=torch.float32), valid
     rows = flat[torch.where(valid, indices.long(), 0)]                       # [b, s, topk, X]
     keys = _as_float(rows, is_fp8, head_dim_v)
     return torch.where(valid[..., None], keys, 0.0), valid
@@ -87,10 +87,11 @@ def _sparse_keys(cache: Tensor, indices: Tensor, length: Optional[Tensor], is_fp
 
 def _sparse(q, k_cache, head_dim_v, scale, is_fp8, indices, attn_sink, extra_k_cache,
             extra_indices, topk_length, extra_topk_length):
-    keys, valid = _sparse_keys(k_cache, indices, topk_length, is_fp8, head_dim_v)
+    head_dim = q.shape[-1]
+    keys, valid = _sparse_keys(k_cache, indices, topk_length, is_fp8, head_dim, head_dim_v)
     if extra_k_cache is not None:
         keys2, valid2 = _sparse_keys(extra_k_cache, extra_indices, extra_topk_length, is_fp8,
-                                     head_dim_v)
+                                     head_dim, head_dim_v)
         keys, valid = torch.cat([keys, keys2], dim=2), torch.cat([valid, valid2], dim=2)
     return attend(q, keys, valid, head_dim_v, scale, attn_sink)
 
@@ -129,6 +130,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, s
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
     """Reference ``flash_mla_sparse_fwd`` (contract: ``xpu_ops/ops/mla_sparse_prefill.py``):
     each token is a request of one query row over its own top-k rows of ``kv``."""
-    keys, valid = _sparse_keys(kv[:, None], indices, topk_length, False, d_v)  # [s_q, 1, topk]
+    keys, valid = _sparse_keys(kv[:, None], indices, topk_length, False, q.shape[-1],
+                               d_v)                                        # [s_q, 1, topk]
     out, lse, max_logits = attend(q[:, None], keys, valid, d_v, sm_scale, attn_sink)
     return _fresh(out[:, 0], q.dtype), _fresh(max_logits[:, 0]), _fresh(lse[:, 0])

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import provider_table
 from . import cpu_decode
-from .attention import attend_packed, dequantize, gather_padded, request_ranges
+from .attention import attend_packed, dequantize, gather_padded, request_ranges, tight_bound
 
 
 def paged_lengths(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> Tensor:
@@ -24,10 +24,13 @@ def request_spans(cu_seqlens_q: Tensor, max_seqlen_q: int, total_q: int, page_ta
     ``[lo, hi)``, clamped as the batched path clamps them (``request_ranges``: into
     ``[0, total_q]``, at most ``max_seqlen_q``), and the number of page-table entries its
     clamped key count covers (``paged_lengths``). For the per-request (batch-invariant)
-    reference paths."""
+    reference paths. Last request first: when inconsistent prefix sums make two requests
+    describe one row, the earlier request's result is written last and stays, as in the
+    batched path (``attention.scatter_packed``)."""
     start, lens = request_ranges(cu_seqlens_q, max_seqlen_q, total_q)
     k_lens = paged_lengths(page_table, cache_seqlens, page_size).tolist()
-    for r, (lo, n) in enumerate(zip(start.tolist(), lens.tolist())):
+    spans = list(enumerate(zip(start.tolist(), lens.tolist())))
+    for r, (lo, n) in reversed(spans):
         if n > 0:
             yield r, lo, lo + n, -(-k_lens[r] // page_size)
 
@@ -97,6 +100,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out, q
             softmax_scale, causal, window_size_left, window_size_right, softcap,
             return_softmax_lse):
     """One batched call (the body of ``flash_attn_with_kvcache``)."""
+    max_seqlen_q = tight_bound(cu_seqlens_q, max_seqlen_q, q.shape[0])
     if cpu_decode.applies(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, qv, q_descale,
                           k_descale, v_descale, cache_leftpad, bidirectional_block_ids):
         return cpu_decode.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, out,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import provider_table
-from .attention import attend_packed, dequantize, gather_padded, request_rows
+from .attention import attend_packed, dequantize, gather_padded, request_rows, tight_bound
 
 
 @provider_table.register("flash_attn_varlen_func", "reference")
@@ -19,7 +19,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, out, seqused_k, 
     float32 blocks, then masked softmax attention per request (rows past ``seqused_q`` see no
     key); writes ``out``, returns the LSE. One pass over the keys (``num_splits`` does not apply).
     """
-    max_seqlen_k = min(max_seqlen_k, k.shape[0])  # a loose bound: the tight bound's result
+    max_seqlen_k = tight_bound(cu_seqlens_k, max_seqlen_k, k.shape[0])
     k_idx, k_valid, k_lens = request_rows(cu_seqlens_k, max_seqlen_k, k.shape[0])
     if seqused_k is not None:
         k_lens = torch.minimum(seqused_k.long().clamp(min=0), k_lens)

@@ -45,11 +45,11 @@ OPTIONAL_PATHS = {
                   "and a subtract",
 }
 # The paths of decode-like launches (at most 64 packed rows per request) and of the others
-# (prefill, extend). H200, session 8: ``page_tiles`` was the fastest decode variant at every
+# (prefill, extend). On the H200 ``page_tiles`` was the fastest decode variant at every
 # batch size and page size, by up to 1.4x at pages of 64 and 128. Prefill and extend take
 # ``tma`` where tensor descriptors are supported (``_pick_config`` drops it elsewhere) and
-# ``phases``, each faster than the one before it on the H200 prefill and extend rows (RESULTS.md,
-# session 10, prefill and extend kernel paths).
+# ``phases``, each faster than the one before it on the H200 prefill and extend rows
+# (benchmarks/bench_attention.py --variant all).
 DEFAULT_PATHS = {"decode": frozenset({"page_tiles"}), "prefill": frozenset({"tma", "phases"})}
 
 

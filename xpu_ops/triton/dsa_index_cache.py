@@ -64,7 +64,7 @@ def _store_index_k_kernel(
             up = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(
                 tl.float32, bitcast=True)
             scale = tl.where(scale == scale, up, scale)
-        v = x * tl.math.div_rn(1.0, scale)
+        v = x * tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
         v = tl.where(v > FP8_MAX_C, FP8_MAX_C, tl.where(v < -FP8_MAX_C, -FP8_MAX_C, v))
         base = (slot // BLOCK_SIZE) * stride_blk
         row = slot % BLOCK_SIZE

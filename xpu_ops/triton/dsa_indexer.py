@@ -113,9 +113,17 @@ def _paged_mqa_logits_kernel(
     mask_d = offs_d < head_dim
     mask_q = (offs_h[:, None] < num_heads) & mask_d[None, :]
     capacity = tl.minimum(table_width * BLOCK_SIZE, width)
+    # The request's longest row of keys: nothing past it is read (it may be garbage).
+    if CTX_2D:
+        longest = tl.load(CTX + req * stride_cb)
+        for n in range(1, next_n):
+            longest = tl.maximum(longest, tl.load(CTX + req * stride_cb + n * stride_cn))
+    else:
+        longest = tl.load(CTX + req * stride_cb)
+    longest = tl.minimum(tl.maximum(longest, 0), capacity)
     # Keys of this tile: position -> block table entry -> block id (int64 byte offsets).
     col = pos // BLOCK_SIZE
-    in_table = (col < table_width) & (pos < capacity)
+    in_table = (col < table_width) & (pos < longest)
     blk = tl.load(TABLE + req * stride_tb + col * stride_tc, mask=in_table, other=-1)
     ok = in_table & (blk >= 0) & (blk < num_blocks)
     base = tl.where(ok, blk, 0).to(tl.int64) * stride_blk

@@ -1,10 +1,11 @@
 """DSA top-k (``fast_topk``, ``fast_topk_transform``): one program per row, exact selection by
-a bitwise search for the k-th largest score, then an in-order compaction.
+a radix search for the k-th largest score, then an in-order compaction.
 
 Scores become order-preserving integer keys (float bits, negatives' magnitude bits flipped;
 NaN as ``-inf``, ``-0.0`` as ``0.0``), shifted into ``[0, 2**32)`` as int64; positions past the
-row's length get ``-2``. The k-th largest key ``T`` is found bit by bit from the top (32 passes
-over the row, each a count of keys ``>= candidate``). The last pass keeps every key ``> T`` and
+row's length get ``-2``. The k-th largest key ``T`` is found 4 bits at a time from the top (a
+radix select: 8 passes over the row, each counting the 16 digits of the keys that share the
+prefix found so far). The last pass keeps every key ``> T`` and
 the first ``k - count(> T)`` keys ``== T`` (lower positions win ties), writing them in ascending
 position through a running prefix sum, so the output equals the reference's bit for bit.
 Rows with ``L <= topk`` skip the search: positions ``0 .. L-1``.
@@ -22,6 +23,7 @@ from ._common import available, launch
 from .dsa_indexer import declines_strided_rows
 
 _BLOCK = 1024
+_RADIX_BLOCK = 256      # keys per step of a radix pass (a [256, 16] digit-count tile)
 
 
 @triton.jit
@@ -29,10 +31,35 @@ def _keys(SCORE, row_base, start, length, offs):
     # Order-preserving int64 keys of positions offs (-2 past the row's length).
     inside = offs < length
     v = tl.load(SCORE + row_base + start + offs, mask=inside, other=0.0)
-    v = tl.where(v == v, v, float("-inf")) + 0.0                       # NaN -> -inf, -0 -> 0
+    v = tl.where(v == v, v, float("-inf"))                             # NaN -> -inf
+    v = tl.where(v == 0.0, 0.0, v)                                      # -0.0 -> 0.0
     bits = v.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
     return tl.where(inside, ordered, -2)
+
+
+@triton.jit
+def _kth_key(SCORE, row_base, start, length, topk, BLOCK: tl.constexpr):
+    # Radix select, 4 bits a pass from the top: T (the k-th largest key) and count(key > T).
+    # Invariant: `above` keys have a prefix above T's, and above < topk <= above + (keys
+    # sharing T's prefix), so one digit of each pass keeps topk inside.
+    digits = tl.arange(0, 16)
+    threshold = tl.full([], 0, tl.int64)
+    above = tl.full([], 0, tl.int64)
+    for p in range(8):
+        shift = 28 - 4 * p
+        counts = tl.zeros([16], tl.int64)
+        for c in range(0, length, BLOCK):
+            keys = _keys(SCORE, row_base, start, length, c + tl.arange(0, BLOCK))
+            match = (keys >= 0) & ((keys >> (shift + 4)) == (threshold >> (shift + 4)))
+            digit = ((keys >> shift) & 15).to(tl.int32)
+            hit = (digit[:, None] == digits[None, :]) & match[:, None]     # [BLOCK, 16]
+            counts += tl.sum(hit.to(tl.int32), axis=0).to(tl.int64)
+        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts    # digit >= d
+        d = tl.max(tl.where(above + at_least >= topk, digits, -1), axis=0)
+        threshold = threshold | (d.to(tl.int64) << shift)
+        above += tl.sum(tl.where(digits > d, counts, 0), axis=0)
+    return threshold, above
 
 
 @triton.jit
@@ -40,7 +67,8 @@ def _topk_kernel(
     SCORE, LENGTHS, STARTS, REQUEST, TABLE, OUT,
     stride_sr, stride_l, stride_st, stride_rq, stride_tb, stride_tc, stride_or,
     width, topk, table_rows, table_width,
-    BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr, TRANSFORM: tl.constexpr,
+    BLOCK: tl.constexpr, RADIX_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
+    TRANSFORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_base = row * stride_sr
@@ -57,19 +85,7 @@ def _topk_kernel(
     threshold = tl.full([], -1, tl.int64)
     need = tl.full([], 0, tl.int64)
     if length > topk:
-        threshold = tl.full([], 0, tl.int64)
-        for b in range(32):
-            candidate = threshold | (tl.full([], 1, tl.int64) << (31 - b))
-            count = tl.full([], 0, tl.int64)
-            for c in range(0, length, BLOCK):
-                keys = _keys(SCORE, row_base, start, length, c + offs0)
-                count += tl.sum((keys >= candidate).to(tl.int64))
-            if count >= topk:
-                threshold = candidate
-        above = tl.full([], 0, tl.int64)
-        for c in range(0, length, BLOCK):
-            keys = _keys(SCORE, row_base, start, length, c + offs0)
-            above += tl.sum((keys > threshold).to(tl.int64))
+        threshold, above = _kth_key(SCORE, row_base, start, length, topk, RADIX_BLOCK)
         need = topk - above
     request = tl.full([], 0, tl.int64)
     if TRANSFORM:
@@ -110,7 +126,8 @@ def _launch(score, lengths, row_starts, topk, request=None, table=None):
            score, lengths, starts, req, tbl, out,
            score.stride(0), lengths.stride(0), starts.stride(0), req.stride(0), tbl.stride(0),
            tbl.stride(1), out.stride(0), width, topk, tbl.shape[0], tbl.shape[1],
-           BLOCK=_BLOCK, HAS_STARTS=row_starts is not None, TRANSFORM=table is not None,
+           BLOCK=_BLOCK, RADIX_BLOCK=_RADIX_BLOCK, HAS_STARTS=row_starts is not None,
+           TRANSFORM=table is not None,
            num_warps=4)
     return out
 

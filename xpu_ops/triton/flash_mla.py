@@ -8,7 +8,11 @@ masked) or through ``block_table`` (dense; causal rows stop at their bottom-righ
 loads the latent and rope parts of those tokens (fp8 pages: fp8 latent times its tile's float32
 scale, bfloat16 rope, read byte-wise when the layout is not 4-byte aligned), and keeps an online
 softmax (FlashAttention-2) over the main cache and then the extra cache. All heads share each
-loaded key tile. Masked slots are never loaded: NaN garbage cannot reach the result.
+loaded key tile. Masked slots are never loaded: NaN garbage cannot reach the result. When the
+rows and head blocks do not fill the device (small decode batches), each row's ranks are split
+over ``plan_splits`` programs (whole tiles each; the extra cache in the last split) whose float32
+partials ``_flash_mla_combine_kernel`` merges (FlashDecoding); the split count depends on shapes
+only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import triton.language as tl
 
 from .. import provider_table
 from ..mla_fp8_layout import fp8_rope_offset
-from ._common import available, launch, next_pow2
+from ._common import available, launch, next_pow2, num_sms
 from .paged_attention import paged_attention
 
 
@@ -34,28 +38,35 @@ def _bytes_as(P, offs, mask, NBYTES: tl.constexpr):
 
 @triton.jit
 def _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM: tl.constexpr,
-               HEAD_DIM_V: tl.constexpr, ROPE_OFF: tl.constexpr, IS_FP8: tl.constexpr,
-               ALIGNED: tl.constexpr):
+               HEAD_DIM_V: tl.constexpr, ROPE_OFF: tl.constexpr, BLOCK_DV: tl.constexpr,
+               IS_FP8: tl.constexpr, ALIGNED: tl.constexpr):
     """Latent ``[BLOCK_N, BLOCK_DV]`` and rope ``[BLOCK_N, BLOCK_DR]`` parts (float32) of the
     tokens at element offsets ``base`` (int64); invalid rows and padding read as 0."""
     mask_v = valid[:, None] & (offs_v[None, :] < HEAD_DIM_V)
     mask_r = valid[:, None] & (offs_r[None, :] < HEAD_DIM - HEAD_DIM_V)
     row = base[:, None]
     if IS_FP8:
+        # One float32 scale per tile of 128 latent values: [BLOCK_N, NUM_TILES], broadcast over
+        # the tile through a 3-D view of the latent block.
+        NUM_TILES: tl.constexpr = BLOCK_DV // 128
+        tl.static_assert(BLOCK_DV % 128 == 0)
+        offs_t = tl.arange(0, NUM_TILES)
+        mask_t = valid[:, None] & (offs_t[None, :] < HEAD_DIM_V // 128)
         latent = tl.load(K + row + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
         KB = K.to(tl.pointer_type(tl.uint8))
-        scale_at = row + HEAD_DIM_V + (offs_v[None, :] // 128) * 4
+        scale_at = row + HEAD_DIM_V + offs_t[None, :] * 4
         rope_at = row + ROPE_OFF + offs_r[None, :] * 2
         if ALIGNED:
-            scale = tl.load((KB + scale_at).to(tl.pointer_type(tl.float32)), mask=mask_v,
+            scale = tl.load((KB + scale_at).to(tl.pointer_type(tl.float32)), mask=mask_t,
                             other=0.0)
             rope = tl.load((KB + rope_at).to(tl.pointer_type(tl.bfloat16)), mask=mask_r,
                            other=0.0).to(tl.float32)
         else:  # a view at an odd byte offset: assemble the words byte by byte
-            scale = _bytes_as(KB, scale_at, mask_v, 4).to(tl.float32, bitcast=True)
+            scale = _bytes_as(KB, scale_at, mask_t, 4).to(tl.float32, bitcast=True)
             rope = _bytes_as(KB, rope_at, mask_r, 2).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             rope = rope.to(tl.float32)
-        latent = latent * scale
+        latent = tl.reshape(latent, (latent.shape[0], NUM_TILES, 128)) * scale[:, :, None]
+        latent = tl.reshape(latent, (latent.shape[0], BLOCK_DV))
     else:
         latent = tl.load(K + row + offs_v[None, :] * stride_kd, mask=mask_v,
                          other=0.0).to(tl.float32)
@@ -65,18 +76,18 @@ def _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_end, page_size,
+def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_start, n_end, page_size,
                   num_pages, stride_kb, stride_kp, stride_kd, scale,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, ROPE_OFF: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
                   DENSE: tl.constexpr, IS_FP8: tl.constexpr, ALIGNED: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """Online softmax over the first ``n_end`` ranks of one row's keys. ``SLOTS`` points at the
+    """Online softmax over ranks ``[n_start, n_end)`` of one row's keys. ``SLOTS`` points at the
     row's indices (sparse: slot ids) or its block-table row (dense: page ids)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
-    for start in range(0, n_end, BLOCK_N):
+    for start in range(n_start, n_end, BLOCK_N):
         ranks = start + offs_n
         valid = ranks < n_end
         if DENSE:
@@ -92,7 +103,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_end, pa
         valid = valid & (page >= 0) & (page < num_pages)
         base = tl.where(valid, page * stride_kb + offset * stride_kp, 0)
         latent, rope = _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM,
-                                  HEAD_DIM_V, ROPE_OFF, IS_FP8, ALIGNED)
+                                  HEAD_DIM_V, ROPE_OFF, BLOCK_DV, IS_FP8, ALIGNED)
         k_lat = latent.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s += tl.dot(q_rope, tl.trans(rope.to(q_rope.dtype)), input_precision=PRECISION)
@@ -109,7 +120,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_end, pa
 
 @triton.jit
 def _flash_mla_kernel(
-    Q, K, SLOTS, TOPK_LEN, K2, SLOTS2, TOPK_LEN2, SEQLENS, SINK, OUT, LSE, MAXL,
+    Q, K, SLOTS, TOPK_LEN, K2, SLOTS2, TOPK_LEN2, SEQLENS, SINK, OUT, LSE, MAXL, PART_O, PART_ML,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kd, stride_k2b, stride_k2p, stride_k2d,
     stride_sb, stride_ss, stride_sk, stride_s2b, stride_s2s, stride_s2k,
@@ -121,9 +132,10 @@ def _flash_mla_kernel(
     BLOCK_DR: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, IS_FP8: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr,
     HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr, STORE_MAX: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
+    split = tl.program_id(2)
     b = (row // seqlen_q).to(tl.int64)
     s_idx = (row % seqlen_q).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -154,23 +166,46 @@ def _flash_mla_kernel(
         if HAS_LEN:
             n_end = tl.minimum(n_end, tl.load(TOPK_LEN + b * stride_len))
         slots = SLOTS + b * stride_sb + s_idx * stride_ss
-    m_i, l_i, acc = _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, slots, stride_sk, n_end,
-                                  page_size, num_pages, stride_kb, stride_kp, stride_kd, scale,
-                                  HEAD_DIM, HEAD_DIM_V, ROPE_OFF, BLOCK_N, BLOCK_DV, BLOCK_DR,
-                                  DENSE, IS_FP8, ALIGNED, PRECISION)
-    # Stage 2: the extra cache, same softmax.
+    # Split-KV: split ``split`` takes its share of the ranks, in whole tiles.
+    n_end = tl.maximum(n_end, 0)
+    chunk = tl.cdiv(tl.cdiv(n_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_start = split * chunk
+    m_i, l_i, acc = _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, slots, stride_sk, n_start,
+                                  tl.minimum(n_end, n_start + chunk), page_size, num_pages,
+                                  stride_kb, stride_kp, stride_kd, scale, HEAD_DIM, HEAD_DIM_V,
+                                  ROPE_OFF, BLOCK_N, BLOCK_DV, BLOCK_DR, DENSE, IS_FP8, ALIGNED,
+                                  PRECISION)
+    # Stage 2: the extra cache, same softmax (in the last split).
     if HAS_EXTRA:
         n_end2 = n_keys2
         if HAS_LEN2:
             n_end2 = tl.minimum(n_end2, tl.load(TOPK_LEN2 + b * stride_len2))
+        n_end2 = tl.where(split == NUM_SPLITS - 1, n_end2, 0)
         m_i, l_i, acc = _attend_cache(q_lat, q_rope, m_i, l_i, acc, K2,
                                       SLOTS2 + b * stride_s2b + s_idx * stride_s2s, stride_s2k,
-                                      n_end2, page_size2, num_pages2, stride_k2b, stride_k2p,
+                                      0, n_end2, page_size2, num_pages2, stride_k2b, stride_k2p,
                                       stride_k2d, scale, HEAD_DIM, HEAD_DIM_V, ROPE_OFF,
                                       BLOCK_N, BLOCK_DV, BLOCK_DR, False, IS_FP8, ALIGNED,
                                       PRECISION)
+    if NUM_SPLITS == 1:
+        _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
+                stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls, HEAD_DIM_V,
+                BLOCK_DV, HAS_SINK, STORE_MAX)
+    else:  # partials, merged by _flash_mla_combine_kernel
+        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
+        tl.store(PART_O + part[:, None] * BLOCK_DV + offs_v[None, :], acc,
+                 mask=mask_h[:, None])
+        tl.store(PART_ML + part * 2, m_i, mask=mask_h)
+        tl.store(PART_ML + part * 2 + 1, l_i, mask=mask_h)
 
-    # Epilogue: normalise; the sink joins the denominator only (not the LSE); empty rows 0.
+
+@triton.jit
+def _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
+            stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls,
+            HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr,
+            STORE_MAX: tl.constexpr):
+    """Epilogue: normalise; the sink joins the denominator only (not the LSE); empty rows 0."""
+    offs_v = tl.arange(0, BLOCK_DV)
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     keep = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -185,6 +220,38 @@ def _flash_mla_kernel(
     tl.store(LSE + l_ptr, lse, mask=mask_h)
     if STORE_MAX:
         tl.store(MAXL + l_ptr, m_i, mask=mask_h)
+
+
+@triton.jit
+def _flash_mla_combine_kernel(
+    PART_O, PART_ML, SINK, OUT, LSE, MAXL, stride_sink, stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls, seqlen_q, num_heads,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, STORE_MAX: tl.constexpr,
+):
+    # Split-KV merge: m = max_s m_s, l = sum_s l_s e^{m_s - m}, acc = sum_s acc_s e^{m_s - m}.
+    row = tl.program_id(0)
+    b = (row // seqlen_q).to(tl.int64)
+    s_idx = (row % seqlen_q).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+    offs_v = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
+        m_i = tl.maximum(m_i, tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf")))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
+        weight = tl.exp(tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf")) - m_safe)
+        l_i += weight * tl.load(PART_ML + part * 2 + 1, mask=mask_h, other=0.0)
+        acc += weight[:, None] * tl.load(PART_O + part[:, None] * BLOCK_DV + offs_v[None, :],
+                                         mask=mask_h[:, None], other=0.0)
+    _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
+            stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls, HEAD_DIM_V,
+            BLOCK_DV, HAS_SINK, STORE_MAX)
 
 
 def _cache_args(cache: torch.Tensor, is_fp8: bool) -> tuple:
@@ -228,12 +295,18 @@ def _launch(q, q_strides, rows, seqlen_q, main, slots, slot_strides, n_keys, top
         (k2, k2_sb, k2_sp, k2_sd, page_size2, num_pages2, aligned2), slots2, slot2_strides, \
             n_keys2, topk_len2 = extra
     blocks = _blocks(q, num_heads, head_dim, head_dim_v)
-    grid = (rows, triton.cdiv(num_heads, blocks["BLOCK_H"]))
+    head_blocks = triton.cdiv(num_heads, blocks["BLOCK_H"])
+    splits = plan_splits(q.device, rows * head_blocks, n_keys, blocks["BLOCK_N"])
+    part_o = part_ml = lse
+    if splits > 1:     # float32 partials [splits, rows, H, BLOCK_DV] and (m, l) [.., 2]
+        part_o = q.new_empty((splits, rows, num_heads, blocks["BLOCK_DV"]), dtype=torch.float32)
+        part_ml = q.new_empty((splits, rows, num_heads, 2), dtype=torch.float32)
     stride0 = lambda t: 0 if t is None else t.stride(0)  # noqa: E731
-    launch(_flash_mla_kernel, grid, q.device,
+    maxl_or_lse = lse if maxl is None else maxl
+    launch(_flash_mla_kernel, (rows, head_blocks, splits), q.device,
            q, k, slots, q if topk_len is None else topk_len, k2, slots2,
            q if topk_len2 is None else topk_len2, q if seqlens is None else seqlens,
-           q if sink is None else sink, out, lse, lse if maxl is None else maxl,
+           q if sink is None else sink, out, lse, maxl_or_lse, part_o, part_ml,
            *q_strides, k_sb, k_sp, k_sd, k2_sb, k2_sp, k2_sd, *slot_strides, *slot2_strides,
            stride0(topk_len), stride0(topk_len2), stride0(seqlens), stride0(sink),
            *out_strides, *lse_strides,
@@ -242,7 +315,27 @@ def _launch(q, q_strides, rows, seqlen_q, main, slots, slot_strides, n_keys, top
            ROPE_OFF=fp8_rope_offset(head_dim_v) if is_fp8 else 0, DENSE=dense, CAUSAL=causal,
            IS_FP8=is_fp8, ALIGNED=aligned and aligned2, HAS_LEN=topk_len is not None,
            HAS_EXTRA=extra is not None, HAS_LEN2=topk_len2 is not None,
-           HAS_SINK=sink is not None, STORE_MAX=maxl is not None, **blocks)
+           HAS_SINK=sink is not None, STORE_MAX=maxl is not None, NUM_SPLITS=splits, **blocks)
+    if splits > 1:
+        launch(_flash_mla_combine_kernel, (rows, head_blocks), q.device,
+               part_o, part_ml, q if sink is None else sink, out, lse, maxl_or_lse,
+               stride0(sink), *out_strides, *lse_strides, seqlen_q, num_heads,
+               HEAD_DIM_V=head_dim_v, BLOCK_H=blocks["BLOCK_H"], BLOCK_DV=blocks["BLOCK_DV"],
+               NUM_SPLITS=splits, HAS_SINK=sink is not None, STORE_MAX=maxl is not None,
+               num_warps=blocks["num_warps"])
+
+
+MAX_SPLITS = 16
+
+
+def plan_splits(device: torch.device, programs: int, n_keys: int, block_n: int) -> int:
+    """Split-KV count from shapes only: 1 when ``programs`` (rows x head blocks) fill the
+    device or a row has few keys (< 8 tiles), else enough splits to fill it, each of at least
+    4 tiles, at most ``MAX_SPLITS``."""
+    sms = num_sms(device)
+    if programs >= sms or n_keys < 8 * block_n:
+        return 1
+    return max(1, min(MAX_SPLITS, sms // max(programs, 1), n_keys // (4 * block_n)))
 
 
 def _tile_limits(head_dim: int, head_dim_v: int):
@@ -278,7 +371,7 @@ def _dense_paged(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, caus
                           qv=rows[..., :head_dim_v], q_descale=None, k_descale=None,
                           v_descale=None, sinks=None, softmax_scale=scale, window_left=-1,
                           window_right=0 if causal else -1, softcap=0.0)
-    lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)
+    lse = lse.reshape(num_heads, batch, seqlen_q).transpose(0, 1)
     return out, torch.empty(lse.shape, dtype=lse.dtype, device=lse.device).copy_(lse)
 
 

@@ -16,7 +16,6 @@ from .. import providers
 from ._common import available, cdiv, launch, next_pow2
 from .causal_conv1d import _both
 
-L2NORM_EPS = 1e-6
 
 
 @triton.jit
@@ -133,7 +132,8 @@ def _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
     launch(_gdn_recurrent_kernel, (batch, num_v_heads, cdiv(v_dim, block_v)), q.device,
            q, k, v, g, beta, out, ssm_states, cache_indices, cu_seqlens, inter,
            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-           *ssm_states.stride(), cache_indices.stride(0), cu_seqlens.stride(0), *istr, total, ssm_states.shape[0], num_v_heads, k_dim, v_dim,
+           *ssm_states.stride(), cache_indices.stride(0), cu_seqlens.stride(0), *istr, total,
+           ssm_states.shape[0], num_v_heads, k_dim, v_dim,
            num_v_heads // num_k_heads, float(scale),
            intermediate_states.shape[1] if intermediate_states is not None else 0,
            BLOCK_K=block_k, BLOCK_V=block_v, USE_L2=bool(use_qk_l2norm_in_kernel),

@@ -66,7 +66,7 @@ PAGE_TILE_MIN_KEYS = 32
 # (fewer than DECODE_PROGRAMS_PER_SM programs per multiprocessor), with head dims <= 64, 16-bit
 # q/K/V and pages of under PAGE_TILE_MIN_KEYS keys: such a launch is bound by each program's
 # chain of key tiles, so fewer, wider tiles win (benchmarks/bench_decode_graph.py; figures in
-# RESULTS.md, session 10, issue 20 on the H200).
+# benchmarks/RESULTS.md, H200).
 SMALL_GRID_DECODE_TILES = (128, 4, 3)
 
 

@@ -1,4 +1,4 @@
-"""Target verify (topk 1) of a hybrid model, and the rollback of rejected drafts.
+"""Target verify (topk 1) of a hybrid model, the rollback of rejected drafts, and a MIXED step.
 
 A tiny Qwen3-Next prefills two requests of different lengths through the engine; then rounds of
 TARGET_VERIFY run D = 3 tokens per request (the last sampled token and two random drafts),
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from compile.batch import ForwardBatch, ForwardMode, SpecInfo  # noqa: E402
 from compile.engine import Engine, SamplingParams  # noqa: E402
-from compile.graphs import GraphRunner, compile_model  # noqa: E402
+from compile.graphs import GraphRunner, compile_model, full_and_piecewise  # noqa: E402
 from compile.models import from_hf  # noqa: E402
 from tests.models.test_qwen3_next_parity import qwen3_next_hf  # noqa: E402
 
@@ -98,12 +98,57 @@ def test_verify_and_rollback_match_transformers(hf, page_size):
     run_rounds(hf, engine, lambda ids, pos, fb: model(ids, pos, fb), graphs=False)
 
 
-def test_verify_in_a_full_graph_matches_transformers(hf):
-    """Rounds 1-4 through a ``GraphRunner``: warm-up, capture, then replays of bucket 2."""
+@pytest.mark.parametrize("through", ["compile_model", "full_and_piecewise"])
+def test_verify_in_a_full_graph_matches_transformers(hf, through):
+    """Rounds 1-4 through a ``GraphRunner`` (its step recorded through ``compile_model``, or
+    through the piecewise model with both split ops, as ``--mode graphs``): warm-up, capture,
+    then replays of bucket 2."""
     torch._dynamo.reset()
     model = from_hf(hf)
     engine = prefill(model, 16)
-    runner = GraphRunner(model, forward=compile_model(model, backend="eager"),
-                         emulate_graphs=True, draft_token_num=D, batch_sizes=(1, 2, 4))
+    if through == "compile_model":
+        runner = GraphRunner(model, forward=compile_model(model, backend="eager"),
+                             emulate_graphs=True, draft_token_num=D, batch_sizes=(1, 2, 4))
+    else:
+        runner = full_and_piecewise(model, inductor=False, emulate_graphs=True,
+                                    draft_token_num=D, batch_sizes=(1, 2, 4),
+                                    graph_sizes=(8, 16))
     run_rounds(hf, engine, runner, graphs=True)
     assert (runner.captures, runner.replays) == (1, len(ACCEPTED) - 2)  # warm-up, capture, rest
+
+
+def test_mixed_step_of_a_decoding_and_an_extending_request(hf):
+    """A MIXED batch: request 0 decodes its last sampled token, request 1 extends by it and
+    two more tokens; both continue from their slots' states (``has_initial_state``)."""
+    model = from_hf(hf)
+    engine = prefill(model, 16)
+    reqs, dev = list(engine.running), engine.device
+    extra = [[], [41, 7]]
+    new = [[r.output_ids[-1]] + e for r, e in zip(reqs, extra)]
+    prefixes = [r.num_cached for r in reqs]
+    loc = torch.cat([engine._alloc(r, len(n)) for r, n in zip(reqs, new)])
+    lens = torch.tensor([len(n) for n in new], dtype=torch.int32)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.MIXED, batch_size=2,
+        req_pool_indices=torch.tensor([r.row for r in reqs], device=dev),
+        seq_lens=torch.tensor([r.num_cached for r in reqs], dtype=torch.int32, device=dev),
+        seq_lens_cpu=torch.tensor([r.num_cached for r in reqs], dtype=torch.int32),
+        out_cache_loc=loc,
+        positions=torch.cat([p + torch.arange(len(n)) for p, n in zip(prefixes, new)]).to(dev),
+        extend_seq_lens=lens.to(dev), extend_seq_lens_cpu=lens.tolist(),
+        extend_prefix_lens=torch.tensor(prefixes, dtype=torch.int32, device=dev),
+        extend_prefix_lens_cpu=prefixes)
+    fb.attn_backend, fb.token_to_kv_pool = engine.attn_backend, engine.token_to_kv_pool
+    fb.req_to_token_pool = engine.req_to_token_pool
+    engine.attn_backend.init_forward_metadata(fb)
+    assert engine.attn_backend.linear_metadata.has_initial_state.tolist() == [True, True]
+    with torch.inference_mode():
+        logits = model(torch.tensor([t for n in new for t in n]), fb.positions, fb,
+                       return_all_logits=True)
+    row = 0
+    for r, n, p in zip(reqs, new, prefixes):
+        seq = r.prompt_ids + r.output_ids + n[1:]
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0, p:p + len(n)].float()
+        torch.testing.assert_close(logits[row:row + len(n)], ref, atol=2e-4, rtol=1e-4)
+        row += len(n)

@@ -86,7 +86,7 @@ class TestForwardContext(TestCase):
 
     def test_split_op_schema(self):
         schema = str(torch.ops.xpu_ops.unified_attention_with_output.default._schema)
-        self.assertExpectedInline(schema, """xpu_ops::unified_attention_with_output(Tensor q, Tensor? k, Tensor? v, Tensor(a!) output, int layer_id, Tensor? sinks=None, Tensor? q_rope=None, Tensor? k_rope=None, bool save_kv_cache=True) -> ()""")
+        self.assertExpectedInline(schema, """xpu_ops::unified_attention_with_output(Tensor q, Tensor? k, Tensor? v, Tensor(a!) output, int layer_id, Tensor? sinks=None, Tensor? q_rope=None, Tensor? k_rope=None, bool save_kv_cache=True, Tensor? index_q=None, Tensor? index_k=None, Tensor? index_weights=None) -> ()""")
 
 
 class TestSplit(TestCase):

@@ -1,0 +1,147 @@
+"""Decode throughput of a Qwen3-Next-shaped hybrid model (gated-delta-net layers, three per
+full-attention layer; random weights) beside a dense Llama of the same parameter count, both in
+``--mode graphs`` (``full_and_piecewise``: whole-step decode graphs, pieces for prefill).
+
+Both models run through ``compile.engine.Engine``: ``b`` requests of ``--context`` random prompt
+tokens are prefilled, then decoded for ``--new-tokens`` steps; a step's time is the engine's
+(model, metadata, sampling and its one host sync), the steady-state figure leaves out the first
+two decode steps of each batch size (compilation, capture; ``EngineStats.decode_split``).
+Decode reads the weights once per step and, per request, the hybrid model's full-attention KV
+(``context`` tokens of a quarter of the layers) plus its linear layers' fixed-size state; the
+dense model reads the KV of every layer. The MLP is dense in both (the hybrid model's sparse
+MoE, written densely in the zoo, would run every expert).
+
+    python benchmarks/bench_hybrid_decode.py --device cuda                   # the GPU table
+    python benchmarks/bench_hybrid_decode.py --device cpu --quick --no-inductor  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from compile.backend import kv_layout, linear_layout
+from compile.engine import Engine, SamplingParams
+from compile.engine.cli_args import DTYPES, CliParser, positive_int
+from compile.graphs import full_and_piecewise
+from compile.models import LlamaForCausalLM, ModelConfig
+from compile.models.qwen3_next import Qwen3NextForCausalLM
+from compile.models.qwen3_next_config import Qwen3NextConfig
+
+# Qwen3-Next-80B-A3B's attention and linear-attention shapes, a dense MLP, fewer layers
+HYBRID = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+              num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+              partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_num_key_heads=16,
+              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+              max_position_embeddings=8192)
+QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+def hybrid_model(shape: dict, dtype, device) -> Qwen3NextForCausalLM:
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**shape), dtype=dtype, device=device).eval()
+    _randomize(model)
+    return model
+
+
+def dense_model(shape: dict, params: int, dtype, device) -> LlamaForCausalLM:
+    """A Llama with the hybrid's hidden size, layers, vocabulary and attention shapes whose
+    MLP width makes its parameter count ``params`` (as close as a multiple of 64 allows)."""
+    base = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                num_hidden_layers=shape["num_hidden_layers"],
+                num_attention_heads=shape["num_attention_heads"],
+                num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+                max_position_embeddings=shape.get("max_position_embeddings", 8192))
+    h, n = base["hidden_size"], base["num_hidden_layers"]
+    with torch.device("meta"):
+        probe = LlamaForCausalLM(ModelConfig(**base, intermediate_size=64))
+    rest = sum(p.numel() for p in probe.parameters()) - n * 3 * h * 64
+    inter = max(64, round((params - rest) / (n * 3 * h) / 64) * 64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(**base, intermediate_size=inter), dtype=dtype,
+                             device=device).eval()
+    _randomize(model)
+    return model
+
+
+def _randomize(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+
+
+def decode_rate(model, forward, b: int, context: int, new_tokens: int) -> dict:
+    """Steady-state decode tokens/s and ms per step of ``b`` requests at ``context`` tokens."""
+    engine = Engine(model, forward=forward, page_size=16, max_running=b,
+                    max_context_len=context + new_tokens + 1,
+                    max_total_tokens=b * (context + new_tokens + 16),
+                    chunked_prefill_size=max(context, 256))
+    g = torch.Generator().manual_seed(b)
+    prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
+               for _ in range(b)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+    _, steady = engine.stats.decode_split(warmup_steps=2)
+    ms = 1e3 * steady.seconds / max(steady.steps, 1)
+    return dict(batch=b, steps=steady.steps, ms_per_step=ms,
+                tokens_per_s=steady.tokens / steady.seconds if steady.seconds else 0.0)
+
+
+def model_facts(model, dtype) -> dict:
+    """Parameters, KV bytes per token and state bytes per request (0 without linear layers)."""
+    layout, linear = kv_layout(model), linear_layout(model)
+    per_token = (len(layout.cache_layer_ids) * layout.head_num
+                 * (layout.head_dim + layout.v_head_dim) * dtype.itemsize)
+    return dict(params=sum(p.numel() for p in model.parameters()), kv_bytes_per_token=per_token,
+                state_bytes_per_request=0 if linear is None else linear.state_bytes(dtype))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = CliParser(prog="bench_hybrid_decode.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda", "xpu"))
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--layers", type=positive_int, default=None,
+                    help="decoder layers (a multiple of 4: three linear per full layer; default "
+                         f"{HYBRID['num_hidden_layers']}, --quick {QUICK['num_hidden_layers']})")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=positive_int, default=1024)
+    ap.add_argument("--new-tokens", type=positive_int, default=32)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU check)")
+    ap.add_argument("--no-inductor", action="store_true",
+                    help="pieces run as Dynamo traced them (CPU check without compiling)")
+    return ap
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    shape = dict(QUICK if args.quick else HYBRID)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    hybrid = hybrid_model(shape, dtype, device)
+    facts = {"hybrid": model_facts(hybrid, dtype)}
+    dense = dense_model(shape, facts["hybrid"]["params"], dtype, device)
+    facts["dense"] = model_facts(dense, dtype)
+    rows = []
+    for name, model in (("hybrid", hybrid), ("dense", dense)):
+        forward = full_and_piecewise(model, inductor=not args.no_inductor)
+        for b in args.batches:
+            rows.append(dict(model=name, **facts[name],
+                             **decode_rate(model, forward, b, args.context, args.new_tokens)))
+    print(f"| model | params (M) | KV B/token | state B/request | batch | ms/step | tokens/s |  "
+          f"(--mode graphs, {args.dtype}, context {args.context}, {args.device})")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params'] / 1e6:.1f} | {r['kv_bytes_per_token']} | "
+              f"{r['state_bytes_per_request']} | {r['batch']} | {r['ms_per_step']:.2f} | "
+              f"{r['tokens_per_s']:.0f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``benchmarks/make_results_page.py``: one section per device kind from one run folder, each
+part with its command, status, versions, tables and plots; the checked-in page is the
+generator's output of ``benchmarks/results/`` (nobody edits it by hand)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import make_results_page as gen
+
+ENV = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0, Python 3.12.3"
+
+
+def _run(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "summary.txt").write_text(
+        "gpu_session 2026-12-07T01:02:03Z parts: decode gemm suite; 1234abc a commit\n"
+        "decode: exit 0 in 116 s (limit 240 s)\ngemm: exit 0 in 12 s (limit 240 s)\n"
+        "suite: exit 1 in 300 s (limit 420 s)\n")
+    (folder / "env.txt").write_text(ENV + "\n")
+    (folder / "commands.txt").write_text(
+        "decode\tpython benchmarks/bench_model.py --device cuda --out $OUT/decode\n"
+        "gemm\tpython benchmarks/bench_decode_gemm.py --device cuda --out $OUT/gemm\n")
+    (folder / "decode.md").write_text("# bench_model: decode tokens/s\n\n| batch | graphs |\n"
+                                      "|---|---|\n| 1 | 802 |\n")
+    (folder / "decode.png").write_bytes(b"\x89PNG")
+    (folder / "gemm").mkdir()
+    rows = [dict(shape="qkv", k=2048, n=3072, batch=1, choice=c, us=us, of_copy=f)
+            for c, us, f in (("cublas", 6.24, 0.48), ("autotune", 4.95, 0.61))]
+    (folder / "gemm" / "decode_gemm.json").write_text(json.dumps(dict(bandwidth=4.1e12,
+                                                                      rows=rows)))
+    (folder / "suite.log").write_text("....F\n1 failed, 4 passed in 290.00s\n")
+    return folder
+
+
+def test_a_device_section_holds_each_part_with_its_command_and_versions(tmp_path):
+    run = _run(tmp_path / "results" / "h100")
+    text = gen.page({"h100": run}, tmp_path)
+    assert text.count("\n## ") == 1 and "## h100: NVIDIA H100 80GB HBM3" in text, text
+    assert "Run of 2026-12-07T01:02:03Z at commit `1234abc`" in text, text
+    assert text.count(f"Measured on {ENV}.") == 3, text           # decode, gemm, suite
+    assert "`OUT=out PARTS=decode bash benchmarks/gpu_session.sh`" in text, text
+    assert "    python benchmarks/bench_model.py --device cuda --out $OUT/decode" in text, text
+    assert "#### bench_model: decode tokens/s\n\n| batch | graphs |" in text, text
+    assert "(results/h100/decode.png)" in text, text
+    assert "| qkv (2048 x 3072) | 1 | 6.24 (0.48) | 4.95 (0.61) |" in text, text
+    assert "Part status: exit 1 in 300 s (limit 420 s).\n\n`1 failed, 4 passed in 290.00s`" \
+        in text, text
+    assert "Steps" not in text and "profile_decode" not in text      # parts it did not run
+    assert text.index("Whole-model decode") < text.index("GEMMs") < text.index("test suite")
+
+
+def test_runs_are_the_folders_with_a_summary_or_env(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    _run(results / "h100")
+    (results / "scratch").mkdir()                       # a benchmark's default --out folder
+    monkeypatch.setattr(gen, "HERE", tmp_path)
+    assert gen.parse_runs([]) == {"h100": results / "h100"}
+
+
+def test_the_checked_in_page_is_the_generators_output():
+    assert gen.PAGE.read_text(encoding="utf-8") == gen.page(gen.parse_runs([]), gen.PAGE.parent), \
+        "benchmarks/RESULTS.md is stale: run python benchmarks/make_results_page.py"

@@ -1,0 +1,32 @@
+"""``python -m compile check`` on DeepSeek models: each layer's attention (dense or sparse MLA)
+and the KV and DSA index-key bytes per token; a tiny DeepSeek-V3.2 traces whole (fullgraph, no
+break) and splits into ``num_layers + 1`` pieces."""
+
+from __future__ import annotations
+
+from compile.engine.cli_check import (MLACacheBytes, attention_kinds, check_model,
+                                      format_result, mla_cache_bytes)
+from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from tests.compile.backend.test_dsa_backend import tiny_v32
+from tests.compile.compile_helpers import tiny_model
+
+
+def test_attention_kinds_and_cache_bytes():
+    v32 = tiny_v32()
+    assert attention_kinds(v32) == ["sparse MLA (top-k 4)"] * 2
+    # per layer: latent (R + r) float32 = (16 + 8) * 4; index key Di fp8 + a float32 scale
+    assert mla_cache_bytes(v32) == MLACacheBytes(latent=(16 + 8) * 4, index=16 + 4, layers=2)
+    v2 = DeepseekV2ForCausalLM(DeepseekV2Config(num_hidden_layers=3, kv_lora_rank=16,
+                                                qk_rope_head_dim=8))
+    assert attention_kinds(v2) == ["dense MLA"] * 3
+    assert mla_cache_bytes(v2) == MLACacheBytes(latent=(16 + 8) * 4, index=0, layers=3)
+    assert mla_cache_bytes(tiny_model()) is None
+
+
+def test_check_reports_sparse_layers_and_traces_whole():
+    result = check_model(tiny_v32())
+    assert result.ok and result.graph_breaks == 0
+    assert result.pieces_per_graph == 3  # num_layers + 1
+    text = format_result("tiny-v32", result, "eager")
+    assert "2 x sparse MLA (top-k 4) (layers 0-1)" in text
+    assert "MLA latent 96 bytes, DSA index keys 20 bytes; all 2 layers: 192 + 40 = 232" in text

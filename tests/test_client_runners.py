@@ -1,0 +1,81 @@
+"""The client-test runners' pieces (``scripts/``): device plumbing of sgl-kernel-xpu's tests,
+per-function counts from outcome lines, shards, the switches-off copy only when a switch is on,
+and one real job end to end (a tiny test file through the shim plugin)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import client_test_runs as runs  # noqa: E402
+import plumb_xpu_tests  # noqa: E402
+import run_sgl_kernel_tests  # noqa: E402
+
+
+def test_plumbing_replaces_only_the_device():
+    source = ('"""doc"""\nfrom __future__ import annotations\nimport torch\n'
+              'x = torch.ones(2, device="xpu")\ny = torch.zeros(1).xpu()\n'
+              "z = torch.device('xpu:1')\nif torch.xpu.is_available(): torch.xpu.synchronize()\n"
+              "t = torch.accelerator.current_accelerator().type\nname = 'xpu_kernel'\n"
+              'msg = "XPU not available"\n')
+    text, n = plumb_xpu_tests.plumb(source)
+    assert n == 6
+    lines = text.splitlines()
+    assert lines[2] == "import local_device  # xpu-ops: the local device for torch.xpu"
+    assert 'device=local_device.DEVICE)' in text and ".to(local_device.DEVICE)" in text
+    assert 'torch.device((local_device.DEVICE + ":1"))' in text
+    assert "local_device.is_available(): local_device.synchronize()" in text
+    assert "local_device.current_accelerator().type" in text
+    assert "'xpu_kernel'" in text and '"XPU not available"' in text   # other strings stay
+    compile(text, "plumbed", "exec")
+
+
+def test_counts_one_outcome_per_test(tmp_path):
+    lines = [("a.py::test_f[1]", "setup", "passed"), ("a.py::test_f[1]", "call", "passed"),
+             ("a.py::test_f[2]", "call", "failed"), ("a.py::test_f[3]", "setup", "skipped"),
+             ("a.py::T::test_g", "setup", "failed"), ("a.py::T::test_g", "teardown", "passed"),
+             ("a.py::test_f[4]", "call", "passed"), ("a.py::test_f[4]", "teardown", "failed"),
+             ("b.py", "collect", "failed")]
+    path = tmp_path / "job.jsonl"
+    path.write_text("".join(json.dumps({"nodeid": n, "when": w, "outcome": o,
+                                        **({"message": "E   boom"} if o == "failed" else {})})
+                            + "\n" for n, w, o in lines))
+    table = runs.counts(path)
+    assert {k: [v[o] for o in runs.OUTCOMES] for k, v in table.items()} == {
+        "a.py::T.test_g": [0, 0, 1, 0], "a.py::test_f": [1, 1, 1, 1], "b.py::(import)": [0, 0, 1, 0]}
+    assert table["a.py::test_f"]["first_failure"] == "E   boom"
+
+
+def test_shards_and_switches(tmp_path):
+    assert [j.name for j in runs.sharded("flash", ["f.py"], 3)] == [
+        "flash_1of3", "flash_2of3", "flash_3of3"]
+    assert [j.shard for j in runs.sharded("merge", ["m.py"], 1)] == [None]
+    on = tmp_path / "on.py"
+    on.write_text("X = 1\nDISABLE_SPLIT = True\nDISABLE_FP8 = True\n")
+    copy = run_sgl_kernel_tests.switches_off_copy(on, tmp_path)
+    assert "\nDISABLE_SPLIT = False\n" in copy.read_text()
+    assert "\nDISABLE_FP8 = True\n" in copy.read_text()
+    off = tmp_path / "off.py"
+    off.write_text("X = 1\nDISABLE_SPLIT = False\nDISABLE_FP8 = True\n")
+    assert run_sgl_kernel_tests.switches_off_copy(off, tmp_path) is None
+
+
+def test_a_sharded_job_runs_through_the_shim(tmp_path):
+    test_file = tmp_path / "test_tiny.py"
+    test_file.write_text(
+        "import pytest\nimport torch\nfrom sgl_kernel import merge_state_v2\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_merge(i):\n"
+        "    v, s = torch.randn(2, 1, 4), torch.randn(2, 1)\n"
+        "    out, lse = merge_state_v2(v, s, v, s)\n"
+        "    assert torch.allclose(out, v, atol=1e-6) and i != 5\n")
+    job = runs.sharded("tiny", [test_file], 2)[1]                 # tests 2, 4, 6 (i = 1, 3, 5)
+    info = runs.run_job(job, tmp_path, workers=0, budget=120, extra=[])
+    assert info["status"] == 1 and not info["timed_out"]
+    table = runs.counts(tmp_path / "tiny_2of2.jsonl")
+    assert {k: (v["passed"], v["failed"]) for k, v in table.items()} == {
+        "test_tiny.py::test_merge": (2, 1)}
