@@ -133,10 +133,11 @@ def hadamard_transform(x, scale):
         rows2d = rows2d.contiguous()
     n = next_pow2(dim)
     block_n = min(64, max(16, n))
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"   # float32 tiles: K of 32
     launch(_hadamard_kernel, (cdiv(rows2d.shape[0], 32), cdiv(dim, block_n)), x.device,
            rows2d, out.view(-1, dim), rows2d.stride(0), dim, rows2d.shape[0], dim, scale,
-           N=n, BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=min(64, max(16, n)),
-           IEEE=x.dtype == torch.float32 or x.device.type == "cpu", num_warps=4)
+           N=n, BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=min(32 if ieee else 64, max(16, n)),
+           IEEE=ieee, num_warps=4)
     return out
 
 
