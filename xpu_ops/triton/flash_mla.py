@@ -46,11 +46,10 @@ def _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM: tl.constexpr
     mask_r = valid[:, None] & (offs_r[None, :] < HEAD_DIM - HEAD_DIM_V)
     row = base[:, None]
     if IS_FP8:
-        # One float32 scale per tile of 128 latent values: [BLOCK_N, NUM_TILES], broadcast over
+        # One float32 scale per tile of 128 latent values: [BLOCK_N, BLOCK_DV / 128], broadcast over
         # the tile through a 3-D view of the latent block.
-        NUM_TILES: tl.constexpr = BLOCK_DV // 128
         tl.static_assert(BLOCK_DV % 128 == 0)
-        offs_t = tl.arange(0, NUM_TILES)
+        offs_t = tl.arange(0, BLOCK_DV // 128)
         mask_t = valid[:, None] & (offs_t[None, :] < HEAD_DIM_V // 128)
         latent = tl.load(K + row + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
         KB = K.to(tl.pointer_type(tl.uint8))
@@ -65,7 +64,7 @@ def _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM: tl.constexpr
             scale = _bytes_as(KB, scale_at, mask_t, 4).to(tl.float32, bitcast=True)
             rope = _bytes_as(KB, rope_at, mask_r, 2).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             rope = rope.to(tl.float32)
-        latent = tl.reshape(latent, (latent.shape[0], NUM_TILES, 128)) * scale[:, :, None]
+        latent = tl.reshape(latent, (latent.shape[0], BLOCK_DV // 128, 128)) * scale[:, :, None]
         latent = tl.reshape(latent, (latent.shape[0], BLOCK_DV))
     else:
         latent = tl.load(K + row + offs_v[None, :] * stride_kd, mask=mask_v,
@@ -118,7 +117,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_start, 
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_keys", "n_keys2"])    # top-k sizes vary: one compile
 def _flash_mla_kernel(
     Q, K, SLOTS, TOPK_LEN, K2, SLOTS2, TOPK_LEN2, SEQLENS, SINK, OUT, LSE, MAXL, PART_O, PART_ML,
     stride_qb, stride_qs, stride_qh, stride_qd,
