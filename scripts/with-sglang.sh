@@ -15,8 +15,11 @@ print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-depend
   "$root/pyproject.toml")
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$requirements" ] || [ "$root/scripts/with-sglang.sh" -nt "$stamp" ]; then
   rm -rf "$target"
+  echo "[with-sglang] installing sglang 0.5.23 and its import chain into $target (first use," \
+       "about 300 MB and 2 minutes; quiet pip step)" >&2
   # shellcheck disable=SC2086  # one word per requirement
   "$root/.venv/bin/pip" install -q --disable-pip-version-check --no-deps --target "$target" $requirements
   echo "$requirements" > "$stamp"
+  echo "[with-sglang] ready: $(du -sh "$target" | cut -f1) in $target" >&2
 fi
 exec bash "$root/scripts/with-env.sh" "$@"

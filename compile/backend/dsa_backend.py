@@ -128,8 +128,9 @@ class DSAAttentionBackend(XPUAttentionBackend):
                                    k_rope.reshape(-1, 1, rope))
         main = meta.main
         rows = getattr(meta, "rows", None) or DSARows(main.page_table, main.cache_seqlens)
-        slots = topk_slots(pool.get_index_k_with_scale_buffer(layer.layer_id), rows, index_q,
-                           index_weights, self.index_topk, ps)                # [T, topk]
+        index_cache = pool.get_index_k_with_scale_buffer(layer.kv_cache_layer_id)
+        slots = topk_slots(index_cache, rows, index_q, index_weights, self.index_topk,
+                           ps)                                                 # [T, topk]
         q_all = torch.cat((q.reshape(-1, heads, rank), q_rope.reshape(-1, heads, rope)), -1)
         kv = pool.get_key_buffer(layer.kv_cache_layer_id)                      # [slots, 1, D]
         out = self.output_buffer(fb, q_all, heads, rank)

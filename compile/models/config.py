@@ -177,7 +177,7 @@ CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text
 #: and Qwen3.5 have a config of their own (``compile.models.qwen3_next_config``).
 SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES
                                      + ("deepseek_v2", "deepseek_v3", "deepseek_v32")
-                                     + ("qwen3_next", "qwen3_5_text")))
+                                     + ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")))
 
 
 def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:
@@ -336,7 +336,7 @@ def hf_decoder_kwargs(hf_config) -> dict[str, Any]:
     get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
     return dict(
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
+        intermediate_size=get("intermediate_size", 0),  # absent where every layer is MoE
         num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=hf_config.num_attention_heads, rms_norm_eps=hf_config.rms_norm_eps,
         max_position_embeddings=get("max_position_embeddings", 2048),

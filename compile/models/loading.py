@@ -26,8 +26,9 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
             attention; ``compile.models.deepseek_v32``) or a
             ``Llama4ForCausalLM`` (text; ``compile.models.llama4``), or a Gemma 3
             ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
-            ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``
-            (``compile.models.qwen3_next``: gated-delta-net and full-attention layers).
+            ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` /
+            ``Qwen3_5MoeForCausalLM`` (``compile.models.qwen3_next``: gated-delta-net and
+            full-attention layers).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
         cpu_column_major: on the CPU, a ``LlamaForCausalLM`` (every type but the three above)
             stores its linear weights and tied embedding column-major
@@ -51,7 +52,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
     if model_type in ("gemma3_text", "gemma3"):
         return gemma3.from_hf(hf_model, dtype=dtype, device=device)
-    if model_type in ("qwen3_next", "qwen3_5_text"):
+    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         return qwen3_next.from_hf(hf_model, dtype=dtype, device=device)
     model = copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
                          device)

@@ -1,5 +1,5 @@
-"""Qwen3-Next and Qwen3.5 (text): gated-delta-net linear attention mixed with gated full
-attention (three linear layers per full one in the released models).
+"""Qwen3-Next and Qwen3.5 (text, dense or MoE): gated-delta-net linear attention mixed with gated
+full attention (three linear layers per full one in the released models).
 
 - Linear layers (``Qwen3NextGatedDeltaNet``): project into q, k, v (mixed for the causal conv),
   the output gate z and the gating inputs b, a; ``compile.backend.LinearAttention`` runs the
@@ -12,13 +12,15 @@ attention (three linear layers per full one in the released models).
   first ``partial_rotary_factor * D`` features (neox layout), paged attention.
 - MLP: Qwen3-Next's sparse MoE (softmax top-k router, renormalised when ``norm_topk_prob``,
   plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``) on the layers
-  ``decoder_sparse_step`` picks, a dense gated MLP elsewhere; Qwen3.5 is dense.
+  ``decoder_sparse_step`` picks, a dense gated MLP elsewhere; Qwen3.5 is dense, Qwen3.5-MoE
+  has the same MoE on every layer.
 - Every hidden-state RMSNorm is zero-centred (``x * (1 + weight)``).
 
 Qwen3.5 uses multimodal RoPE; for text its three position rows are equal, which is plain RoPE
 over the same frequencies. Parameter names are ``transformers``' (``from_hf`` copies by name).
 Source: ``transformers`` ``models/qwen3_next/modeling_qwen3_next.py`` and
-``models/qwen3_5/modeling_qwen3_5.py``; sglang 0.5.23 ``models/qwen3_next.py``.
+``models/qwen3_5/modeling_qwen3_5.py``, ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``;
+sglang 0.5.23 ``models/qwen3_next.py``.
 """
 
 from __future__ import annotations
@@ -234,7 +236,8 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Qwen3NextForCausalLM:
     """Zoo ``Qwen3NextForCausalLM`` holding a copy of a ``transformers``
-    ``Qwen3NextForCausalLM`` or ``Qwen3_5ForCausalLM``'s weights (q+gate/k/v and gate/up fused).
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``'s weights
+    (q+gate/k/v and gate/up fused).
 
     Raises:
         NotImplementedError: see ``Qwen3NextConfig.from_hf``.

@@ -1,6 +1,6 @@
 """``Qwen3NextConfig``: the shapes of a Qwen3-Next or Qwen3.5 (text) decoder
-(``compile.models.qwen3_next``), read from ``transformers``' ``Qwen3NextConfig`` /
-``Qwen3_5TextConfig``.
+(``compile.models.qwen3_next``), read from ``transformers``' ``Qwen3NextConfig``,
+``Qwen3_5TextConfig`` or ``Qwen3_5MoeTextConfig``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 from compile.models.config import DecoderConfig, hf_decoder_kwargs
 
 #: ``model_type`` values this config reads (and ``compile.models.from_hf`` builds).
-QWEN3_NEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+QWEN3_NEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -89,7 +89,8 @@ class Qwen3NextConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, hf_config) -> "Qwen3NextConfig":
-        """Build from a ``transformers`` ``Qwen3NextConfig`` or ``Qwen3_5TextConfig``.
+        """Build from a ``transformers`` ``Qwen3NextConfig``, ``Qwen3_5TextConfig`` or
+        ``Qwen3_5MoeTextConfig`` (every layer MoE, top-k weights always renormalised).
 
         Raises:
             NotImplementedError: another model type or a RoPE type other than default.
@@ -113,18 +114,21 @@ class Qwen3NextConfig(DecoderConfig):
                   partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                        get("partial_rotary_factor", 1.0))),
                   layer_types=list(hf_config.layer_types),
-                  split_projections=model_type == "qwen3_5_text")
+                  split_projections=model_type != "qwen3_next")
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim"):
             kw[name] = get(name)
-        if model_type == "qwen3_next":
+        if model_type != "qwen3_5_text":  # the MoE models
             kw.update(num_experts=hf_config.num_experts,
                       num_experts_per_tok=hf_config.num_experts_per_tok,
                       moe_intermediate_size=hf_config.moe_intermediate_size,
-                      shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
-                      norm_topk_prob=bool(hf_config.norm_topk_prob),
+                      shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size)
+        if model_type == "qwen3_next":
+            kw.update(norm_topk_prob=bool(hf_config.norm_topk_prob),
                       decoder_sparse_step=hf_config.decoder_sparse_step,
                       mlp_only_layers=list(hf_config.mlp_only_layers or []))
+        if model_type == "qwen3_5_moe_text":  # no dense MLP: intermediate_size is unused
+            kw["intermediate_size"] = hf_config.moe_intermediate_size
         return cls(**kw)
 
 

@@ -38,18 +38,20 @@ def tensor_parallel(model: DecoderForCausalLM, tp: ParallelGroup) -> DecoderForC
         rank as the unsharded model (up to the reduction order of the all-reduces).
     Raises:
         ValueError: heads, intermediate size not divisible by ``tp.size`` (naming them).
-        NotImplementedError: a layer kind without a tensor-parallel layout (MLA, experts).
+        NotImplementedError: a layer kind without a tensor-parallel layout (MLA, experts,
+            gated-delta-net linear attention).
     """
     if tp.size == 1:
         return model
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        attn = getattr(layer, "self_attn", None)  # a linear-attention layer has none
+        mlp = getattr(layer, getattr(layer, "mlp_name", "mlp"), None)
         if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
             raise NotImplementedError(f"tensor_parallel: layer {type(layer).__name__} with "
                                       f"{type(attn).__name__} / {type(mlp).__name__} has no "
                                       "tensor-parallel layout; expected LlamaAttention and "
-                                      "LlamaMLP (MLA and mixture-of-experts layers are not "
-                                      "supported).")
+                                      "LlamaMLP (MLA, mixture-of-experts and linear-attention "
+                                      "layers are not supported).")
         _shard_attention(attn, tp)
         _shard_mlp(mlp, tp)
     cfg, inner = model.config, model.model

@@ -1,7 +1,8 @@
 """Qwen3-Next and Qwen3.5 (``compile.models.qwen3_next``): parity with ``transformers``.
 
 Tiny random ``Qwen3NextConfig`` (three gated-delta-net layers per full-attention layer, sparse
-MoE with a shared expert, one dense layer) and ``Qwen3_5TextConfig`` models go through the
+MoE with a shared expert, one dense layer), ``Qwen3_5TextConfig`` (dense) and
+``Qwen3_5MoeTextConfig`` (every layer MoE) models go through the
 engine (paged KV cache plus the linear layers' state pool, chunked prefill continuing from a
 cached prefix's state, decode) with several requests of different lengths in one batch; every
 logit row is compared with ``transformers`` on the same sequence, and greedy decoding with
@@ -44,6 +45,13 @@ def qwen3_5_hf(seed: int = 0, **extra):
     return _spread_decay(random_hf(transformers.Qwen3_5ForCausalLM, cfg, seed))
 
 
+def qwen3_5_moe_hf(seed: int = 0, **extra):
+    """A random ``Qwen3_5MoeForCausalLM`` (four input projections, every layer MoE)."""
+    moe = {k: v for k, v in MOE.items() if k != "mlp_only_layers"}
+    cfg = transformers.Qwen3_5MoeTextConfig(**{**SMALL, **HYBRID, **moe, **extra})
+    return _spread_decay(random_hf(transformers.Qwen3_5MoeForCausalLM, cfg, seed))
+
+
 def _spread_decay(hf):
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -55,9 +63,9 @@ def _spread_decay(hf):
 MODELS = {"qwen3_next": qwen3_next_hf, "qwen3_5_text": qwen3_5_hf}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(MODELS) + ["qwen3_5_moe_text"])
 def hf_hybrid(request):
-    return MODELS[request.param]()
+    return {**MODELS, "qwen3_5_moe_text": qwen3_5_moe_hf}[request.param]()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -89,11 +97,12 @@ def test_config_reads_the_hybrid_options(hf_hybrid):
     cfg = Qwen3NextConfig.from_hf(hf_hybrid.config)
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert cfg.rotary_dim == 4 and cfg.scaling == 16 ** -0.5
-    qwen3_5 = hf_hybrid.config.model_type == "qwen3_5_text"
-    assert cfg.split_projections == qwen3_5
-    assert [cfg.layer_is_moe(i) for i in range(4)] == ([False] * 4 if qwen3_5
-                                                      else [True, False, True, True])
-    assert {"qwen3_next", "qwen3_5_text"} <= set(SUPPORTED_MODEL_TYPES)
+    kind = hf_hybrid.config.model_type
+    assert cfg.split_projections == (kind != "qwen3_next")
+    assert [cfg.layer_is_moe(i) for i in range(4)] == {
+        "qwen3_next": [True, False, True, True], "qwen3_5_text": [False] * 4,
+        "qwen3_5_moe_text": [True] * 4}[kind]
+    assert {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"} <= set(SUPPORTED_MODEL_TYPES)
 
 
 def test_pools_hold_kv_for_full_layers_and_state_for_linear_ones(hf_hybrid):

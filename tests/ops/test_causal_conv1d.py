@@ -307,3 +307,26 @@ def test_fakes_keep_symbolic_token_counts(device):
     assert isinstance(out.shape[0], torch.SymInt) and str(out.shape[0]) == str(f["x"].shape[0])
     assert [str(s) for s in step.shape] == [str(s) for s in f["step"].shape]
     assert out.device == step.device == f["x"].device and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("token_programs", [1, 3])
+def test_long_requests_share_few_token_programs(provider, token_programs, monkeypatch):
+    # Triton's prefill launch has about TOKEN_PROGRAMS token-block programs in all; with 1 or
+    # 3 each program strides over several 16-token blocks of its request.
+    if provider == "triton":
+        from xpu_ops.triton import causal_conv1d as triton_conv
+        monkeypatch.setattr(triton_conv, "TOKEN_PROGRAMS", token_programs)
+    gen = torch.Generator().manual_seed(7)
+    lens, dim, width = (40, 3, 0, 33), 5, 4
+    x, weight = torch.randn(sum(lens), dim, generator=gen), torch.randn(dim, width, generator=gen)
+    states = torch.randn(4, dim, width - 1, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    slots = torch.tensor([2, 0, -1, 3], dtype=torch.int32)
+    init = torch.tensor([True, False, True, True])
+    expected_out, expected_states = oracle.causal_conv1d_fn(x, weight, None, states, qsl, slots,
+                                                            init, "silu")
+    with running(provider):
+        out = xpu_ops.causal_conv1d_fn(x, weight, None, states, qsl, slots, init)
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states.double(), expected_states, atol=0, rtol=0)

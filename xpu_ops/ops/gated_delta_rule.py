@@ -30,7 +30,6 @@ from .._registration import define_op
 from .causal_conv1d import debug_check_slots
 from .common import check_cu_seqlens, check_flag, check_index, finite_scale
 
-L2NORM_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------

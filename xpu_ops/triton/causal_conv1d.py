@@ -16,6 +16,7 @@ from .. import providers
 from ._common import available, cdiv, launch, next_pow2
 
 BLOCK_T = 16
+TOKEN_PROGRAMS = 1024   # token-block programs of a prefill launch, shared by its requests
 
 
 @triton.jit
@@ -89,24 +90,27 @@ def _conv_fn_kernel(
     WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
-    # Grid (b, token blocks of the longest possible request, channel blocks): outputs only.
+    # Grid (b, token-block programs, channel blocks): outputs only. Program p of a request
+    # takes its token blocks p, p + P, p + 2P, ... (P = the grid's second size), so any
+    # request length is covered without knowing the longest on the host.
     r = tl.program_id(0)
     start = tl.minimum(tl.maximum(tl.load(QSL + r * stride_q), 0), total)
     end = tl.minimum(tl.maximum(tl.load(QSL + (r + 1) * stride_q), 0), total)
     length = tl.maximum(end - start, 0)
-    pos = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)   # blocks past the end: all masked
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
     slot, valid = _slot_of(SLOTS, r, stride_slot, num_slots, True)
     read = valid & (tl.load(INIT + r * stride_init) != 0)
-    mask = (pos < length)[:, None] & mask_d[None, :]
-    acc = _conv_tokens(X, STATE, W, BIAS, start.to(tl.int64), pos[:, None], mask, stride_xt,
-                       stride_xd, slot * stride_ss, stride_sw, offs_d[None, :],
-                       offs_d[None, :] * stride_sd, offs_d[None, :], mask_d[None, :],
-                       stride_wd, stride_ww, stride_b, read, WIDTH, HAS_BIAS, SILU)
-    rows = (start + pos).to(tl.int64)
-    tl.store(OUT + rows[:, None] * dim + offs_d[None, :], acc.to(OUT.dtype.element_ty),
-             mask=mask)
+    for block in range(tl.program_id(1), tl.cdiv(length, BLOCK_T), tl.num_programs(1)):
+        pos = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask = (pos < length)[:, None] & mask_d[None, :]
+        acc = _conv_tokens(X, STATE, W, BIAS, start.to(tl.int64), pos[:, None], mask, stride_xt,
+                           stride_xd, slot * stride_ss, stride_sw, offs_d[None, :],
+                           offs_d[None, :] * stride_sd, offs_d[None, :], mask_d[None, :],
+                           stride_wd, stride_ww, stride_b, read, WIDTH, HAS_BIAS, SILU)
+        rows = (start + pos).to(tl.int64)
+        tl.store(OUT + rows[:, None] * dim + offs_d[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -160,9 +164,9 @@ def _block_d(dim: int) -> int:
 def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,
                      has_initial_state, activation):
     """Triton ``causal_conv1d_fn`` (contract: ``xpu_ops/ops/causal_conv1d.py``): outputs over
-    (request, token block, channel block) with a bound of ``T`` tokens per request (blocks past
-    a request's end return at once), then one state launch (every state read before any write).
-    """
+    (request, token-block program, channel block), about ``TOKEN_PROGRAMS`` token-block
+    programs shared by the requests (each strides over its request's blocks), then one state
+    launch (every state read before any write)."""
     total, dim = x.shape
     batch, width = cache_indices.shape[0], weight.shape[1]
     out = x.new_zeros((total, dim))
@@ -171,7 +175,8 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     block_d = _block_d(dim)
     bias_arg = bias if bias is not None else weight
     if total:
-        launch(_conv_fn_kernel, (batch, cdiv(total, BLOCK_T), cdiv(dim, block_d)), x.device,
+        programs = min(cdiv(total, BLOCK_T), max(1, TOKEN_PROGRAMS // batch))
+        launch(_conv_fn_kernel, (batch, programs, cdiv(dim, block_d)), x.device,
                x, weight, bias_arg, conv_states, query_start_loc, cache_indices,
                has_initial_state, out, x.stride(0), x.stride(1), weight.stride(0),
                weight.stride(1), bias.stride(0) if bias is not None else 0,

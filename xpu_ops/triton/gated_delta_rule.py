@@ -16,7 +16,6 @@ from .. import providers
 from ._common import available, cdiv, launch, next_pow2
 from .causal_conv1d import _both
 
-L2NORM_EPS = 1e-6
 
 
 @triton.jit

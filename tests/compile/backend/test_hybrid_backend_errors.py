@@ -111,3 +111,15 @@ def test_split_op_runs_the_layer_and_zeroes_padded_rows():
                                        torch.randn(3, 4))
     assert out.shape == (3, 4, 4)
     assert torch.all(out[:2] == 7.0) and torch.all(out[2] == 0.0)
+
+
+def test_tensor_parallel_refuses_linear_attention_layers():
+    pytest.importorskip("transformers")
+    from compile.backend.parallel_state import ParallelGroup
+    from compile.models import from_hf
+    from compile.models.tensor_parallel import tensor_parallel
+    from tests.models.test_qwen3_next_parity import qwen3_5_hf
+
+    group = ParallelGroup(rank=0, size=2, group=object())  # refused before any collective
+    with pytest.raises(NotImplementedError, match="NoneType / LlamaMLP has no tensor-parallel"):
+        tensor_parallel(from_hf(qwen3_5_hf()), group)
