@@ -23,12 +23,26 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
+
+def starting(argv: list[str]) -> None:
+    """Say that PyTorch and the model stack are being imported (tens of seconds on a busy
+    machine) before a ``generate`` or ``check`` run imports them: rank 0 only, never for
+    ``--help``."""
+    if (argv[:1] in (["generate"], ["check"]) and not {"-h", "--help"} & set(argv)
+            and os.environ.get("RANK", "0") == "0"):
+        print(f"[{argv[0]}] importing PyTorch and the model stack", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    starting(sys.argv[1:])
+
+import torch  # noqa: E402
 
 from compile.engine.cli_args import (DTYPES, MAX_PAGE_SIZE, CliParser, default_threads, model_name,
                                      non_negative_int, packaged_model_missing, page_size,
@@ -278,7 +292,8 @@ def cmd_generate(args) -> int:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     name = args.model or "SmolLM2-135M-Instruct (GGUF)"
-    say(f"loading {name} (transformers reads and de-quantises the weights, then they are "
+    say(f"building {name} (random weights) on {device}" if args.model == "tiny" else
+        f"loading {name} (transformers reads and de-quantises the weights, then they are "
         f"copied into the zoo model on {device})")
     with user_model_errors(args.model):
         hf_model, tokenizer = load_model(args.model, dtype=torch.float32)

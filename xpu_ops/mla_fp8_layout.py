@@ -60,5 +60,26 @@ def quantize_fp8_tokens(tokens, head_dim_v: int):
     return raw.view(torch.float8_e4m3fn)
 
 
+# DeepSeek-V4 (FlashMLA's MODEL1) pages: per token 448 fp8 latent values and 64 bfloat16 rope
+# values (576 bytes, tokens packed at the start of the page), then at the page's end one 8-byte
+# group per token of 7 UE8M0 scales (one per 64 latent values; value = fp8 * 2^(e - 127)) and a
+# pad byte. The cache view is [num_pages, page_size, 1, 584] float8_e4m3fn whose stride(0) is
+# the page's byte size (>= page_size * 584); stride(1) is not the token spacing. D = Dv = 512:
+# the values are the whole dequantized token.
+MODEL1_HEAD_DIM = 512
+MODEL1_NOPE = 448
+MODEL1_TILE = 64
+MODEL1_TOKEN_DATA = 576     # bytes of a token's latent + rope part
+MODEL1_SCALE_BYTES = 8      # bytes of a token's scale group (7 scales + 1 pad)
+MODEL1_VIEW_BYTES = MODEL1_TOKEN_DATA + MODEL1_SCALE_BYTES   # the view's last dimension, 584
+
+
+def is_model1(head_dim: int, head_dim_v: int, last_dim: int) -> bool:
+    """True for DeepSeek-V4's page layout: ``D = Dv = 512`` over a ``[..., 584]`` view."""
+    return (head_dim, head_dim_v, last_dim) == (MODEL1_HEAD_DIM, MODEL1_HEAD_DIM,
+                                                MODEL1_VIEW_BYTES)
+
+
 __all__ = ["FP8_TILE", "ROPE_BYTES", "fp8_scale_offset", "fp8_rope_offset", "fp8_token_bytes",
-           "quantize_fp8_tokens"]
+           "quantize_fp8_tokens", "MODEL1_HEAD_DIM", "MODEL1_NOPE", "MODEL1_TILE",
+           "MODEL1_TOKEN_DATA", "MODEL1_SCALE_BYTES", "MODEL1_VIEW_BYTES", "is_model1"]

@@ -37,7 +37,7 @@ from compile.models.deepseek_moe import DeepseekMoE, MoEConfig
 from compile.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer, RMSNorm
 from compile.models.llama import LlamaMLP
 from compile.models.weights import copy_from_hf
-from compile.models.rope import InterleavedRotaryEmbedding, RotaryEmbedding
+from compile.models.rope import InterleavedRotaryEmbedding, RotaryEmbedding, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm/kv_a_layernorm with the default eps
 
@@ -50,6 +50,8 @@ class DeepseekV2Config(DecoderConfig):
     Attributes:
         q_lora_rank: rank of the query compression (None: a plain ``q_proj``).
         kv_lora_rank: R. qk_nope_head_dim: Dn. qk_rope_head_dim: r (even). v_head_dim: Dv.
+        rope_scaling: None or a YaRN dict (``compile.models.rope.rope_inv_freq``; DeepSeek's
+            ``mscale_all_dim`` also scales the softmax, see ``scaling``).
         rope_interleave: the rope part rotates feature pairs ``(2i, 2i + 1)`` (V2 always, V3's
             default); False: halves (rotate-half, V3's ``rope_interleave=False``).
         moe: routing and sizes of the MoE layers (``compile.models.deepseek_moe``), or None.
@@ -64,6 +66,7 @@ class DeepseekV2Config(DecoderConfig):
     qk_rope_head_dim: int = 16
     v_head_dim: int = 16
     rope_interleave: bool = True
+    rope_scaling: Optional[dict] = None
     moe: Optional[MoEConfig] = None
     mlp_layer_types: Optional[tuple[str, ...]] = None
 
@@ -85,16 +88,21 @@ class DeepseekV2Config(DecoderConfig):
 
     @property
     def scaling(self) -> float:
-        """Softmax scale: ``(Dn + r) ** -0.5`` (the un-absorbed query/key head dim)."""
-        return float(self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        """Softmax scale: ``(Dn + r) ** -0.5`` (the un-absorbed query/key head dim), times
+        ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN with ``mscale_all_dim``."""
+        scale = float(self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        s = self.rope_scaling or {}
+        if s.get("mscale_all_dim"):
+            scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+        return scale
 
     @classmethod
     def from_hf(cls, hf_config) -> "DeepseekV2Config":
         """Build from a ``transformers`` ``DeepseekV2Config`` or ``DeepseekV3Config``.
 
         Raises:
-            NotImplementedError: another model type, a non-default RoPE type, or a routing
-                option ``transformers`` does not model (see ``hf_moe``).
+            NotImplementedError: another model type, a RoPE type other than default or yarn, or a
+                routing option ``transformers`` does not model (see ``hf_moe``).
         """
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in cls.model_types:
@@ -111,13 +119,11 @@ def deepseek_kwargs(hf_config, where: str) -> dict:
     config (MLA ranks, RoPE, the MoE layers of ``hf_moe``).
 
     Raises:
-        NotImplementedError: a non-default RoPE type or an unsupported routing option.
+        NotImplementedError: a RoPE type other than default or yarn (``hf_yarn``), or an
+            unsupported routing option.
     """
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise NotImplementedError(f"{where}: rope_type {rope['rope_type']!r} is not supported; "
-                                  "expected default.")
     get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     moe, mlp_layer_types = hf_moe(hf_config, where)
     return dict(
         **hf_decoder_kwargs(hf_config),
@@ -125,9 +131,34 @@ def deepseek_kwargs(hf_config, where: str) -> dict:
         qk_nope_head_dim=hf_config.qk_nope_head_dim,
         qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-        attention_bias=bool(get("attention_bias", False)),
+        rope_scaling=hf_yarn(rope, where), attention_bias=bool(get("attention_bias", False)),
         rope_interleave=hf_config.model_type == "deepseek_v2" or bool(get("rope_interleave", True)),
         moe=moe, mlp_layer_types=mlp_layer_types)
+
+
+def hf_yarn(rope: dict, where: str) -> Optional[dict]:
+    """The YaRN dict of ``transformers`` ``rope_parameters`` (None for default RoPE).
+
+    Raises:
+        NotImplementedError: another rope type, or a YaRN attention factor other than 1 (it
+            scales cos/sin, so only the rope part of each score: DeepSeek's configs give 1,
+            ``mscale == mscale_all_dim``).
+    """
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn" or not rope.get("factor"):
+        raise NotImplementedError(f"{where}: rope_type {rope_type!r} (factor "
+                                  f"{rope.get('factor')!r}) is not supported; expected default "
+                                  "or yarn with a factor.")
+    factor, mscale, mscale_all = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    attention = rope.get("attention_factor") or (
+        yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+        else yarn_mscale(factor))
+    if abs(attention - 1.0) > 1e-12:
+        raise NotImplementedError(f"{where}: a YaRN attention factor of {attention}; expected 1 "
+                                  "(mscale == mscale_all_dim, as DeepSeek's configs).")
+    return {k: v for k, v in rope.items() if k != "rope_theta"} | {"rope_type": "yarn"}
 
 
 def hf_moe(hf_config, where: str) -> tuple[Optional[MoEConfig], tuple[str, ...]]:
@@ -259,7 +290,7 @@ class DeepseekV2Model(DecoderModel):
         """``make_layer(layer_id, rotary)`` builds a layer (default ``DeepseekV2DecoderLayer``)."""
         rope_class = InterleavedRotaryEmbedding if config.rope_interleave else RotaryEmbedding
         rotary = rope_class(config.qk_rope_head_dim, config.max_position_embeddings,
-                            config.rope_theta).to(device)
+                            config.rope_theta, config.rope_scaling).to(device)
         make_layer = make_layer or (lambda i, rotary: DeepseekV2DecoderLayer(
             config, i, rotary, dtype, device))
         super().__init__(config, lambda i: make_layer(i, rotary), dtype, device)

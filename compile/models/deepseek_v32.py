@@ -72,8 +72,8 @@ class DeepseekV32Config(DeepseekV2Config):
         """Build from a ``transformers`` ``DeepseekV32Config``.
 
         Raises:
-            NotImplementedError: another model type, a non-default RoPE type or an unsupported
-                routing option (see ``compile.models.deepseek_v2.hf_moe``).
+            NotImplementedError: another model type, a RoPE type other than default or yarn, or an
+                unsupported routing option (see ``compile.models.deepseek_v2.hf_moe``).
         """
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in cls.model_types:
@@ -152,7 +152,7 @@ class DeepseekV32Model(DeepseekV2Model):
 
     def __init__(self, config: DeepseekV32Config, dtype=None, device=None):
         index_rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
-                                       config.rope_theta).to(device)
+                                       config.rope_theta, config.rope_scaling).to(device)
         super().__init__(config, dtype, device, make_layer=lambda i, rotary: (
             DeepseekV32DecoderLayer(config, i, rotary, index_rotary, dtype, device)))
 

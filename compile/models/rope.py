@@ -1,4 +1,4 @@
-"""Rotary position embedding with Llama-3 and linear scaling, in two feature layouts.
+"""Rotary position embedding with Llama-3, linear and YaRN scaling, in two feature layouts.
 
 ``RotaryEmbedding`` is the neox / ``rotate_half`` layout (features ``i`` and ``i + D/2`` rotate
 together: Llama, Qwen, Gemma); ``InterleavedRotaryEmbedding`` the GPT-J / complex-pair layout
@@ -6,7 +6,8 @@ together: Llama, Qwen, Gemma); ``InterleavedRotaryEmbedding`` the GPT-J / comple
 
 The cos/sin table is computed once for every position, so the forward pass is one gather by
 ``positions`` and a few elementwise ops: no Python loop over tokens, no host sync.
-Source: RoFormer (arXiv 2104.09864); Llama 3 frequency scaling as in Meta's llama3 reference.
+Source: RoFormer (arXiv 2104.09864); Llama 3 frequency scaling as in Meta's llama3 reference;
+YaRN (arXiv 2309.00071) as DeepSeek-V2/V3 configure it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
     Args:
         head_dim: D (rotated features; must be even).
         theta: RoPE base.
-        scaling: None, ``{"rope_type": "linear", "factor": f}`` or ``{"rope_type": "llama3",
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``.
+        scaling: None, ``{"rope_type": "linear", "factor": f}``, ``{"rope_type": "llama3",
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``
+            or ``{"rope_type": "yarn", "factor", "original_max_position_embeddings"}`` with
+            optional ``beta_fast`` (32), ``beta_slow`` (1), ``truncate`` (True); YaRN's
+            attention factor is the caller's (``yarn_mscale``).
     Raises:
         NotImplementedError: another rope_type.
     """
@@ -37,8 +41,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_scale(inv_freq, head_dim, theta, scaling)
     raise NotImplementedError(f"rope_inv_freq: rope_type {rope_type!r} is not supported; "
-                              "expected default, linear or llama3.")
+                              "expected default, linear, llama3 or yarn.")
 
 
 def _llama3_scale(inv_freq: Tensor, s: dict[str, Any]) -> Tensor:
@@ -52,6 +58,30 @@ def _llama3_scale(inv_freq: Tensor, s: dict[str, Any]) -> Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_scale(inv_freq: Tensor, dim: int, base: float, s: dict[str, Any]) -> Tensor:
+    """YaRN: interpolate (divide by ``factor``) the frequencies that turn fewer than
+    ``beta_slow`` times over the original context, keep those that turn more than ``beta_fast``
+    times, blend linearly between (by dimension index)."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # dimension index turning `rotations` times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_angles(head_dim: int, max_position: int, theta: float,
@@ -146,4 +176,4 @@ class InterleavedRotaryEmbedding(_AngleTables):
 
 
 __all__ = ["RotaryEmbedding", "InterleavedRotaryEmbedding", "rope_angles", "rope_inv_freq",
-           "rotate_half"]
+           "rotate_half", "yarn_mscale"]

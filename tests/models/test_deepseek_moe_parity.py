@@ -10,12 +10,14 @@ bias, groups, renormalised top-k, ``routed_scaling_factor``, q LoRA) are copied 
 - greedy ids equal ``transformers``' own ``generate``, eager and in every compiled mode the zoo
   tests (``test_gemma3_modes``: Dynamo, piecewise with emulated capture, full decode graphs,
   full_and_piecewise), page sizes 1 and 64;
+- YaRN RoPE (as DeepSeek's configs set it) matches too;
 - the router equals a float64 oracle written per token from the routing rules, and the whole
   MoE traces with ``fullgraph=True``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -30,6 +32,7 @@ from compile.__main__ import hf_generate  # noqa: E402
 from compile.engine import Engine, SamplingParams  # noqa: E402
 from compile.models import deepseek_v2, from_hf  # noqa: E402
 from compile.models.deepseek_moe import DeepseekMoE, GroupedTopKRouter, MoEConfig  # noqa: E402
+from compile.models.weights import copy_from_hf  # noqa: E402
 from tests.models import test_gemma3_modes as gemma3_modes  # noqa: E402
 from tests.models import test_llama_parity as llama_parity  # noqa: E402
 
@@ -118,6 +121,24 @@ def test_rotate_half_rope_variant_matches_transformers():
     llama_parity.check_parity(hf, model, 4, vocab=VOCAB, label="v3 rotate-half")
 
 
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=5.0, original_max_position_embeddings=32,
+            beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707)  # 160 / 32 = 5
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_yarn_rope_matches_transformers(variant):
+    """YaRN frequencies and the ``mscale_all_dim`` softmax correction (DeepSeek's configs);
+    the same weights without them do not match."""
+    hf = make_hf(variant, rope_parameters=YARN)
+    model = from_hf(hf)
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    llama_parity.check_parity(hf, model, 4, vocab=VOCAB, label=f"{variant} yarn")
+    plain = dataclasses.replace(model.config, rope_scaling=None)
+    unscaled = copy_from_hf(deepseek_v2.DeepseekV2ForCausalLM, plain, hf)
+    with pytest.raises(AssertionError, match="request"):
+        llama_parity.check_parity(hf, unscaled, 4, vocab=VOCAB, label="no yarn")
+
+
 def test_ungrouped_routing_fails_parity():
     """The check can fail: routing without the group limit changes the logits."""
     hf = make_hf("v3")
@@ -202,6 +223,8 @@ def test_moe_traces_fullgraph_and_matches_eager():
 @pytest.mark.parametrize("override, match", [
     (dict(moe_layer_freq=2), "moe_layer_freq 2"),
     (dict(topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
+    (dict(rope_parameters={**YARN, "mscale": 1.0}), "YaRN attention factor"),
+    (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "'linear'"),
 ])
 def test_config_rejects_unmodelled_routing(override, match):
     prefix, extra = VARIANTS["v2"]

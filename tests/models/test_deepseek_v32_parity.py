@@ -54,10 +54,10 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 SPARSE_TOPK, DENSE_TOPK = 4, 64
 
 
-def make_hf(index_topk: int, seed: int = 0):
+def make_hf(index_topk: int, seed: int = 0, **overrides):
     """Random ``transformers`` model; the indexer's LayerNorm weights near 1 (as trained ones
     are), so index keys differ between tokens by more than the norm's bias."""
-    cfg = transformers.DeepseekV32Config(**TINY, index_topk=index_topk)
+    cfg = transformers.DeepseekV32Config(**{**TINY, **overrides}, index_topk=index_topk)
     hf = llama_parity.random_hf(transformers.DeepseekV32ForCausalLM, cfg, seed)
     with torch.no_grad():
         for layer in hf.model.layers:
@@ -167,6 +167,16 @@ def test_topk_above_lengths_matches_plain_transformers(page_size):
     model = from_hf(make_hf(DENSE_TOPK))
     ids = moe_parity.engine_generate(model, model, page_size, moe_parity.prompts())
     assert [tuple(x) for x in ids] == list(hf_reference(DENSE_TOPK))
+
+
+@pytest.mark.parametrize("index_topk", [SPARSE_TOPK, DENSE_TOPK])
+def test_yarn_rope_matches_transformers(index_topk):
+    """YaRN (DeepSeek-V3.2's released config kind) on the MLA rope part and the indexer's."""
+    hf = make_hf(index_topk, rope_parameters=moe_parity.YARN)
+    model = from_hf(hf)
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    with fp8_indexer(index_topk == SPARSE_TOPK):
+        llama_parity.check_parity(hf, model, 4, vocab=VOCAB, label=f"yarn topk {index_topk}")
 
 
 def test_attending_every_key_fails_parity(monkeypatch):

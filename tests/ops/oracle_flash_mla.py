@@ -45,10 +45,27 @@ def fp8_token(raw: bytes, head_dim: int, head_dim_v: int) -> list[float]:
     return latent + rope
 
 
+def model1_token(cache: Tensor, page: int, offset: int) -> list[float]:
+    """One DeepSeek-V4 token: page ``page`` starts ``cache.stride(0)`` bytes after page 0; its
+    token ``offset`` holds 448 e4m3 bytes and 64 bf16 at ``offset * 576``, and 7 UE8M0 scale
+    bytes (``2^(e - 127)``, 255 NaN) at ``page_size * 576 + offset * 8``."""
+    page_size = cache.shape[1]
+    start = cache.storage_offset() + page * cache.stride(0)
+    raw = torch.as_strided(cache.view(torch.uint8), (page_size * 584,), (1,), start).tolist()
+    data, groups = raw[offset * 576:offset * 576 + 576], raw[page_size * 576 + offset * 8:]
+    scales = [math.nan if e == 255 else 2.0 ** (e - 127) for e in groups[:7]]
+    latent = [_E4M3[data[k]] * scales[k // 64] for k in range(448)]
+    rope = [struct.unpack("<f", b"\0\0" + bytes(data[448 + 2 * k:450 + 2 * k]))[0]
+            for k in range(64)]
+    return latent + rope
+
+
 def cache_token(cache: Tensor, page: int, offset: int, head_dim: int, head_dim_v: int,
                 is_fp8: bool) -> Tensor:
     """Float64 ``[D]`` key of slot ``offset`` of page ``page`` of a ``[pages, page_size, 1, X]``
-    cache."""
+    cache (DeepSeek-V4 pages when ``D = Dv = 512`` over 584-byte views)."""
+    if is_fp8 and (head_dim, head_dim_v, cache.shape[-1]) == (512, 512, 584):
+        return torch.tensor(model1_token(cache, page, offset), dtype=F64)
     row = cache[page, offset, 0]
     if is_fp8:
         raw = bytes(row.view(torch.uint8).tolist())

@@ -357,3 +357,58 @@ def test_split_kv_shares_the_ranks(provider, monkeypatch):
     args[10], args[11] = args[1][:2], torch.randint(-1, 16, (2, 2, 5), dtype=I32)
     args[12] = torch.tensor([40, 17], dtype=I32)
     _check(args, provider)
+
+
+def _model1_cache(values: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4 pages of ``values [num_pages, page_size, 512]``: 448 e4m3 latent values
+    scaled per 64 by powers of two (UE8M0), 64 bf16 rope values, scales at the page end; the
+    page stride padded as sgl-kernel-xpu pads it; unused tokens all 0xFF (NaN)."""
+    num_pages, page_size, _ = values.shape
+    page_bytes = page_size * 576 + -(-page_size * 8 // 576) * 576
+    raw = torch.full((num_pages, page_bytes), 0xFF, dtype=torch.uint8)
+    tiles = values[..., :448].unflatten(-1, (7, 64))
+    exponent = torch.ceil(torch.log2(tiles.abs().amax(-1).clamp_min(1e-30) / 448)) + 127
+    latent = (tiles / torch.exp2(exponent - 127)[..., None]).flatten(-2).to(torch.float8_e4m3fn)
+    data = torch.cat([latent.view(torch.uint8),
+                      values[..., 448:].to(torch.bfloat16).view(torch.uint8)], -1)
+    groups = torch.cat([exponent.to(torch.uint8), torch.zeros(num_pages, page_size, 1,
+                                                              dtype=torch.uint8)], -1)
+    data[~used], groups[~used] = 0xFF, 0xFF
+    raw[:, :page_size * 576] = data.flatten(1)
+    raw[:, page_size * 576:page_size * 584] = groups.flatten(1)
+    return raw.view(torch.float8_e4m3fn).as_strided((num_pages, page_size, 1, 584),
+                                                    (page_bytes, 584, 584, 1))
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_deepseek_v4_pages_on_the_reference(dense):
+    """DeepSeek-V4 (FlashMLA MODEL1) fp8 pages, D = Dv = 512, against the oracle (sparse with a
+    sliding-window extra cache and sinks; dense causal); Triton declines them by name."""
+    gen = torch.Generator().manual_seed(17)
+    used = torch.rand(3, 8, generator=gen) < 0.8
+    cache = _model1_cache(torch.randn(3, 8, 512, generator=gen), used)
+    q = torch.randn(2, 2, 4, 512, generator=gen).to(torch.bfloat16)
+    slots = torch.nonzero(used.flatten()).flatten().to(I32)
+    if dense:
+        used = torch.ones(3, 8, dtype=torch.bool)
+        cache = _model1_cache(torch.randn(3, 8, 512, generator=gen), used)
+        args = [q, cache, torch.tensor([[2, 0], [1, 2]], dtype=I32),
+                torch.tensor([13, 5], dtype=I32), 512, 512 ** -0.5, True, True, None, None,
+                None, None, None, None]
+    else:
+        pick = torch.randint(0, len(slots), (2, 2, 6), generator=gen)
+        indices = torch.where(pick % 5 == 0, -1, slots[pick]).to(I32)
+        extra = _model1_cache(torch.randn(1, 4, 512, generator=gen), torch.ones(1, 4,
+                                                                                dtype=torch.bool))
+        args = [q, cache, None, None, 512, 512 ** -0.5, False, True, indices,
+                torch.tensor([0.5, -math.inf, math.inf, 1.0]), extra,
+                torch.randint(-1, 4, (2, 2, 3), generator=gen).to(I32),
+                torch.tensor([6, 4], dtype=I32), torch.tensor([3, 1], dtype=I32)]
+    _check(args, "reference")
+    from .triton_mode import INTERPRETED
+    if INTERPRETED:
+        with running("triton"), pytest.raises(NotImplementedError, match="DeepSeek-V4"):
+            OP(*args)
+    squeezed = cache.as_strided(cache.shape, (100, 584, 584, 1))
+    with pytest.raises(ValueError, match="k_cache has pages too small for DeepSeek-V4"):
+        OP(args[0], squeezed, *args[2:])

@@ -28,7 +28,7 @@ from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_tensor,
                        check_tensor_args, fail, int_scalar)
-from ..mla_fp8_layout import FP8_TILE, fp8_token_bytes
+from ..mla_fp8_layout import FP8_TILE, MODEL1_VIEW_BYTES, fp8_token_bytes, is_model1
 from .common import check_flag, check_index, finite_scale
 
 NAME = "flash_mla_with_kvcache"
@@ -90,14 +90,28 @@ def _check_cache(fn, arg, cache, q, head_dim_v, is_fp8) -> None:
         check_tensor(fn, arg, cache, ndim=4, dtypes=FP8_CACHE_DTYPES, device=device,
                      fix="An fp8 cache holds FlashMLA's bytes per token (float8_e4m3fn or "
                          "uint8 view).")
+        check_contiguous_last(fn, arg, cache)
+        if is_model1(head_dim, head_dim_v, cache.shape[3]):
+            _check_model1_pages(fn, arg, cache)
+            return
         check_size(fn, arg, cache, 3, fp8_token_bytes(head_dim, head_dim_v),
                    "bytes per token Dv + 4 * Dv / 128 + 2 * (D - Dv)")
-        check_contiguous_last(fn, arg, cache)
     else:
         check_tensor(fn, arg, cache, ndim=4, dtypes=(q.dtype,), device=device,
                      fix="Pass is_fp8_kvcache=True for an fp8 cache, else use q's dtype.")
         check_size(fn, arg, cache, 3, head_dim, "q.shape[-1] (D)")
     check_size(fn, arg, cache, 2, 1, "one latent KV head (MLA)")
+
+
+def _check_model1_pages(fn, arg, cache) -> None:
+    """DeepSeek-V4 pages: one latent head; each page's bytes (``stride(0)``) hold its tokens'
+    576-byte data and 8-byte scale groups."""
+    check_size(fn, arg, cache, 2, 1, "one latent KV head (MLA)")
+    need = cache.shape[1] * MODEL1_VIEW_BYTES
+    if cache.shape[0] > 1 and cache.stride(0) < need:
+        fail(fn, arg, "has pages too small for DeepSeek-V4's layout",
+             f"stride(0) (bytes per page) >= page_size * 584 = {need}", cache.stride(0),
+             "View the raw page buffer with its page stride.")
 
 
 def _check_head_dims(fn, q, head_dim_v, is_fp8) -> None:
@@ -244,7 +258,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
         q: [b, s_q, h_q, D] bf16|fp16|fp32.
         k_cache: [num_blocks, page_size, 1, D] in q's dtype, or with ``is_fp8_kvcache`` FlashMLA's
             fp8 token bytes ``[num_blocks, page_size, 1, Dv + 4 * Dv / 128 + 2 * (D - Dv)]``
-            (float8_e4m3fn or uint8; see ``xpu_ops.mla_fp8_layout``).
+            (float8_e4m3fn or uint8; see ``xpu_ops.mla_fp8_layout``), or DeepSeek-V4's pages
+            (``D = Dv = 512``, a ``[..., 584]`` view, ``stride(0)`` bytes per page).
         block_table: [b, max_blocks] int32 page ids (dense; optional and unused when sparse).
         cache_seqlens: [b] int32 tokens per request (dense; optional and unused when sparse).
         head_dim_v: Dv, 1 <= Dv <= D (a multiple of 128 with fp8); 512 for DeepSeek.

@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import provider_table
-from ..mla_fp8_layout import FP8_TILE, fp8_rope_offset, fp8_scale_offset
+from ..mla_fp8_layout import (FP8_TILE, MODEL1_NOPE, MODEL1_SCALE_BYTES, MODEL1_TILE,
+                              MODEL1_TOKEN_DATA, MODEL1_VIEW_BYTES, fp8_rope_offset,
+                              fp8_scale_offset, is_model1)
 from .paged_attention import gather_pages, paged_lengths
 
 
@@ -31,6 +33,24 @@ def dequantize_fp8_tokens(tokens: Tensor, head_dim_v: int) -> Tensor:
     return torch.cat([latent.flatten(-2), rope], dim=-1)
 
 
+def dequantize_model1_pages(cache: Tensor) -> Tensor:
+    """DeepSeek-V4 pages (``xpu_ops.mla_fp8_layout``'s MODEL1 layout) as float32
+    ``[num_pages, page_size, 1, 512]``, read from the raw page bytes ``cache.stride(0)`` apart."""
+    num_pages, page_size = cache.shape[:2]
+    page_bytes = cache.stride(0) if num_pages > 1 else page_size * MODEL1_VIEW_BYTES
+    raw = torch.as_strided(cache.view(torch.uint8), (num_pages, page_bytes), (page_bytes, 1))
+    data = raw[:, :page_size * MODEL1_TOKEN_DATA].reshape(num_pages, page_size,
+                                                          MODEL1_TOKEN_DATA)
+    groups = raw[:, page_size * MODEL1_TOKEN_DATA:page_size * MODEL1_VIEW_BYTES]
+    tiles = MODEL1_NOPE // MODEL1_TILE
+    exponents = groups.reshape(num_pages, page_size, MODEL1_SCALE_BYTES)[..., :tiles]
+    scales = torch.exp2(exponents.float() - 127.0)                    # UE8M0
+    latent = data[..., :MODEL1_NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    latent = (latent.unflatten(-1, (tiles, MODEL1_TILE)) * scales[..., None]).flatten(-2)
+    rope = data[..., MODEL1_NOPE:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=-1)[:, :, None]
+
+
 def _fresh(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``t`` copied into a new row-major tensor (strides as the fake's, size-1 dims included)."""
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device).copy_(t)
@@ -38,6 +58,10 @@ def _fresh(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
 
 def _as_float(tokens: Tensor, is_fp8: bool, head_dim_v: int) -> Tensor:
     return dequantize_fp8_tokens(tokens, head_dim_v) if is_fp8 else tokens.float()
+
+
+def _model1(cache: Tensor, is_fp8: bool, head_dim: int, head_dim_v: int) -> bool:
+    return is_fp8 and is_model1(head_dim, head_dim_v, cache.shape[-1])
 
 
 def attend(q: Tensor, keys: Tensor, visible: Tensor, head_dim_v: int, scale: float,
@@ -72,6 +96,8 @@ def _sparse_keys(cache: Tensor, indices: Tensor, length: Optional[Tensor], is_fp
     """``(keys [b, s, topk, D] float32, valid [b, s, topk])`` of the slots ``indices`` selects
     (valid: inside the cache and within ``length [b]``)."""
     slots = cache.shape[0] * cache.shape[1]
+    if _model1(cache, is_fp8, head_dim, head_dim_v):      # whole pages first (bytes apart)
+        cache, is_fp8 = dequantize_model1_pages(cache), False
     flat = cache.reshape(slots, cache.shape[-1])
     topk = indices.shape[-1]
     valid = (indices >= 0) & (indices < slots)
@@ -99,7 +125,10 @@ def _sparse(q, k_cache, head_dim_v, scale, is_fp8, indices, attn_sink, extra_k_c
 def _dense(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, is_fp8):
     seqlen_q = q.shape[1]
     page_size = k_cache.shape[1]
-    cache = _as_float(k_cache, is_fp8, head_dim_v) if is_fp8 else k_cache
+    if _model1(k_cache, is_fp8, q.shape[-1], head_dim_v):
+        cache = dequantize_model1_pages(k_cache)
+    else:
+        cache = _as_float(k_cache, is_fp8, head_dim_v) if is_fp8 else k_cache
     k_lens = paged_lengths(block_table, cache_seqlens, page_size)                  # [b]
     keys, valid = gather_pages(cache, block_table, k_lens)                         # [b, T, 1, D]
     visible = valid[:, None, :].expand(-1, seqlen_q, -1)                           # [b, s, T]

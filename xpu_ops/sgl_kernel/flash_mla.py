@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from .. import provider_table
+from ..mla_fp8_layout import is_model1
 from . import native
 
 SPARSE_HEAD_DIMS = (512, 576)
@@ -46,6 +47,8 @@ def _kvcache_limits(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_
                     is_fp8_kvcache, indices, attn_sink, extra_k_cache, *args) -> Optional[str]:
     if indices is None:
         return "sgl-kernel-xpu has no dense (block_table) flash_mla_with_kvcache"
+    if is_fp8_kvcache and is_model1(q.shape[-1], head_dim_v, k_cache.shape[-1]):
+        return _common_limits(q, (), head_dim_v)    # DeepSeek-V4 pages: the kernel's own view
     return _common_limits(q, (k_cache, extra_k_cache), head_dim_v)
 
 

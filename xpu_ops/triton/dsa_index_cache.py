@@ -64,7 +64,7 @@ def _store_index_k_kernel(
             up = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(
                 tl.float32, bitcast=True)
             scale = tl.where(scale == scale, up, scale)
-        v = x * tl.math.div_rn(1.0, scale)
+        v = x * tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
         v = tl.where(v > FP8_MAX_C, FP8_MAX_C, tl.where(v < -FP8_MAX_C, -FP8_MAX_C, v))
         base = (slot // BLOCK_SIZE) * stride_blk
         row = slot % BLOCK_SIZE
@@ -133,10 +133,11 @@ def hadamard_transform(x, scale):
         rows2d = rows2d.contiguous()
     n = next_pow2(dim)
     block_n = min(64, max(16, n))
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"   # float32 tiles: K of 32
     launch(_hadamard_kernel, (cdiv(rows2d.shape[0], 32), cdiv(dim, block_n)), x.device,
            rows2d, out.view(-1, dim), rows2d.stride(0), dim, rows2d.shape[0], dim, scale,
-           N=n, BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=min(64, max(16, n)),
-           IEEE=x.dtype == torch.float32 or x.device.type == "cpu", num_warps=4)
+           N=n, BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=min(32 if ieee else 64, max(16, n)),
+           IEEE=ieee, num_warps=4)
     return out
 
 

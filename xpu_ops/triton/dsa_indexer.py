@@ -22,6 +22,7 @@ from ._common import available, cdiv, launch, next_pow2
 
 _BLOCK_N = 64
 _BLOCK_M = 4
+PAGED_WARPS = 8     # the key tile stays in registers across the next_n queries (no spills)
 
 
 @triton.jit
@@ -170,7 +171,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_co
            next_n, num_heads, head_dim, kv_cache.shape[0], block_table.shape[1],
            max_context_len,
            BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=_BLOCK_N, BLOCK_H=_block_h(num_heads),
-           BLOCK_D=max(16, next_pow2(head_dim)), CTX_2D=context_lens.dim() == 2, num_warps=4)
+           BLOCK_D=max(16, next_pow2(head_dim)), CTX_2D=context_lens.dim() == 2,
+           num_warps=PAGED_WARPS)
     return out
 
 

@@ -31,7 +31,8 @@ def _keys(SCORE, row_base, start, length, offs):
     # Order-preserving int64 keys of positions offs (-2 past the row's length).
     inside = offs < length
     v = tl.load(SCORE + row_base + start + offs, mask=inside, other=0.0)
-    v = tl.where(v == v, v, float("-inf")) + 0.0                       # NaN -> -inf, -0 -> 0
+    v = tl.where(v == v, v, float("-inf"))                             # NaN -> -inf
+    v = tl.where(v == 0.0, 0.0, v)                                      # -0.0 -> 0.0
     bits = v.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
     return tl.where(inside, ordered, -2)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import provider_table
-from ..mla_fp8_layout import fp8_rope_offset
+from ..mla_fp8_layout import fp8_rope_offset, is_model1
 from ._common import available, launch, next_pow2, num_sms
 from .paged_attention import paged_attention
 
@@ -38,28 +38,34 @@ def _bytes_as(P, offs, mask, NBYTES: tl.constexpr):
 
 @triton.jit
 def _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM: tl.constexpr,
-               HEAD_DIM_V: tl.constexpr, ROPE_OFF: tl.constexpr, IS_FP8: tl.constexpr,
-               ALIGNED: tl.constexpr):
+               HEAD_DIM_V: tl.constexpr, ROPE_OFF: tl.constexpr, BLOCK_DV: tl.constexpr,
+               IS_FP8: tl.constexpr, ALIGNED: tl.constexpr):
     """Latent ``[BLOCK_N, BLOCK_DV]`` and rope ``[BLOCK_N, BLOCK_DR]`` parts (float32) of the
     tokens at element offsets ``base`` (int64); invalid rows and padding read as 0."""
     mask_v = valid[:, None] & (offs_v[None, :] < HEAD_DIM_V)
     mask_r = valid[:, None] & (offs_r[None, :] < HEAD_DIM - HEAD_DIM_V)
     row = base[:, None]
     if IS_FP8:
+        # One float32 scale per tile of 128 latent values: [BLOCK_N, BLOCK_DV / 128], broadcast over
+        # the tile through a 3-D view of the latent block.
+        tl.static_assert(BLOCK_DV % 128 == 0)
+        offs_t = tl.arange(0, BLOCK_DV // 128)
+        mask_t = valid[:, None] & (offs_t[None, :] < HEAD_DIM_V // 128)
         latent = tl.load(K + row + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
         KB = K.to(tl.pointer_type(tl.uint8))
-        scale_at = row + HEAD_DIM_V + (offs_v[None, :] // 128) * 4
+        scale_at = row + HEAD_DIM_V + offs_t[None, :] * 4
         rope_at = row + ROPE_OFF + offs_r[None, :] * 2
         if ALIGNED:
-            scale = tl.load((KB + scale_at).to(tl.pointer_type(tl.float32)), mask=mask_v,
+            scale = tl.load((KB + scale_at).to(tl.pointer_type(tl.float32)), mask=mask_t,
                             other=0.0)
             rope = tl.load((KB + rope_at).to(tl.pointer_type(tl.bfloat16)), mask=mask_r,
                            other=0.0).to(tl.float32)
         else:  # a view at an odd byte offset: assemble the words byte by byte
-            scale = _bytes_as(KB, scale_at, mask_v, 4).to(tl.float32, bitcast=True)
+            scale = _bytes_as(KB, scale_at, mask_t, 4).to(tl.float32, bitcast=True)
             rope = _bytes_as(KB, rope_at, mask_r, 2).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             rope = rope.to(tl.float32)
-        latent = latent * scale
+        latent = tl.reshape(latent, (latent.shape[0], BLOCK_DV // 128, 128)) * scale[:, :, None]
+        latent = tl.reshape(latent, (latent.shape[0], BLOCK_DV))
     else:
         latent = tl.load(K + row + offs_v[None, :] * stride_kd, mask=mask_v,
                          other=0.0).to(tl.float32)
@@ -96,7 +102,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_start, 
         valid = valid & (page >= 0) & (page < num_pages)
         base = tl.where(valid, page * stride_kb + offset * stride_kp, 0)
         latent, rope = _load_keys(K, base, valid, offs_v, offs_r, stride_kd, HEAD_DIM,
-                                  HEAD_DIM_V, ROPE_OFF, IS_FP8, ALIGNED)
+                                  HEAD_DIM_V, ROPE_OFF, BLOCK_DV, IS_FP8, ALIGNED)
         k_lat = latent.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s += tl.dot(q_rope, tl.trans(rope.to(q_rope.dtype)), input_precision=PRECISION)
@@ -111,7 +117,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_start, 
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_keys", "n_keys2"])    # top-k sizes vary: one compile
 def _flash_mla_kernel(
     Q, K, SLOTS, TOPK_LEN, K2, SLOTS2, TOPK_LEN2, SEQLENS, SINK, OUT, LSE, MAXL, PART_O, PART_ML,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -337,7 +343,10 @@ def _tile_limits(head_dim: int, head_dim_v: int):
     return None
 
 
-def _supports_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, *args):
+def _supports_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                      causal, is_fp8_kvcache, *args):
+    if is_fp8_kvcache and is_model1(q.shape[-1], head_dim_v, k_cache.shape[-1]):
+        return "DeepSeek-V4 (MODEL1) fp8 pages run on the reference only"
     return _tile_limits(q.shape[-1], head_dim_v)
 
 
@@ -364,7 +373,7 @@ def _dense_paged(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, caus
                           qv=rows[..., :head_dim_v], q_descale=None, k_descale=None,
                           v_descale=None, sinks=None, softmax_scale=scale, window_left=-1,
                           window_right=0 if causal else -1, softcap=0.0)
-    lse = lse.view(num_heads, batch, seqlen_q).transpose(0, 1)
+    lse = lse.reshape(num_heads, batch, seqlen_q).transpose(0, 1)
     return out, torch.empty(lse.shape, dtype=lse.dtype, device=lse.device).copy_(lse)
 
 

@@ -67,6 +67,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+# Tensor descriptors are spelled ``triton.language.make_tensor_descriptor``, not through ``tl``:
+# Triton resolves every ``tl.<name>`` a kernel mentions when it hashes the kernel, also in a
+# branch a constexpr removes, and Intel's Triton 3.3 (``triton-xpu``) has no such name, so the
+# kernel would not compile there at all; names under the ``triton`` package are not resolved by
+# that scan. The descriptor branches (``TMA``) are taken only where ``descriptors_supported``.
+# For the same compiler, conditions join at most two operands per ``and``/``or`` (Triton 3.3's
+# front end rejects ``A and B and C``; parentheses pair them). benchmarks/compile_kernels_xe.py
+# compiles every launch for Intel targets to keep both rules.
+
 
 @triton.jit
 def _request_geometry(CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_q, stride_cu_k,
@@ -273,7 +282,7 @@ def _attend(
 
     # ---- load the query tile once; fold scales into one log2-domain multiplier ----
     if TMA:  # rows (token, head in group) of this KV head: a [tokens, GROUP, D] box
-        q_desc = tl.make_tensor_descriptor(
+        q_desc = triton.language.make_tensor_descriptor(
             Q + q_start.to(tl.int64) * stride_qt + (kv_head * GROUP).to(tl.int64) * stride_qh,
             shape=[q_len, GROUP, head_dim], strides=[stride_qt, stride_qh, 1],
             block_shape=[BLOCK_M // GROUP, GROUP, D_PAD])
@@ -305,7 +314,7 @@ def _attend(
     # fold_scale: plain scores stay raw q.k and the softmax applies k_scale inside its exp2
     # argument (one FMA per score), which needs k_scale > 0: a negative scale flips q's sign
     # instead, a zero one zeroes q (both exact, as the product by the scale was).
-    FOLD: tl.constexpr = FOLD_SCALE and not HAS_QV and not USE_SOFTCAP
+    FOLD: tl.constexpr = (FOLD_SCALE and not HAS_QV) and not USE_SOFTCAP
     if FOLD:
         q = (q * tl.where(k_scale > 0, 1.0, tl.where(k_scale < 0, -1.0, 0.0))).to(q.dtype)
         k_scale = tl.where(k_scale == 0, 1.0, tl.abs(k_scale))
@@ -364,7 +373,7 @@ def _attend(
         # Descriptor tiles of two pages: the masked edge tiles take one page each (per-page
         # gathers of two pages lose the rows' contiguity: scalar loads and spills on sm_90),
         # so every score tile has one shape.
-        EDGE_N: tl.constexpr = PAGE_SIZE if TMA and PAGED and BLOCK_N > PAGE_SIZE else BLOCK_N
+        EDGE_N: tl.constexpr = PAGE_SIZE if (TMA and PAGED) and BLOCK_N > PAGE_SIZE else BLOCK_N
         for edge in tl.static_range(2):
             if edge == 0:
                 lo = blk_lo
@@ -460,7 +469,7 @@ def _store_output(O, LSE, SINKS, acc, m_i, l_i, v_descale, tok, head, mask_m, of
         out = tl.where(sink_inf[:, None], 0.0, out)
         lse = tl.where(sink_inf, float("inf"), lse)
     if TMA:  # rows past the request's q_len fall outside the box: not written
-        o_desc = tl.make_tensor_descriptor(
+        o_desc = triton.language.make_tensor_descriptor(
             O + q_start.to(tl.int64) * stride_ot + (kv_head * GROUP).to(tl.int64) * stride_oh,
             shape=[q_len, GROUP, head_dim_v], strides=[stride_ot, stride_oh, 1],
             block_shape=[BLOCK_M // GROUP, GROUP, DV_PAD])
@@ -487,7 +496,7 @@ def _tile_step(acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head
     # predicated gather and every mask. Interior tiles: every row sees every key, so no mask;
     # K/V through tensor descriptors (TMA: one box, or with BLOCK_N = 2 x PAGE_SIZE one box
     # per page of the tile, softmax-updated together) or unpredicated gathers.
-    if TMA and not MASKED and PAGED and BLOCK_N > PAGE_SIZE:
+    if (TMA and not MASKED) and (PAGED and BLOCK_N > PAGE_SIZE):
         k0, k1, v0, v1 = _descriptor_kv_pair(k_desc, v_desc, pt_row, start_n, kv_head,
                                              stride_pt_p, D_PAD, DV_PAD, PAGE_SIZE)
         k0, k1, v0, v1 = k0.to(q.dtype), k1.to(q.dtype), v0.to(q.dtype), v1.to(q.dtype)
@@ -526,17 +535,17 @@ def _kv_descriptors(K, V, num_pages, total_k, num_heads_kv, head_dim, head_dim_v
     # boxes), or a [BLOCK_N, 1, D] box of ragged [total_k, Hkv, D].
     if PAGED:
         BOX_N: tl.constexpr = BLOCK_N if BLOCK_N <= PAGE_SIZE else PAGE_SIZE
-        k_desc = tl.make_tensor_descriptor(
+        k_desc = triton.language.make_tensor_descriptor(
             K, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim],
             strides=[stride_kp, stride_ks, stride_kh, 1], block_shape=[1, BOX_N, 1, D_PAD])
-        v_desc = tl.make_tensor_descriptor(
+        v_desc = triton.language.make_tensor_descriptor(
             V, shape=[num_pages, PAGE_SIZE, num_heads_kv, head_dim_v],
             strides=[stride_vp, stride_vs, stride_vh, 1], block_shape=[1, BOX_N, 1, DV_PAD])
     else:
-        k_desc = tl.make_tensor_descriptor(
+        k_desc = triton.language.make_tensor_descriptor(
             K, shape=[total_k, num_heads_kv, head_dim], strides=[stride_ks, stride_kh, 1],
             block_shape=[BLOCK_N, 1, D_PAD])
-        v_desc = tl.make_tensor_descriptor(
+        v_desc = triton.language.make_tensor_descriptor(
             V, shape=[total_k, num_heads_kv, head_dim_v], strides=[stride_vs, stride_vh, 1],
             block_shape=[BLOCK_N, 1, DV_PAD])
     return k_desc, v_desc

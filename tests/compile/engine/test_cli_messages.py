@@ -99,7 +99,7 @@ def test_generate_says_what_it_does_and_that_tiny_is_random(capsys, monkeypatch)
     assert f"(float32, mode compile, {threads} CPU thread{plural})" in captured.out, captured.out
     assert "'tiny' has random weights" in captured.out, captured.out
     said = re.findall(r"^\[generate\] (\w+)", captured.err, re.M)
-    assert said == ["loading", "generating", "verifying"], captured.err
+    assert said == ["building", "generating", "verifying"], captured.err
     assert "the first steps of each batch size compile" in captured.err, captured.err
 
 
@@ -146,3 +146,16 @@ def test_verify_under_16_bit_passes_a_near_tie_and_fails_a_far_token(tiny, capsy
     assert not cli_verify.verify(tiny, [prompt], [want[:k] + [near, 0]], 4, (), "float32",
                                  expected=[want])
     assert "MISMATCH (first difference at token 2)" in capsys.readouterr().out
+
+
+def test_a_run_says_it_is_importing_before_torch_loads(capsys, monkeypatch):
+    # before: 20-50 s of silence on a busy machine while PyTorch imported
+    from compile.__main__ import starting
+    monkeypatch.delenv("RANK", raising=False)
+    starting(["generate", "--model", "tiny"])
+    assert capsys.readouterr().err == "[generate] importing PyTorch and the model stack\n"
+    for argv, rank in ((["generate", "--help"], "0"), (["check", "-h"], "0"), (["bench"], "0"),
+                       (["generate"], "1")):
+        monkeypatch.setenv("RANK", rank)
+        starting(argv)
+        assert capsys.readouterr().err == "", argv
