@@ -118,3 +118,15 @@ def test_merge_state_nan_lse_gives_nan_on_every_provider(provider, merge, base, 
     want_s = torch.log(wa + wb) / torch.log(torch.tensor(base, dtype=torch.float64))
     torch.testing.assert_close(v[keep].double(), want_v[keep], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s[keep].double(), want_s[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_topk_ragged_offset_never_wraps_int32(provider):
+    """An offset near INT32_MAX (or negative) wrapped to large negative slots; now -1."""
+    score = torch.tensor([[0.5, 3.0, 1.0, 2.0], [1.0, 0.0, 9.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    lengths = torch.tensor([4, 4, 4], dtype=torch.int32)
+    offset = torch.tensor([2**31 - 2, -2**31, -2], dtype=torch.int32)
+    with running(provider):
+        got = xpu_ops.fast_topk_transform_ragged_fused(score, lengths, offset, 3)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[2**31 - 1, -1, -1], [-1, -1, -1], [-1, 0, 1]]
