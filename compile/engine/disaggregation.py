@@ -20,6 +20,7 @@ them); a failed wait (peer gone, the group's timeout) marks the request failed w
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -80,9 +81,18 @@ def _why(err: Exception) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (GPU timings); nothing on the CPU."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
 class _Role:
     def __init__(self, engine, peer: int):
         self.engine, self.peer = engine, peer
+        # gloo moves host tensors: device state is staged through the CPU (two processes on
+        # one GPU, where NCCL refuses to pair them, transfer this way)
+        self.wire = torch.device("cpu") if dist.get_backend() == "gloo" else engine.device
         self.handlers = state_handlers(engine)
         self.errors: dict[int, str] = {}  # rid -> why it failed
         self.broken: Optional[str] = None  # set once the peer is unusable
@@ -104,6 +114,7 @@ class PrefillRole(_Role):
         super().__init__(engine, peer)
         self.in_flight: list[tuple[object, list[Tensor], list]] = []  # (req, buffers, works)
         self.closed = False
+        self.pack_seconds = 0.0  # gathering requests' state into send buffers
 
     def finish_prefill(self, reqs: list, logits: Tensor) -> list:
         """Sample the first token of each of ``reqs`` (their prompts now cached), send them and
@@ -132,19 +143,17 @@ class PrefillRole(_Role):
                                s.max_new_tokens, len(s.stop_token_ids), n_tensors, numel,
                                int(temp_bits), int(done)], dtype=torch.int64)
         ids = torch.tensor(list(req.prompt_ids) + list(s.stop_token_ids), dtype=torch.int64)
-        payload = [t.contiguous() for h in self.handlers for t in h.pack(req)]
-        bufs = [self._dev(header), self._dev(ids)] + payload
+        t0 = time.perf_counter()
+        payload = [t.to(self.wire).contiguous() for h in self.handlers for t in h.pack(req)]
+        _sync(self.engine.device)
+        self.pack_seconds += time.perf_counter() - t0
+        bufs = [header.to(self.wire), ids.to(self.wire)] + payload
         try:
             works = [dist.isend(b, self.peer) for b in bufs]
         except RuntimeError as e:
             self._broken(req, e)
             return
         self.in_flight.append((req, bufs, works))
-
-    def _dev(self, t: Tensor) -> Tensor:
-        """Metadata on the device the backend sends from (NCCL/XCCL send device tensors)."""
-        backend = dist.get_backend()
-        return t if backend == "gloo" else t.to(self.engine.device)
 
     def _broken(self, req, err: Exception) -> None:
         self.broken = (f"disaggregation: sending request {req.rid} to decode rank {self.peer} "
@@ -171,7 +180,8 @@ class PrefillRole(_Role):
         if not self.closed and self.broken is None:
             end = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
-                self.in_flight.append((None, [end], [dist.isend(self._dev(end), self.peer)]))
+                end = end.to(self.wire)
+                self.in_flight.append((None, [end], [dist.isend(end, self.peer)]))
             except RuntimeError as e:
                 self.broken = f"disaggregation: closing the stream failed ({e})"
         self.closed = True
@@ -189,13 +199,14 @@ class DecodeRole(_Role):
 
     def __init__(self, engine, peer: int):
         super().__init__(engine, peer)
-        self.meta_device = (torch.device("cpu") if dist.get_backend() == "gloo"
-                            else engine.device)
-        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.meta_device)
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         self.header_work = None  # the next header's irecv, posted after the last payload
         self.pending: Optional[list[int]] = None  # a received header waiting for room
         self.open = True
         self.received: list = []  # every request received, in order (failed ones too)
+        # per request received: (rid, prompt tokens, payload bytes, seconds from posting the
+        # payload's receives to its state written into the pools)
+        self.transfer_log: list[tuple[int, int, int, float]] = []
 
     def has_work(self) -> bool:
         """True while the prefill side may still send."""
@@ -241,7 +252,7 @@ class DecodeRole(_Role):
         from compile.engine.engine import Req
 
         _, rid, n, first, max_new, n_stop, n_tensors, numel, temp_bits, done = h
-        ids = torch.empty(n + n_stop, dtype=torch.int64, device=self.meta_device)
+        ids = torch.empty(n + n_stop, dtype=torch.int64, device=self.wire)
         try:
             self._recv([ids])
         except RuntimeError as e:
@@ -255,7 +266,8 @@ class DecodeRole(_Role):
         self.received.append(req)
         if (n_tensors, numel) != self._payload_numel(n):
             return self._close(self._mismatch(req, n_tensors, numel))
-        bufs = [b for hd in self.handlers for b in hd.buffers(n)]
+        bufs = [torch.empty(b.shape, dtype=b.dtype, device=self.wire)
+                for hd in self.handlers for b in hd.buffers(n)]
         if not self._fits(h):  # nothing runs and it still does not fit: drain and fail it
             why = (f"disaggregation: request {rid} needs more pages or rows than the decode "
                    "engine has; expected max_running, max_context_len and max_total_tokens at "
@@ -263,6 +275,7 @@ class DecodeRole(_Role):
             self._fail(req, why)
             return self._drain(bufs, rid)
         self._admit(req)
+        t0 = time.perf_counter()
         try:
             self._recv(bufs)
         except RuntimeError as e:
@@ -272,6 +285,9 @@ class DecodeRole(_Role):
             self.engine._release(req, FAILED)
             return self._close(why)
         self._write(req, bufs)
+        _sync(self.engine.device)
+        self.transfer_log.append((rid, n, sum(b.numel() * b.element_size() for b in bufs),
+                                  time.perf_counter() - t0))
         if done:
             self.engine._release(req, "stop" if first in req.sampling.stop_token_ids
                                  else "length")
@@ -286,7 +302,7 @@ class DecodeRole(_Role):
         at = 0
         for hd in self.handlers:
             k = len(hd.buffers(0))
-            hd.unpack(req, bufs[at:at + k])
+            hd.unpack(req, [b.to(self.engine.device) for b in bufs[at:at + k]])
             at += k
 
     def _mismatch(self, req, n_tensors: int, numel: int) -> str:
