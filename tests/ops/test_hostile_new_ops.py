@@ -95,3 +95,38 @@ def _recurrent_call():
 def test_fused_recurrent_gated_delta_rule_reads_aliased_v_before_the_state_write(provider):
     _assert_alias_reads_before(provider, _recurrent_call,
                                xpu_ops.fused_recurrent_gated_delta_rule)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("merge, base", [(xpu_ops.merge_state, 2.0),
+                                         (xpu_ops.merge_state_v2, torch.e)])
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_merge_state_nan_lse_gives_nan_on_every_provider(provider, merge, base, side):
+    """A NaN LSE: the reference returned a finite unnormalised mix (the NaN weight dropped),
+    Triton NaN; now NaN ``v`` and ``s`` for that token-head everywhere, the others exact."""
+    gen = torch.Generator().manual_seed(5)
+    va, vb = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 4, generator=gen)
+    sa, sb = torch.randn(3, 2, generator=gen), torch.randn(3, 2, generator=gen)
+    (sa if side == "a" else sb)[1, 0] = float("nan")
+    with running(provider):
+        v, s = merge(va, sa, vb, sb)
+    assert v[1, 0].isnan().all() and s[1, 0].isnan()
+    keep = torch.ones(3, 2, dtype=torch.bool)
+    keep[1, 0] = False
+    wa, wb = base ** sa.double(), base ** sb.double()          # float64 oracle, finite rows
+    want_v = (wa[..., None] * va.double() + wb[..., None] * vb.double()) / (wa + wb)[..., None]
+    want_s = torch.log(wa + wb) / torch.log(torch.tensor(base, dtype=torch.float64))
+    torch.testing.assert_close(v[keep].double(), want_v[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s[keep].double(), want_s[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_topk_ragged_offset_never_wraps_int32(provider):
+    """An offset near INT32_MAX (or negative) wrapped to large negative slots; now -1."""
+    score = torch.tensor([[0.5, 3.0, 1.0, 2.0], [1.0, 0.0, 9.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    lengths = torch.tensor([4, 4, 4], dtype=torch.int32)
+    offset = torch.tensor([2**31 - 2, -2**31, -2], dtype=torch.int32)
+    with running(provider):
+        got = xpu_ops.fast_topk_transform_ragged_fused(score, lengths, offset, 3)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[2**31 - 1, -1, -1], [-1, -1, -1], [-1, 0, 1]]
