@@ -8,7 +8,9 @@ pools are back to their start counters afterwards (pages, rows, SWA pages).
 Scenarios (one spawn runs them all): the ``--model tiny`` Llama shape with page sizes 16 -> 1
 and 1 -> 16 (decode in graphs mode: ``GraphRunner`` over a Dynamo eager-backend forward), a
 Gemma-3-shaped model on its hybrid sliding-window pool (prompts longer than the window and a
-page, 4 -> 1), and an MLA model (DeepSeek-V2 latent cache, 1 -> 4). A second spawn kills the
+page, 4 -> 1), an MLA model (DeepSeek-V2 latent cache, 1 -> 4) and a Qwen3-Next model
+(linear-attention conv and recurrent states beside the full-attention KV, 16 -> 1; the
+21-token prompt is prefilled in two chunks). A second spawn kills the
 prefill process in the middle of one request's payload: the decode side fails that request
 with an error naming the peer, finishes the requests it already had and ends with its pools
 at their start counters.
@@ -52,12 +54,20 @@ def _mla():
     return model
 
 
+def _qwen3_next():
+    from compile.models import from_hf
+    from tests.models.test_qwen3_next_parity import MODELS
+
+    return from_hf(MODELS["qwen3_next"]())
+
+
 # name -> (model builder, prefill page size, decode page size, decode in graphs mode, lens)
 SCENARIOS = {
     "llama_16_to_1": (_llama, 16, 1, False, (19, 5, 33)),
     "llama_1_to_16_graphs": (_llama, 1, 16, True, (19, 5, 33)),
     "gemma3_swa_4_to_1": (tiny_gemma3, 4, 1, False, (21, 6, 3)),
     "mla_1_to_4": (_mla, 1, 4, False, (9, 14)),
+    "qwen3_next_linear_16_to_1": (_qwen3_next, 16, 1, False, (21, 6)),
 }
 ENGINE = dict(max_running=4, max_context_len=64, max_total_tokens=256, chunked_prefill_size=16)
 
