@@ -49,6 +49,8 @@ from compile.engine.cli_args import (DTYPES, MAX_PAGE_SIZE, CliParser, default_t
                                      positive_int, prompt_lines, prompt_text, temperature, threads)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
+from compile.engine.cli_disagg import (add_disaggregation_arguments, launch_both,
+                                       run_disaggregated, start_disaggregation)
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, say, shard_model, start_parallel,
                                          unsupported_by_dcp)
@@ -288,7 +290,8 @@ def cmd_generate(args) -> int:
     from compile.models import from_hf
 
     cpu_threads = set_threads(args.threads)
-    args.parallel, device = start_parallel(args, pick_device(args.device))
+    start = start_disaggregation if args.disaggregation else start_parallel
+    args.parallel, device = start(args, pick_device(args.device))
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     torch._dynamo.reset()
@@ -318,7 +321,11 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     with unsupported_by_dcp(args):
-        outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
+        if args.disaggregation:
+            outputs, stats, forward = run_disaggregated(model, args, prompt_ids, stops,
+                                                        make_forward)
+        else:
+            outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if args.verify and is_rank_zero():
@@ -400,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not depend on the rest of its batch; the model's matmuls are not "
                         "made batch invariant")
     add_parallel_arguments(g)
+    add_disaggregation_arguments(g, MODES)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     # add_help=False: -h/--help reach bench_model.py, whose help lists the options (its errors
     # point at python -m compile bench --help)
@@ -474,6 +482,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_ops_environment(pick_device(args.device).type)
         except (RuntimeError, ValueError) as e:
             error(str(e))
+    if getattr(args, "disaggregation", None) == "both":
+        return launch_both(sys.argv[1:] if argv is None else list(argv),
+                           pick_device(args.device).type)
     try:
         return args.func(args)
     except ModelLoadError as e:  # a model file the user named that cannot be loaded
