@@ -177,3 +177,31 @@ def test_rotary_per_token_flag_follows_the_house_flag_rule():
                            apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), as_bool))
     with pytest.raises(TypeError, match="is_neox_style is not a bool"):
         apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), "False")
+
+
+def _paged_sink_call(sinks, seed=8):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(4, 4, 1, 16, generator=gen)
+    return dict(q=torch.randn(3, 2, 16, generator=gen), k_cache=cache, v_cache=cache.clone(),
+                cache_seqlens=torch.tensor([5, 0], dtype=torch.int32),
+                page_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32), max_seqlen_q=2,
+                sinks=sinks, return_softmax_lse=True)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_attention_nan_sinks(provider):
+    """A NaN ``sinks`` logit: LSE NaN on the reference, -inf on Triton, unchecked. Now a house
+    ValueError under the debug checks (paged and varlen); off, the other heads are exact."""
+    nan_sink, zero_sink = torch.tensor([float("nan"), 0.5]), torch.tensor([0.0, 0.5])
+    with running(provider):
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"sinks\[0\] = nan"):
+            xpu_ops.flash_attn_with_kvcache(**_paged_sink_call(nan_sink))
+        gen = torch.Generator().manual_seed(9)
+        q, k = torch.randn(3, 2, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 3], [0, 4, 5]))
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"sinks\[0\] = nan"):
+            xpu_ops.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 2, 4, sinks=nan_sink)
+        (out, lse), (out0, lse0) = (xpu_ops.flash_attn_with_kvcache(**_paged_sink_call(s))
+                                    for s in (nan_sink, zero_sink))
+    assert torch.equal(out[:, 1], out0[:, 1]) and torch.equal(lse[1], lse0[1])
