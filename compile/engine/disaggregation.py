@@ -156,15 +156,23 @@ class PrefillRole(_Role):
         self.in_flight.append((req, bufs, works))
 
     def _broken(self, req, err: Exception) -> None:
-        self.broken = (f"disaggregation: sending request {req.rid} to decode rank {self.peer} "
-                       f"failed ({_why(err)})")
-        self._fail(req, self.broken)
+        """The pair is unusable: fail ``req`` (None: the end-of-stream marker) and every
+        request sent later."""
+        what = "the end-of-stream marker" if req is None else f"request {req.rid}"
+        self.broken = f"disaggregation: sending {what} to decode rank {self.peer} failed " \
+                      f"({_why(err)})"
+        if req is not None:
+            self._fail(req, self.broken)
 
     def poll(self, wait_all: bool = False) -> None:
         """Wait the sends that are done (all with ``wait_all``); a failed one fails its request
         and every later one (the pair is broken)."""
         keep = []
         for req, bufs, works in self.in_flight:
+            if self.broken is not None:  # a send before this one failed: no use waiting
+                if req is not None:
+                    self._fail(req, self.broken)
+                continue
             if not wait_all and not all(w.is_completed() for w in works):
                 keep.append((req, bufs, works))
                 continue
