@@ -15,6 +15,7 @@ from .triton_mode import provider_params, rerun_in_subprocess, running  # first
 import torch  # noqa: E402
 
 import xpu_ops  # noqa: E402
+from xpu_ops.testing import sample_inputs  # noqa: E402
 
 PROVIDERS = provider_params()
 test_rerun_in_subprocess = rerun_in_subprocess(__file__)
@@ -130,3 +131,37 @@ def test_topk_ragged_offset_never_wraps_int32(provider):
         got = xpu_ops.fast_topk_transform_ragged_fused(score, lengths, offset, 3)
     assert got.dtype == torch.int32
     assert got.tolist() == [[2**31 - 1, -1, -1], [-1, -1, -1], [-1, 0, 1]]
+
+
+def _sparse_fwd_call(sink):
+    gen = torch.Generator().manual_seed(6)
+    idx = torch.tensor([[[0, 1, -1, 3]], [[-1, -1, -1, -1]], [[2, 5, 6, 7]]], dtype=torch.int32)
+    return (torch.randn(3, 2, 64, generator=gen), torch.randn(8, 1, 64, generator=gen), idx,
+            0.125, 32, sink, None)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_flash_mla_nan_attn_sink(provider):
+    """A NaN ``attn_sink``: the reference gave NaN on rows with keys and 0 on the empty row,
+    Triton NaN everywhere, no debug check caught it. Now a house ValueError under the debug
+    checks (wrapper and raw op); off, the other heads are exact."""
+    nan_sink, zero_sink = torch.tensor([float("nan"), 0.5]), torch.tensor([0.0, 0.5])
+    raw = torch.ops.xpu_ops.flash_mla_sparse_fwd
+    with running(provider):
+        for call in (xpu_ops.flash_mla_sparse_fwd, raw):
+            with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"attn_sink\[0\] = nan"):
+                call(*_sparse_fwd_call(nan_sink))
+        got, want = raw(*_sparse_fwd_call(nan_sink)), raw(*_sparse_fwd_call(zero_sink))
+    for g, w in zip(got, want):
+        assert torch.equal(g[:, 1], w[:, 1])
+
+
+def test_flash_mla_with_kvcache_nan_attn_sink_refused_under_debug_checks():
+    op = torch.ops.xpu_ops.flash_mla_with_kvcache
+    at = [a.name for a in op.default._schema.arguments].index("attn_sink")
+    args, kwargs = next((a, k) for a, k in sample_inputs(op, "cpu", torch.float32)
+                        if a[at] is not None)
+    args = list(args)
+    args[at] = torch.full_like(args[at], float("nan"))
+    with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"attn_sink\[0\] = nan"):
+        op(*args, **kwargs)
