@@ -198,33 +198,52 @@ class _DieMidPayload:
         return self.works[-1]
 
 
-def _failure_worker(rank: int, port: int, out_dir: str) -> None:
+def _failure_setup(rank: int, port: int):
+    """Join the group; ``(model, 3 prompts, sampling)`` of the failure tests."""
     _init(rank, port)
     model = _llama()
-    prompts = _prompts(model.config.vocab_size, (7, 9, 5))
-    sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
+    return model, _prompts(model.config.vocab_size, (7, 9, 5)), SamplingParams(
+        max_new_tokens=NEW_TOKENS)
+
+
+def _first_request(engine: Engine, prompts, sampling) -> None:
+    """Prefill rank: prefill and send the 1st request alone, then meet the decode rank."""
+    engine.add_requests(prompts[:1], sampling)
+    engine.step()
+    dist.barrier()  # the decode side has taken it in
+
+
+def _take_first(engine: Engine) -> None:
+    """Decode rank: poll until the 1st request runs, then meet the prefill rank."""
+    while not engine.running:
+        engine.disagg.poll()
+    dist.barrier()
+
+
+def _dump(out_dir: str, name: str, result: dict) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(result, f)
+
+
+def _failure_worker(rank: int, port: int, out_dir: str) -> None:
+    model, prompts, sampling = _failure_setup(rank, port)
     if rank == 0:
         engine = Engine(model, page_size=4, disaggregation="prefill", **ENGINE)
         n_first = 2 + len(engine.disagg.handlers[0].buffers(1))  # header, ids, K, V
         # 2nd request: header, ids, then die before K
         disagg.dist.isend = _DieMidPayload(dist.isend, n_first + 3)
-        engine.add_requests(prompts[:1], sampling)
-        engine.step()  # prefill + send the 1st request alone
-        dist.barrier()  # the decode side has taken it in
+        _first_request(engine, prompts, sampling)
         engine.generate(prompts[1:], sampling)
         return
     engine = Engine(model, page_size=1, disaggregation="decode", **ENGINE)
     start = counters(engine)
-    while not engine.running:  # the 1st request arrives
-        engine.disagg.poll()
-    dist.barrier()
+    _take_first(engine)
     engine.generate([])
     want = Engine(model, page_size=1, **ENGINE).generate(prompts[:1], sampling)
     result = {"outputs": engine.disagg.outputs(), "errors": engine.disagg.errors,
               "broken": engine.disagg.broken, "pools": [start, counters(engine)],
               "want0": want[0], "running": len(engine.running)}
-    with open(os.path.join(out_dir, "decode.json"), "w") as f:
-        json.dump(result, f)
+    _dump(out_dir, "decode.json", result)
 
 
 def test_prefill_peer_dies_mid_transfer(tmp_path):
@@ -240,29 +259,20 @@ def test_prefill_peer_dies_mid_transfer(tmp_path):
 
 
 def _decode_dies_worker(rank: int, port: int, out_dir: str) -> None:
-    _init(rank, port)
-    model = _llama()
-    prompts = _prompts(model.config.vocab_size, (7, 9, 5))
-    sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
-    if rank == 1:
-        engine = Engine(model, page_size=1, disaggregation="decode", **ENGINE)
-        while not engine.running:  # the 1st request arrives, then this process is gone
-            engine.disagg.poll()
-        dist.barrier()
+    model, prompts, sampling = _failure_setup(rank, port)
+    if rank == 1:  # takes the 1st request in, then this process is gone
+        _take_first(Engine(model, page_size=1, disaggregation="decode", **ENGINE))
         os._exit(0)
     engine = Engine(model, page_size=4, disaggregation="prefill", **ENGINE)
     start = counters(engine)
-    engine.add_requests(prompts[:1], sampling)
-    engine.step()
-    dist.barrier()
+    _first_request(engine, prompts, sampling)
     reqs = engine.add_requests(prompts[1:], sampling)
     while engine.has_work():
         engine.step()
     engine.disagg.close()
     result = {"errors": engine.disagg.errors, "pools": [start, counters(engine)],
               "reasons": [r.finish_reason for r in reqs]}
-    with open(os.path.join(out_dir, "prefill.json"), "w") as f:
-        json.dump(result, f)
+    _dump(out_dir, "prefill.json", result)
 
 
 def test_decode_peer_dies(tmp_path):
