@@ -67,6 +67,8 @@ DEFAULT_PROMPTS = [
 DESCRIPTION = ("Run models through the paged-attention stack: generate text (generate), trace "
                "a model for graph breaks, recompiles and its piecewise split (check), time "
                "decode per mode (bench).")
+# tqdm's set_description already ends the description in ": ", so the format adds none
+BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]"
 MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
@@ -152,7 +154,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
            "capture) the model, which takes a while" if compiled else ""))
     # No ETA: the first steps' compile time makes any estimate meaningless.
     bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, unit="tok",
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]",
+               bar_format=BAR_FORMAT,
                disable=args.no_progress or not is_rank_zero())
     reqs = [engine.add_request(p, sampling) for p in prompt_ids]
     steps: dict[str, int] = {}
@@ -459,10 +461,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.model = getattr(args, "model", None)  # None: the default model (see --model's help)
     args.threads = getattr(args, "threads", None)  # None: set_threads picks
-    if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
     error = getattr(args, "error", parser.error)   # the subcommand's parser names it
+    if extra and args.command != "bench":
+        error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if getattr(args, "verify", False) and args.temperature != 0:
         error(f"argument --verify: compares greedy ids; expected --temperature 0, "
                      f"got --temperature {args.temperature:g}")

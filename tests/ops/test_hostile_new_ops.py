@@ -165,3 +165,15 @@ def test_flash_mla_with_kvcache_nan_attn_sink_refused_under_debug_checks():
     args[at] = torch.full_like(args[at], float("nan"))
     with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"attn_sink\[0\] = nan"):
         op(*args, **kwargs)
+
+
+def test_rotary_per_token_flag_follows_the_house_flag_rule():
+    """``is_neox_style=1`` was a TypeError; flags read an int 0 or 1 as its bool (API.md)."""
+    from xpu_ops.ops.rotary import apply_rotary_emb_per_token
+    gen = torch.Generator().manual_seed(7)
+    x, angle = torch.randn(3, 2, 8, generator=gen), torch.rand(3, 4, generator=gen)
+    for as_int, as_bool in ((1, True), (0, False)):
+        assert torch.equal(apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), as_int),
+                           apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), as_bool))
+    with pytest.raises(TypeError, match="is_neox_style is not a bool"):
+        apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), "False")
