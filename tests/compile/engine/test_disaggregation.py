@@ -16,7 +16,9 @@ with an error naming the peer, finishes the requests it already had and ends wit
 at their start counters; a third kills the decode process after its first request: the
 prefill side fails the later requests (error naming the decode rank) and its pools are back
 at their start counters. ``llama_16_to_1_one_row`` gives the decode engine one request row, so
-arriving requests wait for the running one to finish (decode batches of 1 only).
+arriving requests wait for the running one to finish (decode batches of 1 only);
+``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
+request is received, dropped and failed while the others finish.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ SCENARIOS = {
 ENGINE = dict(max_running=4, max_context_len=64, max_total_tokens=256, chunked_prefill_size=16)
 # a decode engine with one request row: the 2nd and 3rd headers wait until a request finishes
 SCENARIOS["llama_16_to_1_one_row"] = SCENARIOS["llama_16_to_1"]
-DECODE_ENGINE = {"llama_16_to_1_one_row": dict(ENGINE, max_running=1)}
+# a decode engine of 30 tokens per request: the 33-token prompt is received, drained and failed
+SCENARIOS["llama_short_decode_context"] = SCENARIOS["llama_16_to_1"]
+DECODE_ENGINE = {"llama_16_to_1_one_row": dict(ENGINE, max_running=1),
+                 "llama_short_decode_context": dict(ENGINE, max_context_len=30)}
+FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"}}
 
 
 def _prompts(vocab: int, lens) -> list[list[int]]:
@@ -118,7 +124,7 @@ def _run_scenario(rank: int, name: str) -> dict:
     start = counters(engine)
     engine.generate([])
     got = engine.disagg.outputs()
-    want = Engine(model, page_size=d_ps, **ENGINE).generate(prompts, sampling)
+    want = Engine(model, page_size=d_ps, **ENGINE).generate(prompts, sampling)  # all fit
     return {"got": [got.get(i) for i in range(len(prompts))], "want": want,
             "decode_errors": engine.disagg.errors, "decode_pools": [start, counters(engine)],
             "decode_steps": engine.stats.decode_steps,
@@ -160,9 +166,14 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_prefill_then_decode_equals_one_engine(results, name):
     r = results[name]
-    assert r["prefill_errors"] == {} and r["decode_errors"] == {}
-    assert r["got"] == r["want"]
-    assert all(len(ids) == NEW_TOKENS for ids in r["got"])
+    fails = FAILS.get(name, {})
+    assert r["prefill_errors"] == {}
+    assert {int(k) for k in r["decode_errors"]} == set(fails)
+    for rid, why in fails.items():
+        assert why in r["decode_errors"][str(rid)]
+    ok = [i for i in range(len(r["want"])) if i not in fails]
+    assert [r["got"][i] for i in ok] == [r["want"][i] for i in ok]
+    assert all(len(r["got"][i]) == NEW_TOKENS for i in ok)
     assert r["decode_steps"] > 0
     for before, after in (r["prefill_pools"], r["decode_pools"]):
         assert after == before
