@@ -428,14 +428,13 @@ def check_flash_mla_with_kvcache(k_cache, block_table, cache_seqlens) -> None:
                 k_cache.shape[0], table_arg="block_table")
 
 
-def check_attn_sink(fn: str, attn_sink) -> None:
-    """Debug-switch value check of a FlashMLA ``attn_sink [h_q]``: no NaN (``+inf`` and
-    ``-inf`` are legal: all weight to the sink, no sink)."""
-    if (not isinstance(attn_sink, Tensor) or not attn_sink.is_floating_point()
-            or not _active(attn_sink)):
+def check_sinks(fn: str, arg: str, sinks) -> None:
+    """Debug-switch value check of per-head sink logits (``sinks``/``attn_sink [Hq]``): no
+    NaN (``+inf`` and ``-inf`` are legal: all weight to the sink, no sink)."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or not _active(sinks):
         return
-    where = _first(torch.isnan(attn_sink.reshape(-1)))
+    where = _first(torch.isnan(sinks.reshape(-1)))
     if where is not None:
-        fail(fn, "attn_sink", "has a NaN logit", "a float or +-inf per head (-inf: no sink)",
-             f"attn_sink[{where[0]}] = nan", "A NaN sink's head has unspecified outputs when "
+        fail(fn, arg, "has a NaN logit", "a float or +-inf per head (-inf: no sink)",
+             f"{arg}[{where[0]}] = nan", "A NaN sink's head has unspecified outputs when "
              "XPU_OPS_DEBUG_CHECKS is off.")

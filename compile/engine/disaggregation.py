@@ -156,15 +156,23 @@ class PrefillRole(_Role):
         self.in_flight.append((req, bufs, works))
 
     def _broken(self, req, err: Exception) -> None:
-        self.broken = (f"disaggregation: sending request {req.rid} to decode rank {self.peer} "
-                       f"failed ({_why(err)})")
-        self._fail(req, self.broken)
+        """The pair is unusable: fail ``req`` (None: the end-of-stream marker) and every
+        request sent later."""
+        what = "the end-of-stream marker" if req is None else f"request {req.rid}"
+        self.broken = f"disaggregation: sending {what} to decode rank {self.peer} failed " \
+                      f"({_why(err)})"
+        if req is not None:
+            self._fail(req, self.broken)
 
     def poll(self, wait_all: bool = False) -> None:
         """Wait the sends that are done (all with ``wait_all``); a failed one fails its request
         and every later one (the pair is broken)."""
         keep = []
         for req, bufs, works in self.in_flight:
+            if self.broken is not None:  # a send before this one failed: no use waiting
+                if req is not None:
+                    self._fail(req, self.broken)
+                continue
             if not wait_all and not all(w.is_completed() for w in works):
                 keep.append((req, bufs, works))
                 continue
@@ -241,7 +249,7 @@ class DecodeRole(_Role):
         eng = self.engine
         pages = -(-(h[2] + h[4]) // eng.page_size)
         promised = sum(eng._pages_needed(r) for r in eng.running)
-        return (eng.req_to_token_pool.available_size() > 0
+        return (eng.req_to_token_pool.available_size() > 0 and h[2] + h[4] <= eng.max_request_tokens
                 and pages + promised <= len(eng.allocator.free_pages))
 
     def _recv(self, bufs: list[Tensor]) -> None:
@@ -249,48 +257,59 @@ class DecodeRole(_Role):
             w.wait()
 
     def _take(self, h: list[int]) -> None:
-        from compile.engine.engine import Req
-
-        _, rid, n, first, max_new, n_stop, n_tensors, numel, temp_bits, done = h
-        ids = torch.empty(n + n_stop, dtype=torch.int64, device=self.wire)
-        try:
-            self._recv([ids])
-        except RuntimeError as e:
-            self.errors[rid] = (f"disaggregation: receiving request {rid} from prefill rank "
-                                f"{self.peer} failed ({_why(e)})")
-            return self._close(self.errors[rid])
-        temp = torch.tensor([temp_bits], dtype=torch.int64).view(torch.float64).item()
-        ids = ids.tolist()
-        req = Req(rid, ids[:n], SamplingParams(max_new_tokens=max_new, temperature=temp,
-                                               stop_token_ids=tuple(ids[n:])), output_ids=[first])
-        self.received.append(req)
+        """Receive the request of header ``h``: ids, then (if it fits) its state."""
+        req = self._read_request(h)
+        if req is None:
+            return
+        n, n_tensors, numel = len(req.prompt_ids), h[6], h[7]
         if (n_tensors, numel) != self._payload_numel(n):
             return self._close(self._mismatch(req, n_tensors, numel))
         bufs = [torch.empty(b.shape, dtype=b.dtype, device=self.wire)
                 for hd in self.handlers for b in hd.buffers(n)]
         if not self._fits(h):  # nothing runs and it still does not fit: drain and fail it
-            why = (f"disaggregation: request {rid} needs more pages or rows than the decode "
-                   "engine has; expected max_running, max_context_len and max_total_tokens at "
-                   "least the prefill engine's.")
-            self._fail(req, why)
-            return self._drain(bufs, rid)
+            self._fail(req, f"disaggregation: request {req.rid} needs more pages, rows or "
+                       "context than the decode engine has; expected max_running, "
+                       "max_context_len and max_total_tokens at least the prefill engine's.")
+            return self._drain(bufs, req.rid)
         self._admit(req)
         t0 = time.perf_counter()
         try:
             self._recv(bufs)
         except RuntimeError as e:
-            why = (f"disaggregation: receiving request {rid} from prefill rank {self.peer} "
+            why = (f"disaggregation: receiving request {req.rid} from prefill rank {self.peer} "
                    f"failed ({_why(e)})")
             self._fail(req, why)
             self.engine._release(req, FAILED)
             return self._close(why)
         self._write(req, bufs)
         _sync(self.engine.device)
-        self.transfer_log.append((rid, n, sum(b.numel() * b.element_size() for b in bufs),
+        self.transfer_log.append((req.rid, n, sum(b.numel() * b.element_size() for b in bufs),
                                   time.perf_counter() - t0))
-        if done:
+        if h[9]:  # finished on the prefill side: its first token was the last
+            first = req.output_ids[0]
             self.engine._release(req, "stop" if first in req.sampling.stop_token_ids
                                  else "length")
+
+    def _read_request(self, h: list[int]):
+        """The ``Req`` of header ``h`` with its prompt, sampling and first token (its ids
+        received), or None when receiving them failed (the stream is closed then)."""
+        from compile.engine.engine import Req
+
+        _, rid, n, first, max_new, n_stop, _, _, temp_bits, _ = h
+        ids = torch.empty(n + n_stop, dtype=torch.int64, device=self.wire)
+        try:
+            self._recv([ids])
+        except RuntimeError as e:
+            self.errors[rid] = (f"disaggregation: receiving request {rid} from prefill rank "
+                                f"{self.peer} failed ({_why(e)})")
+            self._close(self.errors[rid])
+            return None
+        temp = torch.tensor([temp_bits], dtype=torch.int64).view(torch.float64).item()
+        ids = ids.tolist()
+        req = Req(rid, ids[:n], SamplingParams(max_new_tokens=max_new, temperature=temp,
+                                               stop_token_ids=tuple(ids[n:])), output_ids=[first])
+        self.received.append(req)
+        return req
 
     def _drain(self, bufs: list[Tensor], rid: int) -> None:
         try:

@@ -165,3 +165,63 @@ def test_flash_mla_with_kvcache_nan_attn_sink_refused_under_debug_checks():
     args[at] = torch.full_like(args[at], float("nan"))
     with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"attn_sink\[0\] = nan"):
         op(*args, **kwargs)
+
+
+def test_rotary_per_token_flag_follows_the_house_flag_rule():
+    """``is_neox_style=1`` was a TypeError; flags read an int 0 or 1 as its bool (API.md)."""
+    from xpu_ops.ops.rotary import apply_rotary_emb_per_token
+    gen = torch.Generator().manual_seed(7)
+    x, angle = torch.randn(3, 2, 8, generator=gen), torch.rand(3, 4, generator=gen)
+    for as_int, as_bool in ((1, True), (0, False)):
+        assert torch.equal(apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), as_int),
+                           apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), as_bool))
+    with pytest.raises(TypeError, match="is_neox_style is not a bool"):
+        apply_rotary_emb_per_token(x, angle.cos(), angle.sin(), "False")
+
+
+def _paged_sink_call(sinks, seed=8):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(4, 4, 1, 16, generator=gen)
+    return dict(q=torch.randn(3, 2, 16, generator=gen), k_cache=cache, v_cache=cache.clone(),
+                cache_seqlens=torch.tensor([5, 0], dtype=torch.int32),
+                page_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32), max_seqlen_q=2,
+                sinks=sinks, return_softmax_lse=True)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_attention_nan_sinks(provider):
+    """A NaN ``sinks`` logit: LSE NaN on the reference, -inf on Triton, unchecked. Now a house
+    ValueError under the debug checks (paged and varlen); off, the other heads are exact."""
+    nan_sink, zero_sink = torch.tensor([float("nan"), 0.5]), torch.tensor([0.0, 0.5])
+    with running(provider):
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"sinks\[0\] = nan"):
+            xpu_ops.flash_attn_with_kvcache(**_paged_sink_call(nan_sink))
+        gen = torch.Generator().manual_seed(9)
+        q, k = torch.randn(3, 2, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 3], [0, 4, 5]))
+        with xpu_ops.debug_checks(), pytest.raises(ValueError, match=r"sinks\[0\] = nan"):
+            xpu_ops.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 2, 4, sinks=nan_sink)
+        (out, lse), (out0, lse0) = (xpu_ops.flash_attn_with_kvcache(**_paged_sink_call(s))
+                                    for s in (nan_sink, zero_sink))
+    assert torch.equal(out[:, 1], out0[:, 1]) and torch.equal(lse[1], lse0[1])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_store_index_k_cache_nan_key_bytes_agree(provider, scale_fmt):
+    """A key with a NaN: Triton's max dropped the NaN (scale = the floor, other values
+    saturated to 448), the reference stored a NaN scale and NaN bytes; now the reference's
+    bytes on every provider. Rows with inf, huge and zero keys were already identical."""
+    k = torch.tensor([[float("nan")] + [1.0] * 15, [float("inf")] + [1.0] * 15,
+                      [1e38] * 16, [0.0] * 16, [0.5, -2.0] * 8])
+    loc = torch.tensor([0, 1, 2, 3, 5])
+    with running("reference"):
+        want = torch.zeros(2, 4, 1, 20, dtype=torch.uint8)
+        xpu_ops.store_index_k_cache(want, loc, k, scale_fmt=scale_fmt)
+    with running(provider):
+        got = torch.zeros(2, 4, 1, 20, dtype=torch.uint8)
+        xpu_ops.store_index_k_cache(got, loc, k, scale_fmt=scale_fmt)
+    assert torch.equal(got, want)
+    nan_scale = got[0].reshape(-1)[64:68].view(torch.float32)      # slot 0's scale bytes
+    assert nan_scale.isnan().all()

@@ -52,7 +52,7 @@ def flash_mla_sparse_fwd_op(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: fl
     [s_q, h_q], lse [s_q, h_q])``."""
     finite_scale(NAME, "sm_scale", sm_scale)
     _check_flash_mla_sparse_fwd(q, kv, indices, d_v, attn_sink, topk_length)
-    _value_checks.check_attn_sink(NAME, attn_sink)
+    _value_checks.check_sinks(NAME, "attn_sink", attn_sink)
 
 
 @flash_mla_sparse_fwd_op.register_fake

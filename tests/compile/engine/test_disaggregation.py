@@ -13,7 +13,12 @@ page, 4 -> 1), an MLA model (DeepSeek-V2 latent cache, 1 -> 4) and a Qwen3-Next 
 21-token prompt is prefilled in two chunks). A second spawn kills the
 prefill process in the middle of one request's payload: the decode side fails that request
 with an error naming the peer, finishes the requests it already had and ends with its pools
-at their start counters.
+at their start counters; a third kills the decode process after its first request: the
+prefill side fails the later requests (error naming the decode rank) and its pools are back
+at their start counters. ``llama_16_to_1_one_row`` gives the decode engine one request row, so
+arriving requests wait for the running one to finish (decode batches of 1 only);
+``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
+request is received, dropped and failed while the others finish.
 """
 
 from __future__ import annotations
@@ -70,6 +75,13 @@ SCENARIOS = {
     "qwen3_next_linear_16_to_1": (_qwen3_next, 16, 1, False, (21, 6)),
 }
 ENGINE = dict(max_running=4, max_context_len=64, max_total_tokens=256, chunked_prefill_size=16)
+# a decode engine with one request row: the 2nd and 3rd headers wait until a request finishes
+SCENARIOS["llama_16_to_1_one_row"] = SCENARIOS["llama_16_to_1"]
+# a decode engine of 30 tokens per request: the 33-token prompt is received, drained and failed
+SCENARIOS["llama_short_decode_context"] = SCENARIOS["llama_16_to_1"]
+DECODE_ENGINE = {"llama_16_to_1_one_row": dict(ENGINE, max_running=1),
+                 "llama_short_decode_context": dict(ENGINE, max_context_len=30)}
+FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"}}
 
 
 def _prompts(vocab: int, lens) -> list[list[int]]:
@@ -88,10 +100,11 @@ def counters(engine: Engine) -> dict:
     return out
 
 
-def _decode_engine(model, page_size: int, graphs: bool) -> Engine:
+def _decode_engine(name: str, model, page_size: int, graphs: bool) -> Engine:
     forward = (GraphRunner(model, forward=compile_model(model, backend="eager"),
                            emulate_graphs=True) if graphs else None)
-    return Engine(model, forward=forward, page_size=page_size, disaggregation="decode", **ENGINE)
+    return Engine(model, forward=forward, page_size=page_size, disaggregation="decode",
+                  **DECODE_ENGINE.get(name, ENGINE))
 
 
 def _run_scenario(rank: int, name: str) -> dict:
@@ -107,14 +120,15 @@ def _run_scenario(rank: int, name: str) -> dict:
         return {"prefill_errors": engine.disagg.errors,
                 "prefill_pools": [start, counters(engine)]}
     torch._dynamo.reset()
-    engine = _decode_engine(model, d_ps, graphs)
+    engine = _decode_engine(name, model, d_ps, graphs)
     start = counters(engine)
     engine.generate([])
     got = engine.disagg.outputs()
-    want = Engine(model, page_size=d_ps, **ENGINE).generate(prompts, sampling)
+    want = Engine(model, page_size=d_ps, **ENGINE).generate(prompts, sampling)  # all fit
     return {"got": [got.get(i) for i in range(len(prompts))], "want": want,
             "decode_errors": engine.disagg.errors, "decode_pools": [start, counters(engine)],
             "decode_steps": engine.stats.decode_steps,
+            "decode_batches": sorted({b for b, _ in engine.stats.decode_step_log}),
             "graphs": [getattr(engine.forward, k, 0) for k in ("captures", "replays")]}
 
 
@@ -152,12 +166,21 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_prefill_then_decode_equals_one_engine(results, name):
     r = results[name]
-    assert r["prefill_errors"] == {} and r["decode_errors"] == {}
-    assert r["got"] == r["want"]
-    assert all(len(ids) == NEW_TOKENS for ids in r["got"])
+    fails = FAILS.get(name, {})
+    assert r["prefill_errors"] == {}
+    assert {int(k) for k in r["decode_errors"]} == set(fails)
+    for rid, why in fails.items():
+        assert why in r["decode_errors"][str(rid)]
+    ok = [i for i in range(len(r["want"])) if i not in fails]
+    assert [r["got"][i] for i in ok] == [r["want"][i] for i in ok]
+    assert all(len(r["got"][i]) == NEW_TOKENS for i in ok)
     assert r["decode_steps"] > 0
     for before, after in (r["prefill_pools"], r["decode_pools"]):
         assert after == before
+
+
+def test_decode_waits_for_a_free_row(results):
+    assert results["llama_16_to_1_one_row"]["decode_batches"] == [1]
 
 
 def test_decode_side_runs_in_graphs_mode(results):
@@ -186,33 +209,52 @@ class _DieMidPayload:
         return self.works[-1]
 
 
-def _failure_worker(rank: int, port: int, out_dir: str) -> None:
+def _failure_setup(rank: int, port: int):
+    """Join the group; ``(model, 3 prompts, sampling)`` of the failure tests."""
     _init(rank, port)
     model = _llama()
-    prompts = _prompts(model.config.vocab_size, (7, 9, 5))
-    sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
+    return model, _prompts(model.config.vocab_size, (7, 9, 5)), SamplingParams(
+        max_new_tokens=NEW_TOKENS)
+
+
+def _first_request(engine: Engine, prompts, sampling) -> None:
+    """Prefill rank: prefill and send the 1st request alone, then meet the decode rank."""
+    engine.add_requests(prompts[:1], sampling)
+    engine.step()
+    dist.barrier()  # the decode side has taken it in
+
+
+def _take_first(engine: Engine) -> None:
+    """Decode rank: poll until the 1st request runs, then meet the prefill rank."""
+    while not engine.running:
+        engine.disagg.poll()
+    dist.barrier()
+
+
+def _dump(out_dir: str, name: str, result: dict) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(result, f)
+
+
+def _failure_worker(rank: int, port: int, out_dir: str) -> None:
+    model, prompts, sampling = _failure_setup(rank, port)
     if rank == 0:
         engine = Engine(model, page_size=4, disaggregation="prefill", **ENGINE)
         n_first = 2 + len(engine.disagg.handlers[0].buffers(1))  # header, ids, K, V
         # 2nd request: header, ids, then die before K
         disagg.dist.isend = _DieMidPayload(dist.isend, n_first + 3)
-        engine.add_requests(prompts[:1], sampling)
-        engine.step()  # prefill + send the 1st request alone
-        dist.barrier()  # the decode side has taken it in
+        _first_request(engine, prompts, sampling)
         engine.generate(prompts[1:], sampling)
         return
     engine = Engine(model, page_size=1, disaggregation="decode", **ENGINE)
     start = counters(engine)
-    while not engine.running:  # the 1st request arrives
-        engine.disagg.poll()
-    dist.barrier()
+    _take_first(engine)
     engine.generate([])
     want = Engine(model, page_size=1, **ENGINE).generate(prompts[:1], sampling)
     result = {"outputs": engine.disagg.outputs(), "errors": engine.disagg.errors,
               "broken": engine.disagg.broken, "pools": [start, counters(engine)],
               "want0": want[0], "running": len(engine.running)}
-    with open(os.path.join(out_dir, "decode.json"), "w") as f:
-        json.dump(result, f)
+    _dump(out_dir, "decode.json", result)
 
 
 def test_prefill_peer_dies_mid_transfer(tmp_path):
@@ -223,5 +265,33 @@ def test_prefill_peer_dies_mid_transfer(tmp_path):
     assert outputs[0] == r["want0"]  # the request already received finished normally
     assert set(errors) == {1} and "prefill rank 0" in errors[1] and "failed" in errors[1]
     assert r["broken"] and r["running"] == 0
+    before, after = r["pools"]
+    assert after == before
+
+
+def _decode_dies_worker(rank: int, port: int, out_dir: str) -> None:
+    model, prompts, sampling = _failure_setup(rank, port)
+    if rank == 1:  # takes the 1st request in, then this process is gone
+        _take_first(Engine(model, page_size=1, disaggregation="decode", **ENGINE))
+        os._exit(0)
+    engine = Engine(model, page_size=4, disaggregation="prefill", **ENGINE)
+    start = counters(engine)
+    _first_request(engine, prompts, sampling)
+    reqs = engine.add_requests(prompts[1:], sampling)
+    while engine.has_work():
+        engine.step()
+    engine.disagg.close()
+    result = {"errors": engine.disagg.errors, "pools": [start, counters(engine)],
+              "reasons": [r.finish_reason for r in reqs]}
+    _dump(out_dir, "prefill.json", result)
+
+
+def test_decode_peer_dies(tmp_path):
+    mp.spawn(_decode_dies_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "prefill.json").read_text())
+    errors = {int(k): v for k, v in r["errors"].items()}
+    assert set(errors) == {1, 2}
+    assert all("decode rank 1" in why and "failed" in why for why in errors.values())
+    assert r["reasons"] == [disagg.FAILED, disagg.FAILED]
     before, after = r["pools"]
     assert after == before
