@@ -49,6 +49,8 @@ from compile.engine.cli_args import (DTYPES, MAX_PAGE_SIZE, CliParser, default_t
                                      positive_int, prompt_lines, prompt_text, temperature, threads)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
+from compile.engine.cli_disagg import (add_disaggregation_arguments, launch_both,
+                                       run_disaggregated, start_disaggregation)
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, say, shard_model, start_parallel,
                                          unsupported_by_dcp)
@@ -65,6 +67,8 @@ DEFAULT_PROMPTS = [
 DESCRIPTION = ("Run models through the paged-attention stack: generate text (generate), trace "
                "a model for graph breaks, recompiles and its piecewise split (check), time "
                "decode per mode (bench).")
+# tqdm's set_description already ends the description in ": ", so the format adds none
+BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]"
 MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
 
 
@@ -150,7 +154,7 @@ def run_engine(model, args, prompt_ids, stops) -> tuple[list[list[int]], object,
            "capture) the model, which takes a while" if compiled else ""))
     # No ETA: the first steps' compile time makes any estimate meaningless.
     bar = tqdm(total=len(prompt_ids) * args.max_new_tokens, unit="tok",
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]",
+               bar_format=BAR_FORMAT,
                disable=args.no_progress or not is_rank_zero())
     reqs = [engine.add_request(p, sampling) for p in prompt_ids]
     steps: dict[str, int] = {}
@@ -286,7 +290,8 @@ def cmd_generate(args) -> int:
     from compile.models import from_hf
 
     cpu_threads = set_threads(args.threads)
-    args.parallel, device = start_parallel(args, pick_device(args.device))
+    start = start_disaggregation if args.disaggregation else start_parallel
+    args.parallel, device = start(args, pick_device(args.device))
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     torch._dynamo.reset()
@@ -316,7 +321,11 @@ def cmd_generate(args) -> int:
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
     with unsupported_by_dcp(args):
-        outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
+        if args.disaggregation:
+            outputs, stats, forward = run_disaggregated(model, args, prompt_ids, stops,
+                                                        make_forward)
+        else:
+            outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
     if args.verify and is_rank_zero():
@@ -398,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not depend on the rest of its batch; the model's matmuls are not "
                         "made batch invariant")
     add_parallel_arguments(g)
+    add_disaggregation_arguments(g, MODES)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     # add_help=False: -h/--help reach bench_model.py, whose help lists the options (its errors
     # point at python -m compile bench --help)
@@ -451,10 +461,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.model = getattr(args, "model", None)  # None: the default model (see --model's help)
     args.threads = getattr(args, "threads", None)  # None: set_threads picks
-    if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
     error = getattr(args, "error", parser.error)   # the subcommand's parser names it
+    if extra and args.command != "bench":
+        error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if getattr(args, "verify", False) and args.temperature != 0:
         error(f"argument --verify: compares greedy ids; expected --temperature 0, "
                      f"got --temperature {args.temperature:g}")
@@ -472,6 +482,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_ops_environment(pick_device(args.device).type)
         except (RuntimeError, ValueError) as e:
             error(str(e))
+    if getattr(args, "disaggregation", None) == "both":
+        return launch_both(sys.argv[1:] if argv is None else list(argv),
+                           pick_device(args.device).type)
     try:
         return args.func(args)
     except ModelLoadError as e:  # a model file the user named that cannot be loaded

@@ -63,8 +63,11 @@ class _Properties:
         return getattr(self._base, name)
 
 
-def get_device_properties(*args) -> _Properties:
-    return _Properties(torch.cuda.get_device_properties(*args) if CUDA else None)
+def get_device_properties(device=None) -> _Properties:
+    if not CUDA:
+        return _Properties(None)
+    return _Properties(torch.cuda.get_device_properties(
+        torch.cuda.current_device() if device is None else device))
 
 
 class _CpuStream:

@@ -32,7 +32,7 @@ XPU_FILES = ("test_flash_attention.py", "test_flash_attention_4.py", "test_flash
              "test_fp8_mqa_logits.py", "test_fp8_paged_mqa_logits.py", "test_hadamard.py",
              "test_topk_transform.py", "test_rotary_embedding.py")
 #: Files split into this many shards (the rest run whole).
-SHARDS = {"test_flash_attention.py": 4, "test_flash_attention_4.py": 2}
+SHARDS = {"test_flash_attention.py": 6, "test_flash_attention_4.py": 2}
 
 
 def job_name(file: str) -> str:

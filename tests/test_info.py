@@ -80,3 +80,12 @@ def test_help_is_plain_text(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and "provider" in out, out
+
+
+def test_fallback_lines_stay_short(monkeypatch):
+    # a provider's decline reason can be long (a page size, a dtype and the rule together)
+    reason = "page_size 3 is not a power of two; this kernel path tiles pages " * 2
+    monkeypatch.setattr(providers, "_fallbacks", {("flash_attn_with_kvcache", "triton", reason): 2})
+    text = _info("cpu")
+    assert "fallback: flash_attn_with_kvcache: triton declined 2 call(s)" in text
+    assert max(len(line) for line in text.splitlines()) <= 100, text

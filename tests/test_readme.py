@@ -47,6 +47,15 @@ def test_readme_is_short_and_its_links_resolve():
         assert (ROOT / target).exists(), target
 
 
+def test_docs_links_resolve():
+    """Relative links in docs/*.md resolve from docs/ (as GitHub renders them)."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if target != "..." and not re.match(r"[a-z]+://", target):
+                assert (page.parent / target).exists(), (page.name, target)
+
+
 def test_ci_runs_the_readme_test_command():
     tests = [line for line in shell_lines() if "pytest" in line]
     assert len(tests) == 1, tests

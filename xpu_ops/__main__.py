@@ -72,7 +72,8 @@ def info(device_types: list[str], out=sys.stdout) -> None:
             print(textwrap.fill(reason, WIDTH, initial_indent=f"  [{number}] ",
                                 subsequent_indent="      "), file=out)
     for (op, name, reason), count in providers.fallbacks().items():
-        print(f"fallback: {op}: {name} declined {count} call(s): {reason}", file=out)
+        print(textwrap.fill(f"fallback: {op}: {name} declined {count} call(s): {reason}", WIDTH,
+                            subsequent_indent="    "), file=out)
 
 
 def main(argv=None) -> int:

@@ -426,3 +426,15 @@ def check_flash_mla_with_kvcache(k_cache, block_table, cache_seqlens) -> None:
         return
     check_paged("flash_mla_with_kvcache", cache_seqlens, block_table, k_cache.shape[1],
                 k_cache.shape[0], table_arg="block_table")
+
+
+def check_sinks(fn: str, arg: str, sinks) -> None:
+    """Debug-switch value check of per-head sink logits (``sinks``/``attn_sink [Hq]``): no
+    NaN (``+inf`` and ``-inf`` are legal: all weight to the sink, no sink)."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or not _active(sinks):
+        return
+    where = _first(torch.isnan(sinks.reshape(-1)))
+    if where is not None:
+        fail(fn, arg, "has a NaN logit", "a float or +-inf per head (-inf: no sink)",
+             f"{arg}[{where[0]}] = nan", "A NaN sink's head has unspecified outputs when "
+             "XPU_OPS_DEBUG_CHECKS is off.")

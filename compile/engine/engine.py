@@ -30,6 +30,7 @@ from compile.backend import HybridLinearAttnBackend, XPUAttentionBackend, kv_lay
 from compile.backend.parallel_state import ParallelConfig
 from compile.batch import (ForwardBatch, ForwardMode, KVLayout, LinearStatePool, PageAllocator,
                            ReqToTokenPool, SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
+from compile.engine import disaggregation as disagg
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
 
@@ -163,6 +164,10 @@ class Engine:
             one pass over the keys, so a request's attention output does not depend on the
             rest of its batch (``XPUAttentionBackend``). It reaches the backend as
             ``model_runner.server_args.enable_deterministic_inference``.
+        disaggregation: ``"prefill"`` or ``"decode"`` (sglang's ``--disaggregation-mode``):
+            this engine runs one phase and exchanges requests with ``disaggregation_peer``
+            (default ``disagg.paired_rank``) over torch.distributed
+            (``compile.engine.disaggregation``; its role object is ``self.disagg``).
     Attributes:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
@@ -176,7 +181,9 @@ class Engine:
                  max_total_tokens: int = 8192, chunked_prefill_size: int = 512,
                  kv_dtype: Optional[torch.dtype] = None, seed: int = 0, backend_cls=None,
                  swa_pool: Optional[bool] = None, parallel: Optional[ParallelConfig] = None,
-                 enable_deterministic_inference: bool = False):
+                 enable_deterministic_inference: bool = False,
+                 disaggregation: Optional[str] = None, disaggregation_peer: Optional[int] = None):
+        disagg.check_role(disaggregation, disaggregation_peer)
         _check_sizes(page_size=page_size, max_running=max_running,
                      max_context_len=max_context_len, max_total_tokens=max_total_tokens,
                      chunked_prefill_size=chunked_prefill_size)
@@ -239,6 +246,7 @@ class Engine:
         self.last_batch: Optional[ForwardBatch] = None
         self.last_batch_reqs: list[Req] = []
         self._next_rid = 0
+        self.disagg = disagg.make_role(self, disaggregation, disaggregation_peer)
 
     def _kv_pool(self, layout: KVLayout, swa_pool: Optional[bool], num_pages: int,
                  page_size: int, dtype: torch.dtype, max_running: int, max_context_len: int):
@@ -314,8 +322,9 @@ class Engine:
         return ids
 
     def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while any request is waiting or running (or, decoding disaggregated, may
+        still arrive)."""
+        return bool(self.waiting or self.running) or bool(self.disagg and self.disagg.has_work())
 
     def _pages_needed(self, req: Req) -> int:
         """Pages ``req`` may still take before it finishes (prompt + max_new_tokens)."""
@@ -369,6 +378,8 @@ class Engine:
     # ----------------------------------------------------------------- steps
     def step(self) -> list[Req]:
         """Run one EXTEND or DECODE step; returns the requests that finished in it."""
+        if self.disagg is not None:
+            self.disagg.poll()  # sends done / requests arrived
         self._admit()
         prefilling = [r for r in self.running if r.num_cached < len(r.prompt_ids)]
         if prefilling:
@@ -398,7 +409,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._run(batch, ids, positions)
         done = [req.num_cached == len(req.prompt_ids) for req, *_ in chunks]
-        finished = self._sample_and_finish(
+        finish = getattr(self.disagg, "finish_prefill", self._sample_and_finish)
+        finished = finish(
             [c[0] for c, d in zip(chunks, done) if d], logits[torch.tensor(done)])
         self.stats.prefill_tokens += len(ids)
         self.stats.prefill_seconds += time.perf_counter() - t0

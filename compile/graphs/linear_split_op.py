@@ -1,4 +1,5 @@
-"""The opaque split op of linear-attention layers, ``xpu_ops::unified_linear_attention_with_output``.
+"""The opaque split op of linear-attention layers,
+``xpu_ops::unified_linear_attention_with_output``.
 
 ``torch.ops.xpu_ops.unified_linear_attention_with_output(mixed_qkv, a, b, output, layer_id) ->
 ()`` runs linear-attention layer ``layer_id`` (a ``compile.backend.LinearAttention``: causal

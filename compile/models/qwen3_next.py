@@ -160,7 +160,8 @@ class Qwen3NextSparseMoe(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, **kw))
         self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i, **kw))
-        shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
+        shared = dataclasses.replace(config,
+                                     intermediate_size=config.shared_expert_intermediate_size)
         self.shared_expert = LlamaMLP(shared, **kw)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False, **kw)
 

@@ -41,7 +41,7 @@ def test_matches_oracle_on_strided_rows(neox, dtype):
 def test_errors_are_house_errors():
     x = torch.randn(4, 2, 8)
     with pytest.raises(RuntimeError, match="_apply_rotary_emb: is_neox_style is not a bool"):
-        apply_rotary_emb_per_token(x, torch.ones(4, 4), torch.ones(4, 4), is_neox_style=1)
+        apply_rotary_emb_per_token(x, torch.ones(4, 4), torch.ones(4, 4), is_neox_style=2)
     with pytest.raises(ValueError, match=r"_apply_rotary_emb: cos has the wrong size in "
                                          r"dimension 0; expected x.shape\[0\]"):
         apply_rotary_emb_per_token(x, torch.ones(3, 4), torch.ones(3, 4), is_neox_style=True)

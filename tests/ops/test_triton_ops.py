@@ -34,7 +34,7 @@ from .utils import assert_matches_oracle  # noqa: E402
 
 OPS = ["flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_state_v2", "flash_mla_decode",
        "flash_mla_prefill", "store_kv_cache", "store_mla_kv_cache", "prepare_swa_spec_page_table",
-       "apply_rotary_emb"]
+       "apply_rotary_emb", "merge_state", "store_cache"]
 
 
 def _run(op, provider, args, kwargs):

@@ -18,6 +18,7 @@ from .._checks import (FLOAT_DTYPES, check_optional, check_size, check_tensor, c
                        fail)
 from .._registration import define_op
 from .common import check_cu_seqlens, check_index
+from .kv_cache import snapshot_aliased
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -86,6 +87,9 @@ def causal_conv1d_fn_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_
     dispatcher then runs the provider of x's device)."""
     _check_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,
                             has_initial_state, activation)
+    src = snapshot_aliased((conv_states,), (x, weight, bias))
+    return None if src is None else (*src, conv_states, query_start_loc, cache_indices,
+                                     has_initial_state, activation)
 
 
 @causal_conv1d_fn_op.register_fake
@@ -164,8 +168,12 @@ def _check_causal_conv1d_update(x, conv_state, weight, bias, activation,
 def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
                             activation: Optional[str],
                             conv_state_indices: Optional[Tensor]) -> Tensor:
-    """Op form of ``causal_conv1d_update``: returns ``out``, writes the states (the checks)."""
+    """Op form of ``causal_conv1d_update``: returns ``out``, writes the states (the checks);
+    inputs that share memory with the states are read as they were before the call."""
     _check_causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices)
+    src = snapshot_aliased((conv_state,), (x, weight, bias))
+    return None if src is None else (src[0], conv_state, src[1], src[2], activation,
+                                     conv_state_indices)
 
 
 @causal_conv1d_update_op.register_fake

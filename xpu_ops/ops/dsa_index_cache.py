@@ -22,6 +22,7 @@ from .._checks import FLOAT_DTYPES, check_same_size, check_size, check_tensor, \
 from .._registration import define_op
 from ..index_k_layout import SCALE_BYTES
 from .common import check_flag
+from .kv_cache import snapshot_aliased
 
 NAME = "store_index_k_cache"
 _LOC_DTYPES = (torch.int64, torch.int32)
@@ -53,6 +54,8 @@ def store_index_k_cache_op(index_k_cache: Tensor, loc: Tensor, index_k: Tensor,
     """Op form of ``store_index_k_cache``: writes the addressed slots of ``index_k_cache``."""
     _check_store_index_k_cache(index_k_cache, loc, index_k, ue8m0_scale)
     _value_checks.check_store_index_k_cache(loc, index_k_cache)
+    src = snapshot_aliased((index_k_cache,), (index_k,))
+    return None if src is None else (index_k_cache, loc, src[0], ue8m0_scale)
 
 
 @store_index_k_cache_op.register_fake

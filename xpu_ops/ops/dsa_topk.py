@@ -23,6 +23,7 @@ from .common import check_index
 
 TOPK = "fast_topk"
 TRANSFORM = "fast_topk_transform"
+_INT32_MAX = 2**31 - 1
 
 
 def _check_rows(fn: str, score, lengths, row_starts, topk) -> None:
@@ -144,7 +145,8 @@ def fast_topk_transform_fused(score, lengths, page_table_size_1, cu_seqlens_q, t
 
 def fast_topk_transform_ragged_fused(score, lengths, topk_indices_offset, topk, row_starts=None):
     """``fast_topk_v2``'s positions plus ``topk_indices_offset[i]`` (the row's first key in the
-    ragged KV), ``-1`` kept (sgl-kernel ``fast_topk_transform_ragged_fused``).
+    ragged KV), ``-1`` kept (sgl-kernel ``fast_topk_transform_ragged_fused``). A sum outside
+    ``[0, 2**31)`` (a negative or huge offset) is ``-1`` too, never a wrapped int32.
 
     Args:
         score, lengths, topk, row_starts: as ``fast_topk_v2``.
@@ -166,7 +168,9 @@ def fast_topk_transform_ragged_fused(score, lengths, topk_indices_offset, topk, 
     check_size(fn, "topk_indices_offset", topk_indices_offset, 0, score.shape[0],
                "score.shape[0] (rows)")
     positions = fast_topk_v2(score, lengths, topk, row_starts)
-    return torch.where(positions >= 0, positions + topk_indices_offset[:, None], -1)
+    slots = positions.long() + topk_indices_offset.long()[:, None]     # no int32 wrap-around
+    valid = (positions >= 0) & (slots >= 0) & (slots <= _INT32_MAX)
+    return torch.where(valid, slots, -1).to(torch.int32)
 
 
 __all__ = ["fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused"]

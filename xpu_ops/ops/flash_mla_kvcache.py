@@ -210,6 +210,7 @@ def flash_mla_with_kvcache_op(q: Tensor, k_cache: Tensor, block_table: Optional[
     _check_flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, causal,
                                   is_fp8_kvcache, indices, attn_sink, extra_k_cache,
                                   extra_indices_in_kvcache, topk_length, extra_topk_length)
+    _value_checks.check_sinks(NAME, "attn_sink", attn_sink)
 
 
 @flash_mla_with_kvcache_op.register_fake

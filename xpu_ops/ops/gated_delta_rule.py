@@ -28,6 +28,7 @@ from .._checks import (FLOAT_DTYPES, check_optional, check_shape, check_size, ch
                        check_tensor_args, fail, int_scalar)
 from .._registration import define_op
 from .causal_conv1d import debug_check_slots
+from .kv_cache import snapshot_aliased
 from .common import check_cu_seqlens, check_flag, check_index, finite_scale
 
 
@@ -158,10 +159,14 @@ def chunk_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
                               scale: float, ssm_states: Tensor, cache_indices: Tensor,
                               has_initial_state: Tensor, cu_seqlens: Tensor,
                               use_qk_l2norm_in_kernel: bool, chunk_size: int) -> Tensor:
-    """Op form of ``chunk_gated_delta_rule``: returns ``o``, writes the final states."""
+    """Op form of ``chunk_gated_delta_rule``: returns ``o``, writes the final states; inputs
+    that share memory with the states are read as they were before the call."""
     _check_chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices,
                                   has_initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
                                   chunk_size)
+    src = snapshot_aliased((ssm_states,), (q, k, v, g, beta))
+    return None if src is None else (*src, scale, ssm_states, cache_indices, has_initial_state,
+                                     cu_seqlens, use_qk_l2norm_in_kernel, chunk_size)
 
 
 @chunk_gated_delta_rule_op.register_fake
@@ -268,10 +273,15 @@ def fused_recurrent_gated_delta_rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tens
                                         cu_seqlens: Tensor, use_qk_l2norm_in_kernel: bool,
                                         intermediate_states: Optional[Tensor],
                                         disable_state_update: bool) -> Tensor:
-    """Op form of ``fused_recurrent_gated_delta_rule``: returns ``o``, writes the states."""
+    """Op form of ``fused_recurrent_gated_delta_rule``: returns ``o``, writes the states;
+    inputs that share memory with the states are read as they were before the call."""
     _check_fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices,
                                             cu_seqlens, use_qk_l2norm_in_kernel,
                                             intermediate_states, disable_state_update)
+    src = snapshot_aliased((ssm_states, intermediate_states), (q, k, v, g, beta))
+    return None if src is None else (*src, scale, ssm_states, cache_indices, cu_seqlens,
+                                     use_qk_l2norm_in_kernel, intermediate_states,
+                                     disable_state_update)
 
 
 @fused_recurrent_gated_delta_rule_op.register_fake

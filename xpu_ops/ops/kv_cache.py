@@ -34,10 +34,11 @@ def snapshot_aliased(caches: tuple[Tensor, ...], sources: tuple[Tensor, ...]
                      ) -> Optional[tuple[Tensor, ...]]:
     """``sources``, each one that shares memory with a cache of ``caches`` cloned first (e.g.
     ``k`` a view of rows of ``k_cache``), or None when none does: a store reads every source
-    row as it was before the call, whichever slots it overwrites (API.md "Writes"). Storage
+    row as it was before the call, whichever slots it overwrites (API.md "Writes"); None entries
+    (an absent optional cache or source) alias nothing. Storage
     addresses only, no sync; a clone only for an aliased call."""
-    cache_ptrs = {c.untyped_storage().data_ptr() for c in caches}
-    aliased = [s.untyped_storage().data_ptr() in cache_ptrs for s in sources]
+    cache_ptrs = {c.untyped_storage().data_ptr() for c in caches if c is not None}
+    aliased = [s is not None and s.untyped_storage().data_ptr() in cache_ptrs for s in sources]
     if not any(aliased):
         return None
     return tuple(s.clone() if a else s for s, a in zip(sources, aliased))

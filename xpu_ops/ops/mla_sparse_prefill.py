@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _value_checks
 from .._registration import define_op
 from .._checks import (FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail,
                        int_scalar)
@@ -51,6 +52,7 @@ def flash_mla_sparse_fwd_op(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: fl
     [s_q, h_q], lse [s_q, h_q])``."""
     finite_scale(NAME, "sm_scale", sm_scale)
     _check_flash_mla_sparse_fwd(q, kv, indices, d_v, attn_sink, topk_length)
+    _value_checks.check_sinks(NAME, "attn_sink", attn_sink)
 
 
 @flash_mla_sparse_fwd_op.register_fake

@@ -360,6 +360,7 @@ def flash_attn_with_kvcache(
         _value_checks.check_flash_attn_with_kvcache(q3, k_cache, lens, page_table, cu_seqlens_q,
                                                     max_seqlen_q, contiguous=dense,
                                                     cache_leftpad=cache_leftpad)
+        _value_checks.check_sinks(fn, "sinks", sinks)
     out3, mergeable = _packed_out(fn, out, q3, head_dim_v, batch_shape)
     softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
     softcap = float_scalar(fn, "softcap", softcap)

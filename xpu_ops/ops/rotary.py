@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, check_size, check_tensor, check_tensor_args, fail
 from .._registration import define_op
-from .common import check_index
+from .common import check_flag, check_index
 
 NAME = "apply_rotary_emb"
 
@@ -109,9 +109,7 @@ def apply_rotary_emb_per_token(x, cos, sin, is_neox_style: bool):
     True
     """
     check_tensor_args("_apply_rotary_emb", x=x, cos=cos, sin=sin)
-    if not isinstance(is_neox_style, bool):
-        fail("_apply_rotary_emb", "is_neox_style", "is not a bool", "True (NeoX) or False (GPT-J)",
-             type(is_neox_style).__name__, exc=TypeError)
+    is_neox_style = check_flag("_apply_rotary_emb", "is_neox_style", is_neox_style)
     check_tensor("_apply_rotary_emb", "x", x, ndim=3)
     check_tensor("_apply_rotary_emb", "cos", cos, ndim=2)
     if cos.shape[0] < x.shape[0]:

@@ -3,7 +3,8 @@
 The op ``torch.ops.xpu_ops.store_cache`` (sgl-kernel-xpu's native op has the same name and
 schema) writes row ``i`` of ``k``/``v`` into row ``indices[i]`` of ``k_cache``/``v_cache``; an
 index of -1 skips the token (so does any index outside ``[0, cache rows)`` when the debug checks
-are off). Only the addressed rows change; ``k``/``v`` are read, never modified.
+are off). Only the addressed rows change; ``k``/``v`` are read, never modified, and read as they
+were before the call even when they are views of the caches' rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._registration import define_op
+from .kv_cache import snapshot_aliased
 from .._checks import (FLOAT_DTYPES, FP8_DTYPES, check_same_size, check_tensor,
                        check_tensor_args, tensors_or_none)
 
@@ -40,8 +42,11 @@ def _check_store_cache(k, v, k_cache, v_cache, indices) -> None:
 @define_op("xpu_ops::store_cache", mutates_args=("k_cache", "v_cache"), by_device=True)
 def store_cache_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                    indices: Tensor) -> None:
-    """Op form of ``store_cache_xpu`` (sgl-kernel-xpu's ``store_cache`` schema)."""
+    """Op form of ``store_cache_xpu`` (sgl-kernel-xpu's ``store_cache`` schema); ``k``/``v``
+    that share memory with a cache are read as they were before the call (``snapshot_aliased``)."""
     _check_store_cache(k, v, k_cache, v_cache, indices)
+    sources = snapshot_aliased((k_cache, v_cache), (k, v))
+    return None if sources is None else (*sources, k_cache, v_cache, indices)
 
 
 @store_cache_op.register_fake

@@ -184,6 +184,7 @@ def flash_attn_varlen_func(
     max_seqlen_k = max_seqlen(fn, "max_seqlen_k", max_seqlen_k, k.shape[0])
     _value_checks.check_flash_attn_varlen_func(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                max_seqlen_q, max_seqlen_k, seqused_q)
+    _value_checks.check_sinks(fn, "sinks", sinks)
     softmax_scale = finite_scale(fn, "softmax_scale", softmax_scale)
     softcap = float_scalar(fn, "softcap", softcap)
     # Positional, in schema order (as flash_attn_with_kvcache: no per-call keyword dict).

@@ -15,7 +15,7 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged, s_merged):
 
     LSE-weighted sum of two partial outputs in float32, written into ``v_merged [N, H, D]`` and
     ``s_merged [N, H]``; an empty side (LSE ``-inf`` or ``+inf``) adds nothing, even if its values
-    are NaN.
+    are NaN. A NaN LSE (either side) gives NaN ``v`` and ``s`` for that token and head.
     """
     _merge(v_a, s_a, v_b, s_b, v_merged, s_merged, torch.exp, torch.log)
 
@@ -39,5 +39,7 @@ def _merge(v_a, s_a, v_b, s_b, v_merged, s_merged, exp, log):
     part_a = torch.where(w_a[..., None] > 0, w_a[..., None] * v_a.float(), 0.0)
     part_b = torch.where(w_b[..., None] > 0, w_b[..., None] * v_b.float(), 0.0)
     merged = (part_a + part_b) / torch.where(total > 0, total, 1.0)[..., None]
-    v_merged.copy_(merged.to(v_merged.dtype))
-    s_merged.copy_(s_max + log(total))
+    # a NaN LSE on either side makes the token-head NaN, as the kernels' arithmetic does
+    nan = torch.isnan(s_a) | torch.isnan(s_b)
+    v_merged.copy_(torch.where(nan[..., None], math.nan, merged).to(v_merged.dtype))
+    s_merged.copy_(torch.where(nan, math.nan, s_max + log(total)))

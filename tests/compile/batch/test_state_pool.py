@@ -1,4 +1,5 @@
-"""``LinearStatePool``: slots allocated and freed with requests, forked prefixes, verify rollback."""
+"""``LinearStatePool``: slots allocated and freed with requests, forked prefixes, verify
+rollback."""
 
 from __future__ import annotations
 

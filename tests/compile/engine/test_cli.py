@@ -218,6 +218,10 @@ BAD_ARGS = [
     (["bench", "--device", "cpu", "--context", "8192"],
      r"bench: error: argument --context: expected at most 8191 .*, got 8192"),
     (["bench", "--no-such-flag"], r"bench: error: unrecognized arguments: --no-such-flag"),
+    # an unknown flag points at the subcommand's help, which lists its options
+    (["generate", "--no-such-flag"],
+     r"^python -m compile generate: error: unrecognized arguments: --no-such-flag \(see python "
+     r"-m compile generate --help\)"),
 ]
 
 

@@ -159,3 +159,14 @@ def test_a_run_says_it_is_importing_before_torch_loads(capsys, monkeypatch):
         monkeypatch.setenv("RANK", rank)
         starting(argv)
         assert capsys.readouterr().err == "", argv
+
+
+def test_the_progress_bar_names_the_step_once():
+    # before: "decode b=3: :  55%|..." (tqdm's description already ends in ": ")
+    from tqdm import tqdm
+
+    from compile.__main__ import BAR_FORMAT
+    bar = tqdm(total=10, bar_format=BAR_FORMAT, disable=True)
+    bar.set_description("decode b=3")
+    line = tqdm.format_meter(3, 10, 1.0, prefix=bar.desc, bar_format=BAR_FORMAT, ncols=60)
+    assert line.startswith("decode b=3:  30%|"), line

@@ -240,7 +240,8 @@ def test_op_schema():
     schema = str(torch.ops.xpu_ops.unified_attention_with_output.default._schema)
     assert schema == ("xpu_ops::unified_attention_with_output(Tensor q, Tensor? k, Tensor? v, "
                       "Tensor(a!) output, int layer_id, Tensor? sinks=None, Tensor? q_rope=None, "
-                      "Tensor? k_rope=None, bool save_kv_cache=True) -> ()")
+                      "Tensor? k_rope=None, bool save_kv_cache=True, Tensor? index_q=None, "
+                      "Tensor? index_k=None, Tensor? index_weights=None) -> ()")
 
 
 # ----------------------------------------------------------------------- checks (fake and real)
@@ -288,6 +289,7 @@ def test_layer_rejects_keywords_the_split_op_cannot_carry():
     layer = PagedAttention(4, 8, 8 ** -0.5, 2, layer_id=0)
     layer.split_op = unified_attention
     with pytest.raises(TypeError, match=r"piecewise mode got keyword\(s\) \['qv'\] on layer 0; "
-                                        r"expected only \['sinks', 'q_rope', 'k_rope'\]"):
+                                        r"expected only \['sinks', 'q_rope', 'k_rope', "
+                                        r"'index_q', 'index_k', 'index_weights'\]"):
         layer(torch.zeros(1, 32), torch.zeros(1, 16), torch.zeros(1, 16), None,
               qv=torch.zeros(1, 4))

@@ -1,0 +1,200 @@
+"""``--disaggregation`` of ``python -m compile generate``: prefill and decode in two processes.
+
+    python -m compile generate --model tiny --device cpu --disaggregation both --verify
+    python -m compile generate --device cuda --disaggregation both --mode eager \\
+        --decode-mode graphs --page-size 16 --decode-page-size 1      # one GPU: gloo staging
+    torchrun --nnodes 2 --node-rank 0 ... -m compile generate --disaggregation prefill
+    torchrun --nnodes 2 --node-rank 1 ... -m compile generate --disaggregation decode
+
+The first half of the world's ranks prefill, the second half decode (rank ``i`` pairs with
+``i + world / 2``; ``compile.engine.disaggregation``). ``both`` spawns the two roles as ranks 0
+and 1 of a 2-process group (``torch.multiprocessing``, torchrun-style environment); with one
+GPU both use it and the transfer runs over gloo through the host (NCCL does not pair two
+ranks on one device). Rank 0 (prefill) gets the decode side's outputs, decode step log and
+per-request transfer log back at the end, prints the report and runs ``--verify``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from compile.backend.parallel_state import ParallelConfig
+from compile.engine.cli_args import page_size, positive_int
+from compile.engine.disaggregation import role_of
+
+
+def add_disaggregation_arguments(parser: argparse.ArgumentParser, modes) -> None:
+    """Add ``--disaggregation``, ``--decode-page-size``, ``--decode-mode``,
+    ``--transfer-backend`` and ``--transfer-timeout`` to a ``generate`` parser."""
+    parser.add_argument("--disaggregation", choices=("prefill", "decode", "both"), default=None,
+                        help="run prefill and decode in separate processes (both: spawn the "
+                             "two; prefill/decode: this rank's role under torchrun)")
+    parser.add_argument("--decode-page-size", type=page_size, default=None,
+                        help="page size of the decode engine (default --page-size)")
+    parser.add_argument("--decode-mode", choices=modes, default=None,
+                        help="--mode of the decode engine (default --mode)")
+    parser.add_argument("--transfer-backend", choices=("auto", "gloo"), default="auto",
+                        help="auto: gloo on the CPU, NCCL/XCCL on GPUs; gloo: through the host")
+    parser.add_argument("--transfer-timeout", type=positive_int, default=600,
+                        help="seconds a transfer may wait for the peer (the process group's)")
+
+
+def launch_both(argv: list[str], device_type: str) -> int:
+    """Run ``generate`` as a prefill rank 0 and a decode rank 1 (``argv`` with ``--disaggregation
+    both``) on ``device_type`` (each rank on its own GPU when there are two or more, else both
+    on the one); returns 0 when both exit cleanly, else the failing status."""
+    gpus = getattr(torch, device_type).device_count() if device_type != "cpu" else 0
+    port = _free_port()
+    try:
+        mp.spawn(_child, args=(argv, port, gpus), nprocs=2, join=True)
+    except mp.ProcessRaisedException as e:
+        print(f"[generate] a disaggregated rank failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        return e.exit_code or 1
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, argv: list[str], port: int, gpus: int) -> None:
+    from compile.__main__ import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank if gpus > 1 else 0),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    role = ("prefill", "decode")[rank]
+    args = [role if a == "both" and i and argv[i - 1] == "--disaggregation" else a
+            for i, a in enumerate(argv)]
+    args = [a.replace("--disaggregation=both", f"--disaggregation={role}") for a in args]
+    if gpus == 1:  # both ranks on one card: NCCL refuses, stage through the host
+        args += ["--transfer-backend", "gloo"]
+    status = main(args)
+    if status:
+        sys.exit(status)
+
+
+def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, torch.device]:
+    """Join the process group for ``--disaggregation prefill|decode``; returns a one-process
+    ``ParallelConfig`` and this rank's device. Exits with an argument error (status 2) for an
+    odd world, a role that is not this rank's, or ``--tp``/``--dcp`` beside it."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world < 2 or world % 2:
+        args.error(f"argument --disaggregation: expected an even number of processes (prefill "
+                   f"ranks then as many decode ranks; or --disaggregation both), got {world}")
+    if role_of(rank, world) != args.disaggregation:
+        args.error(f"argument --disaggregation: rank {rank} of {world} has the "
+                   f"{role_of(rank, world)} role (the first half prefill); expected "
+                   f"--disaggregation {role_of(rank, world)}, got {args.disaggregation}")
+    if args.tp * args.dcp > 1:
+        args.error("argument --disaggregation: expected --tp 1 --dcp 1 beside it, got "
+                   f"--tp {args.tp} --dcp {args.dcp}")
+    if device.type in ("cuda", "xpu"):
+        device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
+        getattr(torch, device.type).set_device(device)
+    backend = ("gloo" if device.type == "cpu" or args.transfer_backend == "gloo" else
+               {"cuda": "nccl", "xpu": "xccl"}[device.type])
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.transfer_timeout))
+    return ParallelConfig(), device
+
+
+def run_disaggregated(model, args, prompt_ids, stops, make_forward):
+    """This rank's half of ``generate``: ``(outputs per prompt, stats, forward)``; on the prefill
+    rank the outputs and decode stats are the decode rank's (sent back at the end)."""
+    from compile.engine import Engine, SamplingParams
+
+    prefill = args.disaggregation == "prefill"
+    ps = args.page_size if prefill else (args.decode_page_size or args.page_size)
+    mode = args.mode if prefill else (args.decode_mode or args.mode)
+    forward = make_forward(model, mode, inductor=not args.no_inductor)
+    longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    total = sum(len(p) + args.max_new_tokens for p in prompt_ids)
+    engine = Engine(model, forward=forward, page_size=ps, max_running=len(prompt_ids),
+                    max_context_len=longest, max_total_tokens=total + ps * len(prompt_ids),
+                    chunked_prefill_size=args.chunked_prefill_size,
+                    disaggregation=args.disaggregation)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, stop_token_ids=stops)
+    if prefill:
+        engine.generate(prompt_ids, sampling)
+        engine.disagg.close()
+        outputs = _collect(engine, len(prompt_ids), args.max_new_tokens)
+    else:
+        engine.generate([])
+        outputs = _reply(engine, len(prompt_ids), args.max_new_tokens)
+    for rid, why in sorted(engine.disagg.errors.items()):
+        print(f"[generate] request {rid} failed: {why}", file=sys.stderr, flush=True)
+    return outputs, engine.stats, forward
+
+
+def _reply(engine, n: int, max_new: int) -> list[list[int]]:
+    """Decode rank: send outputs, decode step log and transfer log to the prefill rank."""
+    role, got = engine.disagg, engine.disagg.outputs()
+    outputs = [got.get(i, []) for i in range(n)]
+    out = torch.full((n, max_new), -1, dtype=torch.int64)
+    for i, ids in enumerate(outputs):
+        out[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    st = engine.stats
+    steps = torch.tensor([[b, s, float(i in st.compiled_decode_steps)]
+                          for i, (b, s) in enumerate(st.decode_step_log)], dtype=torch.float64)
+    log = torch.tensor([list(t) for t in role.transfer_log], dtype=torch.float64)
+    sizes = torch.tensor([len(st.decode_step_log), len(role.transfer_log)], dtype=torch.int64)
+    for t in (sizes, out, steps.reshape(-1, 3), log.reshape(-1, 4)):
+        if t.numel():
+            dist.send(t.to(role.wire), role.peer)
+    return outputs
+
+
+def _collect(engine, n: int, max_new: int) -> list[list[int]]:
+    """Prefill rank: receive ``_reply``'s tensors; fold the decode stats into
+    ``engine.stats`` and print the transfer summary."""
+    role = engine.disagg
+    sizes = torch.empty(2, dtype=torch.int64, device=role.wire)
+    dist.recv(sizes, role.peer)
+    n_steps, n_log = sizes.tolist()
+    out = torch.empty((n, max_new), dtype=torch.int64, device=role.wire)
+    dist.recv(out, role.peer)
+    steps = torch.empty((n_steps, 3), dtype=torch.float64, device=role.wire)
+    log = torch.empty((n_log, 4), dtype=torch.float64, device=role.wire)
+    for t in (steps, log):
+        if t.numel():
+            dist.recv(t, role.peer)
+    st = engine.stats
+    for i, (b, s, compiled) in enumerate(steps.tolist()):
+        st.decode_step_log.append((int(b), s))
+        st.decode_tokens, st.decode_seconds = st.decode_tokens + int(b), st.decode_seconds + s
+        if compiled:
+            st.compiled_decode_steps.add(i)
+    print(transfer_summary(log.tolist(), st.prefill_seconds, n, role.pack_seconds),
+          flush=True)
+    return [[t for t in row if t >= 0] for row in out.tolist()]
+
+
+def transfer_summary(log: list, prefill_seconds: float, n: int,
+                     pack_seconds: Optional[float] = None) -> str:
+    """One line: requests transferred, bytes, mean transfer ms per request (decode side:
+    receive and write) against mean prefill ms per request."""
+    if not log:
+        return "transfer: no request transferred"
+    sent = sum(row[2] for row in log)
+    per = 1e3 * sum(row[3] for row in log) / len(log)
+    pack = "" if pack_seconds is None else f", pack {1e3 * pack_seconds / len(log):.2f} ms"
+    return (f"transfer: {len(log)} requests, {sent / 2**20:.2f} MiB, {per:.2f} ms per request "
+            f"(receive + write){pack}; prefill {1e3 * prefill_seconds / max(n, 1):.2f} ms per "
+            "request")
+
+
+__all__ = ["add_disaggregation_arguments", "launch_both", "start_disaggregation",
+           "run_disaggregated", "transfer_summary"]
