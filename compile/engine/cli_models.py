@@ -70,9 +70,12 @@ def pick_device(name: str) -> torch.device:
         return torch.device(next(d for d in ("cuda", "xpu", "cpu") if has[d]))
     if not has[name]:
         available = ", ".join(d for d in ("cpu", "cuda", "xpu") if has[d])
+        built = {"cuda": torch.backends.cuda.is_built,
+                 "xpu": getattr(torch.xpu, "_is_compiled", lambda: False)}[name]()
+        why = (f"this PyTorch build supports {name} but finds no {name} device" if built
+               else f"no {name} device in this PyTorch build")
         raise RuntimeError(f"argument --device: expected auto or an available device "
-                           f"({available}), got {name!r} (no {name} device in this PyTorch "
-                           f"build)")
+                           f"({available}), got {name!r} ({why})")
     return torch.device(name)
 
 

@@ -205,3 +205,23 @@ def test_attention_nan_sinks(provider):
         (out, lse), (out0, lse0) = (xpu_ops.flash_attn_with_kvcache(**_paged_sink_call(s))
                                     for s in (nan_sink, zero_sink))
     assert torch.equal(out[:, 1], out0[:, 1]) and torch.equal(lse[1], lse0[1])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_store_index_k_cache_nan_key_bytes_agree(provider, scale_fmt):
+    """A key with a NaN: Triton's max dropped the NaN (scale = the floor, other values
+    saturated to 448), the reference stored a NaN scale and NaN bytes; now the reference's
+    bytes on every provider. Rows with inf, huge and zero keys were already identical."""
+    k = torch.tensor([[float("nan")] + [1.0] * 15, [float("inf")] + [1.0] * 15,
+                      [1e38] * 16, [0.0] * 16, [0.5, -2.0] * 8])
+    loc = torch.tensor([0, 1, 2, 3, 5])
+    with running("reference"):
+        want = torch.zeros(2, 4, 1, 20, dtype=torch.uint8)
+        xpu_ops.store_index_k_cache(want, loc, k, scale_fmt=scale_fmt)
+    with running(provider):
+        got = torch.zeros(2, 4, 1, 20, dtype=torch.uint8)
+        xpu_ops.store_index_k_cache(got, loc, k, scale_fmt=scale_fmt)
+    assert torch.equal(got, want)
+    nan_scale = got[0].reshape(-1)[64:68].view(torch.float32)      # slot 0's scale bytes
+    assert nan_scale.isnan().all()

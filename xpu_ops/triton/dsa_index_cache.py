@@ -59,7 +59,8 @@ def _store_index_k_kernel(
         x = tl.load(K + t * stride_k + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
         amax = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
-        scale = tl.maximum(amax, AMAX_FLOOR_C) / FP8_MAX_C
+        # the floor by a comparison: tl.maximum may drop a NaN (max.f32, the interpreter's fmax)
+        scale = tl.where(amax == amax, tl.maximum(amax, AMAX_FLOOR_C), amax) / FP8_MAX_C
         if UE8M0:   # round up to a power of two: a non-zero mantissa carries into the exponent
             up = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(
                 tl.float32, bitcast=True)

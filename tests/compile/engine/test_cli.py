@@ -252,15 +252,19 @@ def test_argument_errors_are_one_line_and_status_2(argv, pattern, tmp_path, caps
     assert err[0].endswith("--help)"), err[0]
 
 
-def test_unavailable_device_is_an_argument_error(monkeypatch, capsys, no_loading):
+@pytest.mark.parametrize("built, why", [
+    (False, r"no cuda device in this PyTorch build"),
+    # PyPI's CUDA build on a machine without a GPU: the build is not the reason
+    (True, r"this PyTorch build supports cuda but finds no cuda device")])
+def test_unavailable_device_is_an_argument_error(built, why, monkeypatch, capsys, no_loading):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: built)
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", "tiny", "--device", "cuda"])
     assert exit_info.value.code == 2
     assert re.fullmatch(r"python -m compile generate: error: argument --device: expected auto or "
-                        r"an available device \(cpu.*\), got 'cuda' \(no cuda device in this "
-                        r"PyTorch build\) \(see python -m compile generate --help\)\n",
-                        capsys.readouterr().err)
+                        rf"an available device \(cpu.*\), got 'cuda' \({why}\) \(see python -m "
+                        r"compile generate --help\)\n", capsys.readouterr().err)
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
