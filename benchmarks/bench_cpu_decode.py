@@ -18,9 +18,10 @@ engine tokens/s over transformers tokens/s (>= 1: the engine is at least as fast
     PYTHONPATH=. python benchmarks/bench_cpu_decode.py --threads 1 --clock cpu   # the CPU figure
 
 (``PYTHONPATH=.``: without it, run from a worktree, the editable install imports ``/work/main``'s
-``compile`` and ``xpu_ops``.) The engine's model comes from ``from_hf``, which on the CPU stores
-the linear weights column-major (``compile.models.weights.column_major_weights``); the
-``transformers`` model keeps its own layout.
+``compile`` and ``xpu_ops``.) The engine's model comes from ``from_hf`` (row-major linear
+weights, as the ``transformers`` model holds them); ``--layouts row col`` adds an engine row
+whose model stores them column-major (``from_hf(cpu_column_major=True)``), timed in the same
+rounds.
 
 ``--clock cpu`` times this thread's CPU time instead of wall time: with ``--threads 1`` every
 op runs on the calling thread, so the figure leaves out the time other processes hold the
@@ -30,6 +31,7 @@ cores (wall time on the shared 2-core machine moves by +-30 % between runs).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -40,6 +42,10 @@ from compile.__main__ import DEFAULT_PROMPTS, encode_prompts
 from compile.engine.cli_models import load_model
 from compile.engine import Engine, SamplingParams
 from compile.models import from_hf
+
+
+#: ``--layouts`` names: the ``cpu_column_major`` argument of ``from_hf`` each one passes.
+LAYOUTS = {"row": False, "col": True}
 
 
 def engine_step_seconds(model, prompt_ids: list[list[int]], new_tokens: int,
@@ -87,6 +93,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["row"],
+                   help="engine rows: linear weights row-major (from_hf's default) and/or "
+                        "column-major (cpu_column_major=True)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: this thread's CPU time (with --threads 1 all the work runs on it; "
                         "robust on a shared machine, where wall time includes waiting)")
@@ -96,29 +105,42 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     hf_model, tokenizer = load_model(None, dtype=torch.float32)
     hf_model.eval()
-    model = from_hf(hf_model, dtype=torch.float32, device=torch.device("cpu"))
+    models = {name: from_hf(hf_model, dtype=torch.float32, device=torch.device("cpu"),
+                            cpu_column_major=LAYOUTS[name]) for name in args.layouts}
     prompt_ids = encode_prompts(tokenizer, list(DEFAULT_PROMPTS))
-    engine_s, hf_s = [], []
+    engine_s, hf_s = {name: [] for name in models}, []
     with torch.inference_mode():
-        engine_step_seconds(model, prompt_ids, 4, args.page_size)  # warm-up
+        for model in models.values():  # warm-up
+            engine_step_seconds(model, prompt_ids, 4, args.page_size)
         hf_step_seconds(hf_model, prompt_ids, 4)
         for _ in range(args.rounds):
-            engine_s.append(engine_step_seconds(model, prompt_ids, args.max_new_tokens,
-                                                args.page_size, clock))
+            for name, model in models.items():
+                engine_s[name].append(engine_step_seconds(
+                    model, prompt_ids, args.max_new_tokens, args.page_size, clock))
             hf_s.append(hf_step_seconds(hf_model, prompt_ids, args.max_new_tokens, clock))
-    b = len(prompt_ids)
-    eng, hf = statistics.median(engine_s), statistics.median(hf_s)
+    report(args, len(prompt_ids), engine_s, hf_s)
+
+
+def report(args, b: int, engine_s: dict[str, list[float]], hf_s: list[float]) -> None:
+    """Print the table (one engine row per layout, then transformers), each engine row's
+    tokens/s ratio to transformers, every round's time and the load average at the end."""
+    hf = statistics.median(hf_s)
     from xpu_ops import providers
     provider = providers.select("flash_attn_with_kvcache", torch.device("cpu")).provider
     print(f"# bench_cpu_decode: SmolLM2-135M-Instruct, {b} prompts, {args.max_new_tokens} new "
           f"tokens each, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
           f"provider {provider}, {args.clock} clock\n")
     print("| decode (batch {}) | ms/step | tokens/s |\n|---|---:|---:|".format(b))
-    print(f"| engine, eager | {eng * 1e3:.1f} | {b / eng:.1f} |")
-    print(f"| transformers generate, eager | {hf * 1e3:.1f} | {b / hf:.1f} |")
-    print(f"\nengine / transformers tokens/s: {hf / eng:.2f} (median of {args.rounds} rounds; "
-          f"engine {', '.join(f'{s * 1e3:.1f}' for s in engine_s)} ms, transformers "
-          f"{', '.join(f'{s * 1e3:.1f}' for s in hf_s)} ms)")
+    for name, times in engine_s.items():
+        eng = statistics.median(times)
+        print(f"| engine, eager, {name}-major weights | {eng * 1e3:.1f} | {b / eng:.1f} |")
+    print(f"| transformers generate, eager | {hf * 1e3:.1f} | {b / hf:.1f} |\n")
+    for name, times in engine_s.items():
+        print(f"engine ({name}-major) / transformers tokens/s: "
+              f"{hf / statistics.median(times):.2f} (median of {args.rounds} rounds; engine "
+              f"{', '.join(f'{s * 1e3:.1f}' for s in times)} ms)")
+    print(f"transformers rounds: {', '.join(f'{s * 1e3:.1f}' for s in hf_s)} ms; load average "
+          f"(1, 5, 15 min) {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from compile.models.weights import column_major_weights, copy_from_hf
 
 
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
-            cpu_column_major: bool = True) -> torch.nn.Module:
+            cpu_column_major: bool = False) -> torch.nn.Module:
     """Zoo model holding a copy of ``hf_model``'s weights.
 
     Args:
@@ -30,10 +30,12 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
             ``Qwen3_5MoeForCausalLM`` (``compile.models.qwen3_next``: gated-delta-net and
             full-attention layers).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
-        cpu_column_major: on the CPU, a ``LlamaForCausalLM`` (every type but the three above)
-            stores its linear weights and tied embedding column-major
-            (``compile.models.weights.column_major_weights``: same values, faster small-batch
-            matmuls); False keeps them row-major.
+        cpu_column_major: True: on the CPU, a ``LlamaForCausalLM`` (every type but the three
+            above) stores its linear weights and tied embedding column-major
+            (``compile.models.weights.column_major_weights``, same values). Off by default: a
+            decode step streams every weight from memory once, and the row-major ``x @ W^T``
+            (what ``transformers`` runs) reads them faster than the column-major product
+            (``benchmarks/bench_cpu_decode.py --layouts``).
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
     Raises:

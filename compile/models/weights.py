@@ -68,9 +68,10 @@ def column_major_weights(model: torch.nn.Module) -> torch.nn.Module:
 
     Shapes and values stay (``[out, in]``, the same numbers); only the strides change: the
     transpose ``[in, out]`` is the contiguous matrix (strides ``(1, out)``), so ``F.linear(x,
-    w)`` hands the CPU BLAS ``x @ w.t()`` as a plain row-major product, which it runs faster
-    than the transposed one when ``x`` has few rows (a decode step,
-    measured on the 2-core CPU). Parameters keep their identity (``param.data`` is replaced). The embedding
+    w)`` hands the CPU BLAS ``x @ w.t()`` as a plain row-major product (faster than the
+    transposed one only while the weight stays in cache; a whole decode step, which streams
+    every weight from memory, runs slower, so ``from_hf`` does this only when asked:
+    ``cpu_column_major=True``). Parameters keep their identity (``param.data`` is replaced). The embedding
     lookup then reads each token's row with stride ``vocab`` (slower per token, a few tokens
     per decode step). Any code that ``view``s a weight needs it contiguous: not for models
     with such code (DeepSeek-V2's ``kv_b_proj``).

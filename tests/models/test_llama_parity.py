@@ -122,11 +122,11 @@ def test_logits_match_transformers(variant, page_size):
 
 @pytest.mark.parametrize("variant", ["llama_mqa_tied_llama3_rope", "qwen2_qkv_bias"])
 def test_cpu_models_store_linear_weights_column_major(variant):
-    """On the CPU ``from_hf`` stores every linear weight (and a tied embedding, which the LM
-    head reads) column-major with the same values; ``cpu_column_major=False`` keeps the
-    row-major copy. Logits parity of the column-major model: ``test_logits_match_transformers``."""
+    """On the CPU ``from_hf(cpu_column_major=True)`` stores every linear weight (and a tied
+    embedding, which the LM head reads) column-major with the same values; the default keeps
+    them row-major. The column-major model's logits match ``transformers`` too."""
     hf = make_hf(variant)
-    col, row = from_hf(hf), from_hf(hf, cpu_column_major=False)
+    col, row = from_hf(hf, cpu_column_major=True), from_hf(hf)
     linears = [(n, m.weight) for n, m in col.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) >= 4 * SMALL["num_hidden_layers"]
     tied = col.lm_head is None
@@ -141,6 +141,7 @@ def test_cpu_models_store_linear_weights_column_major(variant):
     ids = torch.tensor([3, 41, 7])
     torch.testing.assert_close(col.model.embed_tokens(ids), row.model.embed_tokens(ids),
                                atol=0, rtol=0)
+    check_parity(hf, col, 4, vocab=97, label=f"{variant} column-major")
 
 
 def test_config_reads_every_variant_option():
