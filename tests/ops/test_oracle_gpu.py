@@ -14,6 +14,9 @@ from xpu_ops import providers
 from xpu_ops.testing import REGISTERED_OPS, op_name, sample_inputs
 
 from . import dsa_oracle, oracle, oracle_flash_mla
+from .test_merge_state_v1 import oracle_base2
+from .test_sparse_attn import oracle as sparse_attn_oracle
+from .test_store_cache import oracle_store
 from . import oracle_linear_attention as linear_oracle
 from .utils import FP8, LSE_TOL, OPCHECK_UTILS, OUT_TOL, has_fp8
 from ..markers import GPU_DEVICE, requires_gpu
@@ -105,8 +108,41 @@ def _check(name, args, kwargs, result, inputs):
             _close(got, want, result[0].dtype, GPU_LSE_TOL)
     elif name in _LINEAR:
         _check_linear_attention(name, args, result, inputs)
+    elif name in _CLIENT_OPS:
+        _check_client_op(name, args, kwargs, result, inputs)
     elif not dsa_oracle.compare(name, args, result, inputs):
         raise AssertionError(f"no oracle for {name}")
+
+
+_CLIENT_OPS = ("merge_state", "store_cache", "sparse_attn_func", "convert_vertical_slash_indexes")
+
+
+def _check_client_op(name, args, kwargs, result, inputs):
+    """sgl-kernel-xpu's own forms: each against the float64 oracle of its CPU test file; the
+    index converter (integers only) against the same op run on the CPU copies."""
+    if name == "merge_state":
+        v64, s64 = oracle_base2(*inputs[:4])
+        _close(args[4], v64, args[4].dtype)
+        torch.testing.assert_close(args[5].cpu().double(), s64, atol=1e-5, rtol=1e-6)
+    elif name == "store_cache":
+        k, v, k_cache, v_cache, indices = inputs
+        for got, cache, rows in ((args[2], k_cache, k), (args[3], v_cache, v)):
+            assert torch.equal(got.cpu().double(), oracle_store(cache, rows, indices))
+    elif name == "sparse_attn_func":
+        out64, lse64 = sparse_attn_oracle(*inputs[:7], **kwargs)
+        _close(args[7], out64, args[7].dtype)
+        torch.testing.assert_close(result.cpu().double(), lse64, atol=2e-5, rtol=2e-5)
+    else:
+        cpu_args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in inputs)
+        with xpu_ops.use_provider("reference"):
+            want = torch.ops.xpu_ops.convert_vertical_slash_indexes(*cpu_args, **kwargs)
+        got = result if isinstance(result, (tuple, list)) else (result,)
+        want = want if isinstance(want, (tuple, list)) else (want,)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
+        for g, w in zip(args, cpu_args):  # written arguments, if any
+            if isinstance(g, torch.Tensor):
+                assert torch.equal(g.cpu(), w)
 
 
 _LINEAR = ("causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating",
