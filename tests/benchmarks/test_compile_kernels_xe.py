@@ -114,3 +114,14 @@ def test_scalar_kinds(value, kind):
 
     source, _ = xe.source_of(xe.Launch(Kernel(), (value,), ()))
     assert source.signature == {"x": kind}
+
+
+def test_warp_specialize_only_in_a_taken_branch():
+    # Triton 3.3's tl.range has no warp_specialize keyword: a kernel may name it only inside a
+    # branch its constexpr removes elsewhere (`if WS:` ... `warp_specialize=True`), never as
+    # `warp_specialize=WS` on the one loop every launch compiles.
+    passed_through = [f"{file}:{node.lineno}" for file, fn in _jit_functions()
+                      for node in ast.walk(fn) if isinstance(node, ast.keyword)
+                      and node.arg == "warp_specialize"
+                      and not (isinstance(node.value, ast.Constant) and node.value.value is True)]
+    assert passed_through == []

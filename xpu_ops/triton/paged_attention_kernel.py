@@ -73,7 +73,8 @@ if HAS_TRITON:
 # kernel would not compile there at all; names under the ``triton`` package are not resolved by
 # that scan. The descriptor branches (``TMA``) are taken only where ``descriptors_supported``.
 # For the same compiler, conditions join at most two operands per ``and``/``or`` (Triton 3.3's
-# front end rejects ``A and B and C``; parentheses pair them). benchmarks/compile_kernels_xe.py
+# front end rejects ``A and B and C``; parentheses pair them), and ``tl.range``'s
+# ``warp_specialize`` keyword appears only in the branch that ``WS`` selects. benchmarks/compile_kernels_xe.py
 # compiles every launch for Intel targets to keep both rules.
 
 
@@ -362,14 +363,25 @@ def _attend(
                                              head_dim_v, stride_kp, stride_ks, stride_kh,
                                              stride_vp, stride_vs, stride_vh, BLOCK_N, D_PAD,
                                              DV_PAD, PAGE_SIZE, PAGED)
-        for start_n in tl.range(mid_lo, mid_hi, BLOCK_N, warp_specialize=WS):
-            acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
-                v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row, hi_row,
-                blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap, num_pages,
-                stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs, stride_block_ids,
-                BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D, TMA, False, HAS_QV,
-                HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION, FOLD)
+        # warp_specialize only where WS: Intel's Triton 3.3 has no such keyword of tl.range
+        if WS:
+            for start_n in tl.range(mid_lo, mid_hi, BLOCK_N, warp_specialize=True):
+                acc, m_i, l_i = _tile_step(
+                    acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
+                    v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row,
+                    hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap,
+                    num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs,
+                    stride_block_ids, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D,
+                    TMA, False, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION, FOLD)
+        else:
+            for start_n in tl.range(mid_lo, mid_hi, BLOCK_N):
+                acc, m_i, l_i = _tile_step(
+                    acc, m_i, l_i, q, qv, start_n, blk_hi, k_start, kv_start, kv_head, k_desc,
+                    v_desc, k_head, v_head, pt_row, offs_d, offs_dv, mask_d, mask_dv, lo_row,
+                    hi_row, blocks, BLOCK_IDS, q_start, kv_len, q_len, k_scale, qv_scale, softcap,
+                    num_pages, stride_pt_p, stride_kp, stride_ks, stride_vp, stride_vs,
+                    stride_block_ids, BLOCK_N, D_PAD, DV_PAD, PAGE_SIZE, PAGED, PAGE_TILES, EVEN_D,
+                    TMA, False, HAS_QV, HAS_BLOCK_IDS, USE_SOFTCAP, PRECISION, FOLD)
         # Descriptor tiles of two pages: the masked edge tiles take one page each (per-page
         # gathers of two pages lose the rows' contiguity: scalar loads and spills on sm_90),
         # so every score tile has one shape.
