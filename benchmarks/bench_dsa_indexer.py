@@ -138,16 +138,18 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def case_main(doc: str, inputs: dict, run, quick, full, argv=None) -> None:
+    """The command line of a case benchmark (this one, bench_flash_mla): ``--cases`` of
+    ``inputs``, ``run(device, cases, quick or full shapes, reps)`` for the rows, their table
+    printed and, with ``--out``, written as results.json and results.md."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cases", nargs="+", default=list(INPUTS), choices=list(INPUTS))
+    parser.add_argument("--cases", nargs="+", default=list(inputs), choices=list(inputs))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=None, help="folder for results.json and results.md")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    rows = run(device, args.cases, QUICK if args.quick else FULL, args.reps)
+    rows = run(torch.device(args.device), args.cases, quick if args.quick else full, args.reps)
     table = markdown(rows)
     print(table)
     if args.out:
@@ -156,6 +158,10 @@ def main(argv=None) -> None:
             json.dump(rows, f, indent=1)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table + "\n")
+
+
+def main(argv=None) -> None:
+    case_main(__doc__, INPUTS, run, QUICK, FULL, argv)
 
 
 if __name__ == "__main__":

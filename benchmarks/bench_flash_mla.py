@@ -20,16 +20,12 @@ where installed); FlashMLA itself is not a dependency and is not timed.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
 
 import xpu_ops
 from xpu_ops import providers
 from xpu_ops.mla_fp8_layout import fp8_token_bytes, quantize_fp8_tokens
-from bench_dsa_indexer import markdown, matmul_tflops, time_call
+from bench_dsa_indexer import case_main, matmul_tflops, time_call
 from decode_roofline import copy_bandwidth
 
 HEADS, DIM, DIM_V, PAGE, TOPK = 128, 576, 512, 64, 2048
@@ -110,23 +106,7 @@ def run(device, cases, sizes, reps) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cases", nargs="+", default=list(INPUTS), choices=list(INPUTS))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check)")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default=None, help="folder for results.json and results.md")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    rows = run(device, args.cases, QUICK if args.quick else FULL, args.reps)
-    table = markdown(rows)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(table + "\n")
+    case_main(__doc__, INPUTS, run, QUICK, FULL, argv)
 
 
 if __name__ == "__main__":
