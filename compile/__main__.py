@@ -461,6 +461,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.model = getattr(args, "model", None)  # None: the default model (see --model's help)
     args.threads = getattr(args, "threads", None)  # None: set_threads picks
+    for name in ("disaggregation", "decode_page_size", "decode_mode"):  # None: off, the engine's
+        setattr(args, name, getattr(args, name, None))
     error = getattr(args, "error", parser.error)   # the subcommand's parser names it
     if extra and args.command != "bench":
         error(f"unrecognized arguments: {' '.join(extra)}")

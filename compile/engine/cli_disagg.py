@@ -35,12 +35,13 @@ from compile.engine.disaggregation import role_of
 def add_disaggregation_arguments(parser: argparse.ArgumentParser, modes) -> None:
     """Add ``--disaggregation``, ``--decode-page-size``, ``--decode-mode``,
     ``--transfer-backend`` and ``--transfer-timeout`` to a ``generate`` parser."""
-    parser.add_argument("--disaggregation", choices=("prefill", "decode", "both"), default=None,
+    parser.add_argument("--disaggregation", choices=("prefill", "decode", "both"),
+                        default=argparse.SUPPRESS,
                         help="run prefill and decode in separate processes (both: spawn the "
                              "two; prefill/decode: this rank's role under torchrun)")
-    parser.add_argument("--decode-page-size", type=page_size, default=None,
+    parser.add_argument("--decode-page-size", type=page_size, default=argparse.SUPPRESS,
                         help="page size of the decode engine (default --page-size)")
-    parser.add_argument("--decode-mode", choices=modes, default=None,
+    parser.add_argument("--decode-mode", choices=modes, default=argparse.SUPPRESS,
                         help="--mode of the decode engine (default --mode)")
     parser.add_argument("--transfer-backend", choices=("auto", "gloo"), default="auto",
                         help="auto: gloo on the CPU, NCCL/XCCL on GPUs; gloo: through the host")
