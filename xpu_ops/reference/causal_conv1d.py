@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import providers
+from .. import provider_table
 
 
 def request_spans(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
@@ -40,7 +40,7 @@ def _tail(ext: torch.Tensor, width: int) -> torch.Tensor:
     return ext[..., ext.shape[-1] - (width - 1):]
 
 
-@providers.register("causal_conv1d_fn", "reference")
+@provider_table.register("causal_conv1d_fn", "reference")
 def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,
                      has_initial_state, activation):
     """Reference ``causal_conv1d_fn`` (contract: ``xpu_ops/ops/causal_conv1d.py``).
@@ -69,7 +69,7 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     return out
 
 
-@providers.register("causal_conv1d_update", "reference")
+@provider_table.register("causal_conv1d_update", "reference")
 def causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices):
     """Reference ``causal_conv1d_update`` (contract: ``xpu_ops/ops/causal_conv1d.py``).
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import providers
+from .. import provider_table
 from .causal_conv1d import request_spans, state_slot
 
 L2NORM_EPS = 1e-6
 
 
-@providers.register("fused_gdn_gating", "reference")
+@provider_table.register("fused_gdn_gating", "reference")
 def fused_gdn_gating(A_log, a, dt_bias, b):
     """Reference ``fused_gdn_gating`` (contract: ``xpu_ops/ops/gated_delta_rule.py``)."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
@@ -59,7 +59,7 @@ def _chunk(S, q, k, v, g, beta):
     return o.transpose(0, 1), S
 
 
-@providers.register("chunk_gated_delta_rule", "reference")
+@provider_table.register("chunk_gated_delta_rule", "reference")
 def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, has_initial_state,
                            cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
     """Reference ``chunk_gated_delta_rule`` (contract: ``xpu_ops/ops/gated_delta_rule.py``).
@@ -83,7 +83,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, h
     return out.to(v.dtype)
 
 
-@providers.register("fused_recurrent_gated_delta_rule", "reference")
+@provider_table.register("fused_recurrent_gated_delta_rule", "reference")
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices,
                                      cu_seqlens, use_qk_l2norm_in_kernel, intermediate_states,
                                      disable_state_update):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, cdiv, launch, next_pow2
 
 BLOCK_T = 16
@@ -160,7 +160,7 @@ def _block_d(dim: int) -> int:
     return min(128, next_pow2(dim))
 
 
-@providers.register("causal_conv1d_fn", "triton", available=available)
+@provider_table.register("causal_conv1d_fn", "triton", available=available)
 def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,
                      has_initial_state, activation):
     """Triton ``causal_conv1d_fn`` (contract: ``xpu_ops/ops/causal_conv1d.py``): outputs over
@@ -194,7 +194,7 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     return out
 
 
-@providers.register("causal_conv1d_update", "triton", available=available)
+@provider_table.register("causal_conv1d_update", "triton", available=available)
 def causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices):
     """Triton ``causal_conv1d_update`` (contract: ``xpu_ops/ops/causal_conv1d.py``): one
     program per (request, channel block) runs the request's tokens in order and then writes

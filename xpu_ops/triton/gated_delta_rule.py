@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, cdiv, launch, next_pow2
 from .causal_conv1d import _both
 
@@ -40,7 +40,7 @@ def _gdn_gating_kernel(
     tl.store(BETA + t * num_heads + offs_h, beta, mask=mask_h)
 
 
-@providers.register("fused_gdn_gating", "triton", available=available)
+@provider_table.register("fused_gdn_gating", "triton", available=available)
 def fused_gdn_gating(A_log, a, dt_bias, b):
     """Triton ``fused_gdn_gating`` (contract: ``xpu_ops/ops/gated_delta_rule.py``)."""
     tokens, heads = a.shape
@@ -142,7 +142,7 @@ def _recurrence(q, k, v, g, beta, scale, ssm_states, cache_indices, cu_seqlens,
     return out
 
 
-@providers.register("fused_recurrent_gated_delta_rule", "triton", available=available)
+@provider_table.register("fused_recurrent_gated_delta_rule", "triton", available=available)
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices,
                                      cu_seqlens, use_qk_l2norm_in_kernel, intermediate_states,
                                      disable_state_update):

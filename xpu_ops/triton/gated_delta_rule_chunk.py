@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import providers
+from .. import provider_table
 from ._common import available, cdiv, launch, next_pow2
 from .causal_conv1d import _both
 
@@ -105,7 +105,7 @@ def _gdn_chunk_kernel(
     tl.store(state_ptrs, S, mask=_both(mask_kv, valid))
 
 
-@providers.register("chunk_gated_delta_rule", "triton", available=available)
+@provider_table.register("chunk_gated_delta_rule", "triton", available=available)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale, ssm_states, cache_indices, has_initial_state,
                            cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
     """Triton ``chunk_gated_delta_rule`` (contract: ``xpu_ops/ops/gated_delta_rule.py``).
