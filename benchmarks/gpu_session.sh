@@ -30,6 +30,11 @@
 #              90 s each)                                                  several minutes
 #   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
+#   dsa        bench_dsa_decode --models sparse: a DeepSeek-V3.2-shaped model (4 layers, context
+#              8192, top-k 2048) decoding in graphs mode at b = 1/8/32, DSA sparse MLA
+#                                                                          about 90 s
+#   dsa_dense  the same with dense MLA, in its own process, into the same table (run after dsa)
+#                                                                          about 90 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
 #              generate --verify` in eager and graphs mode                 about 150 s
 #
@@ -115,6 +120,9 @@ for part in $PARTS; do
                    --targeted --out "$OUT/attention" ;;
     gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \
               $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
+    dsa|dsa_dense) run_part $part 150 $PY benchmarks/bench_dsa_decode.py --device $DEVICE \
+                       $([ "$DRY_RUN" = 1 ] && echo --quick) \
+                       --models $([ $part = dsa ] && echo sparse || echo dense) --out "$OUT/dsa" ;;
     generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
     *) note "$part: unknown part (see the header)" ;;
     esac
