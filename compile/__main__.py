@@ -55,8 +55,8 @@ from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, say, shard_model, start_parallel,
                                          unsupported_by_dcp)
 from compile.engine.cli_verify import hf_generate, verify
-from compile.graphs import (GraphRunner, PiecewiseModel, compile_model, compile_piecewise,
-                            full_and_piecewise)
+from compile.engine.forwards import MODES, make_forward
+from compile.graphs import GraphRunner, PiecewiseModel
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -69,34 +69,6 @@ DESCRIPTION = ("Run models through the paged-attention stack: generate text (gen
                "decode per mode (bench).")
 # tqdm's set_description already ends the description in ": ", so the format adds none
 BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok [{elapsed}]"
-MODES = ("eager", "compile", "piecewise", "graphs", "full_and_piecewise")  # the last: an alias
-
-
-def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
-    """The callable the engine runs for ``--mode`` (see ``FORWARDS``).
-
-    Args:
-        model: the zoo model. mode: one of ``MODES``.
-        inductor: False compiles with the ``eager`` backend instead (Dynamo traces, no Inductor;
-            fast smoke runs). Device graphs are captured on CUDA/XPU either way.
-    """
-    return FORWARDS[mode](model, inductor)
-
-
-def _backend(inductor: bool) -> str:
-    return "inductor" if inductor else "eager"
-
-
-# mode -> (model, inductor) -> forward. Compiled modes turn dynamic after their first recompile.
-FORWARDS: dict[str, Callable] = {
-    "eager": lambda model, inductor: model,
-    "compile": lambda model, inductor: compile_model(model, backend=_backend(inductor)),
-    "piecewise": lambda model, inductor: compile_piecewise(model, inductor=inductor),
-    "graphs": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
-    "full_and_piecewise": lambda model, inductor: full_and_piecewise(model, inductor=inductor),
-}
-
-
 def read_prompts(args) -> list[str]:
     """Prompts from ``--prompt``, then ``--prompts-file`` (its non-blank lines, read and checked
     at parse time by ``cli_args.prompt_lines``); the defaults only when neither is given."""
@@ -322,8 +294,7 @@ def cmd_generate(args) -> int:
     stops = stop_ids(tokenizer, hf_model)
     with unsupported_by_dcp(args):
         if args.disaggregation:
-            outputs, stats, forward = run_disaggregated(model, args, prompt_ids, stops,
-                                                        make_forward)
+            outputs, stats, forward = run_disaggregated(model, args, prompt_ids, stops)
         else:
             outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
@@ -407,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not depend on the rest of its batch; the model's matmuls are not "
                         "made batch invariant")
     add_parallel_arguments(g)
-    add_disaggregation_arguments(g, MODES)
+    add_disaggregation_arguments(g)
     g.set_defaults(func=cmd_generate, error=g.error, model_flag="--model")
     # add_help=False: -h/--help reach bench_model.py, whose help lists the options (its errors
     # point at python -m compile bench --help)

@@ -7,8 +7,9 @@
     torchrun --nnodes 2 --node-rank 1 ... -m compile generate --disaggregation decode
 
 The first half of the world's ranks prefill, the second half decode (rank ``i`` pairs with
-``i + world / 2``; ``compile.engine.disaggregation``). ``both`` spawns the two roles as ranks 0
-and 1 of a 2-process group (``torch.multiprocessing``, torchrun-style environment); with one
+``i + world / 2``; ``compile.engine.disaggregation``). ``both`` starts the two roles as ranks 0
+and 1 of a 2-process group (two ``python -m compile`` child processes with a torchrun-style
+environment, as torchrun starts them); with one
 GPU both use it and the transfer runs over gloo through the host (NCCL does not pair two
 ranks on one device). Rank 0 (prefill) gets the decode side's outputs, decode step log and
 per-request transfer log back at the end, prints the report and runs ``--verify``.
@@ -20,19 +21,22 @@ import argparse
 import datetime
 import os
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from compile.backend.parallel_state import ParallelConfig
 from compile.engine.cli_args import page_size, positive_int
-from compile.engine.disaggregation import role_of
+from compile.engine.disaggregation import ROLES, role_of
+from compile.engine.forwards import MODES, make_forward
 
 
-def add_disaggregation_arguments(parser: argparse.ArgumentParser, modes) -> None:
+def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--disaggregation``, ``--decode-page-size``, ``--decode-mode``,
     ``--transfer-backend`` and ``--transfer-timeout`` to a ``generate`` parser."""
     parser.add_argument("--disaggregation", choices=("prefill", "decode", "both"),
@@ -41,7 +45,7 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser, modes) -> None
                              "two; prefill/decode: this rank's role under torchrun)")
     parser.add_argument("--decode-page-size", type=page_size, default=argparse.SUPPRESS,
                         help="page size of the decode engine (default --page-size)")
-    parser.add_argument("--decode-mode", choices=modes, default=argparse.SUPPRESS,
+    parser.add_argument("--decode-mode", choices=MODES, default=argparse.SUPPRESS,
                         help="--mode of the decode engine (default --mode)")
     parser.add_argument("--transfer-backend", choices=("auto", "gloo"), default="auto",
                         help="auto: gloo on the CPU, NCCL/XCCL on GPUs; gloo: through the host")
@@ -50,41 +54,65 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser, modes) -> None
 
 
 def launch_both(argv: list[str], device_type: str) -> int:
-    """Run ``generate`` as a prefill rank 0 and a decode rank 1 (``argv`` with ``--disaggregation
-    both``) on ``device_type`` (each rank on its own GPU when there are two or more, else both
-    on the one); returns 0 when both exit cleanly, else the failing status."""
+    """Run ``python -m compile`` with ``argv`` (holding ``--disaggregation both``) as a prefill
+    rank 0 and a decode rank 1, each a child process with a torchrun-style environment (each
+    rank on its own GPU when there are two or more, else both on the one, the transfer then
+    through the host over gloo); returns 0 when both exit cleanly, else the first failing
+    status (the other rank is then stopped)."""
     gpus = getattr(torch, device_type).device_count() if device_type != "cpu" else 0
-    port = _free_port()
+    port, procs = _free_port(), []
     try:
-        mp.spawn(_child, args=(argv, port, gpus), nprocs=2, join=True)
-    except mp.ProcessRaisedException as e:
-        print(f"[generate] a disaggregated rank failed:\n{e}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as e:
-        return e.exit_code or 1
-    return 0
+        for rank, role in enumerate(ROLES):
+            procs.append(subprocess.Popen([sys.executable, "-m", "compile",
+                                           *role_argv(argv, role, gpus)],
+                                          env=_rank_env(rank, port, gpus)))
+        return _wait(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def role_argv(argv: list[str], role: str, gpus: int) -> list[str]:
+    """``argv`` with ``--disaggregation both`` (or ``=both``) turned into ``role``, plus
+    ``--transfer-backend gloo`` when both ranks share one GPU (NCCL refuses two ranks on one
+    device)."""
+    args = [role if a == "both" and i and argv[i - 1] == "--disaggregation" else a
+            for i, a in enumerate(argv)]
+    args = [a.replace("--disaggregation=both", f"--disaggregation={role}") for a in args]
+    return args + (["--transfer-backend", "gloo"] if gpus == 1 else [])
+
+
+def _rank_env(rank: int, port: int, gpus: int) -> dict[str, str]:
+    """This environment plus torchrun's variables for ``rank`` of 2, and the folder holding
+    the ``compile`` package first on ``PYTHONPATH`` (the child imports this same copy)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank if gpus > 1 else 0), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Wait for every process; the first non-zero exit stops the others and is returned."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            rank = codes.index(failed)
+            print(f"[generate] the {ROLES[rank]} rank exited with status {failed}; stopping "
+                  "the other", file=sys.stderr, flush=True)
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _child(rank: int, argv: list[str], port: int, gpus: int) -> None:
-    from compile.__main__ import main
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank if gpus > 1 else 0),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    role = ("prefill", "decode")[rank]
-    args = [role if a == "both" and i and argv[i - 1] == "--disaggregation" else a
-            for i, a in enumerate(argv)]
-    args = [a.replace("--disaggregation=both", f"--disaggregation={role}") for a in args]
-    if gpus == 1:  # both ranks on one card: NCCL refuses, stage through the host
-        args += ["--transfer-backend", "gloo"]
-    status = main(args)
-    if status:
-        sys.exit(status)
 
 
 def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, torch.device]:
@@ -111,7 +139,7 @@ def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, to
     return ParallelConfig(), device
 
 
-def run_disaggregated(model, args, prompt_ids, stops, make_forward):
+def run_disaggregated(model, args, prompt_ids, stops):
     """This rank's half of ``generate``: ``(outputs per prompt, stats, forward)``; on the prefill
     rank the outputs and decode stats are the decode rank's (sent back at the end)."""
     from compile.engine import Engine, SamplingParams
@@ -197,5 +225,5 @@ def transfer_summary(log: list, prefill_seconds: float, n: int,
             "request")
 
 
-__all__ = ["add_disaggregation_arguments", "launch_both", "start_disaggregation",
+__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "start_disaggregation",
            "run_disaggregated", "transfer_summary"]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from compile.engine.kv_transfer import state_handlers
+from compile.engine.request import Req
 from compile.engine.sampling import SamplingParams, sample
 
 ROLES = ("prefill", "decode")
@@ -129,7 +130,7 @@ class PrefillRole(_Role):
             done = (tok in req.sampling.stop_token_ids
                     or len(req.output_ids) >= req.sampling.max_new_tokens)
             self._send(req, done)
-            self.engine._release(req, req.finish_reason or TRANSFERRED)
+            self.engine.release(req, req.finish_reason or TRANSFERRED)
         return list(reqs)
 
     def _send(self, req, done: bool) -> None:
@@ -279,7 +280,7 @@ class DecodeRole(_Role):
             why = (f"disaggregation: receiving request {req.rid} from prefill rank {self.peer} "
                    f"failed ({_why(e)})")
             self._fail(req, why)
-            self.engine._release(req, FAILED)
+            self.engine.release(req, FAILED)
             return self._close(why)
         self._write(req, bufs)
         _sync(self.engine.device)
@@ -287,14 +288,12 @@ class DecodeRole(_Role):
                                   time.perf_counter() - t0))
         if h[9]:  # finished on the prefill side: its first token was the last
             first = req.output_ids[0]
-            self.engine._release(req, "stop" if first in req.sampling.stop_token_ids
+            self.engine.release(req, "stop" if first in req.sampling.stop_token_ids
                                  else "length")
 
     def _read_request(self, h: list[int]):
         """The ``Req`` of header ``h`` with its prompt, sampling and first token (its ids
         received), or None when receiving them failed (the stream is closed then)."""
-        from compile.engine.engine import Req
-
         _, rid, n, first, max_new, n_stop, _, _, temp_bits, _ = h
         ids = torch.empty(n + n_stop, dtype=torch.int64, device=self.wire)
         try:

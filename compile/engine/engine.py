@@ -32,26 +32,8 @@ from compile.batch import (ForwardBatch, ForwardMode, KVLayout, LinearStatePool,
                            ReqToTokenPool, SWAPageAllocator, hybrid_kv_pool, make_kv_pool)
 from compile.engine import disaggregation as disagg
 from compile.engine.model_runner import ModelRunnerInfo
+from compile.engine.request import Req
 from compile.engine.sampling import SamplingParams, check_positive_int, is_integer, sample
-
-
-@dataclasses.dataclass
-class Req:
-    """One request's state. ``row`` is its ``req_to_token`` row once admitted (None before)."""
-
-    rid: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    row: Optional[int] = None
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V are in the cache
-    finish_reason: Optional[str] = None
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens of the request so far (prompt + generated)."""
-        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclasses.dataclass
@@ -346,7 +328,9 @@ class Engine:
             self.running.append(req)
             promised += need
 
-    def _release(self, req: Req, reason: str) -> None:
+    def release(self, req: Req, reason: str) -> None:
+        """Finish running ``req`` with ``reason``: free its row, pages (and SWA pages, state
+        slot) and drop it from ``running``."""
         req.finish_reason = reason
         if self.swa_pages is not None:
             self.swa_pages.release(req.row, req.pages)
@@ -467,9 +451,9 @@ class Engine:
         for req, tok in zip(reqs, tokens):
             req.output_ids.append(tok)
             if tok in req.sampling.stop_token_ids:
-                self._release(req, "stop")
+                self.release(req, "stop")
             elif len(req.output_ids) >= req.sampling.max_new_tokens:
-                self._release(req, "length")
+                self.release(req, "length")
             else:
                 continue
             finished.append(req)

@@ -83,9 +83,9 @@ class FreeSpy(Engine):
         super().__init__(*a, **k)
         self._last_freed = {}
 
-    def _release(self, req, reason):
+    def release(self, req, reason):
         self._last_freed[req.rid] = list(req.pages)
-        super()._release(req, reason)
+        super().release(req, reason)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
