@@ -30,7 +30,7 @@
 #              90 s each)                                                  several minutes
 #   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
-#   hybrid     bench_hybrid_decode: a Qwen3-Next-shaped hybrid (12 layers, 3 linear per full
+#   hybrid     bench_hybrid_decode: a Qwen3-Next-shaped hybrid (8 layers, 3 linear per full
 #              attention layer) against a dense model of the same size, graphs mode, b = 1/8/32,
 #              context 1024 (tokens/s, graph breaks, replays)                about 150 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
@@ -120,7 +120,7 @@ for part in $PARTS; do
               $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
     hybrid) run_part hybrid 180 $PY benchmarks/bench_hybrid_decode.py --device $DEVICE \
                 $([ "$DRY_RUN" = 1 ] && echo --quick --no-inductor --dtype float32 --context 16 \
-                  || echo --layers 12 --context 1024) --batches ${BATCHES/64/32} \
+                  || echo --layers 8 --context 1024) --batches ${BATCHES/64/32} \
                 --new-tokens 16 --out "$OUT/hybrid" ;;
     generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
     *) note "$part: unknown part (see the header)" ;;
