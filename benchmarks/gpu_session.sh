@@ -30,6 +30,10 @@
 #              90 s each)                                                  several minutes
 #   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
+#   disagg     bench_disaggregation: a prefill process and a graphs-mode decode process on the
+#              one card, KV transfer against prefill ms per request, tokens checked against one
+#              engine, NCCL on one card probed (gloo through the host when it refuses)
+#                                                                          about 120 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
 #              generate --verify` in eager and graphs mode                 about 150 s
 #
@@ -115,6 +119,9 @@ for part in $PARTS; do
                    --targeted --out "$OUT/attention" ;;
     gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \
               $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
+    disagg) run_part disagg 170 $PY benchmarks/bench_disaggregation.py --device $DEVICE \
+                $([ "$DRY_RUN" = 1 ] && echo --quick --prompt-lens 8 20 --repeats 1 \
+                  --new-tokens 3 || echo --probe-nccl) --out "$OUT/disagg" ;;
     generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
     *) note "$part: unknown part (see the header)" ;;
     esac
