@@ -6,34 +6,45 @@ q LoRA 1536, latent R 512 + rope r 64, nope 128, v 128; indexer 64 heads of 128,
 ``--layers`` layers with dense MLPs of ``--intermediate`` (the MoE is left out: this compares
 attention): ``DeepseekV32ForCausalLM`` on a ``DSATokenToKVPool`` with the
 ``DSAAttentionBackend`` (``sparse``) and ``DeepseekV2ForCausalLM`` of the same shapes on an MLA
-pool with ``XPUAttentionBackend`` (``dense``: ``flash_mla_decode`` over every key). The caches
-of ``b`` requests hold ``--context`` random tokens each (latent rows and fp8 index keys written
-directly, no prefill); every step decodes one token per request at that length.
+pool with ``XPUAttentionBackend`` (``dense``: ``flash_mla_decode``, split-KV, over every key).
+One cache per model holds ``max(--batches)`` requests of ``--context`` random tokens each
+(latent rows and fp8 index keys written directly on the device, no prefill); a batch of ``b``
+decodes one token for each of its first ``b`` requests at that length, so one forward (one
+compilation, one graph runner with a whole-step graph per batch bucket) serves every ``b``.
 
-Per batch size and model: median ms per step (``bench_model.step_seconds``: warm-up excluded,
-device synchronised, host plan inside the step), tokens/s, and the bytes a step must read at
-least (weights once, plus per layer the latent rows attended: ``min(context, topk)`` for
-sparse, ``context`` for dense; plus the index keys for sparse), as a fraction of the device's
-copy bandwidth measured in the same run.
+Per model, mode and ``b``: median ms per step (``bench_model.step_seconds``: warm-up excluded,
+device synchronised, host plan inside the step), tokens/s, the seconds of the first step
+(Dynamo, Inductor, Triton JIT, warm-up; the capture is the second), the graph breaks Dynamo
+counted while the mode ran (the done-when check: 0), the whole-step graph replays so far (0
+where the device has no graphs), and the bytes the step must read at least (``step_bytes``:
+weights, and the cache rows attended: ``min(context + 1, topk)`` latent rows plus every index
+key for sparse, every latent row for dense), as a fraction of the device's copy bandwidth
+measured in the same process. ``--models`` picks the models, so each can run in its own
+process under a time limit; with ``--out`` each run writes ``dsa_decode_<model>.json`` and
+rewrites ``dsa_decode.md`` from every model's file in that folder, with the sparse / dense
+ratios (``make_results_page.py`` shows it as the ``dsa`` part).
 
     python benchmarks/bench_dsa_decode.py --device cuda                 # 8k context, graphs
+    python benchmarks/bench_dsa_decode.py --device cuda --models dense --out $OUT/dsa
     python benchmarks/bench_dsa_decode.py --device cpu --quick          # CPU check, tiny
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch._dynamo.utils import counters
 
 import xpu_ops
 from compile.backend import XPUAttentionBackend
 from compile.backend.dsa_backend import DSAAttentionBackend
 from compile.batch import (DSATokenToKVPool, ForwardBatch, ForwardMode, MLATokenToKVPool,
                            PageAllocator, ReqToTokenPool)
+from compile.graphs import device as dev
 from compile.engine.cli_args import DTYPES, CliParser, non_negative_int, positive_int
 from compile.engine.model_runner import ModelRunnerInfo
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -41,7 +52,7 @@ from compile.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalL
 from bench_model import make_forward, paged_step, step_seconds
 from decode_roofline import copy_bandwidth
 
-RESULTS = Path(__file__).parent / "results"
+MODELS = ("sparse", "dense")
 V32_SHAPES = dict(vocab_size=129280, hidden_size=7168, num_attention_heads=128,
                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                   qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840)
@@ -72,29 +83,32 @@ def build(args, sparse: bool):
     return model
 
 
-def decode_batch(model, b: int, context: int, page_size: int):
-    """``(input_ids [b], ForwardBatch)``: ``b`` requests of ``context`` random cached tokens
-    (latent rows, and index keys for a DSA model) decoding one token each."""
+def decode_cache(model, max_b: int, context: int, page_size: int) -> SimpleNamespace:
+    """Pools and one attention backend for ``max_b`` requests of ``context`` random cached
+    tokens each (latent rows, and fp8 index keys for a DSA model, written directly on the
+    device), decoding at position ``context``. Every batch size shares it (``decode_batch``),
+    so one graph runner serves them all: a runner keeps the backend of its first step."""
     cfg, param = model.config, next(model.parameters())
     device, dtype = param.device, param.dtype
     pages = -(-(context + 1) // page_size)
-    num_pages = b * pages + 1
-    req_pool = ReqToTokenPool(b, pages * page_size, device)
+    num_pages = max_b * pages + 1
+    req_pool = ReqToTokenPool(max_b, pages * page_size, device)
     args = (num_pages * page_size, page_size, dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
             cfg.num_hidden_layers, device)
     sparse = hasattr(cfg, "index_head_dim")
     pool = (DSATokenToKVPool(*args, index_head_dim=cfg.index_head_dim) if sparse
             else MLATokenToKVPool(*args))
     alloc = PageAllocator(num_pages, page_size, device)
-    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, context + 1)[-1:] for r in range(b)])
-    gen = torch.Generator(device="cpu").manual_seed(1)
+    loc = torch.cat([alloc.alloc_extend(req_pool, r, 0, context + 1)[-1:]
+                     for r in range(max_b)])
+    gen = torch.Generator(device=device).manual_seed(1)
     slots = torch.arange(page_size, num_pages * page_size, device=device)
     for layer in range(cfg.num_hidden_layers):
         kv = pool.get_key_buffer(layer)
-        kv.copy_(torch.randn(kv.shape, generator=gen).to(device, dtype))
+        kv.copy_(torch.randn(kv.shape, generator=gen, device=device, dtype=dtype))
         if sparse:
-            keys = torch.randn(slots.shape[0], cfg.index_head_dim, generator=gen).to(device,
-                                                                                    dtype)
+            keys = torch.randn(slots.shape[0], cfg.index_head_dim, generator=gen, device=device,
+                               dtype=dtype)
             xpu_ops.store_index_k_cache(pool.get_index_k_with_scale_buffer(layer), slots, keys)
     runner = ModelRunnerInfo(
         model_config=SimpleNamespace(context_len=pages * page_size,
@@ -102,64 +116,171 @@ def decode_batch(model, b: int, context: int, page_size: int):
                                      index_topk=getattr(cfg, "index_topk", None)),
         tp_size=1, device=device, page_size=page_size, req_to_token_pool=req_pool,
         token_to_kv_pool=pool, kv_cache_dtype=dtype)
+    backend = (DSAAttentionBackend if sparse else XPUAttentionBackend)(runner)
+    return SimpleNamespace(pool=pool, req_pool=req_pool, backend=backend, loc=loc,
+                           context=context, vocab=cfg.vocab_size, device=device)
+
+
+def decode_batch(cache: SimpleNamespace, b: int):
+    """``(input_ids [b], ForwardBatch)``: the first ``b`` requests of ``cache`` decoding one
+    token each."""
+    device, context = cache.device, cache.context
     seq_lens = torch.full((b,), context + 1, dtype=torch.int32)
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=b,
                       req_pool_indices=torch.arange(b, device=device),
-                      seq_lens=seq_lens.to(device), seq_lens_cpu=seq_lens, out_cache_loc=loc,
+                      seq_lens=seq_lens.to(device), seq_lens_cpu=seq_lens,
+                      out_cache_loc=cache.loc[:b].clone(),
                       positions=torch.full((b,), context, device=device))
-    fb.attn_backend = (DSAAttentionBackend if sparse else XPUAttentionBackend)(runner)
-    fb.token_to_kv_pool, fb.req_to_token_pool = pool, req_pool
-    ids = torch.randint(0, cfg.vocab_size, (b,), device=device)
+    fb.attn_backend, fb.token_to_kv_pool = cache.backend, cache.pool
+    fb.req_to_token_pool = cache.req_pool
+    ids = torch.randint(0, cache.vocab, (b,), device=device)
     return ids, fb
 
 
-def min_bytes(model, b: int, context: int) -> int:
-    """Bytes one decode step reads at least: the weights once, and per layer and request the
-    latent rows attended (``min(context + 1, topk)`` sparse) plus, sparse, every index key."""
+def step_bytes(model, b: int, context: int) -> dict:
+    """Bytes one decode step must read at least, ``{"weights", "cache"}``: every weight once
+    but the embedding table (``b`` rows of it), and per layer and request the cache rows
+    attended: ``min(context + 1, topk)`` latent rows and every fp8 index key (``Di + 4`` bytes:
+    the indexer scores all keys) for sparse MLA, all ``context + 1`` latent rows for dense.
+    Logits and top-k scratch are not counted (a fused indexer need not store them)."""
     cfg = model.config
+    size = next(model.parameters()).element_size()
+    embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += (b - embed.shape[0]) * embed.shape[1] * embed.element_size()
     keys = context + 1
-    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * next(model.parameters()).element_size()
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
     topk = getattr(cfg, "index_topk", None)
-    per_layer = row * (min(keys, topk) if topk else keys)
-    if topk:
-        per_layer += keys * (cfg.index_head_dim + 4)
-    return weights + b * cfg.num_hidden_layers * per_layer
+    per_layer = row * min(keys, topk) + keys * (cfg.index_head_dim + 4) if topk else row * keys
+    return dict(weights=weights, cache=b * cfg.num_hidden_layers * per_layer)
+
+
+def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float) -> list[dict]:
+    """One row per batch size of ``model`` in ``mode``: one forward (so one compilation and
+    one graph runner) over every batch size; its first step (tracing, compilation, Triton
+    JIT, warm-up) timed apart; graph breaks counted by Dynamo over the whole mode."""
+    breaks0 = sum(counters["graph_break"].values())
+    forward = make_forward(model, mode)
+    out = []
+    for b in args.batches:
+        ids, fb = decode_batch(cache, b)
+        step = paged_step(forward, ids, fb)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            step()
+        dev.synchronize(args.device)
+        first = time.perf_counter() - t0
+        sec, host = step_seconds(step, args.device, max(args.warmup - 1, 0), args.steps)
+        nbytes = step_bytes(model, b, args.context)
+        out.append(dict(model=name, mode=mode, b=b, ms=sec * 1e3, host_ms=host * 1e3,
+                        tokens_per_s=b / sec, first_step_s=first,
+                        weight_bytes=nbytes["weights"], cache_bytes=nbytes["cache"],
+                        bandwidth_fraction=sum(nbytes.values()) / bandwidth / sec,
+                        copy_gbps=round(bandwidth / 1e9),
+                        graph_replays=getattr(forward, "replays", 0)))
+        print(json.dumps(out[-1]), flush=True)
+    breaks = sum(counters["graph_break"].values()) - breaks0
+    for row in out:
+        row["graph_breaks"] = breaks
+    return out
 
 
 def rows(args, bandwidth: float) -> list[dict]:
     out = []
-    for sparse in (True, False):
-        model = build(args, sparse)
+    for name in args.models:
+        t0 = time.perf_counter()
+        model = build(args, name == "sparse")
+        cache = decode_cache(model, max(args.batches), args.context, args.page_size)
+        dev.synchronize(args.device)
+        print(f"{name}: model and cache built in {time.perf_counter() - t0:.1f} s", flush=True)
         for mode in args.modes:
-            for b in args.batches:  # a graph runner keeps one backend: a forward per batch
-                ids, fb = decode_batch(model, b, args.context, args.page_size)
-                forward = make_forward(model, mode)
-                step, host = step_seconds(paged_step(forward, ids, fb), args.device,
-                                          args.warmup, args.steps)
-                floor = min_bytes(model, b, args.context) / bandwidth
-                out.append(dict(model="sparse" if sparse else "dense", mode=mode, b=b,
-                                ms=step * 1e3, host_ms=host * 1e3, tokens_per_s=b / step,
-                                bandwidth_fraction=floor / step))
-                print(json.dumps(out[-1]), flush=True)
-        del model
+            out += timed_rows(model, name, mode, cache, args, bandwidth)
+        del model, cache
     return out
 
 
-def markdown(rows_: list[dict], args) -> str:
-    head = (f"DeepSeek-V3.2 shapes, {args.layers} layers, context {args.context}, top-k "
-            f"{args.topk}, {args.dtype}, page {args.page_size}")
-    lines = [head, "", "| model | mode | b | ms/step | host ms | tokens/s | of copy bw |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['mode']} | {r['b']} | {r['ms']:.3f} | {r['host_ms']:.3f} | "
-              f"{r['tokens_per_s']:.1f} | {r['bandwidth_fraction']:.2f} |" for r in rows_]
-    return "\n".join(lines) + "\n"
+def config(args) -> dict:
+    """What a row's figures depend on besides model, mode and b (keys of the merged table)."""
+    return dict(layers=args.layers, context=args.context, topk=args.topk,
+                dtype=str(args.dtype).replace("torch.", ""), page_size=args.page_size,
+                intermediate=args.intermediate, quick=bool(args.quick))
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in decimal units, three significant digits: ``1.21 GB``, ``440 MB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def row_line(r: dict) -> str:
+    return (f"| {r['model']} | {r['mode']} | {r['b']} | {r['ms']:.3f} | {r['tokens_per_s']:.1f} | "
+            f"{size(r['cache_bytes'])} | {size(r['weight_bytes'])} | "
+            f"{r['bandwidth_fraction']:.2f} | {r['graph_breaks']} | {r['graph_replays']} | "
+            f"{r['first_step_s']:.1f} |")
+
+
+def ratio_lines(rows_: list[dict]) -> list[str]:
+    """Sparse against dense for every (mode, b) measured for both."""
+    by = {(r["model"], r["mode"], r["b"]): r for r in rows_}
+    pairs = [(by[k], by[("dense",) + k[1:]]) for k in by
+             if k[0] == "sparse" and ("dense",) + k[1:] in by]
+    if not pairs:
+        return []
+    lines = ["", "| mode | b | sparse tokens/s | dense tokens/s | sparse / dense speed | "
+             "cache bytes read per step, sparse / dense |", "|---|---|---|---|---|---|"]
+    lines += [f"| {s['mode']} | {s['b']} | {s['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | "
+              f"{s['tokens_per_s'] / d['tokens_per_s']:.2f} | {size(s['cache_bytes'])} / "
+              f"{size(d['cache_bytes'])} ({s['cache_bytes'] / d['cache_bytes']:.2f}) |"
+              for s, d in pairs]
+    return lines
+
+
+def markdown(runs: list[dict]) -> str:
+    """One table per configuration over every ``{"config", "rows"}`` run given (the sparse
+    and dense models may come from separate processes), and the sparse / dense ratios."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(json.dumps(run["config"], sort_keys=True), []).extend(run["rows"])
+    text = []
+    for key, rows_ in groups.items():
+        c = json.loads(key)
+        text += [f"DeepSeek-V3.2 shapes{' (--quick: tiny)' if c['quick'] else ''}, "
+                 f"{c['layers']} layers (dense MLP {c['intermediate']}), context {c['context']}, "
+                 f"top-k {c['topk']}, {c['dtype']}, page {c['page_size']}. Copy bandwidth (read + "
+                 f"write, measured in each model's process): " + ", ".join(
+                     f"{m} {gbps} GB/s" for m, gbps in dict(
+                         (r["model"], r["copy_gbps"]) for r in rows_).items()) + ".",
+                 "", "| model | mode | b | ms/step | tokens/s | cache read per step | weights "
+                 "read | of copy bw | graph breaks | whole-step graph replays | first step "
+                 "s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        text += [row_line(r) for r in rows_] + ratio_lines(rows_) + [""]
+    return "\n".join(text)
+
+
+def write(out: Path, table: list[dict], cfg: dict) -> str:
+    """``dsa_decode_<model>.json`` per model of this run, then ``dsa_decode.md`` from every
+    such file in ``out`` (so separate sparse and dense runs give one table). Returns the
+    Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in dict.fromkeys(r["model"] for r in table):
+        run = dict(config=cfg, rows=[r for r in table if r["model"] == name])
+        (out / f"dsa_decode_{name}.json").write_text(json.dumps(run, indent=1))
+    runs = [json.loads((out / f"dsa_decode_{m}.json").read_text()) for m in MODELS
+            if (out / f"dsa_decode_{m}.json").is_file()]
+    text = markdown(runs)
+    (out / "dsa_decode.md").write_text(text)
+    return text
 
 
 def main(argv=None):
     ap = CliParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "xpu"))
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                    help="which models to time, in this order (run each in its own process "
+                         "with the same --out to keep each under a time limit)")
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--intermediate", type=positive_int, default=18432)
     ap.add_argument("--context", type=positive_int, default=8192)
@@ -171,20 +292,19 @@ def main(argv=None):
     ap.add_argument("--warmup", type=non_negative_int, default=5)
     ap.add_argument("--steps", type=positive_int, default=30)
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny shapes")
-    ap.add_argument("--out", default=None, help="directory for dsa_decode.{md,json}")
+    ap.add_argument("--out", default=None,
+                    help="directory for dsa_decode_<model>.json and dsa_decode.md (the table "
+                         "of every model's file there)")
     args = ap.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
     args.dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(args.device, (64 if args.device == "cpu" else 2048) << 20)
     table = rows(args, bandwidth)
-    text = markdown(table, args)
+    cfg = config(args)
+    text = (write(Path(args.out), table, cfg) if args.out
+            else markdown([dict(config=cfg, rows=table)]))
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dsa_decode.md").write_text(text)
-        (out / "dsa_decode.json").write_text(json.dumps(table, indent=1))
     return table
 
 

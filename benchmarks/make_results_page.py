@@ -9,8 +9,8 @@ unpacked there: ``summary.txt`` (date, commit, each part's exit status and secon
 ``env.txt`` (device, torch, Triton and Python versions), ``commands.txt`` (``part<TAB>command``
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
 ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``, ``gemm/decode_gemm.json``,
-``disagg/disaggregation.json``,
-``suite.log``, ``sgl/*.md``) and, optionally, ``notes.txt`` (shown under the device heading).
+``disagg/disaggregation.json``, ``suite.log``, ``sgl/*.md``, ``hybrid/hybrid_decode.md``,
+``dsa/dsa_decode.md``) and, optionally, ``notes.txt`` (shown under the device heading).
 Every table of a section comes from that one run, so the figures
 beside each other were measured together; each part shows the command that produced it. The
 page is rewritten whole: edit the run folders or this script, never the page (history is in
@@ -38,6 +38,11 @@ PARTS = {
     "gemm": "The decode step's GEMMs under each GEMM choice (bench_decode_gemm.py)",
     "disagg": "Prefill/decode disaggregation on one card: KV transfer against prefill per "
               "request (bench_disaggregation.py)",
+    "hybrid": ("Hybrid linear attention decode: a Qwen3-Next-shaped model against a dense model "
+               "of the same size (bench_hybrid_decode.py)"),
+    "dsa": "DeepSeek-V3.2-shaped decode: sparse (DSA) against dense MLA (bench_dsa_decode.py)",
+    "dsa_dense": "DeepSeek-V3.2-shaped decode: the dense-MLA rows of the table above, in their "
+                 "own process (bench_dsa_decode.py)",
     "suite": "The gpu-marked test suite",
     "sgl": "sgl-kernel's own tests through the shim (run_sgl_kernel_tests.py)",
     "generate": "The main job on the GPU (generate_verify.sh)",

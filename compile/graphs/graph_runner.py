@@ -76,6 +76,10 @@ class GraphRunner:
         buffers: the ``StepBuffers`` (made at the first captured step).
         graph: the ``GraphWrapper`` of the whole step.
         static_steps: steps run through the step buffers (captured, replayed or warm-up).
+        retargets: times a batch came with a backend that cannot share the step buffers
+            (``shares_graph_buffers``: another engine's, e.g. one runner passed to two
+            ``Engine``s): the runner dropped its buffers and whole-step graphs and captures
+            again for the new backend (one engine at a time; alternating engines recapture).
     """
 
     builds_metadata = True
@@ -101,7 +105,7 @@ class GraphRunner:
                                   pool=pool, warmup_calls=1)
         self.buffers: Optional[StepBuffers] = None
         self.tokens = tokens
-        self.static_steps = 0
+        self.static_steps = self.retargets = 0
 
     @property
     def captures(self) -> int:
@@ -170,15 +174,24 @@ class GraphRunner:
         return self.forward(input_ids, positions, fb)
 
     def _buffers(self, fb: ForwardBatch) -> StepBuffers:
+        if self.buffers is not None and not self.buffers.backend.shares_graph_buffers(
+                fb.attn_backend):
+            self._retarget()
         if self.buffers is None:
             per_req = max(1, self.draft_token_num, self.topk * max(self.num_steps, 1))
             self.buffers = StepBuffers(fb.attn_backend, self.max_bs, self.max_bs * per_req,
                                        self.tokens)
-        elif not self.buffers.backend.shares_graph_buffers(fb.attn_backend):
-            raise RuntimeError("GraphRunner: the batch's attn_backend cannot use the step "
-                               "buffers made for another backend; expected one backend per "
-                               "runner, or the step backends of one XPUMultiStepDraftBackend.")
         return self.buffers
+
+    def _retarget(self) -> None:
+        """Forget the step buffers and whole-step graphs of the previous backend (another
+        engine's: its graphs read that engine's pools and metadata buffers), so the next
+        captured step warms up, captures and replays on the new backend's. The compiled
+        ``forward`` (pieces included) is kept: it reads no pool itself."""
+        self.buffers = None
+        self.graph.entries.clear()
+        self.graph.calls.clear()
+        self.retargets += 1
 
 
 def full_and_piecewise(model, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,

@@ -1,5 +1,6 @@
 """``bench_dsa_decode --quick`` on the CPU: both models (sparse DSA and dense MLA) decode every
-batch size, and the table and JSON are written."""
+batch size through one forward each, separate runs into one folder give one table with the
+sparse / dense ratios, and the bytes a step reads are counted from the shapes."""
 
 import json
 from types import SimpleNamespace
@@ -8,23 +9,43 @@ import torch
 
 import bench_dsa_decode
 
+QUICK = ["--device", "cpu", "--quick", "--dtype", "float32", "--modes", "eager"]
 
-def test_quick_run_times_both_models(tmp_path):
-    bench_dsa_decode.main(["--device", "cpu", "--quick", "--dtype", "float32", "--modes",
-                           "eager", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "dsa_decode.json").read_text())
+
+def test_separate_runs_give_one_table(tmp_path):
+    bench_dsa_decode.main(QUICK + ["--models", "sparse", "--out", str(tmp_path)])
+    bench_dsa_decode.main(QUICK + ["--models", "dense", "--out", str(tmp_path)])
+    rows = [r for m in ("sparse", "dense")
+            for r in json.loads((tmp_path / f"dsa_decode_{m}.json").read_text())["rows"]]
     assert [(r["model"], r["b"]) for r in rows] == [("sparse", 1), ("sparse", 2), ("dense", 1),
                                                     ("dense", 2)]
-    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-    assert "| sparse | eager | 2 |" in (tmp_path / "dsa_decode.md").read_text()
+    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 and r["graph_breaks"] == 0 for r in rows)
+    text = (tmp_path / "dsa_decode.md").read_text()
+    assert text.count("| sparse | eager |") == 2 and text.count("| dense | eager |") == 2, text
+    assert text.count("DeepSeek-V3.2 shapes") == 1, text                 # one configuration
+    s, d = rows[1], rows[3]                                                # b = 2
+    ratio = s["tokens_per_s"] / d["tokens_per_s"]
+    assert f"| eager | 2 | {s['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {ratio:.2f} |" \
+        in text, text
 
 
-def test_min_bytes_counts_topk_rows_for_sparse():
+def test_step_bytes_count_topk_rows_and_index_keys_for_sparse():
     args = SimpleNamespace(quick=True, layers=1, intermediate=8, topk=16,
                            dtype=torch.float32, device="cpu")
     sparse, dense = bench_dsa_decode.build(args, True), bench_dsa_decode.build(args, False)
-    weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+
+    def weights(m, b):   # every parameter, but only b rows of the embedding table (64 wide)
+        return sum(p.numel() for p in m.parameters()) * 4 - (256 - b) * 64 * 4
     row = (32 + 16) * 4  # (R + r) float32
     # context 40: 41 keys; sparse reads top-16 rows and all 41 index keys (32 fp8 + 4 scale)
-    assert bench_dsa_decode.min_bytes(sparse, 2, 40) == weights(sparse) + 2 * (16 * row + 41 * 36)
-    assert bench_dsa_decode.min_bytes(dense, 2, 40) == weights(dense) + 2 * 41 * row
+    assert bench_dsa_decode.step_bytes(sparse, 2, 40) == dict(
+        weights=weights(sparse, 2), cache=2 * (16 * row + 41 * 36))
+    assert bench_dsa_decode.step_bytes(dense, 2, 40) == dict(weights=weights(dense, 2),
+                                                             cache=2 * 41 * row)
+    # context shorter than top-k: every row
+    assert bench_dsa_decode.step_bytes(sparse, 1, 9)["cache"] == 10 * row + 10 * 36
+
+
+def test_size_units():
+    assert [bench_dsa_decode.size(n) for n in (5, 6024, 4.4e8, 1.2075e9)] == [
+        "5 B", "6.02 kB", "440 MB", "1.21 GB"]

@@ -83,3 +83,23 @@ def test_disagg_part_is_a_table_of_transfer_against_prefill(tmp_path):
     assert "| 512 | 2 | 22.50 | 8.12 | 3.50 | 12.25 | 1.94 |" in text, text
     (run / "disagg" / "disaggregation.json").write_text("{}")
     assert "disaggregation" not in gen.page({"h100": run}, tmp_path)
+
+
+def test_dsa_part_shows_the_decode_table_with_both_models_commands(tmp_path):
+    run = tmp_path / "results" / "h200"
+    (run / "dsa").mkdir(parents=True)
+    (run / "env.txt").write_text(ENV + "\n")
+    (run / "summary.txt").write_text(
+        "gpu_session 2026-12-07T01:02:03Z parts: dsa dsa_dense; 1234abc a commit\n"
+        "dsa: exit 0 in 80 s (limit 150 s)\ndsa_dense: exit 0 in 70 s (limit 150 s)\n")
+    (run / "commands.txt").write_text(
+        "dsa\tpython benchmarks/bench_dsa_decode.py --models sparse --out $OUT/dsa\n"
+        "dsa_dense\tpython benchmarks/bench_dsa_decode.py --models dense --out $OUT/dsa\n")
+    (run / "dsa" / "dsa_decode.md").write_text("| model | b |\n|---|---|\n| sparse | 1 |\n")
+    (run / "dsa" / "dsa_decode_sparse.json").write_text("{}")
+    text = gen.page({"h200": run}, tmp_path)
+    assert "### DeepSeek-V3.2-shaped decode: sparse (DSA) against dense MLA" in text, text
+    assert "| model | b |\n|---|---|\n| sparse | 1 |" in text, text
+    assert "    python benchmarks/bench_dsa_decode.py --models dense --out $OUT/dsa" in text, text
+    assert "Part status: exit 0 in 70 s (limit 150 s)." in text, text
+    assert text.index("sparse (DSA) against dense") < text.index("the dense-MLA rows"), text

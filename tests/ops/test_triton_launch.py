@@ -108,17 +108,28 @@ def _wide_decode(lens, page, hq, hkv, seed):
     return [q, k, v, seqlens, table, cu, out, *[None] * 7]
 
 
+@pytest.fixture(params=["waves", "legacy"])
+def split_schedule(request):
+    """Each decode split schedule of ``split_plan`` (the default and the former rule)."""
+    from xpu_ops.triton import split_plan
+    previous = split_plan.set_schedule(request.param)
+    yield request.param
+    split_plan.set_schedule(previous)
+
+
 @in_subprocess
 @pytest.mark.parametrize("case", WIDE_CASES, ids=["ps16", "ps1-gqa4", "ps64", "ps16-batch3"])
-def test_planned_splits_share_each_length_and_match_oracle(case, monkeypatch):
+def test_planned_splits_share_each_length_and_match_oracle(case, monkeypatch, split_schedule):
     """Automatic splits over a wide page table (8 "multiprocessors" and one-tile splits: the
-    small-batch plan at the interpreter's scale): the output and LSE match the oracle, and
+    small-batch plan at the interpreter's scale), under each split schedule (three requests on
+    16 slots: 16 splits, the legacy rule 6): the output and LSE match the oracle, and
     exactly the splits that a request's own length gives a share wrote a finite partial LSE;
     the others, and a request with one working split (it writes the result itself), leave the
     NaN-poisoned scratch alone. Fixed chunks of the table's capacity would have left every split
     but the first idle."""
     monkeypatch.setattr(pa, "num_sms", lambda device: 8)
     monkeypatch.setattr(pa, "DECODE_SPLIT_KEYS", 16)
+    pa._launch_params.cache_clear()
     lens, page, hq, hkv = case
     args = _wide_decode(lens, page, hq, hkv, seed=len(lens) + page)
     q, k, v, seqlens, table, cu, out = args[:7]

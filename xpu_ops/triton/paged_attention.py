@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import provider_table
+from . import split_plan
 from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
                       num_sms, set_descriptor_allocator, warp_specialize_supported)
 from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
@@ -150,10 +151,13 @@ def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad:
     return _Config(128, 128, 8, 2)     # H200 sweep: 3.59 ms vs 4.21 for (128, 64, 8, 3)
 
 
-# Decode: splits until the grid holds this many programs per multiprocessor, each split of at
-# least DECODE_SPLIT_KEYS keys; a full grid cuts only requests longer than DECODE_CHUNK_KEYS
-# (H200 sweep, 132 SMs, b = 1..64 x 1k..16k keys: 2 programs per SM and >= 256 keys per split
-# were within ~10 % of the best split count of every row; b = 64 x 4096 was fastest unsplit).
+# Decode (split_plan.decode_splits): DECODE_PROGRAMS_PER_SM decode programs resident per
+# multiprocessor (the D = 128 bf16 tile, 16 x 64 keys, 2 warps, 4 stages, compiled for sm_90:
+# 102 KiB of shared memory, so 2 fit in an H100/H200 multiprocessor's 228 KiB); splits of at least
+# DECODE_SPLIT_KEYS keys while the unsplit grid leaves slots empty, else of DECODE_CHUNK_KEYS
+# (H200 sweep, 132 SMs, b = 1..64 x 1k..16k keys: >= 256 keys per split were within ~10 % of the
+# best split count of every row; b = 64 x 4096 was fastest unsplit), at least
+# cdiv(keys, DECODE_CHUNK_KEYS) of them (at most DECODE_MAX_CHUNKS): mixed lengths balance.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_SPLIT_KEYS = 256
 DECODE_CHUNK_KEYS = 4096
@@ -173,11 +177,11 @@ def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: i
     captured at a wide page table still splits the lengths it replays with. ``programs``: the
     grid without splits; ``max_kv_len``: the page table's capacity in tokens.
 
-    - Decode-like launches (at most two row tiles per request) with fewer than
-      ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor (small batches): as many splits as
-      reach that, of at least ``DECODE_SPLIT_KEYS`` keys each.
-    - Other decode launches: requests longer than ``DECODE_CHUNK_KEYS`` are cut into chunks of
-      at least that many keys (at most ``DECODE_MAX_CHUNKS``), which balances mixed lengths.
+    - Decode-like launches (at most two row tiles per request): ``split_plan.decode_splits``
+      on ``DECODE_PROGRAMS_PER_SM`` resident programs per multiprocessor (whole waves, splits
+      of at least ``DECODE_SPLIT_KEYS`` keys while the grid leaves slots empty, else of
+      ``DECODE_CHUNK_KEYS``, at least one per ``DECODE_CHUNK_KEYS`` keys up to
+      ``DECODE_MAX_CHUNKS``); ``split_plan.SCHEDULE = "legacy"`` takes the former rule.
     - Prefill and extend: splits only to fill the device, each of >= 4 tiles.
 
     >>> plan_splits(torch.device("cpu"), programs=1, max_kv_len=4096, block_n=16, decode=True)
@@ -187,12 +191,13 @@ def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: i
     if not decode:
         fill = round(PREFILL_PROGRAMS_PER_SM * num_sms(device) / max(programs, 1))
         return max(1, min(fill, cdiv(tiles, 4), MAX_SPLITS)), 4
-    want = cdiv(DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
-    if want > 1:
-        return (max(1, min(want, cdiv(max_kv_len, DECODE_SPLIT_KEYS), MAX_SPLITS)),
-                cdiv(DECODE_SPLIT_KEYS, block_n))
-    return (max(1, min(DECODE_MAX_CHUNKS, cdiv(max_kv_len, DECODE_CHUNK_KEYS))),
-            cdiv(DECODE_CHUNK_KEYS, block_n))
+    keys = dict(split_keys=DECODE_SPLIT_KEYS, chunk_keys=DECODE_CHUNK_KEYS,
+                max_chunks=DECODE_MAX_CHUNKS, max_splits=MAX_SPLITS)
+    if split_plan.SCHEDULE == "legacy":
+        return split_plan.legacy_decode_splits(programs, num_sms(device), DECODE_PROGRAMS_PER_SM,
+                                               max_kv_len, block_n, **keys)
+    return split_plan.decode_splits(programs, DECODE_PROGRAMS_PER_SM * num_sms(device),
+                                    max_kv_len, block_n, **keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +278,7 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
                          dv_pad, grid_m * batch * num_heads_kv, plain)
 
 
+split_plan._ON_CHANGE.append(_launch_params.cache_clear)
 _FLAG_NAMES = ("HAS_QV", "HAS_Q_DESCALE", "HAS_K_DESCALE", "HAS_V_DESCALE", "HAS_SINKS",
                "HAS_K_START", "HAS_BLOCK_IDS", "HAS_Q_USED")
 # _metadata_strides of the plain form: unit-stride cache_seqlens, cu_seqlens_q and page-table

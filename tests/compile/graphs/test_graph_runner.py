@@ -270,6 +270,35 @@ class TestOneMetadataBuildPerStep(TestCase):
         self.assertEqual(outputs["graphs"], outputs["eager"])
 
 
+class TestOneRunnerManyEngines(TestCase):
+    """One runner passed to engines made one after another (a bench's engine per batch size):
+    each engine's decode steps replay graphs captured on its own pools and metadata buffers
+    (before, the second engine's first captured step raised "cannot use the step buffers made
+    for another backend"), and every engine's tokens equal the eager engine's."""
+
+    def test_second_engine_recaptures_on_its_own_buffers(self):
+        torch._dynamo.reset()
+        model = tiny_model()
+        prompts = [[5, 9, 2, 7, 1], [3, 4], [8, 1, 6, 2, 2, 9, 4, 3, 1]]
+
+        def generate(forward, n):
+            engine = Engine(model, forward=forward, page_size=4, max_running=n,
+                            max_context_len=32, max_total_tokens=96, chunked_prefill_size=8)
+            with torch.no_grad():
+                return engine, engine.generate(prompts[:n], SamplingParams(max_new_tokens=5))
+
+        want = {n: generate(model, n)[1] for n in (3, 2)}  # before the split op is on
+        runner = full_and_piecewise(model, batch_sizes=(1, 2, 4), graph_sizes=(8, 16),
+                                    inductor=False, emulate_graphs=True, debug=True)
+        for i, n in enumerate((3, 2)):  # two engines: their own pools, buffers and buckets
+            engine, ids = generate(runner, n)
+            self.assertEqual(ids, want[n], n)
+            self.assertIs(runner.buffers.backend, engine.attn_backend)
+            self.assertEqual(runner.retargets, i)
+            self.assertGreaterEqual(runner.replays, 1)
+        self.assertGreaterEqual(runner.captures, 2)  # one per engine at least
+
+
 @requires_gpu_graphs
 class TestFullAndPiecewiseGPU(TestCase):
     def setUp(self):
