@@ -25,6 +25,11 @@
 #                                                                          about 150 s
 #   mla        bench_attention, the MLA decode row only: default, mla_split and the MLA_CFGS
 #              tile sweep                                                  about 90 s
+#   kernels    bench_attention --issue: the kernels' one-run table (MLA decode against the matmul
+#              ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer,
+#              each with both split schedules; the eager and in-graph b=1 decode call; prefill
+#              8x4096 causal against SDPA, cuDNN, FA2, FlashInfer and Flex); CUDA only, skipped
+#              by DRY_RUN                                                  about 300-450 s
 #   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
 #              rows with a target, MLA first (the FlashInfer prefill rows JIT-compile for about
 #              90 s each)                                                  several minutes
@@ -123,6 +128,9 @@ for part in $PARTS; do
                --step-modes compiled graphs --compile-layers 0 --out "$OUT/steps" ;;
     mla) run_part mla 150 $PY benchmarks/bench_attention.py --variant mla_split --only MLA \
              --out "$OUT/mla" ;;
+    kernels) if [ "$DRY_RUN" = 1 ]; then note "kernels: skipped (CUDA only)"; else
+                 run_part kernels 540 $PY benchmarks/bench_attention.py --issue \
+                     --out "$OUT/kernels"; fi ;;
     attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \
                    --targeted --out "$OUT/attention" ;;
     gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \

@@ -8,9 +8,9 @@ A run folder holds what ``gpu_session.sh`` leaves in ``$OUT`` once its ``results
 unpacked there: ``summary.txt`` (date, commit, each part's exit status and seconds),
 ``env.txt`` (device, torch, Triton and Python versions), ``commands.txt`` (``part<TAB>command``
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
-``attention/attention.md``/``.png``, ``mla/``, ``steps.md``, ``gemm/decode_gemm.json``,
-``disagg/disaggregation.json``, ``suite.log``, ``sgl/*.md``, ``hybrid/hybrid_decode.md``,
-``dsa/dsa_decode.md``) and, optionally, ``notes.txt`` (shown under the device heading).
+``kernels/attention.md``/``.png``, ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
+``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``sgl/*.md``,
+``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and, optionally, ``notes.txt`` (shown under the device heading).
 Every table of a section comes from that one run, so the figures
 beside each other were measured together; each part shows the command that produced it. The
 page is rewritten whole: edit the run folders or this script, never the page (history is in
@@ -33,6 +33,8 @@ PARTS = {
     "decode": "Whole-model decode tokens/s per mode (bench_model.py)",
     "steps": "Extend and mixed steps, compiled against graphs (bench_model.py)",
     "profile": "Kernels of one decode step (profile_decode.py)",
+    "kernels": "The kernels' one-run table: decode, prefill, MLA and op calls against the "
+               "device's ceilings and peers (bench_attention.py --issue)",
     "attention": "Attention kernels against the device's ceilings and peers (bench_attention.py)",
     "mla": "MLA decode: kernel paths and tile configurations (bench_attention.py)",
     "gemm": "The decode step's GEMMs under each GEMM choice (bench_decode_gemm.py)",
