@@ -14,14 +14,22 @@ module and the names it exports), so these resolve:
     from sgl_kernel.testing.rotary_embedding import _apply_rotary_emb
     from sgl_kernel.sparse_flash_attn import (sparse_attn_func, convert_vertical_slash_indexes,
                                               convert_vertical_slash_indexes_mergehead)
+    from sgl_kernel import topk_transform_512, fp8_paged_mqa_logits_triton   # DeepSeek-V4
+    from sgl_kernel.nsa import fp8_mqa_logits, fp8_paged_mqa_logits   # sgl-kernel-xpu's forms
+    torch.ops.sgl_kernel.rotary_embedding(positions, query, key, head_size, cache, is_neox)
 
-These cover every attention name that sglang 0.5.23's attention backends (``xpu_backend.py``,
-``flashattention_backend.py``, ``flashmla_backend.py``, the NSA backend,
-``dual_chunk_flashattention_backend.py``) and sgl-kernel-xpu's
-attention tests import from ``sgl_kernel`` (``ATTENTION_IMPORTS`` lists them; a CPU test
-imports each), plus ``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which sglang's
-Gemma-3 model imports on XPU. ``get_scheduler_metadata`` returns None: FA3's precomputed tile
-schedule is a speed hint that ``flash_attn_with_kvcache`` accepts as ``scheduler_metadata=None``.
+These cover every attention name that sglang 0.5.23's attention code (``xpu_backend.py``,
+``flashattention_backend.py``, ``dsa_backend.py``, ``dsa/``, ``dsv4/``, ``qsa/``,
+``deepseek_v4_backend.py``, the XPU rotary embedding) and sgl-kernel-xpu main's attention and
+DSA-indexer tests import from ``sgl_kernel`` or call as ``torch.ops.sgl_kernel``
+(``tests/ops/test_client_imports.py`` lists each with the file that imports it), plus
+``sgl_kernel.flash_attn.build_bidirectional_block_ids``, which sglang's Gemma-3 model imports on
+XPU. The raw op names are defined by ``xpu_ops.compat_ops`` when the shim is installed.
+The top-level ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` are xpu-ops' (DeepGEMM's contract
+and cache layout, what sglang's DSA index buffer holds); ``sgl_kernel.nsa``'s are
+sgl-kernel-xpu's (``xpu_ops.compat_dsa``). ``get_scheduler_metadata`` returns None: FA3's
+precomputed tile schedule is a speed hint that ``flash_attn_with_kvcache`` accepts as
+``scheduler_metadata=None``.
 
 A real installation (sgl-kernel-xpu, sgl-kernel) is never shadowed: if ``import sgl_kernel``
 succeeds the shim is not installed and the real module is returned. The shim carries
@@ -42,12 +50,14 @@ _ATTENTION = ("merge_state", "merge_state_v2", "flash_mla_decode",
               "flash_mla_prefill", "flash_mla_prefill_get_workspace_size") + _FLASH_MLA
 _SPARSE = ("sparse_attn_func", "convert_vertical_slash_indexes",
            "convert_vertical_slash_indexes_mergehead")
+_TOP_K = ("fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
+          "topk_transform_512", "topk_transform_512_v2")
 #: Names the shim's ``sgl_kernel`` package exports (xpu-ops functions of the same name).
-SGL_KERNEL_NAMES = _ATTENTION + _SPARSE + ("store_cache_xpu",
-                                   # the DSA indexer (sgl-kernel-xpu's names, DeepGEMM's order)
-                                   "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
-                                   "fast_topk_v2", "fast_topk_transform_fused",
-                                   "fast_topk_transform_ragged_fused")
+SGL_KERNEL_NAMES = _ATTENTION + _SPARSE + _TOP_K + (
+    "store_cache_xpu",
+    # the DSA indexer (DeepGEMM's contract and cache layout, what sglang's index buffer holds)
+    "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
+    "fp8_paged_mqa_logits_triton")     # sgl-kernel-xpu's DeepSeek-V4 form (0.0 past the end)
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")
@@ -59,6 +69,12 @@ SHIM_MODULES = {
     f"{SHIM_NAME}.elementwise": ("store_cache_xpu",),
     f"{SHIM_NAME}.flash_mla": _FLASH_MLA,   # sgl-kernel's module: base-2 sparse statistics
     f"{SHIM_NAME}.sparse_flash_attn": _SPARSE,
+    f"{SHIM_NAME}.top_k": _TOP_K + ("_FAST_TOPK_SUPPORTED_K",),
+    f"{SHIM_NAME}.hadamard": ("hadamard_transform",),
+    # sgl-kernel-xpu's forms (xpu_ops.compat_dsa): 0.0 outside a row, a per-token paged cache
+    f"{SHIM_NAME}.nsa": ("fp8_mqa_logits", "fp8_paged_mqa_logits", "_fp8_mqa_logits_impl",
+                         "_HEAD_LOOP_THRESHOLD"),
+    f"{SHIM_NAME}.fp8_paged_mqa_logits": ("fp8_paged_mqa_logits_triton", "FP8_DTYPE"),
     f"{SHIM_NAME}.testing": (),
     f"{SHIM_NAME}.testing.rotary_embedding": ("_apply_rotary_emb",),
 }
@@ -122,8 +138,9 @@ def install_sgl_kernel_shim() -> types.ModuleType:
         is_package = any(other.startswith(name + ".") for other in SHIM_MODULES)
         functions = _functions(name)
         modules[name] = _module(name, is_package, **{n: functions[n] for n in exports})
-        if parent:
-            setattr(modules[parent], leaf, modules[name])
+        if parent and leaf not in SHIM_MODULES[parent]:   # sgl_kernel.fp8_paged_mqa_logits
+            setattr(modules[parent], leaf, modules[name])      # stays the function
+    from . import compat_ops  # noqa: F401  (defines torch.ops.sgl_kernel.<raw op names>)
     package = modules[SHIM_NAME]
     sys.modules.update(modules)
     return package
@@ -131,14 +148,18 @@ def install_sgl_kernel_shim() -> types.ModuleType:
 
 def _functions(module: str) -> dict:
     """The xpu-ops function behind each name ``module`` exports (``sgl_kernel.flash_mla``'s
-    ``flash_mla_sparse_fwd`` is sgl-kernel's base-2 form, ``compat_flash_mla``)."""
+    ``flash_mla_sparse_fwd`` is sgl-kernel's base-2 form, ``compat_flash_mla``;
+    ``sgl_kernel.nsa``'s are sgl-kernel-xpu's forms, ``compat_dsa``)."""
     import xpu_ops
     from xpu_ops.ops.rotary import apply_rotary_emb_per_token
-    from . import compat_flash_mla
+    from . import compat_dsa, compat_flash_mla
     functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
-                     _apply_rotary_emb=apply_rotary_emb_per_token)
+                     _apply_rotary_emb=apply_rotary_emb_per_token,
+                     **compat_dsa.shim_functions())
     if module == f"{SHIM_NAME}.flash_mla":
         functions.update(compat_flash_mla.functions())
+    if module == f"{SHIM_NAME}.nsa":
+        functions.update(compat_dsa.nsa_functions())
     return functions
 
 
