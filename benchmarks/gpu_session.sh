@@ -35,6 +35,10 @@
 #              90 s each)                                                  several minutes
 #   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
+#   disagg     bench_disaggregation: a prefill process and a graphs-mode decode process on the
+#              one card, KV transfer against prefill ms per request, tokens checked against one
+#              engine, NCCL on one card probed (gloo through the host when it refuses)
+#                                                                          about 120 s
 #   dsa        bench_dsa_decode --models sparse: a DeepSeek-V3.2-shaped model (4 layers, context
 #              8192, top-k 2048) decoding in graphs mode at b = 1/8/32, DSA sparse MLA
 #                                                                          about 90 s
@@ -131,6 +135,9 @@ for part in $PARTS; do
                    --targeted --out "$OUT/attention" ;;
     gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \
               $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
+    disagg) run_part disagg 170 $PY benchmarks/bench_disaggregation.py --device $DEVICE \
+                $([ "$DRY_RUN" = 1 ] && echo --quick --prompt-lens 8 20 --repeats 1 \
+                  --new-tokens 3 || echo --probe-nccl) --out "$OUT/disagg" ;;
     dsa|dsa_dense) run_part $part 150 $PY benchmarks/bench_dsa_decode.py --device $DEVICE \
                        $([ "$DRY_RUN" = 1 ] && echo --quick) \
                        --models $([ $part = dsa ] && echo sparse || echo dense) --out "$OUT/dsa" ;;
