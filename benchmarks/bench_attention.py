@@ -12,6 +12,14 @@ is timed through the launcher with the default tile config and only that path on
 ms`` column is the op call with the process's defaults: ``DEFAULT_PATHS`` of each launch kind, or
 ``XPU_OPS_TRITON_PATHS``). ``--only`` keeps the rows whose names contain one of its substrings.
 
+``--issue`` is the kernels' one-run table (``gpu_session.sh`` part ``kernels``): MLA decode,
+decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer, each decode row also
+under both decode split schedules (``waves plan``/``legacy plan`` columns, the split counts under
+the table) and page 16 under two-page and 4-warp tiles, the op-call rows (``attention_calls``:
+b=1 decode eager and inside a CUDA graph), then prefill 8x4096 causal against SDPA, cuDNN,
+FlashAttention-2 (SDPA's flash backend), FlashInfer and Flex. Every table names the device.
+
+    python benchmarks/bench_attention.py --issue --out /tmp/kernels
     python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
     python benchmarks/bench_attention.py --quick --only "decode 1x,decode 4x" --out /tmp/small
     python benchmarks/bench_attention.py --quick --variant none --only "prefill 8x4096 causal" \
@@ -196,8 +204,15 @@ def launcher_fn(w, causal, window=-1, num_splits=None, config=None):
     return run
 
 
-def sdpa_fn(w, causal):
-    """torch SDPA on contiguous per-request K/V (equal lengths), bottom-right causal."""
+# SDPA peers pinned to one backend: cuDNN's fused attention and FlashAttention-2 (PyTorch's
+# flash backend); "sdpa" is PyTorch's own dispatch.
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "fa2": "FLASH_ATTENTION"}
+
+
+def sdpa_fn(w, causal, backend=None):
+    """torch SDPA on contiguous per-request K/V (equal lengths), bottom-right causal; only
+    ``backend`` (a ``SDPBackend`` name) when given, which raises where it cannot run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     b, lq, lk = len(w["q_lens"]), max(w["q_lens"]), max(w["k_lens"])
     if len(set(w["k_lens"])) > 1 or len(set(w["q_lens"])) > 1 or w["extra"]:
@@ -206,12 +221,20 @@ def sdpa_fn(w, causal):
     q = w["q"].view(b, lq, HQ, D).transpose(1, 2).contiguous()
     F = torch.nn.functional
     if lq == 1:
-        return lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)
-    kx, vx = kf.repeat_interleave(HQ // HKV, 1), vf.repeat_interleave(HQ // HKV, 1)
-    if lq == lk:
-        return lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=causal)
-    bias = causal_lower_right(lq, lk)
-    return lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=bias)
+        call = lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)  # noqa: E731
+    else:
+        kx, vx = kf.repeat_interleave(HQ // HKV, 1), vf.repeat_interleave(HQ // HKV, 1)
+        bias = None if lq == lk else causal_lower_right(lq, lk)
+        call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q, kx, vx, is_causal=causal and bias is None, attn_mask=bias)
+    if backend is None:
+        return call
+    pinned = getattr(SDPBackend, backend)
+
+    def run():
+        with sdpa_kernel([pinned]):
+            return call()
+    return run
 
 
 def flex_fn(w, causal, window=-1):
@@ -293,6 +316,7 @@ class Row:
     flops: float
     peers: dict
     variants: dict = dataclasses.field(default_factory=dict)  # kernel path -> launcher ms
+    notes: list = dataclasses.field(default_factory=list)     # shown under the table
 
 
 def measure(fn: Optional[Callable]) -> Optional[float]:
@@ -314,12 +338,16 @@ def safe(make):
 
 
 ALL_PEERS = ("sdpa", "flex", "reference", "flashinfer")
+TABLE_PEERS = ("sdpa", "cudnn", "fa2", "flex", "flashinfer", "reference")
 
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
-                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=()):
+                  variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=(),
+                  schedules=()):
     """One workload: the op, each kernel variant and each ``configs`` entry (``(label,
-    _Config)``) through the launcher, peers, sweeps (the peers assume head dim ``D``)."""
+    _Config)``) through the launcher, each split schedule of ``schedules`` (the launcher with
+    planned splits under ``split_plan.set_schedule``), peers, sweeps (the peers assume head dim
+    ``D``)."""
     print(f"== {name}", flush=True)
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
@@ -337,9 +365,13 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
         print(f"    config {label}: {launched_paths(fn)}", flush=True)
         timed[label] = measure(fn)
         print(f"    config {label}: {timed[label]} ms", flush=True)
+    notes = [schedule_ab(w, causal, window, schedules, timed)] if schedules else []
     res = {}
     for p in peers:
-        make = {"sdpa": lambda: sdpa_fn(w, causal), "flex": lambda: flex_fn(w, causal, window),
+        make = {"sdpa": lambda: sdpa_fn(w, causal),
+                "cudnn": lambda: sdpa_fn(w, causal, SDPA_BACKENDS["cudnn"]),
+                "fa2": lambda: sdpa_fn(w, causal, SDPA_BACKENDS["fa2"]),
+                "flex": lambda: flex_fn(w, causal, window),
                 "reference": lambda: op_fn(w, causal, window, "reference"),
                 "flashinfer": lambda: flashinfer_fn(w, causal, window)}[p]
         res[p] = measure(safe(make))
@@ -355,11 +387,31 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
             ms = measure(launcher_fn(w, causal, window, **kw))
         pa._launch_params.cache_clear()
         print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
-    row = Row(name, kind, target, t, nbytes, flops, res, timed)
+    row = Row(name, kind, target, t, nbytes, flops, res, timed, notes)
     print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
     del w
     torch.cuda.empty_cache()
     return row
+
+
+def schedule_ab(w, causal, window, schedules, timed) -> str:
+    """Time the launcher with planned splits under each split schedule into ``timed``
+    (``<schedule> plan`` columns); returns the note naming each schedule's split count."""
+    from xpu_ops.triton import split_plan
+    counts = []
+    for schedule in schedules:
+        previous = split_plan.set_schedule(schedule)
+        try:
+            fn = launcher_fn(w, causal, window)
+            launched = launched_paths(fn)
+            timed[f"{schedule} plan"] = measure(fn)
+        finally:
+            split_plan.set_schedule(previous)
+        splits = launched.split("NUM_SPLITS=")[-1].split(",")[0] if "NUM_SPLITS=" in launched \
+            else "?"
+        counts.append(f"{schedule} {splits}")
+        print(f"    {schedule} plan: {launched}: {timed[f'{schedule} plan']} ms", flush=True)
+    return "split counts: " + ", ".join(counts)
 
 
 def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64, sweep=(),
@@ -437,7 +489,7 @@ def target_met(r, copy_tbs, mm_tflops):
 
 
 def table(rows, copy_tbs, mm_tflops, header):
-    peers = ["sdpa", "flex", "flashinfer", "reference"]
+    peers = [p for p in TABLE_PEERS if any(p in r.peers for r in rows)]
     variants = list(dict.fromkeys(v for r in rows for v in r.variants))
     lines = [header, "",
              f"Ceilings measured in this run: device copy {copy_tbs:.2f} TB/s (read + write), "
@@ -462,7 +514,14 @@ def table(rows, copy_tbs, mm_tflops, header):
     lines += ["", "`x peer` = peer time / triton time (> 1: triton faster). `missing`: the peer "
               "could not run this shape in this process (see the log); `-`: not applicable. "
               "Variant columns: the launcher with the default tiles and only that kernel path "
-              "on (`baseline`: the portable kernel, no optional path)."]
+              "on (`baseline`: the portable kernel, no optional path); `<schedule> plan`: "
+              "the launcher with the split count that decode split schedule plans "
+              "(`xpu_ops/triton/split_plan.py`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
+              "contiguous K/V, `cudnn` and `fa2` the same pinned to its cuDNN and "
+              "FlashAttention-2 backends, `flex` FlexAttention over the paged cache, "
+              "`flashinfer` FlashInfer's paged wrappers."]
+    notes = [f"- {r.workload}: {n}" for r in rows for n in r.notes]
+    lines += ["", *notes] if notes else []
     return "\n".join(lines)
 
 
@@ -597,6 +656,37 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     return rows
 
 
+# The issue's one-run table (--issue), in run order: row -> (target, peers, tile configs
+# timed beside the default, "PATHS@BLOCK_M,BLOCK_N,num_warps,num_stages;..."). Decode rows also
+# time both split schedules; the configs (4 warps, one stage less; at page 16 two-page tiles
+# with one page-table load per page) compile for sm_90 without spills. Prefill last: its
+# FlashInfer JIT is the longest step of the run.
+WIDE_DECODE = "page_tiles@16,64,4,4;page_tiles@16,64,2,3"
+ISSUE_ROWS = {
+    "decode 8x32768 (split-KV)": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer"),
+                                  WIDE_DECODE),
+    "decode 64x4096 page 16": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer", "flex"),
+                               "page_tiles@16,32,4,4;page_tiles@16,32,2,6;page_tiles@16,64,4,4"),
+    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), WIDE_DECODE),
+    "prefill 8x4096 causal page 64": (">= 0.80 cudnn", ("sdpa", "cudnn", "fa2", "flashinfer",
+                                                        "flex"), ""),
+}
+# MLA decode in --issue: the default tiles at 4 splits beside the op's 8 (mla_num_kv_splits)
+MLA_ISSUE_CFGS = [(4, 64, 64, 8, 2)]
+SCHEDULES = ("waves", "legacy")
+
+
+def issue_specs() -> list[dict]:
+    """The ``run_attention`` keywords of the issue's rows (no sweeps, no variants)."""
+    specs = {spec["name"]: spec for spec in workloads(True, ())}
+    for name, (target, peers, configs) in ISSUE_ROWS.items():
+        specs[name].update(target=target, peers=peers, sweep=(), variants=(),
+                           configs=parse_configs(configs))
+        if specs[name]["kind"] == "bw":
+            specs[name]["schedules"] = SCHEDULES
+    return [specs[name] for name in ISSUE_ROWS]
+
+
 def late_variants(spec: dict, row: Row) -> None:
     """Time ``spec``'s LATE_VARIANTS and its descriptor ``late_configs`` (through the
     launcher) into ``row.variants``."""
@@ -635,25 +725,50 @@ def parse_configs(spec: str) -> tuple[tuple[str, "pa._Config"], ...]:
     return tuple(out)
 
 
-def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True) -> None:
+def device_line() -> str:
+    """The device every table of this process was measured on, with its multiprocessors."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return f"{props.name} ({props.multi_processor_count} multiprocessors)"
+
+
+def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True,
+                  calls: Optional[list] = None) -> None:
     """``attention.md``, ``attention.json`` and ``attention.png`` in ``out``; the table printed
-    when ``echo``."""
-    gpu = torch.cuda.get_device_name()
+    when ``echo``; ``calls``: the op-call rows (``attention_calls``), a second table."""
+    gpu = device_line()
     header = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, Triton "
               f"{triton.__version__}, Python {platform.python_version()}; bf16, Hq={HQ}, "
               f"Hkv={HKV}, D={D} unless stated.")
     md = table(rows, copy_tbs, mm_tflops, header)
+    if calls:
+        from attention_calls import calls_table
+        md += "\n\n" + calls_table(calls, f"Op calls, GPU {gpu} (same process): Llama-3.2-1B "
+                                           "attention (Hq 32, Hkv 8, D 64), page 16, bf16.")
     if echo:
         print(md, flush=True)
     with open(os.path.join(out, "attention.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(out, "attention.json"), "w") as f:
-        json.dump({"copy_tbs": copy_tbs, "mm_tflops": mm_tflops, "header": header,
-                   "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"device": gpu, "copy_tbs": copy_tbs, "mm_tflops": mm_tflops,
+                   "header": header, "rows": [dataclasses.asdict(r) for r in rows],
+                   "calls": calls or []}, f, indent=1)
     try:
         plot(rows, copy_tbs, mm_tflops, os.path.join(out, "attention.png"))
     except Exception as e:
         print(f"plot failed: {e}")
+
+
+def op_calls() -> list:
+    """The op-call rows (``attention_calls.call_rows``), logged; [] when they fail."""
+    print("== op calls (b=1, ctx 1024, D 64, page 16)", flush=True)
+    try:
+        from attention_calls import call_rows
+        found = call_rows()
+    except Exception as e:
+        print(f"    op calls failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return []
+    print(f"    {found}", flush=True)
+    return found
 
 
 def main():
@@ -674,7 +789,13 @@ def main():
                     "rows carry about 40 of them")
     ap.add_argument("--targeted", action="store_true", help="time only the rows with a "
                     "target (the one-run table: no small-batch rows)")
+    ap.add_argument("--issue", action="store_true", help="the kernels' one-run table: MLA "
+                    f"decode, {', '.join(ISSUE_ROWS)} with their peers, both split schedules "
+                    "on the decode rows, and the op-call rows (eager and in a CUDA graph); "
+                    "no sweeps or variants (--only still filters)")
     args = ap.parse_args()
+    if args.issue:
+        args.no_sweeps, args.variant = True, "none"
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
     keep_peers = [x for x in args.peers.split(",") if x]
@@ -683,7 +804,8 @@ def main():
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-    specs = [spec for spec in workloads(args.quick, parse_variants(args.variant))
+    specs = [spec for spec in (issue_specs() if args.issue
+                               else workloads(args.quick, parse_variants(args.variant)))
              if (not only or any(x in spec["name"] for x in only))
              and not (args.targeted and spec["target"] == "-")]
     for spec in specs:
@@ -691,28 +813,34 @@ def main():
             spec["sweep"] = ()
         if keep_peers:
             spec["peers"] = tuple(p for p in spec.get("peers", ALL_PEERS) if p in keep_peers)
-        if spec["kind"] == "flops":  # prefill and extend: the --configs columns
+        if spec["kind"] == "flops" and not args.issue:  # prefill and extend: --configs
             spec["configs"] = tuple(c for c in configs if not c[1].tma)
             spec["late_configs"] = tuple(c for c in configs if c[1].tma)
     mla, mla_rows = "MLA decode H128 R512 r64 64x4096", []
     if not only or any(x in mla for x in only):  # first: no peer JIT can cut it
         mla_rows.append(run_mla(mla, ">= 0.50 matmul",
-                                sweep=() if args.no_sweeps else MLA_QUICK_CFGS if args.quick
-                                else MLA_CFGS,
+                                sweep=MLA_ISSUE_CFGS if args.issue else () if args.no_sweeps
+                                else MLA_QUICK_CFGS if args.quick else MLA_CFGS,
                                 variants=parse_variants(args.variant)))
-    rows = []
+    rows, calls, calls_due = [], [], args.issue
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
         run = {k: v for k, v in spec.items() if k != "late_configs"}
         rows.append(run_attention(**dict(run, variants=tuple(v for v in spec["variants"]
                                                              if v not in LATE_VARIANTS))))
-        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, echo=False)
-    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out)
+        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
+        if calls_due and spec["kind"] == "bw" and (
+                spec is specs[-1] or specs[specs.index(spec) + 1]["kind"] != "bw"):
+            calls, calls_due = op_calls(), False  # before prefill (its FlashInfer JIT is long)
+            write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
+    if calls_due:
+        calls = op_calls()
+    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, calls=calls)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
           flush=True)
     for spec, row in zip(specs, rows):
         late_variants(spec, row)
-        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, echo=False)
-    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out)
+        write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
+    write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, calls=calls)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 
 

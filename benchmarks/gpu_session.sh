@@ -25,17 +25,26 @@
 #                                                                          about 150 s
 #   mla        bench_attention, the MLA decode row only: default, mla_split and the MLA_CFGS
 #              tile sweep                                                  about 90 s
+#   kernels    bench_attention --issue: the kernels' one-run table (MLA decode against the matmul
+#              ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer,
+#              each with both split schedules; the eager and in-graph b=1 decode call; prefill
+#              8x4096 causal against SDPA, cuDNN, FA2, FlashInfer and Flex); CUDA only, skipped
+#              by DRY_RUN                                                  about 300-450 s
 #   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
 #              rows with a target, MLA first (the FlashInfer prefill rows JIT-compile for about
 #              90 s each)                                                  several minutes
 #   gemm       bench_decode_gemm: the decode step's GEMM shapes under each GEMM choice
 #                                                                          about 150 s
+#   disagg     bench_disaggregation: a prefill process and a graphs-mode decode process on the
+#              one card, KV transfer against prefill ms per request, tokens checked against one
+#              engine, NCCL on one card probed (gloo through the host when it refuses)
+#                                                                          about 120 s
 #   dsa        bench_dsa_decode --models sparse: a DeepSeek-V3.2-shaped model (4 layers, context
 #              8192, top-k 2048) decoding in graphs mode at b = 1/8/32, DSA sparse MLA
 #                                                                          about 90 s
 #   dsa_dense  the same with dense MLA, in its own process, into the same table (run after dsa)
 #                                                                          about 90 s
-#   hybrid     bench_hybrid_decode: a Qwen3-Next-shaped hybrid (12 layers, 3 linear per full
+#   hybrid     bench_hybrid_decode: a Qwen3-Next-shaped hybrid (8 layers, 3 linear per full
 #              attention layer) against a dense model of the same size, graphs mode, b = 1/8/32,
 #              context 1024 (tokens/s, graph breaks, replays)                about 150 s
 #   generate   a random-weight SmolLM2-135M-shaped Hugging Face folder, then `python -m compile
@@ -119,16 +128,22 @@ for part in $PARTS; do
                --step-modes compiled graphs --compile-layers 0 --out "$OUT/steps" ;;
     mla) run_part mla 150 $PY benchmarks/bench_attention.py --variant mla_split --only MLA \
              --out "$OUT/mla" ;;
+    kernels) if [ "$DRY_RUN" = 1 ]; then note "kernels: skipped (CUDA only)"; else
+                 run_part kernels 540 $PY benchmarks/bench_attention.py --issue \
+                     --out "$OUT/kernels"; fi ;;
     attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \
                    --targeted --out "$OUT/attention" ;;
     gemm) run_part gemm 240 $PY benchmarks/bench_decode_gemm.py --device $DEVICE \
               $([ "$DRY_RUN" = 1 ] && echo --quick) --out "$OUT/gemm" ;;
+    disagg) run_part disagg 170 $PY benchmarks/bench_disaggregation.py --device $DEVICE \
+                $([ "$DRY_RUN" = 1 ] && echo --quick --prompt-lens 8 20 --repeats 1 \
+                  --new-tokens 3 || echo --probe-nccl) --out "$OUT/disagg" ;;
     dsa|dsa_dense) run_part $part 150 $PY benchmarks/bench_dsa_decode.py --device $DEVICE \
                        $([ "$DRY_RUN" = 1 ] && echo --quick) \
                        --models $([ $part = dsa ] && echo sparse || echo dense) --out "$OUT/dsa" ;;
     hybrid) run_part hybrid 180 $PY benchmarks/bench_hybrid_decode.py --device $DEVICE \
                 $([ "$DRY_RUN" = 1 ] && echo --quick --no-inductor --dtype float32 --context 16 \
-                  || echo --layers 12 --context 1024) --batches ${BATCHES/64/32} \
+                  || echo --layers 8 --context 1024) --batches ${BATCHES/64/32} \
                 --new-tokens 16 --out "$OUT/hybrid" ;;
     generate) run_part generate 200 bash benchmarks/generate_verify.sh "$OUT/generate" $DEVICE ;;
     *) note "$part: unknown part (see the header)" ;;

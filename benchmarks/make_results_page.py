@@ -8,9 +8,9 @@ A run folder holds what ``gpu_session.sh`` leaves in ``$OUT`` once its ``results
 unpacked there: ``summary.txt`` (date, commit, each part's exit status and seconds),
 ``env.txt`` (device, torch, Triton and Python versions), ``commands.txt`` (``part<TAB>command``
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
-``attention/attention.md``/``.png``, ``mla/``, ``steps.md``, ``gemm/decode_gemm.json``,
-``suite.log``, ``sgl/*.md``, ``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and,
-optionally, ``notes.txt`` (shown under the device heading).
+``kernels/attention.md``/``.png``, ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
+``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``sgl/*.md``,
+``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and, optionally, ``notes.txt`` (shown under the device heading).
 Every table of a section comes from that one run, so the figures
 beside each other were measured together; each part shows the command that produced it. The
 page is rewritten whole: edit the run folders or this script, never the page (history is in
@@ -33,9 +33,13 @@ PARTS = {
     "decode": "Whole-model decode tokens/s per mode (bench_model.py)",
     "steps": "Extend and mixed steps, compiled against graphs (bench_model.py)",
     "profile": "Kernels of one decode step (profile_decode.py)",
+    "kernels": "The kernels' one-run table: decode, prefill, MLA and op calls against the "
+               "device's ceilings and peers (bench_attention.py --issue)",
     "attention": "Attention kernels against the device's ceilings and peers (bench_attention.py)",
     "mla": "MLA decode: kernel paths and tile configurations (bench_attention.py)",
     "gemm": "The decode step's GEMMs under each GEMM choice (bench_decode_gemm.py)",
+    "disagg": "Prefill/decode disaggregation on one card: KV transfer against prefill per "
+              "request (bench_disaggregation.py)",
     "hybrid": ("Hybrid linear attention decode: a Qwen3-Next-shaped model against a dense model "
                "of the same size (bench_hybrid_decode.py)"),
     "dsa": "DeepSeek-V3.2-shaped decode: sparse (DSA) against dense MLA (bench_dsa_decode.py)",
@@ -82,6 +86,30 @@ def gemm_table(run: Path) -> str:
     return "\n".join(lines)
 
 
+def disagg_table(run: Path) -> str:
+    """``disagg/disaggregation.json``: its settings in a line, then medians per prompt length of
+    the prefill, pack and transfer milliseconds per request."""
+    data = json.loads(read(run / "disagg" / "disaggregation.json") or "{}")
+    if not data.get("table"):
+        return ""
+    s, equal = data["settings"], data.get("requests_equal", [0, 0])
+    lines = [f"{s['model']}, {s['dtype']}: a prefill process ({s['prefill_mode']}, page "
+             f"{s['page_size']}) and a decode process ({s['decode_mode']}, page "
+             f"{s['decode_page_size']}) on the one card, transport {data['backend']} (two NCCL "
+             f"ranks on one card: {data['nccl_probe']}); greedy tokens equal to one engine's "
+             f"for {equal[0]} of {equal[1]} requests. Medians per prompt length; prefill: the "
+             "prefill step (forward and first token), pack: the request's KV gathered into "
+             "send buffers, transfer: the decode side from posting the receives to the KV "
+             "written into its pages.", "",
+             "| prompt tokens | requests | KV MiB | prefill ms | pack ms | transfer ms | "
+             "(pack + transfer) / prefill |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["table"]:
+        lines.append(f"| {r['prompt_len']} | {r['requests']} | {r['mib']:.2f} | "
+                     f"{r['prefill_ms']:.2f} | {r['pack_ms']:.2f} | {r['transfer_ms']:.2f} | "
+                     f"{r['moved_over_prefill']:.2f} |")
+    return "\n".join(lines)
+
+
 def suite_result(run: Path) -> str:
     """The pytest summary line of ``suite.log`` (the last line naming passed/failed), if any."""
     lines = [line for line in read(run / "suite.log").splitlines()
@@ -89,7 +117,8 @@ def suite_result(run: Path) -> str:
     return f"`{lines[-1].strip()}`" if lines else ""
 
 
-RENDERERS: dict[str, Callable[[Path], str]] = {"gemm": gemm_table, "suite": suite_result}
+RENDERERS: dict[str, Callable[[Path], str]] = {"gemm": gemm_table, "suite": suite_result,
+                                                "disagg": disagg_table}
 
 
 def commands(run: Path) -> dict[str, str]:

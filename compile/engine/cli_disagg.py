@@ -60,7 +60,7 @@ def launch_both(argv: list[str], device_type: str) -> int:
     through the host over gloo); returns 0 when both exit cleanly, else the first failing
     status (the other rank is then stopped)."""
     gpus = getattr(torch, device_type).device_count() if device_type != "cpu" else 0
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     try:
         for rank, role in enumerate(ROLES):
             procs.append(subprocess.Popen([sys.executable, "-m", "compile",
@@ -109,7 +109,8 @@ def _wait(procs: list[subprocess.Popen]) -> int:
         time.sleep(0.05)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -225,5 +226,5 @@ def transfer_summary(log: list, prefill_seconds: float, n: int,
             "request")
 
 
-__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "start_disaggregation",
+__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "free_port", "start_disaggregation",
            "run_disaggregated", "transfer_summary"]

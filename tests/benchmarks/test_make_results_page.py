@@ -64,6 +64,27 @@ def test_the_checked_in_page_is_the_generators_output():
         "benchmarks/RESULTS.md is stale: run python benchmarks/make_results_page.py"
 
 
+def test_disagg_part_is_a_table_of_transfer_against_prefill(tmp_path):
+    run = tmp_path / "h100"
+    (run / "disagg").mkdir(parents=True)
+    (run / "env.txt").write_text(ENV + "\n")
+    settings = dict(model="SmolLM2-135M-shaped Llama (random weights)", dtype="float32",
+                    prefill_mode="graphs", decode_mode="graphs", page_size=16,
+                    decode_page_size=1)
+    table = [dict(prompt_len=512, requests=2, mib=22.5, prefill_ms=8.125, pack_ms=3.5,
+                  transfer_ms=12.25, moved_over_prefill=1.94)]
+    (run / "disagg" / "disaggregation.json").write_text(json.dumps(dict(
+        settings=settings, backend="gloo", nccl_probe="DistBackendError: Duplicate GPU",
+        requests_equal=[6, 6], table=table)))
+    text = gen.page({"h100": run}, tmp_path)
+    assert "### Prefill/decode disaggregation on one card" in text, text
+    assert "transport gloo (two NCCL ranks on one card: DistBackendError: Duplicate GPU)" in text
+    assert "equal to one engine's for 6 of 6 requests" in text, text
+    assert "| 512 | 2 | 22.50 | 8.12 | 3.50 | 12.25 | 1.94 |" in text, text
+    (run / "disagg" / "disaggregation.json").write_text("{}")
+    assert "disaggregation" not in gen.page({"h100": run}, tmp_path)
+
+
 def test_dsa_part_shows_the_decode_table_with_both_models_commands(tmp_path):
     run = tmp_path / "results" / "h200"
     (run / "dsa").mkdir(parents=True)

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from compile.engine import Engine, SamplingParams
 from compile.engine import disaggregation as disagg
+from compile.engine.cli_disagg import free_port
 from compile.engine.cli_models import TINY_CONFIG
 from compile.graphs import GraphRunner, compile_model
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -148,17 +149,10 @@ def _scenarios_worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("disagg")
-    mp.spawn(_scenarios_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_scenarios_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: {**ranks[0][name], **ranks[1][name]} for name in SCENARIOS}
 
@@ -258,7 +252,7 @@ def _failure_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_prefill_peer_dies_mid_transfer(tmp_path):
-    mp.spawn(_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_failure_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r = json.loads((tmp_path / "decode.json").read_text())
     outputs = {int(k): v for k, v in r["outputs"].items()}
     errors = {int(k): v for k, v in r["errors"].items()}
@@ -287,7 +281,7 @@ def _decode_dies_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_decode_peer_dies(tmp_path):
-    mp.spawn(_decode_dies_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_decode_dies_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r = json.loads((tmp_path / "prefill.json").read_text())
     errors = {int(k): v for k, v in r["errors"].items()}
     assert set(errors) == {1, 2}
