@@ -67,11 +67,12 @@ def _layer_calls(context: int, page: int, layers: int, device) -> dict:
 
 
 def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int = 50,
-              iters: int = 300) -> list[dict]:
+              iters: int = 300, device: str = "cuda") -> list[dict]:
     """The two rows: ``{"workload", "unit", "triton", "sdpa", "flashinfer"}`` in microseconds
-    (None: the peer could not run here), with the ``triton`` provider selected for the op."""
+    (None: the peer could not run here), with the ``triton`` provider selected for the op; the
+    graph row only on CUDA (elsewhere its figures are None: a CPU smoke run)."""
     from bench_op_call import decode_inputs, flashinfer_run, latency_us
-    device = torch.device("cuda")
+    device = torch.device(device)
     w = decode_inputs(1, context, page, torch.bfloat16, device)
     q4 = w["q"].unsqueeze(2)
     eager: dict[str, Optional[float]] = {}
@@ -87,6 +88,7 @@ def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int
             eager[name] = None if fn is None else _guarded(
                 lambda fn=fn: latency_us(fn, device, warmup, iters)["us"], name)
         graphed = {name: _guarded(lambda fns=fns_: graph_us(fns), f"{name} graph")
+                   if device.type == "cuda" else None
                    for name, fns_ in _layer_calls(context, page, layers, device).items()}
     return [dict(workload=f"eager decode call b=1, ctx {context} (host + device)", unit="us",
                  **eager),

@@ -79,3 +79,26 @@ def test_compiled_mode_equals_eager(name, mode, page_size):
         # decode steps of 3 requests (bucket 4) and, once requests finish, fewer: captured
         # once per bucket, replayed after
         assert forward.captures >= 1 and forward.replays >= 1
+
+
+def test_serving_path_with_a_prompt_longer_than_a_delta_chunk_matches_generate():
+    """The serving path (``full_and_piecewise``) against ``transformers``' ``generate`` itself:
+    a 70-token prompt (two chunks of the chunked delta rule) and a 5-token one in one extend
+    step (compiled pieces, uncaptured: 75 tokens exceed the largest piece bucket), then decode
+    steps replayed as whole-step graphs (bucket 2, then 1 once the short request finishes)."""
+    torch._dynamo.reset()
+    hf = hf_model("qwen3_next")
+    model = from_hf(hf)
+    forward = MODES["full_and_piecewise"](model)
+    engine = Engine(model, forward=forward, page_size=16, max_running=2, max_context_len=96,
+                    max_total_tokens=256, chunked_prefill_size=128)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+               for n in (70, 5)]
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert engine.stats.steps == 1 + NEW_TOKENS - 1  # one extend step for both prompts
+    for prompt, out in zip(prompts, got, strict=True):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+        assert out == want
+    assert forward.captures >= 1 and forward.replays >= 1
