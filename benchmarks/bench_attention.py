@@ -656,34 +656,35 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     return rows
 
 
-# The issue's one-run table (--issue): row -> (target, peers, extra run_attention keywords).
-# Decode rows also time both split schedules; page 16 a few tile configs (two-page tiles with
-# one page-table load per page, 4 warps), compiled for sm_90 without spills.
+# The issue's one-run table (--issue), in run order: row -> (target, peers, tile configs
+# timed beside the default, "PATHS@BLOCK_M,BLOCK_N,num_warps,num_stages;..."). Decode rows also
+# time both split schedules; the configs (4 warps, one stage less; at page 16 two-page tiles
+# with one page-table load per page) compile for sm_90 without spills. Prefill last: its
+# FlashInfer JIT is the longest step of the run.
+WIDE_DECODE = "page_tiles@16,64,4,4;page_tiles@16,64,2,3"
 ISSUE_ROWS = {
+    "decode 8x32768 (split-KV)": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer"),
+                                  WIDE_DECODE),
     "decode 64x4096 page 16": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer", "flex"),
-                               dict(configs="page_tiles@16,32,4,4;page_tiles@16,32,2,6;"
-                                            "page_tiles@16,64,4,4")),
-    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), {}),
-    "decode 8x32768 (split-KV)": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer"), {}),
+                               "page_tiles@16,32,4,4;page_tiles@16,32,2,6;page_tiles@16,64,4,4"),
+    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), WIDE_DECODE),
     "prefill 8x4096 causal page 64": (">= 0.80 cudnn", ("sdpa", "cudnn", "fa2", "flashinfer",
-                                                        "flex"), {}),
+                                                        "flex"), ""),
 }
+# MLA decode in --issue: the default tiles at 4 splits beside the op's 8 (mla_num_kv_splits)
+MLA_ISSUE_CFGS = [(4, 64, 64, 8, 2)]
 SCHEDULES = ("waves", "legacy")
 
 
 def issue_specs() -> list[dict]:
     """The ``run_attention`` keywords of the issue's rows (no sweeps, no variants)."""
-    specs = []
-    for spec in workloads(True, ()):
-        if spec["name"] not in ISSUE_ROWS:
-            continue
-        target, peers, extra = ISSUE_ROWS[spec["name"]]
-        spec.update(target=target, peers=peers, sweep=(), variants=(),
-                    configs=parse_configs(extra.get("configs", "")))
-        if spec["kind"] == "bw":
-            spec["schedules"] = SCHEDULES
-        specs.append(spec)
-    return specs
+    specs = {spec["name"]: spec for spec in workloads(True, ())}
+    for name, (target, peers, configs) in ISSUE_ROWS.items():
+        specs[name].update(target=target, peers=peers, sweep=(), variants=(),
+                           configs=parse_configs(configs))
+        if specs[name]["kind"] == "bw":
+            specs[name]["schedules"] = SCHEDULES
+    return [specs[name] for name in ISSUE_ROWS]
 
 
 def late_variants(spec: dict, row: Row) -> None:
@@ -818,8 +819,8 @@ def main():
     mla, mla_rows = "MLA decode H128 R512 r64 64x4096", []
     if not only or any(x in mla for x in only):  # first: no peer JIT can cut it
         mla_rows.append(run_mla(mla, ">= 0.50 matmul",
-                                sweep=() if args.no_sweeps else MLA_QUICK_CFGS if args.quick
-                                else MLA_CFGS,
+                                sweep=MLA_ISSUE_CFGS if args.issue else () if args.no_sweeps
+                                else MLA_QUICK_CFGS if args.quick else MLA_CFGS,
                                 variants=parse_variants(args.variant)))
     rows, calls, calls_due = [], [], args.issue
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed

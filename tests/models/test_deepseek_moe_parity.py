@@ -99,10 +99,10 @@ def test_logits_match_transformers(variant):
     assert checked == (11 + 5 + 9) + 3 * 3  # prompt rows + (max_new_tokens - 1) decodes
 
 
-# Every mode at both page sizes, split over the variants (CPU time): V2 at page size 64, V3 at
-# page size 1 (slot tables), and eager for both at both.
-GREEDY_CASES = sorted({(v, m, p) for m in MODES for v, p in (("v2", 64), ("v3", 1))}
-                      | {(v, "eager", p) for v in VARIANTS for p in (1, 64)})
+# V3 (DeepSeek-V3's routing) in every mode at both page sizes; V2 in every mode at page size
+# 64 and eager at both (CPU time).
+GREEDY_CASES = sorted({(v, m, p) for m in MODES for v, p in (("v2", 64), ("v3", 1), ("v3", 64))}
+                      | {("v2", "eager", 1)})
 
 
 @pytest.mark.parametrize("variant, mode, page_size", GREEDY_CASES)

@@ -148,9 +148,8 @@ def test_logits_match_transformers(index_topk, monkeypatch):
         assert calls["sparse_fwd"] == 0 and calls["prefill"] > 0
 
 
-# eager and full decode graphs at both page sizes; the other compiled modes at one each (CPU time)
-GREEDY_CASES = [("eager", 1), ("eager", 64), ("graphs", 1), ("graphs", 64), ("compile", 64),
-                ("piecewise", 1), ("full_and_piecewise", 64)]
+# eager and every compiled mode, each at page sizes 1 and 64
+GREEDY_CASES = [(mode, page) for mode in moe_parity.MODES for page in (1, 64)]
 
 
 @pytest.mark.parametrize("mode, page_size", GREEDY_CASES)
