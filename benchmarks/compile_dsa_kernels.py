@@ -1,6 +1,7 @@
 """Compile the DSA indexer's Triton kernels for a GPU target without a GPU.
 
-Each kernel of ``xpu_ops/triton/dsa_indexer.py``, ``dsa_topk.py`` and ``dsa_index_cache.py`` is
+Each kernel of ``xpu_ops/triton/dsa_indexer.py``, ``dsa_topk.py`` and ``dsa_index_cache.py``, and
+the sparse FlashMLA decode kernel (``flash_mla.py``, one split and four with the fused merge), is
 compiled with ``triton.compile`` for ``--arch`` (default sm_90) at DeepSeek-V3.2's constexprs
 (64 heads, D = 128, block 64), each constexpr branch once, and its registers, spills
 (``cuobjdump``) and dynamic shared memory are printed. A compile error is printed and counted
@@ -20,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from xpu_ops.triton import dsa_index_cache, dsa_indexer, dsa_topk  # noqa: E402
+from xpu_ops.triton import dsa_index_cache, dsa_indexer, dsa_topk, flash_mla  # noqa: E402
 from compile_kernels import resources  # noqa: E402
 
 _LOGITS = dict(Q="*fp8e4nv", K="*fp8e4nv", K_SCALE="*fp32", W="*fp32", KS="*i32", KE="*i32",
@@ -29,6 +30,14 @@ _PAGED = dict(Q="*fp8e4nv", VALUES="*fp8e4nv", SCALES="*fp32", W="*fp32", CTX="*
               TABLE="*i32", OUT="*fp32")
 _TOPK = dict(SCORE="*fp32", LENGTHS="*i32", STARTS="*i32", REQUEST="*i64", TABLE="*i32",
              OUT="*i32")
+_MLA = dict(Q="*bf16", K="*bf16", SLOTS="*i32", TOPK_LEN="*i32", K2="*bf16", SLOTS2="*i32",
+            TOPK_LEN2="*i32", SEQLENS="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32",
+            MAXL="*fp32", PART_O="*fp32", PART_ML="*fp32", COUNTERS="*i32", scale="fp32")
+# DeepSeek-V3.2's sparse decode: 576 = 512 latent + 64 rope, 16 heads a program, top-k lengths
+_MLA_CONSTEXPRS = dict(HEAD_DIM=576, HEAD_DIM_V=512, ROPE_OFF=0, BLOCK_H=16, BLOCK_N=16,
+                       BLOCK_DV=512, BLOCK_DR=64, DENSE=False, CAUSAL=False, IS_FP8=False,
+                       ALIGNED=True, HAS_LEN=True, HAS_EXTRA=False, HAS_LEN2=False,
+                       HAS_SINK=False, STORE_MAX=False, PRECISION=None, UPCAST=False)
 # (name, kernel, pointer and float argument types (others: i32), constexprs[, num_warps: 4])
 CASES = [
     ("fp8_mqa_logits", dsa_indexer._mqa_logits_kernel, _LOGITS,
@@ -57,6 +66,8 @@ CASES = [
     ("hadamard_transform fp32", dsa_index_cache._hadamard_kernel,
      dict(X="*fp32", OUT="*fp32", scale="fp32"),
      dict(N=128, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, IEEE=True)),
+    *[(f"flash_mla sparse decode, {splits} split(s)", flash_mla._flash_mla_kernel, _MLA,
+       dict(_MLA_CONSTEXPRS, NUM_SPLITS=splits), 8) for splits in (1, 4)],
 ]
 
 

@@ -11,7 +11,8 @@ from ``<peer>/``; ``import sgl_kernel`` resolves to xpu-ops (``-p sgl_kernel_shi
 * ``flash_switches_off_<i>of<n>``: only when the file still hard-codes a ``DISABLE_*`` switch
   for split, paged KV, append KV, local, softcap or pack-GQA as True: a generated copy
   (``<peer>/generated/``) with those switches False (FP16/FP8 as published);
-* ``merge``: ``test_merge_state_v2.py``; ``flashmla``: ``test_flashmla.py``.
+* ``merge``: ``test_merge_state_v2.py``; ``flashmla_<i>of<n>``: ``test_flashmla.py`` in
+  ``--flashmla-shards`` shards.
 
 Writes under ``--out`` (default ``$OUT``) each job's log and outcomes, and
 ``sgl_kernel_tests.json`` / ``.md`` (per job, file and function; see ``client_test_runs``).
@@ -59,7 +60,7 @@ def switches_off_copy(path: pathlib.Path, peer: pathlib.Path) -> pathlib.Path | 
     return target
 
 
-def jobs(peer: pathlib.Path, flash_shards: int) -> list[runs.Job]:
+def jobs(peer: pathlib.Path, flash_shards: int, flashmla_shards: int = 3) -> list[runs.Job]:
     found = {job: find(peer, name) for job, name in SGLANG_FILES.items()}
     missing = [SGLANG_FILES[j] for j, p in found.items() if p is None]
     if missing:
@@ -71,17 +72,22 @@ def jobs(peer: pathlib.Path, flash_shards: int) -> list[runs.Job]:
         copy = switches_off_copy(found["flash"], peer)
         if copy is not None:
             result += runs.sharded("flash_switches_off", [copy], flash_shards)
-    result += [runs.Job(job, (found[job],)) for job in ("merge", "flashmla")
-               if found[job] is not None]
+    if found["merge"] is not None:
+        result.append(runs.Job("merge", (found["merge"],)))
+    if found["flashmla"] is not None:     # 644 tests; 291 ran in about 120 s on an H200
+        result += runs.sharded("flashmla", [found["flashmla"]], flashmla_shards)
     return result
 
 
 def main() -> int:
     parser = runs.parser(__doc__.split("\n")[0])
-    parser.add_argument("--flash-shards", type=int, default=4,
+    parser.add_argument("--flash-shards", type=int, default=4,   # 1008 tests; off: 3072
                         help="shards of test_flash_attention.py (jobs flash_<i>of<n>)")
+    parser.add_argument("--flashmla-shards", type=int, default=3,
+                        help="shards of test_flashmla.py (jobs flashmla_<i>of<n>)")
     args = parser.parse_args()
-    return runs.main_loop(args, jobs(args.peer, args.flash_shards), "sgl_kernel_tests",
+    return runs.main_loop(args, jobs(args.peer, args.flash_shards, args.flashmla_shards),
+                          "sgl_kernel_tests",
                           "sgl-kernel tests on xpu-ops (shim)")
 
 

@@ -15,6 +15,8 @@ decode side's page size, page order and sliding-window mapping are its own:
   tokens (what the next query at position ``prompt_len`` sees besides itself).
 - ``LinearStateHandler``: the conv window and recurrent state of every linear-attention layer
   (``LinearStatePool`` slot of the request's row).
+- ``IndexKeyHandler``: DeepSeek-V3.2's DSA index keys (``DSATokenToKVPool``), each token's fp8
+  key bytes and float32 scale, moved as stored (no requantisation).
 
 ``state_handlers(engine)`` lists the handlers an engine's pools need; a new per-request state
 kind adds a class with the same four methods and a line there.
@@ -26,6 +28,8 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from xpu_ops.index_k_layout import split_blocks
 
 from compile.backend import kv_layout
 from compile.batch import MLATokenToKVPool, SWAKVPool
@@ -148,18 +152,50 @@ class LinearStateHandler:
         self.pool.ssm[:, slot] = tensors[1]
 
 
-def state_handlers(engine) -> list[StateHandler]:
-    """The handlers of ``engine``'s pools, in the order both sides send and receive them.
+class IndexKeyHandler:
+    """DSA index keys of ``layer_ids`` for every prompt token: fp8 bytes ``uint8 [layers,
+    tokens, Di]`` and scales ``float32 [layers, tokens]``, read and written at the request's
+    slots through the paged layout's views (``xpu_ops.index_k_layout.split_blocks``: page
+    ``s // page_size``, row ``s % page_size``), so the two sides' page sizes are independent
+    and the bytes arrive as the prefill stored them."""
 
-    Raises:
-        NotImplementedError: a pool with per-token state no handler covers (the DSA index-key
-            cache of DeepSeek-V3.2).
-    """
+    name = "index_k"
+
+    def __init__(self, engine, layer_ids):
+        self.engine, self.pool, self.layer_ids = engine, engine.token_to_kv_pool, tuple(layer_ids)
+
+    def _views(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        return split_blocks(self.pool.get_index_k_with_scale_buffer(layer_id))
+
+    def buffers(self, prompt_len: int) -> list[Tensor]:
+        values, scales = self._views(self.layer_ids[0])
+        n = len(self.layer_ids)
+        return [torch.empty((n, prompt_len, values.shape[-1]), dtype=values.dtype,
+                            device=values.device),
+                torch.empty((n, prompt_len), dtype=scales.dtype, device=scales.device)]
+
+    def _where(self, req) -> tuple[Tensor, Tensor]:
+        slots = _slots(self.engine, req, 0, len(req.prompt_ids))
+        block = self._views(self.layer_ids[0])[1].shape[1]
+        return slots // block, slots % block
+
+    def pack(self, req) -> list[Tensor]:
+        page, row = self._where(req)
+        views = [self._views(lid) for lid in self.layer_ids]
+        return [torch.stack([v[page, row] for v, _ in views]),
+                torch.stack([s[page, row] for _, s in views])]
+
+    def unpack(self, req, tensors: list[Tensor]) -> None:
+        page, row = self._where(req)
+        for i, lid in enumerate(self.layer_ids):
+            values, scales = self._views(lid)
+            values[page, row] = tensors[0][i]
+            scales[page, row] = tensors[1][i]
+
+
+def state_handlers(engine) -> list[StateHandler]:
+    """The handlers of ``engine``'s pools, in the order both sides send and receive them."""
     pool = engine.token_to_kv_pool
-    if isinstance(pool, DSATokenToKVPool):
-        raise NotImplementedError("Engine: disaggregation has no transfer for the DSA index-key "
-                                  "cache (DeepSeek-V3.2); expected an MHA, MLA or hybrid "
-                                  "sliding-window pool. Run this model without disaggregation.")
     layout = kv_layout(engine.model)
     layers = layout.cache_layer_ids
     handlers: list[StateHandler] = []
@@ -170,10 +206,12 @@ def state_handlers(engine) -> list[StateHandler]:
                                         layout.sliding_window))
     elif layers:
         handlers.append(TokenKVHandler(engine, layers))
+    if isinstance(pool, DSATokenToKVPool) and layers:
+        handlers.append(IndexKeyHandler(engine, layers))
     if engine.state_pool is not None:
         handlers.append(LinearStateHandler(engine))
     return [h for h in handlers if not isinstance(h, TokenKVHandler) or h.layer_ids]
 
 
 __all__ = ["StateHandler", "TokenKVHandler", "WindowKVHandler", "LinearStateHandler",
-           "state_handlers"]
+           "IndexKeyHandler", "state_handlers"]

@@ -1,10 +1,12 @@
 """bench_disaggregation on the CPU: two gloo processes (prefill, decode), a tiny model, eager
 modes; every measured request has a row with its transfer and prefill times, the KV bytes are
-the model's per-token KV times the prompt, and the greedy tokens equal one engine's."""
+the model's per-token KV times the prompt, and the greedy tokens equal one engine's. On a GPU
+(``gpu``): both processes on the one card, decode in captured graphs."""
 
 import json
 
 import bench_disaggregation
+from tests.markers import GPU_DEVICE, requires_gpu_graphs
 
 
 def test_quick_run_times_each_request_and_checks_tokens(tmp_path, capsys):
@@ -43,3 +45,16 @@ def test_merge_flags_a_token_mismatch():
     assert not result["tokens_equal"] and result["requests_equal"] == [1, 2]
     assert result["table"] == [dict(prompt_len=8, requests=1, mib=1.0, prefill_ms=4.0,
                                     pack_ms=1.0, transfer_ms=3.0, moved_over_prefill=1.0)]
+
+
+@requires_gpu_graphs
+def test_one_card_prefill_process_and_graphs_decode_process(tmp_path):
+    # both processes on the one GPU; the decode engine replays captured decode graphs
+    result = bench_disaggregation.main([
+        "--device", GPU_DEVICE, "--quick", "--prompt-lens", "16", "40", "--repeats", "1",
+        "--new-tokens", "4", "--probe-nccl", "--out", str(tmp_path)])
+    assert result["tokens_equal"] and result["requests_equal"] == [4, 4], result
+    assert result["graphs"]["captures"] > 0 and result["graphs"]["replays"] > 0, result
+    probe = result["nccl_probe"]
+    assert result["backend"] == ("nccl" if probe == "ok" else "gloo"), result
+    assert result["wire"] == ("cpu" if result["backend"] == "gloo" else f"{GPU_DEVICE}:0")

@@ -98,6 +98,7 @@ def test_sparse_fp8_decode_as_sgl_kernel_calls_it(shim):
     want, want_lse = oracle.flash_mla_with_kvcache(q, quantized, None, None, 512, 576 ** -0.5,
                                                    False, True, indices)
     assert_matches_oracle(out, want, torch.bfloat16, lse, want_lse)
-    with pytest.raises(NotImplementedError, match="descale_q"):
+    with pytest.raises(ValueError, match="descale_k is given with is_fp8_kvcache"):
         flash_mla_with_kvcache(q, quantized, table, seqlens, 512, meta, splits,
+                               is_fp8_kvcache=True, indices=indices,
                                descale_q=torch.ones(1), descale_k=torch.ones(1))

@@ -260,8 +260,9 @@ def test_scheduler_and_descale_arguments_are_typed():
         xpu_ops.flash_mla_with_kvcache(**t, tile_scheduler_metadata="plan")
     with pytest.raises(TypeError, match="^flash_mla_with_kvcache: num_splits is not a tensor"):
         xpu_ops.flash_mla_with_kvcache(**t, num_splits=3)
-    with pytest.raises(NotImplementedError, match="^flash_mla_with_kvcache: descale_q"):
-        xpu_ops.flash_mla_with_kvcache(**t, descale_q=torch.ones(1))
+    with pytest.raises(ValueError, match="^flash_mla_with_kvcache: descale_q does not match "
+                                         "the dtype of q"):
+        xpu_ops.flash_mla_with_kvcache(**t, descale_q=torch.ones(1))   # q is not fp8
 
 
 def test_the_raw_op_checks_its_scalars():

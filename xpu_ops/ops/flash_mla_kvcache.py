@@ -30,6 +30,7 @@ from .._checks import (FLOAT_DTYPES, check_contiguous_last, check_size, check_te
                        check_tensor_args, fail, int_scalar)
 from ..mla_fp8_layout import FP8_TILE, MODEL1_VIEW_BYTES, fp8_token_bytes, is_model1
 from .common import check_flag, check_index, finite_scale
+from .flash_mla_descale import FP8_DTYPES, dequantized_inputs
 
 NAME = "flash_mla_with_kvcache"
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -256,7 +257,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
     A row with no key gets output 0 and LSE -inf.
 
     Args:
-        q: [b, s_q, h_q, D] bf16|fp16|fp32.
+        q: [b, s_q, h_q, D] bf16|fp16|fp32 (float8 with ``descale_q``).
         k_cache: [num_blocks, page_size, 1, D] in q's dtype, or with ``is_fp8_kvcache`` FlashMLA's
             fp8 token bytes ``[num_blocks, page_size, 1, Dv + 4 * Dv / 128 + 2 * (D - Dv)]``
             (float8_e4m3fn or uint8; see ``xpu_ops.mla_fp8_layout``), or DeepSeek-V4's pages
@@ -273,14 +274,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
         attn_sink: [h_q] float32 or None (sparse).
         extra_k_cache: a second cache in k_cache's format (its own page size) or None;
             extra_indices_in_kvcache: [b, s_q, extra_topk] int32; extra_topk_length: [b] int32.
-        descale_q, descale_k: sgl-kernel's fp8-query keywords; only None is implemented.
+        descale_q, descale_k: float32 ``[1]`` or ``[b]`` (sgl-kernel's FlashMLA fp8 path): the
+            query is ``q * descale_q`` (``q`` float8), keys and values ``k_cache * descale_k``
+            (a plain float8 ``k_cache`` without ``is_fp8_kvcache``); output bfloat16
+            (``xpu_ops.ops.flash_mla_descale``). Given exactly when that side is float8.
     Returns:
         ``(out [b, s_q, h_q, Dv] q's dtype, lse [b, h_q, s_q] float32, natural log)``.
     Raises:
         TypeError/ValueError: shape, dtype, device or mode mismatch, naming the argument
             (sparse-only arguments with dense attention, causal with sparse, a missing
             block_table or cache_seqlens when dense).
-        NotImplementedError: descale_q / descale_k given.
         ValueError: with ``XPU_OPS_DEBUG_CHECKS=1`` (dense), ``cache_seqlens`` past the block
             table or a page id that is read out of range.
     Source: FlashMLA ``flash_mla_interface.py`` and ``tests/ref.py`` (semantics);
@@ -304,20 +307,24 @@ def flash_mla_with_kvcache(q, k_cache, block_table=None, cache_seqlens=None, hea
                       extra_indices_in_kvcache=extra_indices_in_kvcache,
                       topk_length=topk_length, extra_topk_length=extra_topk_length)
     _check_schedule(tile_scheduler_metadata, num_splits)
-    for arg, value in (("descale_q", descale_q), ("descale_k", descale_k)):
-        if value is not None:
-            fail(NAME, arg, "is not implemented", "None (bf16/fp16 queries; an fp8 cache "
-                 "through is_fp8_kvcache)", "a tensor", exc=NotImplementedError)
+    is_fp8_kvcache = check_flag(NAME, "is_fp8_kvcache", is_fp8_kvcache)
+    out_scale = None
+    if descale_q is not None or descale_k is not None or q.dtype in FP8_DTYPES:
+        q, k_cache, out_scale = dequantized_inputs(NAME, q, k_cache, is_fp8_kvcache, descale_q,
+                                                   descale_k)
     head_dim_v = int_scalar(NAME, "head_dim_v", head_dim_v)
     if indices is None:
         _value_checks.check_flash_mla_with_kvcache(k_cache, block_table, cache_seqlens)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    return torch.ops.xpu_ops.flash_mla_with_kvcache(
+    out, lse = torch.ops.xpu_ops.flash_mla_with_kvcache(
         q, k_cache, block_table, cache_seqlens, head_dim_v,
         finite_scale(NAME, "softmax_scale", softmax_scale), check_flag(NAME, "causal", causal),
-        check_flag(NAME, "is_fp8_kvcache", is_fp8_kvcache), indices, attn_sink, extra_k_cache,
-        extra_indices_in_kvcache, topk_length, extra_topk_length)
+        is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+        topk_length, extra_topk_length)
+    if out_scale is not None:            # the values' descale (ops/flash_mla_descale.py)
+        out = (out.float() * out_scale).to(out.dtype)
+    return out, lse
 
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache",

@@ -11,8 +11,13 @@ softmax (FlashAttention-2) over the main cache and then the extra cache. All hea
 loaded key tile. Masked slots are never loaded: NaN garbage cannot reach the result. When the
 rows and head blocks do not fill the device (small decode batches), each row's ranks are split
 over ``plan_splits`` programs (whole tiles each; the extra cache in the last split) whose float32
-partials ``_flash_mla_combine_kernel`` merges (FlashDecoding); the split count depends on shapes
-only.
+partials the same launch merges (FlashDecoding; "last program to finish reduces", as the
+paged-attention kernel does): each split stores its partials, passes a barrier and adds 1 to
+its (row, head block)'s int32 counter with an ``acq_rel`` gpu-scope atomic; the one that reads
+``num_splits - 1`` merges all splits in order 0..S-1 (deterministic whichever program merges),
+writes the output and stores 0 back, so the counters are zero before and after every launch
+(the stream's split workspace of ``paged_attention`` outside graph capture, ``torch.zeros`` of
+the call inside one). The split count depends on shapes only.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import triton.language as tl
 from .. import provider_table
 from ..mla_fp8_layout import fp8_rope_offset, is_model1
 from ._common import available, launch, next_pow2, num_sms
-from .paged_attention import paged_attention
+from .paged_attention import _workspace, paged_attention
 
 
 @triton.jit
@@ -120,6 +125,7 @@ def _attend_cache(q_lat, q_rope, m_i, l_i, acc, K, SLOTS, stride_slot, n_start, 
 @triton.jit(do_not_specialize=["n_keys", "n_keys2"])    # top-k sizes vary: one compile
 def _flash_mla_kernel(
     Q, K, SLOTS, TOPK_LEN, K2, SLOTS2, TOPK_LEN2, SEQLENS, SINK, OUT, LSE, MAXL, PART_O, PART_ML,
+    COUNTERS,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kd, stride_k2b, stride_k2p, stride_k2d,
     stride_sb, stride_ss, stride_sk, stride_s2b, stride_s2s, stride_s2k,
@@ -190,12 +196,24 @@ def _flash_mla_kernel(
         _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
                 stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls, HEAD_DIM_V,
                 BLOCK_DV, HAS_SINK, STORE_MAX)
-    else:  # partials, merged by _flash_mla_combine_kernel
+    else:  # partials; the last split of this (row, head block) to arrive merges them
         part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
         tl.store(PART_O + part[:, None] * BLOCK_DV + offs_v[None, :], acc,
                  mask=mask_h[:, None])
         tl.store(PART_ML + part * 2, m_i, mask=mask_h)
         tl.store(PART_ML + part * 2 + 1, l_i, mask=mask_h)
+        # the barrier orders every thread's stores before the counter update; acq_rel at gpu
+        # scope releases them to, and acquires the other splits' for, the last arrival
+        tl.debug_barrier()
+        counter = COUNTERS + row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            acc, m_i, l_i = _merge_partials(PART_O, PART_ML, row, tl.num_programs(0), heads,
+                                            mask_h, num_heads, BLOCK_H, BLOCK_DV, NUM_SPLITS)
+            _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
+                    stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls,
+                    HEAD_DIM_V, BLOCK_DV, HAS_SINK, STORE_MAX)
+            tl.store(counter, 0)  # zero again for the next launch (and graph replay)
 
 
 @triton.jit
@@ -222,35 +240,29 @@ def _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stri
 
 
 @triton.jit
-def _flash_mla_combine_kernel(
-    PART_O, PART_ML, SINK, OUT, LSE, MAXL, stride_sink, stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh, stride_ls, seqlen_q, num_heads,
-    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, STORE_MAX: tl.constexpr,
-):
-    # Split-KV merge: m = max_s m_s, l = sum_s l_s e^{m_s - m}, acc = sum_s acc_s e^{m_s - m}.
-    row = tl.program_id(0)
-    b = (row // seqlen_q).to(tl.int64)
-    s_idx = (row % seqlen_q).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = heads < num_heads
+def _merge_partials(PART_O, PART_ML, row, num_rows, heads, mask_h, num_heads,
+                    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # Split-KV merge of one (row, head block): m = max_s m_s, l = sum_s l_s e^{m_s - m},
+    # acc = sum_s acc_s e^{m_s - m}, in split order. Loads bypass L1 (.cg): other
+    # multiprocessors wrote the partials during this launch.
     offs_v = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for split in tl.static_range(NUM_SPLITS):
-        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
-        m_i = tl.maximum(m_i, tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf")))
+        part = (split * num_rows + row).to(tl.int64) * num_heads + heads.to(tl.int64)
+        m_i = tl.maximum(m_i, tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf"),
+                                      cache_modifier=".cg"))
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for split in tl.static_range(NUM_SPLITS):
-        part = (split * tl.num_programs(0) + row).to(tl.int64) * num_heads + heads.to(tl.int64)
-        weight = tl.exp(tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf")) - m_safe)
-        l_i += weight * tl.load(PART_ML + part * 2 + 1, mask=mask_h, other=0.0)
+        part = (split * num_rows + row).to(tl.int64) * num_heads + heads.to(tl.int64)
+        weight = tl.exp(tl.load(PART_ML + part * 2, mask=mask_h, other=float("-inf"),
+                                cache_modifier=".cg") - m_safe)
+        l_i += weight * tl.load(PART_ML + part * 2 + 1, mask=mask_h, other=0.0,
+                                cache_modifier=".cg")
         acc += weight[:, None] * tl.load(PART_O + part[:, None] * BLOCK_DV + offs_v[None, :],
-                                         mask=mask_h[:, None], other=0.0)
-    _finish(acc, m_i, l_i, heads, mask_h, b, s_idx, SINK, stride_sink, OUT, stride_ob,
-            stride_os, stride_oh, LSE, MAXL, stride_lb, stride_lh, stride_ls, HEAD_DIM_V,
-            BLOCK_DV, HAS_SINK, STORE_MAX)
+                                         mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
+    return acc, m_i, l_i
 
 
 def _cache_args(cache: torch.Tensor, is_fp8: bool) -> tuple:
@@ -296,16 +308,14 @@ def _launch(q, q_strides, rows, seqlen_q, main, slots, slot_strides, n_keys, top
     blocks = _blocks(q, num_heads, head_dim, head_dim_v)
     head_blocks = triton.cdiv(num_heads, blocks["BLOCK_H"])
     splits = plan_splits(q.device, rows * head_blocks, n_keys, blocks["BLOCK_N"])
-    part_o = part_ml = lse
-    if splits > 1:     # float32 partials [splits, rows, H, BLOCK_DV] and (m, l) [.., 2]
-        part_o = q.new_empty((splits, rows, num_heads, blocks["BLOCK_DV"]), dtype=torch.float32)
-        part_ml = q.new_empty((splits, rows, num_heads, 2), dtype=torch.float32)
+    part_o, part_ml, counters = _split_buffers(q, splits, rows, num_heads, head_blocks,
+                                               blocks["BLOCK_DV"], lse)
     stride0 = lambda t: 0 if t is None else t.stride(0)  # noqa: E731
     maxl_or_lse = lse if maxl is None else maxl
     launch(_flash_mla_kernel, (rows, head_blocks, splits), q.device,
            q, k, slots, q if topk_len is None else topk_len, k2, slots2,
            q if topk_len2 is None else topk_len2, q if seqlens is None else seqlens,
-           q if sink is None else sink, out, lse, maxl_or_lse, part_o, part_ml,
+           q if sink is None else sink, out, lse, maxl_or_lse, part_o, part_ml, counters,
            *q_strides, k_sb, k_sp, k_sd, k2_sb, k2_sp, k2_sd, *slot_strides, *slot2_strides,
            stride0(topk_len), stride0(topk_len2), stride0(seqlens), stride0(sink),
            *out_strides, *lse_strides,
@@ -315,13 +325,26 @@ def _launch(q, q_strides, rows, seqlen_q, main, slots, slot_strides, n_keys, top
            IS_FP8=is_fp8, ALIGNED=aligned and aligned2, HAS_LEN=topk_len is not None,
            HAS_EXTRA=extra is not None, HAS_LEN2=topk_len2 is not None,
            HAS_SINK=sink is not None, STORE_MAX=maxl is not None, NUM_SPLITS=splits, **blocks)
-    if splits > 1:
-        launch(_flash_mla_combine_kernel, (rows, head_blocks), q.device,
-               part_o, part_ml, q if sink is None else sink, out, lse, maxl_or_lse,
-               stride0(sink), *out_strides, *lse_strides, seqlen_q, num_heads,
-               HEAD_DIM_V=head_dim_v, BLOCK_H=blocks["BLOCK_H"], BLOCK_DV=blocks["BLOCK_DV"],
-               NUM_SPLITS=splits, HAS_SINK=sink is not None, STORE_MAX=maxl is not None,
-               num_warps=blocks["num_warps"])
+
+
+def _split_buffers(q: torch.Tensor, splits: int, rows: int, num_heads: int, head_blocks: int,
+                   block_dv: int, dummy: torch.Tensor) -> tuple:
+    """``(part_o, part_ml, counters)`` of a split launch: float32 partials ``[splits, rows, H,
+    BLOCK_DV]``, their ``(m, l)`` ``[splits, rows, H, 2]`` and one zero int32 counter per (row,
+    head block), from the stream's split workspace (``paged_attention._workspace``, whose
+    counters every launch leaves zero) or, inside a graph capture and for large launches, new
+    buffers of this call; ``dummy`` three times for one split (never read)."""
+    if splits == 1:
+        return dummy, dummy, dummy
+    o_elems, ml_elems = splits * rows * num_heads * block_dv, splits * rows * num_heads * 2
+    tiles = rows * head_blocks
+    ws = _workspace(q.device, o_elems + ml_elems, 0, tiles)
+    if ws is None:
+        part = torch.empty(o_elems + ml_elems, dtype=torch.float32, device=q.device)
+        counters = torch.zeros(tiles, dtype=torch.int32, device=q.device)
+    else:
+        part, counters = ws[0], ws[2]
+    return part[:o_elems], part[o_elems:o_elems + ml_elems], counters
 
 
 MAX_SPLITS = 16

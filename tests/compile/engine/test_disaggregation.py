@@ -6,9 +6,11 @@ the greedy tokens of prefill-then-decode equal the single engine's, and the deco
 pools are back to their start counters afterwards (pages, rows, SWA pages).
 
 Scenarios (one spawn runs them all): the ``--model tiny`` Llama shape with page sizes 16 -> 1
-and 1 -> 16 (decode in graphs mode: ``GraphRunner`` over a Dynamo eager-backend forward), a
+and 1 -> 16 (decode in graphs mode: ``GraphRunner`` over a Dynamo eager-backend forward), the
+default model's (SmolLM2-135M: 9 query and 3 KV heads of 64) at 2 layers 16 -> 1, a
 Gemma-3-shaped model on its hybrid sliding-window pool (prompts longer than the window and a
-page, 4 -> 1), an MLA model (DeepSeek-V2 latent cache, 1 -> 4) and a Qwen3-Next model
+page, 4 -> 1), an MLA model (DeepSeek-V2 latent cache, 1 -> 4), a DeepSeek-V3.2-shaped
+model (latent cache and DSA index keys, top-4 sparse attention, 1 -> 64) and a Qwen3-Next model
 (linear-attention conv and recurrent states beside the full-attention KV, 16 -> 1; the
 21-token prompt is prefilled in two chunks). A second spawn kills the
 prefill process in the middle of one request's payload: the decode side fails that request
@@ -38,6 +40,7 @@ from compile.engine.cli_disagg import free_port
 from compile.engine.cli_models import TINY_CONFIG
 from compile.graphs import GraphRunner, compile_model
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from compile.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 from tests.compile.batch.test_swa_pages import tiny_gemma3
 from tests.compile.compile_helpers import tiny_model
 
@@ -51,13 +54,33 @@ def _llama():
     return tiny_model(num_layers=2, vocab_size=96, **shape)
 
 
-def _mla():
-    torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=2)).eval()
+def _smollm2():
+    """SmolLM2-135M's shape (the CLI's default model: 9 query and 3 KV heads of 64, hidden
+    576, its vocabulary), 2 of its 30 layers, random weights."""
+    return tiny_model(num_layers=2, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      tie_word_embeddings=True)
+
+
+def _random(model):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.15)
-    return model
+    return model.eval()
+
+
+def _mla():
+    torch.manual_seed(0)
+    return _random(DeepseekV2ForCausalLM(DeepseekV2Config(vocab_size=64, num_hidden_layers=2)))
+
+
+def _dsa():
+    """DeepSeek-V3.2-shaped: MLA plus the DSA indexer, top-4 keys (below every prompt length,
+    so decode attends the keys its index scores pick: wrong index keys change the tokens)."""
+    torch.manual_seed(0)
+    cfg = DeepseekV32Config(vocab_size=64, num_hidden_layers=2, q_lora_rank=24, index_topk=4,
+                            index_n_heads=4, index_head_dim=32)
+    return _random(DeepseekV32ForCausalLM(cfg))
 
 
 def _qwen3_next():
@@ -71,8 +94,10 @@ def _qwen3_next():
 SCENARIOS = {
     "llama_16_to_1": (_llama, 16, 1, False, (19, 5, 33)),
     "llama_1_to_16_graphs": (_llama, 1, 16, True, (19, 5, 33)),
+    "smollm2_shape_16_to_1": (_smollm2, 16, 1, False, (19, 5, 33)),
     "gemma3_swa_4_to_1": (tiny_gemma3, 4, 1, False, (21, 6, 3)),
     "mla_1_to_4": (_mla, 1, 4, False, (9, 14)),
+    "dsa_index_keys_1_to_64": (_dsa, 1, 64, False, (9, 14)),
     "qwen3_next_linear_16_to_1": (_qwen3_next, 16, 1, False, (21, 6)),
 }
 ENGINE = dict(max_running=4, max_context_len=64, max_total_tokens=256, chunked_prefill_size=16)
