@@ -164,7 +164,7 @@ def _flash_mla_sparse_prefill(out, max_logits, lse, q, kv, indices, sm_scale, he
 def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata,
                           max_seq_len, clean_logits):
     # sgl-kernel-xpu: uint8 [B, 1, H, D] queries, no schedule metadata, every position below
-    # seq_lens read through the table (ids must be valid there), zeros past it.
+    # seq_lens read through the table (ids must be valid there) from per-token rows, zeros past.
     _require(q_fp8.dtype == torch.uint8 and q_fp8.dim() == 4 and q_fp8.shape[1] == 1,
              "q_fp8 must be uint8 [B, 1, H, D]")
     _require(schedule_metadata is None, "schedule_metadata is not supported on XPU")
@@ -177,7 +177,13 @@ def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, sche
     for i, n in enumerate(lens.tolist()):
         used = block_tables[i, :-(-n // bs)]
         _require(bool(((used >= 0) & (used < kv_cache.shape[0])).all()), "a block id out of range")
-    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), kv_cache, weights,
+    # sgl-kernel-xpu's cache is per token (D fp8 bytes, then the float32 scale); the reference
+    # reads DeepGEMM's blocks (a block's keys, then its scales): regroup each page's bytes.
+    pages, _, _, width = kv_cache.shape
+    rows = kv_cache.reshape(pages, bs, width)
+    blocks = torch.cat([rows[..., :width - 4].reshape(pages, -1),
+                        rows[..., width - 4:].reshape(pages, -1)], 1).view(kv_cache.shape)
+    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), blocks, weights,
                                           lens, block_tables, max_seq_len, clean_logits)
     return torch.where(logits == -torch.inf, 0.0, logits)
 
