@@ -100,7 +100,8 @@ def disagg_table(run: Path) -> str:
              f"for {equal[0]} of {equal[1]} requests. Medians per prompt length; prefill: the "
              "prefill step (forward and first token), pack: the request's KV gathered into "
              "send buffers, transfer: the decode side from posting the receives to the KV "
-             "written into its pages.", "",
+             "written into its pages. The two processes time-slice the card, so a prefill may "
+             "wait behind the other process's decode step.", "",
              "| prompt tokens | requests | KV MiB | prefill ms | pack ms | transfer ms | "
              "(pack + transfer) / prefill |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["table"]:

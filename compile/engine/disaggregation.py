@@ -247,11 +247,7 @@ class DecodeRole(_Role):
         self.open, self.broken = False, why
 
     def _fits(self, h: list[int]) -> bool:
-        eng = self.engine
-        pages = -(-(h[2] + h[4]) // eng.page_size)
-        promised = sum(eng._pages_needed(r) for r in eng.running)
-        return (eng.req_to_token_pool.available_size() > 0 and h[2] + h[4] <= eng.max_request_tokens
-                and pages + promised <= len(eng.allocator.free_pages))
+        return self.engine.has_room(h[2] + h[4])  # prompt + max_new_tokens
 
     def _recv(self, bufs: list[Tensor]) -> None:
         for w in [dist.irecv(b, self.peer) for b in bufs]:
@@ -272,7 +268,7 @@ class DecodeRole(_Role):
                        "context than the decode engine has; expected max_running, "
                        "max_context_len and max_total_tokens at least the prefill engine's.")
             return self._drain(bufs, req.rid)
-        self._admit(req)
+        self.engine.admit_prefilled(req)
         t0 = time.perf_counter()
         try:
             self._recv(bufs)
@@ -330,18 +326,6 @@ class DecodeRole(_Role):
                "Run the same model (and KV dtype) on both sides.")
         self._fail(req, why)
         return why
-
-    def _admit(self, req) -> None:
-        """Give ``req`` a row, a state slot and slots for its whole prompt (in prefill-sized
-        chunks, so a hybrid pool evicts window pages as a local prefill would)."""
-        eng = self.engine
-        req.row = eng.req_to_token_pool.alloc(1)[0]
-        if eng.state_pool is not None:
-            eng.state_pool.alloc([req.row])
-        eng.running.append(req)
-        n = len(req.prompt_ids)
-        while req.num_cached < n:
-            eng._alloc(req, min(eng.chunked_prefill_size, n - req.num_cached))
 
     def outputs(self) -> dict[int, list[int]]:
         """Generated ids (first token included) of every request received, by rid."""

@@ -321,12 +321,36 @@ class Engine:
             need = self._pages_needed(self.waiting[0])
             if promised + need > len(self.allocator.free_pages):
                 break
-            req = self.waiting.pop(0)
-            req.row = self.req_to_token_pool.alloc(1)[0]
-            if self.state_pool is not None:
-                self.state_pool.alloc([req.row])
-            self.running.append(req)
+            self._take_row(self.waiting.pop(0))
             promised += need
+
+    def _take_row(self, req: Req) -> None:
+        """Give ``req`` a ``req_to_token`` row (and a linear-attention state slot) and run it."""
+        req.row = self.req_to_token_pool.alloc(1)[0]
+        if self.state_pool is not None:
+            self.state_pool.alloc([req.row])
+        self.running.append(req)
+
+    def has_room(self, total_tokens: int) -> bool:
+        """Whether a request of ``total_tokens`` (prompt + max new tokens) can start now: a free
+        row, at most ``max_request_tokens``, and pages for it beside every running request at
+        its longest (``_admit``'s rule)."""
+        promised = sum(self._pages_needed(r) for r in self.running)
+        pages = -(-total_tokens // self.page_size)
+        return (self.req_to_token_pool.available_size() > 0
+                and total_tokens <= self.max_request_tokens
+                and promised + pages <= len(self.allocator.free_pages))
+
+    def admit_prefilled(self, req: Req) -> None:
+        """Run ``req``, whose prompt another engine prefilled (a disaggregated prefill), from its
+        next decode step: a row, a state slot and slots for the whole prompt, taken in
+        ``chunked_prefill_size`` chunks as a local prefill takes them (a hybrid pool evicts
+        window pages the same way). The caller writes the prompt's state into those slots
+        (``compile.engine.kv_transfer``) and checks ``has_room`` first."""
+        self._take_row(req)
+        n = len(req.prompt_ids)
+        while req.num_cached < n:
+            self._alloc(req, min(self.chunked_prefill_size, n - req.num_cached))
 
     def release(self, req: Req, reason: str) -> None:
         """Finish running ``req`` with ``reason``: free its row, pages (and SWA pages, state
