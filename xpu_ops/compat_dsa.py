@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ._checks import XpuOpsValueError, check_size, check_tensor, check_tensor_args, fail, int_scalar
-from .index_k_layout import SCALE_BYTES
+from .index_k_layout import tokens_to_blocks
 from .ops.common import check_index
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -83,18 +83,6 @@ def fp8_mqa_logits(q_fp8, kv_fp8, weights, ks, ke, clean_logits=False) -> Tensor
     return fp8_mqa_logits_impl(q_fp8, k_fp8, k_scale, weights, ks, ke)
 
 
-def per_token_to_block_layout(kv_cache: Tensor) -> Tensor:
-    """A copy of a per-token index-key cache ``[P, page_size, 1, D + 4]`` (each token: D fp8
-    bytes, then its float32 scale) in DeepGEMM's block layout (``xpu_ops.index_k_layout``: a
-    page's fp8 keys, then its scales), uint8."""
-    pages, page_size, _, width = kv_cache.shape
-    tokens = kv_cache.view(torch.uint8).reshape(pages, page_size, width)
-    dim = width - SCALE_BYTES
-    return torch.cat([tokens[..., :dim].reshape(pages, page_size * dim),
-                      tokens[..., dim:].reshape(pages, page_size * SCALE_BYTES)],
-                     dim=1).view(pages, page_size, 1, width)
-
-
 def _paged_inputs(fn: str, q_fp8, kv_cache, seq_lens):
     check_tensor_args(fn, q_fp8=q_fp8, kv_cache=kv_cache, seq_lens=seq_lens)
     q = _fp8_bytes(fn, "q_fp8", q_fp8)
@@ -135,7 +123,7 @@ def fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, sched
     import xpu_ops
     check_paged_call(q_fp8, kv_cache, weights, seq_lens, block_tables, max_seq_len)
     q, kv, seq_lens = _paged_inputs("fp8_paged_mqa_logits", q_fp8, kv_cache, seq_lens)
-    blocks = per_token_to_block_layout(kv)
+    blocks = tokens_to_blocks(kv)
     return _zero_outside(xpu_ops.fp8_paged_mqa_logits(q, blocks, weights, seq_lens,
                                                       block_tables, None, max_seq_len))
 
@@ -274,5 +262,5 @@ def nsa_functions() -> dict:
 __all__ = ["shim_functions", "nsa_functions", "FP8_DTYPE", "HEAD_LOOP_THRESHOLD",
            "FAST_TOPK_SUPPORTED_K", "AssertionValueError",
            "fp8_mqa_logits_impl", "fp8_mqa_logits", "fp8_paged_mqa_logits",
-           "fp8_paged_mqa_logits_triton", "per_token_to_block_layout", "topk_transform_512",
+           "fp8_paged_mqa_logits_triton", "topk_transform_512",
            "topk_transform_512_v2"]

@@ -71,5 +71,27 @@ def positions_to_slots(positions: Tensor, page_table: Tensor, cu_seqlens_q: Tens
     return torch.where(keep, lookup, -1).to(torch.int32)
 
 
+def tokens_to_blocks(cache: Tensor) -> Tensor:
+    """A copy, in this layout, of a *per-token* cache ``[P, block_size, 1, D + 4]`` (each
+    token's D fp8 bytes, then its float32 scale: sgl-kernel-xpu's ``fp8_paged_mqa_logits``
+    layout); uint8."""
+    pages, block_size, _, width = cache.shape
+    tokens = cache.view(torch.uint8).reshape(pages, block_size, width)
+    dim = width - SCALE_BYTES
+    return torch.cat([tokens[..., :dim].reshape(pages, block_size * dim),
+                      tokens[..., dim:].reshape(pages, block_size * SCALE_BYTES)],
+                     dim=1).view(pages, block_size, 1, width)
+
+
+def blocks_to_tokens(cache: Tensor) -> Tensor:
+    """The inverse of ``tokens_to_blocks``: a per-token copy of a cache in this layout; uint8."""
+    pages, block_size, _, width = cache.shape
+    flat = cache.view(torch.uint8).reshape(pages, block_size * width)
+    dim = width - SCALE_BYTES
+    return torch.cat([flat[:, :block_size * dim].reshape(pages, block_size, dim),
+                      flat[:, block_size * dim:].reshape(pages, block_size, SCALE_BYTES)],
+                     dim=2).view(pages, block_size, 1, width)
+
+
 __all__ = ["SCALE_BYTES", "FP8_MAX", "AMAX_FLOOR", "head_dim", "is_dense_blocks", "split_blocks",
-           "request_of_rows", "positions_to_slots"]
+           "request_of_rows", "positions_to_slots", "tokens_to_blocks", "blocks_to_tokens"]

@@ -16,6 +16,12 @@ Each DSA layer passes the indexer's inputs (``index_q``, ``index_k``, ``index_we
    DECODE and TARGET_VERIFY (``[b, s_q, topk]``, ``s_q`` query tokens per request),
    ``flash_mla_sparse_fwd`` over the whole cache as rows for extend.
 
+An fp8 latent cache (``DSATokenToKVPool(dtype=torch.float8_e4m3fn)``: FlashMLA's fp8 tokens,
+as sglang's DSA backend keeps with ``--kv-cache-dtype fp8_e4m3``) is read by
+``flash_mla_with_kvcache(is_fp8_kvcache=True)`` in every mode (extend rows as requests of one
+query token each) and never by dense prefill (the top-k of a short request keeps all its keys,
+so sparse equals dense there). DeepSeek-V3.2 has no attention sinks; the layers pass none.
+
 Metadata (host, once per step, ``build_metadata``): the parent's, plus ``DSARows`` (per query
 row: its request's page table and causal key count) for every mode but DECODE, whose rows are
 the requests themselves (``main``); so a plain decode step still computes its metadata inside
@@ -70,6 +76,7 @@ class DSAAttentionBackend(XPUAttentionBackend):
                             f"{type(self.token_to_kv_pool).__name__}; expected a "
                             f"DSATokenToKVPool (compile.batch.dsa_pool).")
         self.index_topk = int(self.model_config.index_topk)
+        self.fp8_latent = bool(getattr(self.token_to_kv_pool, "fp8_latent", False))
 
     # ----------------------------------------------------------------- plan (host)
 
@@ -88,7 +95,8 @@ class DSAAttentionBackend(XPUAttentionBackend):
             return out
         out.rows = rows_of(meta.main, fb.out_cache_loc.shape[0])
         if mode.is_extend_or_draft_extend_or_mixed() and fb.batch_size:
-            out.dense_prefill = int(fb.seq_lens_cpu.max()) <= self.index_topk
+            out.dense_prefill = (not self.fp8_latent
+                                 and int(fb.seq_lens_cpu.max()) <= self.index_topk)
         return out
 
     def graph_metadata_buffers(self, max_bs: int, max_num_tokens: int) -> dict[str, Tensor]:
@@ -107,6 +115,11 @@ class DSAAttentionBackend(XPUAttentionBackend):
                  index_weights: Optional[Tensor] = None, **kwargs) -> Tensor:
         meta = self._metadata()
         if index_q is None:
+            if self.fp8_latent:
+                raise NotImplementedError(
+                    f"DSAAttentionBackend: layer {layer.layer_id} passes no indexer inputs over "
+                    f"an fp8 latent cache; expected every layer of a DSA model to have an "
+                    f"indexer (dense MLA reads no fp8 FlashMLA tokens). Use a bfloat16 cache.")
             return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks=sinks, **kwargs)
         pool = self.token_to_kv_pool
         if save_kv_cache and index_k is not None:
@@ -132,15 +145,16 @@ class DSAAttentionBackend(XPUAttentionBackend):
         slots = topk_slots(index_cache, rows, index_q, index_weights, self.index_topk,
                            ps)                                                 # [T, topk]
         q_all = torch.cat((q.reshape(-1, heads, rank), q_rope.reshape(-1, heads, rope)), -1)
-        kv = pool.get_key_buffer(layer.kv_cache_layer_id)                      # [slots, 1, D]
+        kv = pool.get_key_buffer(layer.kv_cache_layer_id)     # [slots, 1, D] or fp8 tokens
         out = self.output_buffer(fb, q_all, heads, rank)
         mode = fb.forward_mode
-        if mode.is_decode() or mode.is_target_verify():
-            b = main.batch_size
+        per_request = mode.is_decode() or mode.is_target_verify()
+        if per_request or self.fp8_latent:
+            b = main.batch_size if per_request else q_all.shape[0]   # extend: a row a request
             res, _ = xpu_ops.flash_mla_with_kvcache(
-                q_all.view(b, -1, heads, rank + rope), kv.view(-1, ps, 1, rank + rope),
-                head_dim_v=rank, softmax_scale=layer.scaling, indices=slots.view(b, -1,
-                                                                                  slots.shape[1]))
+                q_all.view(b, -1, heads, rank + rope), kv.view(-1, ps, 1, kv.shape[-1]),
+                head_dim_v=rank, softmax_scale=layer.scaling, is_fp8_kvcache=self.fp8_latent,
+                indices=slots.view(b, -1, slots.shape[1]))
         else:
             res, _, _ = xpu_ops.flash_mla_sparse_fwd(q_all, kv, slots.unsqueeze(1),
                                                      layer.scaling, d_v=rank)

@@ -344,9 +344,13 @@ class MLATokenToKVPool:
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.layer_num, self.start_layer = layer_num, start_layer
         self.device = torch.device(device)
-        width = kv_lora_rank + qk_rope_head_dim
+        width = self.row_width(kv_lora_rank, qk_rope_head_dim, dtype)
         self.kv_buffer = layer_buffers(layer_num, start_layer, kv_sharing, lambda: torch.zeros(
             (size, 1, width), dtype=dtype, device=self.device))
+
+    def row_width(self, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> int:
+        """Elements of one token's cache row: ``R + r`` (a subclass may store another layout)."""
+        return kv_lora_rank + qk_rope_head_dim
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         """[num_slots, 1, R + r] latent cache of ``layer_id``."""

@@ -7,7 +7,8 @@ ops that sgl-kernel-xpu publishes in ``src/torch_extension_sycl.cc`` with the sa
 ``xpu_ops.register_sgl_kernel_fakes`` has work to do. It also enforces the native input contract
 that the glue must honour (contiguous last dims, fp16/bf16 queries, per-request lengths in the
 ``cu_seqlens_k`` slot of a paged call, contiguous merge inputs, a large enough MLA workspace), so
-a mapping mistake fails loudly instead of matching the reference by accident.
+a mapping mistake fails loudly instead of matching the reference by accident. The fused
+``gdn_attention`` stand-in is in ``native_gdn``.
 
 Conventions of ``fwd``: ``"writes"`` (newer: ``Tensor(a!) out, Tensor(b!)? softmax_lse, ...)
 -> ()``) and ``"returns"`` (older: ``Tensor(a!)? out=None) -> (Tensor(a!), Tensor, Tensor,
@@ -25,6 +26,8 @@ from xpu_ops.reference import dsa_indexer as ref_dsa
 from xpu_ops.reference import merge_state as ref_merge
 from xpu_ops.reference import paged_attention as ref_paged
 from xpu_ops.reference import varlen_attention as ref_varlen
+
+from . import native_gdn
 
 _FWD_HEAD = (
     "fwd(Tensor q, Tensor k, Tensor v, Tensor? q_v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -164,7 +167,7 @@ def _flash_mla_sparse_prefill(out, max_logits, lse, q, kv, indices, sm_scale, he
 def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata,
                           max_seq_len, clean_logits):
     # sgl-kernel-xpu: uint8 [B, 1, H, D] queries, no schedule metadata, every position below
-    # seq_lens read through the table (ids must be valid there), zeros past it.
+    # seq_lens read through the table (ids must be valid there) from per-token rows, zeros past.
     _require(q_fp8.dtype == torch.uint8 and q_fp8.dim() == 4 and q_fp8.shape[1] == 1,
              "q_fp8 must be uint8 [B, 1, H, D]")
     _require(schedule_metadata is None, "schedule_metadata is not supported on XPU")
@@ -177,7 +180,13 @@ def _fp8_paged_mqa_logits(q_fp8, kv_cache, weights, seq_lens, block_tables, sche
     for i, n in enumerate(lens.tolist()):
         used = block_tables[i, :-(-n // bs)]
         _require(bool(((used >= 0) & (used < kv_cache.shape[0])).all()), "a block id out of range")
-    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), kv_cache, weights,
+    # sgl-kernel-xpu's cache is per token (D fp8 bytes, then the float32 scale); the reference
+    # reads DeepGEMM's blocks (a block's keys, then its scales): regroup each page's bytes.
+    pages, _, _, width = kv_cache.shape
+    rows = kv_cache.reshape(pages, bs, width)
+    blocks = torch.cat([rows[..., :width - 4].reshape(pages, -1),
+                        rows[..., width - 4:].reshape(pages, -1)], 1).view(kv_cache.shape)
+    logits = ref_dsa.fp8_paged_mqa_logits(q_fp8.view(torch.float8_e4m3fn), blocks, weights,
                                           lens, block_tables, max_seq_len, clean_logits)
     return torch.where(logits == -torch.inf, 0.0, logits)
 
@@ -207,5 +216,7 @@ def define_native_library(namespace: str, convention: str = "writes") -> str:
     lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
     lib.impl("fp8_paged_mqa_logits", _fp8_paged_mqa_logits, "CPU")
     lib.impl("fast_topk", _fast_topk, "CPU")
+    lib.define(native_gdn.SCHEMA)
+    lib.impl("gdn_attention", native_gdn.gdn_attention, "CPU")
     _libraries[namespace] = lib
     return namespace

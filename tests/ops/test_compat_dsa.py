@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from xpu_ops import compat_dsa
+from xpu_ops import compat_dsa, index_k_layout
 
 from . import dsa_oracle
 
@@ -167,9 +167,10 @@ def test_fp8_paged_mqa_logits_triton_form_and_its_limits():
             compat_dsa.fp8_paged_mqa_logits_triton(**kwargs)
 
 
-def test_layout_conversion_moves_every_byte():
+def test_layout_conversions_move_every_byte_and_invert_each_other():
     tokens = torch.arange(2 * 3 * 6, dtype=torch.int32).to(torch.uint8).reshape(2, 3, 1, 6)
-    blocks = compat_dsa.per_token_to_block_layout(tokens)
+    blocks = index_k_layout.tokens_to_blocks(tokens)
     page = blocks[1].reshape(-1).tolist()
     want = tokens[1, :, 0, :2].reshape(-1).tolist() + tokens[1, :, 0, 2:].reshape(-1).tolist()
     assert page == want and blocks.shape == tokens.shape
+    assert torch.equal(index_k_layout.blocks_to_tokens(blocks), tokens)

@@ -11,6 +11,7 @@ import torch
 
 import xpu_ops
 from xpu_ops import sgl_kernel as sk
+from xpu_ops.index_k_layout import blocks_to_tokens
 from xpu_ops.testing import sample_inputs
 
 from . import dsa_oracle as oracle
@@ -107,7 +108,7 @@ def test_native_indexer_ops_get_fakes_and_compile_fullgraph():
         ops.fast_topk(logits, indices, lens, None)
         return logits, indices
 
-    args = (q, cache, w, lens.clamp(max=8), table)
+    args = (q, blocks_to_tokens(cache), w, lens.clamp(max=8), table)   # the native layout
     want = step(*args)
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
     assert want[0].shape == (q.shape[0], width)

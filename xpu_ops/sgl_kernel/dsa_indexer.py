@@ -3,13 +3,17 @@
 
 Native contract (read from sgl-kernel-xpu's source, not run here): ``fp8_paged_mqa_logits``
 takes uint8 queries ``[b, 1, H, D]`` (``next_n = 1`` only), no schedule metadata, reads every
-position below ``seq_lens`` through the block table, and leaves 0 (not ``-inf``) past it;
+position below ``seq_lens`` through the block table from a *per-token* cache (each token's D
+fp8 bytes, then its float32 scale: ``src/sycl/kernels/nsa/fp8_mqa_logits_kernel.hpp``, not
+DeepGEMM's block layout that xpu-ops' ops take), and leaves 0 (not ``-inf``) past it;
 ``fast_topk`` writes the top ``indices.shape[1]`` (2048) positions of each row in no specified
 order, ties at the k-th score broken by the kernel. The glue maps xpu-ops' contract onto it:
 
 * logits: ``context_lens`` clamped to the table's capacity and ``max_context_len`` (the native
-  kernel would read past the block table), block ids outside ``[0, num_blocks)`` replaced by 0,
-  then every position at or past its row's length, or of such a block, set to ``-inf``;
+  kernel would read past the block table), block ids outside ``[0, num_blocks)`` replaced by 0;
+  with blocks of more than one token the pages the table names are copied into per-token rows
+  (``index_k_layout.blocks_to_tokens``) and the table renumbered; then every position at or
+  past its row's length, or of a hidden block, set to ``-inf``;
 * top-k: the native positions sorted ascending (``-1`` last), so a row equals the reference's
   whenever its k-th score is not tied with an unselected one (with such a tie the native
   kernel may keep another of the tied positions); the transform looks the positions up in the
@@ -27,7 +31,7 @@ from typing import Optional
 import torch
 
 from .. import provider_table
-from ..index_k_layout import positions_to_slots
+from ..index_k_layout import blocks_to_tokens, positions_to_slots
 from . import native
 
 NATIVE_TOPK = 2048
@@ -55,8 +59,13 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_co
     capacity = min(block_table.shape[1] * block_size, max_context_len)
     lens = context_lens.reshape(-1).clamp(0, capacity)                             # [b]
     table = torch.where((block_table >= 0) & (block_table < num_blocks), block_table, 0)
+    tokens = kv_cache
+    if block_size > 1:       # the native kernel reads per-token rows: convert the read pages
+        tokens = blocks_to_tokens(kv_cache.index_select(0, table.reshape(-1).long()))
+        table = torch.arange(tokens.shape[0], dtype=torch.int32,
+                             device=table.device).view(table.shape)
     logits = native.packet("fp8_paged_mqa_logits").default(
-        q.contiguous().view(torch.uint8), kv_cache.contiguous(), weights.contiguous(),
+        q.contiguous().view(torch.uint8), tokens.contiguous(), weights.contiguous(),
         lens.to(torch.int32).contiguous(), table.contiguous(), None, max_context_len,
         clean_logits)
     pos = torch.arange(max_context_len, device=q.device)

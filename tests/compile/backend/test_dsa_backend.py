@@ -33,14 +33,16 @@ from tests.compile.compile_helpers import Harness
 TOPK = 4
 
 
-def tiny_v32(seed: int = 0) -> DeepseekV32ForCausalLM:
-    cfg = DeepseekV32Config(
+def tiny_v32(seed: int = 0, **overrides) -> DeepseekV32ForCausalLM:
+    """The tiny random model (``overrides``: config fields, e.g. ``kv_lora_rank=128`` for an
+    fp8 latent cache)."""
+    cfg = DeepseekV32Config(**{**dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128, index_n_heads=4,
         index_head_dim=16, index_topk=TOPK, mlp_layer_types=("dense", "sparse"),
         moe=MoEConfig(4, 2, 8, n_shared_experts=1, scoring_func="sigmoid", n_group=2,
-                      topk_group=1))
+                      topk_group=1)), **overrides})
     torch.manual_seed(seed)
     model = DeepseekV32ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -50,9 +52,11 @@ def tiny_v32(seed: int = 0) -> DeepseekV32ForCausalLM:
 
 
 class DSAHarness(Harness):
-    """``Harness`` over a ``DSATokenToKVPool`` with a ``DSAAttentionBackend``."""
+    """``Harness`` over a ``DSATokenToKVPool`` (latent cache of ``kv_dtype``) with a
+    ``DSAAttentionBackend``."""
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, kv_dtype: torch.dtype = torch.float32, **kwargs):
+        self.kv_dtype = kv_dtype
         super().__init__(model, **kwargs)
         cfg = model.config
         runner = ModelRunnerInfo(
@@ -67,7 +71,7 @@ class DSAHarness(Harness):
 
     def _kv_pool(self, model, size: int, page_size: int):
         cfg = model.config
-        return DSATokenToKVPool(size, page_size, torch.float32, cfg.kv_lora_rank,
+        return DSATokenToKVPool(size, page_size, self.kv_dtype, cfg.kv_lora_rank,
                                 cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device,
                                 index_head_dim=cfg.index_head_dim)
 
@@ -163,3 +167,35 @@ def test_mixed_step_equals_extend_step():
         with torch.no_grad():
             out.append(model(ids, pos, fb, return_all_logits=True))
     torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)
+
+
+def test_engine_on_an_fp8_latent_cache_eager_and_in_graphs():
+    """``Engine(kv_dtype=float8_e4m3fn)``: a DSA pool of FlashMLA fp8 tokens (R = 128: 164
+    bytes a token), chunked prefill over it and decode; whole-step decode graphs (emulated
+    capture and replay) give the eager ids. A layer without indexer inputs over it is refused."""
+    from compile.engine import Engine, SamplingParams
+    from compile.graphs import GraphRunner
+    model = tiny_v32(kv_lora_rank=128)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (13, 6)]
+    ids = []
+    runner = GraphRunner(model, emulate_graphs=True)
+    for forward in (model, runner):
+        engine = Engine(model, forward=forward, page_size=4, max_running=2, max_context_len=64,
+                        max_total_tokens=256, chunked_prefill_size=8,
+                        kv_dtype=torch.float8_e4m3fn)
+        pool = engine.token_to_kv_pool
+        assert pool.fp8_latent and tuple(pool.get_key_buffer(0).shape[1:]) == (1, 128 + 4 + 16)
+        ids.append(engine.generate(prompts, SamplingParams(max_new_tokens=4)))
+    assert ids[0] == ids[1] and all(len(x) == 4 for x in ids[0])
+    assert runner.captures >= 1 and runner.replays >= 1
+    h = DSAHarness(model, page_size=4, kv_dtype=torch.float8_e4m3fn)
+    ids_, pos, fb = h.extend([0], [5])
+    with pytest.raises(NotImplementedError, match="no indexer inputs"):
+        h.backend._forward(torch.zeros(5, 2 * 128), None, None, model.model.layers[0].self_attn
+                           .attn, fb, False)
+
+
+def test_fp8_latent_cache_needs_tiles_of_128():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        DSATokenToKVPool(16, 4, torch.float8_e4m3fn, 16, 8, 1, "cpu", index_head_dim=16)

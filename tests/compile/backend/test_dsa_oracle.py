@@ -3,7 +3,8 @@
 A tiny zoo DeepSeek-V3.2 (index top-k 4; ``test_dsa_backend.tiny_v32``) runs a sequence of
 steps over persistent requests: extend without cached prefix (sparse: requests past 4 keys;
 dense prefill: a request of 3), extend over a cached prefix, MIXED (a prefill chunk beside a
-decoding request), DECODE and TARGET_VERIFY with topk 1, at page sizes 1 and 4. Every DSA
+decoding request), DECODE and TARGET_VERIFY with topk 1, at page sizes 1 and 4, over a float32
+latent cache and over an fp8 one (FlashMLA's fp8 tokens, R = 128). Every DSA
 layer call is recorded (its inputs, the slots the indexer picked, its output), and per query
 row, in float64, written here from the math (DeepSeek-V3.2's indexer, ``act_quant``):
 
@@ -14,7 +15,8 @@ row, in float64, written here from the math (DeepSeek-V3.2's indexer, ``act_quan
   not tied (apart by more than 1e-4 of the scores' magnitude);
 - the attention: softmax of ``scale * (q_nope . latent_j + q_rope . rope_j)`` over exactly the
   picked keys (all causal keys for dense prefill), values the latents, equals the layer's
-  output.
+  output; with the fp8 cache the oracle's latents are rounded as FlashMLA's layout stores them
+  (per 128 values a scale ``amax / 448``, e4m3 values; rope in bfloat16).
 """
 
 from __future__ import annotations
@@ -83,12 +85,23 @@ def oracle_topk(call, t: int, key_slots: list[int], keys: dict) -> tuple[set, bo
     return {key_slots[i] for i in order[:TOPK].tolist()}, untied
 
 
-def oracle_attention(call, t: int, slots: list[int], keys: dict) -> torch.Tensor:
+def fp8_tokens(latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(latent, rope)`` as an fp8 FlashMLA token holds them, in float64."""
+    tiles = latent.unflatten(-1, (-1, 128))
+    amax = tiles.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    tiles = (tiles / scale).to(torch.float8_e4m3fn).double() * scale
+    return tiles.flatten(-2), rope.to(torch.bfloat16).double()
+
+
+def oracle_attention(call, t: int, slots: list[int], keys: dict, fp8: bool) -> torch.Tensor:
     """``[H, R]`` float64 attention of row ``t`` over ``slots``."""
     heads, rope = call["q_rope"].shape[-2:]
     q_nope = call["q"][t].view(heads, -1)
     latent = torch.stack([keys[s][0] for s in slots])                    # [n, R]
     k_rope = torch.stack([keys[s][1] for s in slots])                    # [n, r]
+    if fp8:
+        latent, k_rope = fp8_tokens(latent, k_rope)
     scores = (q_nope @ latent.T + call["q_rope"][t].view(heads, rope) @ k_rope.T)
     return torch.softmax(scores * call["layer"].scaling, -1) @ latent
 
@@ -103,7 +116,7 @@ def check_step(rec: Recorder, h: DSAHarness, fb, rows_per_token: list[int]) -> t
         for t, (req, pos) in enumerate(zip(rows_per_token, positions)):
             key_slots = h.req_pool.req_to_token[req, :pos + 1].tolist()
             if call["slots"] is None:                                   # dense prefill
-                assert len(key_slots) <= TOPK
+                assert len(key_slots) <= TOPK and not h.kv_pool.fp8_latent
                 picked = key_slots
             else:
                 picked = [s for s in call["slots"][t].tolist() if s >= 0]
@@ -113,7 +126,8 @@ def check_step(rec: Recorder, h: DSAHarness, fb, rows_per_token: list[int]) -> t
                     assert set(picked) == want, (fb.forward_mode, t, picked, want)
                     untied_rows += 1
             got = call["out"][t].view(heads, rank)
-            torch.testing.assert_close(got, oracle_attention(call, t, picked, keys),
+            torch.testing.assert_close(got, oracle_attention(call, t, picked, keys,
+                                                                 h.kv_pool.fp8_latent),
                                        atol=2e-5, rtol=2e-5)
             total += 1
     rec.calls.clear()
@@ -132,10 +146,11 @@ def _run(rec, h, model, step, rows, lens, mode=None):
     return check_step(rec, h, fb, [r for r, n in zip(rows, per_req) for _ in range(n)])
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_every_mode_matches_the_float64_oracle(page_size, monkeypatch):
-    model = tiny_v32()
-    h = DSAHarness(model, page_size=page_size)
+@pytest.mark.parametrize("page_size, fp8", [(1, False), (4, False), (4, True)])
+def test_every_mode_matches_the_float64_oracle(page_size, fp8, monkeypatch):
+    model = tiny_v32(kv_lora_rank=128) if fp8 else tiny_v32()
+    h = DSAHarness(model, page_size=page_size,
+                   kv_dtype=torch.float8_e4m3fn if fp8 else torch.float32)
     rec = Recorder(monkeypatch)
     counts = [
         _run(rec, h, model, h.extend, [0, 1], [9, 6]),                   # no prefix, sparse
