@@ -18,6 +18,7 @@ from .ops.hadamard import hadamard_transform
 from .ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from .ops.gated_delta_rule import (chunk_gated_delta_rule, fused_gdn_gating,
                                    fused_recurrent_gated_delta_rule)
+from .ops.gdn_attention import gdn_attention
 from .ops.kv_cache import store_kv_cache, store_mla_kv_cache
 from .ops.merge_state import merge_state, merge_state_v2
 from .ops.mla_decode import (flash_mla_decode, flash_mla_decode_get_workspace_size,
@@ -64,6 +65,7 @@ REGISTERED_OPS = [
     torch.ops.xpu_ops.fused_gdn_gating,
     torch.ops.xpu_ops.chunk_gated_delta_rule,
     torch.ops.xpu_ops.fused_recurrent_gated_delta_rule,
+    torch.ops.xpu_ops.gdn_attention,
 ]
 
 
@@ -89,5 +91,5 @@ __all__ = [
     "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
     "store_index_k_cache", "gather_index_k_cache", "hadamard_transform",
     "causal_conv1d_fn", "causal_conv1d_update", "fused_gdn_gating", "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule", "gdn_attention",
 ]

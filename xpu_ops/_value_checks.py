@@ -390,6 +390,13 @@ def check_linear_attention(fn: str, cu_arg: str, cu, total: int, slots_arg: str,
                  "XPU_OPS_DEBUG_CHECKS is off.")
 
 
+def check_all_true(fn: str, arg: str, flags, rule: str, fix: str) -> None:
+    """Debug-switch check that the bool tensor ``flags`` holds no False."""
+    if isinstance(flags, Tensor) and flags.dtype == torch.bool and _active(flags):
+        if not bool(flags.all()):
+            fail(fn, arg, "has a False entry", rule, flags.tolist(), fix)
+
+
 def check_store_index_k_cache(loc, index_k_cache) -> None:
     """Debug-switch value check of ``store_index_k_cache``: each ``loc`` entry is -1 (skip the
     token, sglang's padding) or a token slot of the cache, and no slot repeats."""

@@ -139,3 +139,31 @@ def _fused_recurrent_gated_delta_rule_samples(device, dtype, gen):
             inter = inter.to(device)
         yield ((q, k, v, g, beta, k_dim ** -0.5, states, _index(slots, device),
                 _cu_seqlens(lens, device), l2, inter, disable), {})
+
+
+@_sampler("gdn_attention")
+def _gdn_attention_samples(device, dtype, gen):
+    # (lens, Hk, Hv, K, V, width, num_slots, slots, has_initial_state, bias, dtype, decode);
+    # K = 32 cases are ones the sgl_kernel glue serves (fp16/bf16)
+    for lens, hk, hv, k_dim, v_dim, width, num_slots, slots, init, bias, dt, decode in (
+            ((5, 3), 1, 2, 8, 4, 4, 5, (1, 3), (True, False), True, torch.float32, False),
+            ((1, 1, 1), 2, 4, 32, 4, 4, 5, (3, -1, 0), (True, True, True), False,
+             torch.bfloat16, True),
+            ((70, 0, 2), 1, 2, 32, 8, 4, 4, (2, 0, -1), (False, True, True), True,
+             torch.float16, False),
+            ((1, 1), 2, 2, 4, 4, 2, 3, (1, 2), (True, True), True, torch.float32, True),
+            ((), 1, 2, 8, 4, 4, 2, (), (), True, torch.float32, False)):
+        dt = dtype or dt
+        dim, total = 2 * hk * k_dim + hv * v_dim, sum(lens)
+        mixed = _randn(gen, total, dim, dtype=dt, device=device)
+        a = _randn(gen, total, hv, dtype=dt, device=device)
+        b = _randn(gen, total, hv, dtype=dt, device=device, scale=2.0)
+        weight = _randn(gen, dim, width, dtype=dt, device=device, scale=0.5)
+        conv_bias = _randn(gen, dim, dtype=dt, device=device) if bias else None
+        A_log = (torch.rand(hv, generator=gen) * 8 + 0.01).log().to(device)
+        dt_bias = _randn(gen, hv, dtype=dt, device=device)
+        conv = _slots(num_slots, slots, init, (dim, width - 1), dt, device, gen)
+        ssm = _slots(num_slots, slots, init, (hv, k_dim, v_dim), torch.float32, device, gen)
+        yield ((mixed, a, b, weight, conv_bias, A_log, dt_bias, conv, ssm,
+                _cu_seqlens(lens, device), _index(slots, device),
+                _index(init, device, torch.bool), hk, k_dim, "silu", decode), {})

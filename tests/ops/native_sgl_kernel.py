@@ -7,7 +7,8 @@ ops that sgl-kernel-xpu publishes in ``src/torch_extension_sycl.cc`` with the sa
 ``xpu_ops.register_sgl_kernel_fakes`` has work to do. It also enforces the native input contract
 that the glue must honour (contiguous last dims, fp16/bf16 queries, per-request lengths in the
 ``cu_seqlens_k`` slot of a paged call, contiguous merge inputs, a large enough MLA workspace), so
-a mapping mistake fails loudly instead of matching the reference by accident.
+a mapping mistake fails loudly instead of matching the reference by accident. The fused
+``gdn_attention`` stand-in is in ``native_gdn``.
 
 Conventions of ``fwd``: ``"writes"`` (newer: ``Tensor(a!) out, Tensor(b!)? softmax_lse, ...)
 -> ()``) and ``"returns"`` (older: ``Tensor(a!)? out=None) -> (Tensor(a!), Tensor, Tensor,
@@ -25,6 +26,8 @@ from xpu_ops.reference import dsa_indexer as ref_dsa
 from xpu_ops.reference import merge_state as ref_merge
 from xpu_ops.reference import paged_attention as ref_paged
 from xpu_ops.reference import varlen_attention as ref_varlen
+
+from . import native_gdn
 
 _FWD_HEAD = (
     "fwd(Tensor q, Tensor k, Tensor v, Tensor? q_v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -213,5 +216,7 @@ def define_native_library(namespace: str, convention: str = "writes") -> str:
     lib.impl("flash_mla_get_workspace_size", _workspace_size, "CompositeExplicitAutograd")
     lib.impl("fp8_paged_mqa_logits", _fp8_paged_mqa_logits, "CPU")
     lib.impl("fast_topk", _fast_topk, "CPU")
+    lib.define(native_gdn.SCHEMA)
+    lib.impl("gdn_attention", native_gdn.gdn_attention, "CPU")
     _libraries[namespace] = lib
     return namespace

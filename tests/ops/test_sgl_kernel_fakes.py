@@ -20,7 +20,7 @@ from .native_sgl_kernel import OTHER_SCHEMAS, define_native_library
 
 CONVENTIONS = ("writes", "returns")
 NATIVE_OPS = ("fwd", "merge_state_v2", "flash_mla_decode", "flash_mla_sparse_decode",
-              "flash_mla_sparse_prefill", "fp8_paged_mqa_logits", "fast_topk")
+              "flash_mla_sparse_prefill", "fp8_paged_mqa_logits", "fast_topk", "gdn_attention")
 
 
 @pytest.fixture(params=CONVENTIONS)

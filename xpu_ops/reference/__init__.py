@@ -8,4 +8,5 @@ from . import rotary, varlen_attention  # noqa: F401
 from . import flash_mla  # noqa: F401
 from . import dsa_indexer  # noqa: F401
 from . import causal_conv1d, gated_delta_rule  # noqa: F401
+from . import gdn_attention  # noqa: F401
 from . import sparse_attn  # noqa: F401

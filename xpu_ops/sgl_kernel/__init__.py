@@ -197,3 +197,4 @@ def store_cache(k, v, k_cache, v_cache, indices):
 
 from . import flash_mla  # noqa: E402,F401  (the FlashMLA surface's native glue registers)
 from . import dsa_indexer  # noqa: E402,F401  (the DSA indexer glue registers on import)
+from . import gdn_attention  # noqa: E402,F401  (the fused gated-delta-net glue registers)

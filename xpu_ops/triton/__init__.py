@@ -15,5 +15,6 @@ if HAS_TRITON:
     from . import dsa_index_cache, dsa_indexer, dsa_topk  # noqa: F401
     from . import flash_mla  # noqa: F401
     from . import causal_conv1d, gated_delta_rule, gated_delta_rule_chunk  # noqa: F401
+    from . import gdn_attention  # noqa: F401
 
 __all__ = ["HAS_TRITON", "available"]
