@@ -95,15 +95,17 @@ def _rank_env(rank: int, port: int, gpus: int) -> dict[str, str]:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """Wait for every process; the first non-zero exit stops the others and is returned."""
+    """Wait for every process; the first non-zero exit stops the others and is returned (1 for
+    a process ended by a signal)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = next((c for c in codes if c not in (None, 0)), None)
         if failed is not None:
             rank = codes.index(failed)
-            print(f"[generate] the {ROLES[rank]} rank exited with status {failed}; stopping "
-                  "the other", file=sys.stderr, flush=True)
-            return failed
+            how = f"status {failed}" if failed > 0 else f"signal {-failed}"
+            print(f"[generate] the {ROLES[rank]} rank exited with {how}; stopping the other",
+                  file=sys.stderr, flush=True)
+            return failed if failed > 0 else 1
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.05)

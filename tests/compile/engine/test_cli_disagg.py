@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from compile.__main__ import main
-from compile.engine.cli_disagg import free_port, pair_prompts, transfer_summary
+from compile.engine.cli_disagg import _wait, free_port, pair_prompts, role_argv, transfer_summary
 
 
 def test_both_roles_verify_against_transformers():
@@ -77,3 +77,22 @@ def test_two_pairs_split_the_prompts_and_rank_zero_verifies_them_all():
     rank0, rank1 = runs[0][0], runs[1][0]
     assert "verify: all prompts match" in rank0 and rank0.count("verify: prompt ") == 3, rank0
     assert "transfer: 2 requests" in rank0 and "transfer: 1 requests" in rank1, (rank0, rank1)
+
+
+def test_role_argv_names_the_role_and_stages_one_gpu_through_gloo():
+    argv = ["generate", "--disaggregation", "both", "--model", "tiny"]
+    assert role_argv(argv, "decode", 2) == ["generate", "--disaggregation", "decode", "--model",
+                                            "tiny"]
+    assert role_argv(["generate", "--disaggregation=both"], "prefill", 1) == [
+        "generate", "--disaggregation=prefill", "--transfer-backend", "gloo"]
+
+
+def test_wait_returns_the_first_failing_rank_status(capsys):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        assert _wait([failing, sleeper]) == 3
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert "the prefill rank exited with status 3" in capsys.readouterr().err
