@@ -48,7 +48,7 @@ _FLASH_MLA = ("flash_mla_with_kvcache", "get_mla_metadata", "flash_mla_sparse_fw
 _ATTENTION = ("merge_state", "merge_state_v2", "flash_mla_decode",
               "flash_mla_decode_get_workspace_size", "flash_mla_get_workspace_size",
               "flash_mla_prefill", "flash_mla_prefill_get_workspace_size") + _FLASH_MLA
-_SPARSE = ("sparse_attn_func", "convert_vertical_slash_indexes",
+_SPARSE = ("sparse_attn_func", "sparse_attn_varlen_func", "convert_vertical_slash_indexes",
            "convert_vertical_slash_indexes_mergehead")
 _TOP_K = ("fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
           "topk_transform_512", "topk_transform_512_v2")
@@ -152,9 +152,11 @@ def _functions(module: str) -> dict:
     ``sgl_kernel.nsa``'s are sgl-kernel-xpu's forms, ``compat_dsa``)."""
     import xpu_ops
     from xpu_ops.ops.rotary import apply_rotary_emb_per_token
+    from xpu_ops.ops.sparse_attn_varlen import sparse_attn_varlen_func
     from . import compat_dsa, compat_flash_mla
     functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
                      _apply_rotary_emb=apply_rotary_emb_per_token,
+                     sparse_attn_varlen_func=sparse_attn_varlen_func,
                      **compat_dsa.shim_functions())
     if module == f"{SHIM_NAME}.flash_mla":
         functions.update(compat_flash_mla.functions())

@@ -87,6 +87,10 @@ CLIENT_IMPORTS = {
         _XT + "test_flash_attn_sparse.py",),
     ("sgl_kernel.sparse_flash_attn", "convert_vertical_slash_indexes_mergehead"): (
         _XT + "test_flash_attn_sparse.py",),
+    ("sgl_kernel.sparse_flash_attn", "sparse_attn_varlen_func"): (
+        "sgl-kernel-xpu python/sgl_kernel/__init__.py (package export)",),
+    ("sgl_kernel", "sparse_attn_varlen_func"): (
+        "sgl-kernel-xpu python/sgl_kernel/__init__.py (package export)",),
     ("sgl_kernel.testing.rotary_embedding", "_apply_rotary_emb"): (
         _XT + "test_flash_attention_4.py",),
     ("sgl_kernel.nsa", "_fp8_mqa_logits_impl"): (_XT + "test_fp8_mqa_logits.py",),
