@@ -678,7 +678,7 @@ ISSUE_ROWS = {
                                   WIDE_DECODE),
     "decode 64x4096 page 16": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer", "flex"),
                                "page_tiles@16,32,4,4;page_tiles@16,32,2,6;page_tiles@16,64,4,4"),
-    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), WIDE_DECODE),
+    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), ""),
     "prefill 8x4096 causal page 64": (">= 0.80 cudnn", ("sdpa", "cudnn", "fa2", "flashinfer",
                                                         "flex"), ""),
 }
@@ -686,8 +686,10 @@ ISSUE_ROWS = {
 # page_tiles over the 64-key tile's four pages (one page-table load per page; compiled for
 # sm_90 without spills), where the default loads a page id per key
 ISSUE_PATCHES = {"decode 64x4096 page 16": (("4-page tiles", {"PAGE_TILE_MAX_PAGES": 4}),)}
-# MLA decode in --issue: the default tiles at 4 splits beside the op's 8 (mla_num_kv_splits)
-MLA_ISSUE_CFGS = [(4, 64, 64, 8, 2)]
+# MLA decode in --issue: the default tiles at 1, 2 and 4 splits beside the op's 8
+# (mla_num_kv_splits): 64 x 2 row tiles of 8 warps nearly fill one wave unsplit, and each split
+# adds fp32 partials of [64, 128, 512] (134 MB at 8 splits, against 302 MB of latent cache)
+MLA_ISSUE_CFGS = [(1, 64, 64, 8, 2), (2, 64, 64, 8, 2), (4, 64, 64, 8, 2)]
 SCHEDULES = ("waves", "legacy")
 
 
