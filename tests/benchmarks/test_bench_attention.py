@@ -77,3 +77,13 @@ def test_op_call_rows_run_on_the_cpu_interpreter():
     assert eager["triton"] > 0 and eager["sdpa"] > 0 and eager["flashinfer"] is None
     assert graphed["triton"] is None and graphed["sdpa"] is None
     assert "ctx 32" in eager["workload"] and "2 calls on 2 caches" in graphed["workload"]
+
+
+def test_issue_patches_name_existing_launcher_constants():
+    from xpu_ops.triton import paged_attention as pa
+    for name, patches in b.ISSUE_PATCHES.items():
+        assert name in b.ISSUE_ROWS
+        for label, values in patches:
+            assert all(hasattr(pa, k) for k in values), (label, values)
+    spec = next(s for s in b.issue_specs() if s["name"] == "decode 64x4096 page 16")
+    assert spec["patches"] == b.ISSUE_PATCHES["decode 64x4096 page 16"]
