@@ -530,8 +530,8 @@ def table(rows, copy_tbs, mm_tflops, header):
               "the launcher with the split count that decode split schedule plans "
               "(`xpu_ops/triton/split_plan.py`); `PATHS@MxNxWxS`: the launcher with that "
               "tile config (BLOCK_M, BLOCK_N, warps, stages); `splits=N`: the launcher at N "
-              "splits; `4-page tiles`: the launcher "
-              "with page_tiles over tiles of up to four pages (`PAGE_TILE_MAX_PAGES = 4`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
+              "splits; `4-page tiles`: the launcher with page_tiles over tiles of up to four "
+              "pages (`PAGE_TILE_MAX_PAGES = 4`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
               "contiguous K/V, `cudnn` and `fa2` the same pinned to its cuDNN and "
               "FlashAttention-2 backends, `flex` FlexAttention over the paged cache, "
               "`flashinfer` FlashInfer's paged wrappers."]
