@@ -343,12 +343,13 @@ TABLE_PEERS = ("sdpa", "cudnn", "fa2", "flex", "flashinfer", "reference")
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
                   variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=(),
-                  schedules=(), patches=()):
+                  schedules=(), patches=(), sweep_columns=False):
     """One workload: the op, each kernel variant and each ``configs`` entry (``(label,
     _Config)``) through the launcher, each split schedule of ``schedules`` (the launcher with
     planned splits under ``split_plan.set_schedule``), peers, sweeps (the peers assume head dim
     ``D``), and each ``patches`` entry (``(label, {paged_attention constant: value})``: the
-    launcher with default tiles while those constants are patched)."""
+    launcher with default tiles while those constants are patched); ``sweep_columns``: the
+    sweep's times also become table columns (else only logged)."""
     print(f"== {name}", flush=True)
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
@@ -396,6 +397,8 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
             ms = measure(launcher_fn(w, causal, window, **kw))
         pa._launch_params.cache_clear()
         print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
+        if sweep_columns:
+            timed[label] = ms
     row = Row(name, kind, target, t, nbytes, flops, res, timed, notes)
     print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
     del w
@@ -526,8 +529,9 @@ def table(rows, copy_tbs, mm_tflops, header):
               "on (`baseline`: the portable kernel, no optional path); `<schedule> plan`: "
               "the launcher with the split count that decode split schedule plans "
               "(`xpu_ops/triton/split_plan.py`); `PATHS@MxNxWxS`: the launcher with that "
-              "tile config (BLOCK_M, BLOCK_N, warps, stages); `4-page tiles`: the launcher "
-              "with page_tiles over tiles of up to four pages (`PAGE_TILE_MAX_PAGES = 4`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
+              "tile config (BLOCK_M, BLOCK_N, warps, stages); `splits=N`: the launcher at N "
+              "splits; `4-page tiles`: the launcher with page_tiles over tiles of up to four "
+              "pages (`PAGE_TILE_MAX_PAGES = 4`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
               "contiguous K/V, `cudnn` and `fa2` the same pinned to its cuDNN and "
               "FlashAttention-2 backends, `flex` FlexAttention over the paged cache, "
               "`flashinfer` FlashInfer's paged wrappers."]
@@ -686,6 +690,9 @@ ISSUE_ROWS = {
 # page_tiles over the 64-key tile's four pages (one page-table load per page; compiled for
 # sm_90 without spills), where the default loads a page id per key
 ISSUE_PATCHES = {"decode 64x4096 page 16": (("4-page tiles", {"PAGE_TILE_MAX_PAGES": 4}),)}
+# --issue rows timed at forced split counts too (table columns): 8 x 32768 at one wave of two
+# programs per multiprocessor (4 splits) and at four waves (16) beside the plan's
+ISSUE_SPLITS = {"decode 8x32768 (split-KV)": (4, 16)}
 # MLA decode in --issue: the default tiles at 1, 2 and 4 splits beside the op's 8
 # (mla_num_kv_splits): 64 x 2 row tiles of 8 warps nearly fill one wave unsplit, and each split
 # adds fp32 partials of [64, 128, 512] (134 MB at 8 splits, against 302 MB of latent cache)
@@ -702,6 +709,9 @@ def issue_specs() -> list[dict]:
         if specs[name]["kind"] == "bw":
             specs[name]["schedules"] = SCHEDULES
         specs[name]["patches"] = ISSUE_PATCHES.get(name, ())
+        specs[name]["sweep"] = tuple((f"splits={n}", {"num_splits": n})
+                                     for n in ISSUE_SPLITS.get(name, ()))
+        specs[name]["sweep_columns"] = True
     return [specs[name] for name in ISSUE_ROWS]
 
 
@@ -812,8 +822,8 @@ def main():
                     "on the decode rows, and the op-call rows (eager and in a CUDA graph); "
                     "no sweeps or variants (--only still filters)")
     args = ap.parse_args()
-    if args.issue:
-        args.no_sweeps, args.variant = True, "none"
+    if args.issue:  # its own sweeps only (ISSUE_SPLITS, MLA_ISSUE_CFGS), no variants
+        args.variant = "none"
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
     keep_peers = [x for x in args.peers.split(",") if x]

@@ -13,7 +13,9 @@ def test_issue_rows_carry_their_peers_targets_and_both_schedules():
     specs = {s["name"]: s for s in b.issue_specs()}
     assert list(specs) == list(b.ISSUE_ROWS) and list(specs)[-1].startswith("prefill")
     for name, spec in specs.items():
-        assert spec["sweep"] == () and spec["variants"] == ()
+        splits = b.ISSUE_SPLITS.get(name, ())
+        assert spec["sweep"] == tuple((f"splits={n}", {"num_splits": n}) for n in splits)
+        assert spec["variants"] == () and spec["sweep_columns"]
         assert spec["peers"] == b.ISSUE_ROWS[name][1]
         assert spec.get("schedules", ()) == (b.SCHEDULES if spec["kind"] == "bw" else ())
     assert "cudnn" in specs["prefill 8x4096 causal page 64"]["peers"]
