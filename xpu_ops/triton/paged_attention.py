@@ -63,6 +63,8 @@ class _Config:
 # page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
 # 16-key pages, 64-key tiles of per-key addresses were up to 10 % faster than one-page tiles).
 PAGE_TILE_MIN_KEYS = 32
+# page_tiles applies to tiles of at most this many pages (else per-key page-table loads)
+PAGE_TILE_MAX_PAGES = 2
 # (BLOCK_N, num_warps, num_stages) of a decode launch whose grid is small enough to be split
 # (fewer than DECODE_PROGRAMS_PER_SM programs per multiprocessor), with head dims <= 64, 16-bit
 # q/K/V and pages of under PAGE_TILE_MIN_KEYS keys: such a launch is bound by each program's
@@ -371,9 +373,9 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
     if tma and paged:  # one box per page, two pages per tile at most; one stage deeper
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 2 * page_size),
                                   num_stages=max(cfg.num_stages, 3))
-    # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
-    # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
-    few_pages = cfg.block_n <= 2 * page_size
+    # at most PAGE_TILE_MAX_PAGES pages per tile: with more (page sizes 1-8 under 64-key tiles)
+    # the per-page offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
+    few_pages = cfg.block_n <= PAGE_TILE_MAX_PAGES * page_size
     return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),
