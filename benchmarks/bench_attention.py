@@ -343,11 +343,13 @@ TABLE_PEERS = ("sdpa", "cudnn", "fa2", "flex", "flashinfer", "reference")
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
                   variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=(),
-                  schedules=()):
+                  schedules=(), patches=(), sweep_columns=False):
     """One workload: the op, each kernel variant and each ``configs`` entry (``(label,
     _Config)``) through the launcher, each split schedule of ``schedules`` (the launcher with
     planned splits under ``split_plan.set_schedule``), peers, sweeps (the peers assume head dim
-    ``D``)."""
+    ``D``), and each ``patches`` entry (``(label, {paged_attention constant: value})``: the
+    launcher with default tiles while those constants are patched); ``sweep_columns``: the
+    sweep's times also become table columns (else only logged)."""
     print(f"== {name}", flush=True)
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
@@ -366,6 +368,14 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
         timed[label] = measure(fn)
         print(f"    config {label}: {timed[label]} ms", flush=True)
     notes = [schedule_ab(w, causal, window, schedules, timed)] if schedules else []
+    for label, values in patches:
+        with mock.patch.multiple(pa, **values):
+            pa._launch_params.cache_clear()
+            fn = launcher_fn(w, causal, window)
+            print(f"    patch {label}: {launched_paths(fn)}", flush=True)
+            timed[label] = measure(fn)
+        pa._launch_params.cache_clear()
+        print(f"    patch {label}: {timed[label]} ms", flush=True)
     res = {}
     for p in peers:
         make = {"sdpa": lambda: sdpa_fn(w, causal),
@@ -387,6 +397,8 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
             ms = measure(launcher_fn(w, causal, window, **kw))
         pa._launch_params.cache_clear()
         print(f"    sweep {label}: {ms:.4f} ms" if ms else f"    sweep {label}: failed", flush=True)
+        if sweep_columns:
+            timed[label] = ms
     row = Row(name, kind, target, t, nbytes, flops, res, timed, notes)
     print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
     del w
@@ -516,7 +528,10 @@ def table(rows, copy_tbs, mm_tflops, header):
               "Variant columns: the launcher with the default tiles and only that kernel path "
               "on (`baseline`: the portable kernel, no optional path); `<schedule> plan`: "
               "the launcher with the split count that decode split schedule plans "
-              "(`xpu_ops/triton/split_plan.py`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
+              "(`xpu_ops/triton/split_plan.py`); `PATHS@MxNxWxS`: the launcher with that "
+              "tile config (BLOCK_M, BLOCK_N, warps, stages); `splits=N`: the launcher at N "
+              "splits; `4-page tiles`: the launcher with page_tiles over tiles of up to four "
+              "pages (`PAGE_TILE_MAX_PAGES = 4`). Peers: `sdpa` is PyTorch's SDPA dispatch on "
               "contiguous K/V, `cudnn` and `fa2` the same pinned to its cuDNN and "
               "FlashAttention-2 backends, `flex` FlexAttention over the paged cache, "
               "`flashinfer` FlashInfer's paged wrappers."]
@@ -667,12 +682,21 @@ ISSUE_ROWS = {
                                   WIDE_DECODE),
     "decode 64x4096 page 16": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer", "flex"),
                                "page_tiles@16,32,4,4;page_tiles@16,32,2,6;page_tiles@16,64,4,4"),
-    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), WIDE_DECODE),
+    "decode 64x4096 page 64": ("-", ("sdpa", "cudnn", "flashinfer"), ""),
     "prefill 8x4096 causal page 64": (">= 0.80 cudnn", ("sdpa", "cudnn", "fa2", "flashinfer",
                                                         "flex"), ""),
 }
-# MLA decode in --issue: the default tiles at 4 splits beside the op's 8 (mla_num_kv_splits)
-MLA_ISSUE_CFGS = [(4, 64, 64, 8, 2)]
+# --issue rows timed with paged_attention constants patched (default tiles): page 16 with
+# page_tiles over the 64-key tile's four pages (one page-table load per page; compiled for
+# sm_90 without spills), where the default loads a page id per key
+ISSUE_PATCHES = {"decode 64x4096 page 16": (("4-page tiles", {"PAGE_TILE_MAX_PAGES": 4}),)}
+# --issue rows timed at forced split counts too (table columns): 8 x 32768 at one wave of two
+# programs per multiprocessor (4 splits) and at four waves (16) beside the plan's
+ISSUE_SPLITS = {"decode 8x32768 (split-KV)": (4, 16)}
+# MLA decode in --issue: the default tiles at 1, 2 and 4 splits beside the op's 8
+# (mla_num_kv_splits): 64 x 2 row tiles of 8 warps nearly fill one wave unsplit, and each split
+# adds fp32 partials of [64, 128, 512] (134 MB at 8 splits, against 302 MB of latent cache)
+MLA_ISSUE_CFGS = [(1, 64, 64, 8, 2), (2, 64, 64, 8, 2), (4, 64, 64, 8, 2)]
 SCHEDULES = ("waves", "legacy")
 
 
@@ -684,6 +708,10 @@ def issue_specs() -> list[dict]:
                            configs=parse_configs(configs))
         if specs[name]["kind"] == "bw":
             specs[name]["schedules"] = SCHEDULES
+        specs[name]["patches"] = ISSUE_PATCHES.get(name, ())
+        specs[name]["sweep"] = tuple((f"splits={n}", {"num_splits": n})
+                                     for n in ISSUE_SPLITS.get(name, ()))
+        specs[name]["sweep_columns"] = True
     return [specs[name] for name in ISSUE_ROWS]
 
 
@@ -794,8 +822,8 @@ def main():
                     "on the decode rows, and the op-call rows (eager and in a CUDA graph); "
                     "no sweeps or variants (--only still filters)")
     args = ap.parse_args()
-    if args.issue:
-        args.no_sweeps, args.variant = True, "none"
+    if args.issue:  # its own sweeps only (ISSUE_SPLITS, MLA_ISSUE_CFGS), no variants
+        args.variant = "none"
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
     keep_peers = [x for x in args.peers.split(",") if x]

@@ -6,7 +6,8 @@ q LoRA 1536, latent R 512 + rope r 64, nope 128, v 128; indexer 64 heads of 128,
 ``--layers`` layers with dense MLPs of ``--intermediate`` (the MoE is left out: this compares
 attention): ``DeepseekV32ForCausalLM`` on a ``DSATokenToKVPool`` with the
 ``DSAAttentionBackend`` (``sparse``) and ``DeepseekV2ForCausalLM`` of the same shapes on an MLA
-pool with ``XPUAttentionBackend`` (``dense``: ``flash_mla_decode``, split-KV, over every key).
+pool with ``XPUAttentionBackend`` (``dense``: ``flash_mla_decode``, split-KV, over every key);
+``sparse_fp8`` is ``sparse`` over an fp8 latent cache (FlashMLA's 656-byte tokens).
 One cache per model holds ``max(--batches)`` requests of ``--context`` random tokens each
 (latent rows and fp8 index keys written directly on the device, no prefill); a batch of ``b``
 decodes one token for each of its first ``b`` requests at that length, so one forward (one
@@ -21,8 +22,8 @@ weights, and the cache rows attended: ``min(context + 1, topk)`` latent rows plu
 key for sparse, every latent row for dense), as a fraction of the device's copy bandwidth
 measured in the same process. ``--models`` picks the models, so each can run in its own
 process under a time limit; with ``--out`` each run writes ``dsa_decode_<model>.json`` and
-rewrites ``dsa_decode.md`` from every model's file in that folder, with the sparse / dense
-ratios (``make_results_page.py`` shows it as the ``dsa`` part).
+rewrites ``dsa_decode.md`` from every model's file in that folder, with each sparse model's
+ratios to dense (``make_results_page.py`` shows it as the ``dsa`` part).
 
     python benchmarks/bench_dsa_decode.py --device cuda                 # 8k context, graphs
     python benchmarks/bench_dsa_decode.py --device cuda --models dense --out $OUT/dsa
@@ -51,8 +52,9 @@ from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 from bench_model import make_forward, paged_step, step_seconds
 from decode_roofline import copy_bandwidth
+from xpu_ops.mla_fp8_layout import fp8_token_bytes
 
-MODELS = ("sparse", "dense")
+MODELS = ("sparse", "sparse_fp8", "dense")
 V32_SHAPES = dict(vocab_size=129280, hidden_size=7168, num_attention_heads=128,
                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                   qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840)
@@ -60,7 +62,7 @@ INDEXER = dict(index_n_heads=64, index_head_dim=128)
 QUICK = dict(layers=2, context=40, topk=16, batches=[1, 2], intermediate=64, warmup=1,
              steps=2)
 QUICK_SHAPES = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, q_lora_rank=32,
-                    kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                    kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                     max_position_embeddings=256)
 QUICK_INDEXER = dict(index_n_heads=4, index_head_dim=32)
 
@@ -83,17 +85,20 @@ def build(args, sparse: bool):
     return model
 
 
-def decode_cache(model, max_b: int, context: int, page_size: int) -> SimpleNamespace:
+def decode_cache(model, max_b: int, context: int, page_size: int,
+                 fp8: bool = False) -> SimpleNamespace:
     """Pools and one attention backend for ``max_b`` requests of ``context`` random cached
     tokens each (latent rows, and fp8 index keys for a DSA model, written directly on the
-    device), decoding at position ``context``. Every batch size shares it (``decode_batch``),
-    so one graph runner serves them all: a runner keeps the backend of its first step."""
+    device; ``fp8``: a DSA latent cache of FlashMLA fp8 tokens), decoding at position
+    ``context``. Every batch size shares it (``decode_batch``), so one graph runner serves
+    them all: a runner keeps the backend of its first step."""
     cfg, param = model.config, next(model.parameters())
     device, dtype = param.device, param.dtype
+    rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     pages = -(-(context + 1) // page_size)
     num_pages = max_b * pages + 1
     req_pool = ReqToTokenPool(max_b, pages * page_size, device)
-    args = (num_pages * page_size, page_size, dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+    args = (num_pages * page_size, page_size, torch.float8_e4m3fn if fp8 else dtype, rank, rope,
             cfg.num_hidden_layers, device)
     sparse = hasattr(cfg, "index_head_dim")
     pool = (DSATokenToKVPool(*args, index_head_dim=cfg.index_head_dim) if sparse
@@ -104,8 +109,10 @@ def decode_cache(model, max_b: int, context: int, page_size: int) -> SimpleNames
     gen = torch.Generator(device=device).manual_seed(1)
     slots = torch.arange(page_size, num_pages * page_size, device=device)
     for layer in range(cfg.num_hidden_layers):
-        kv = pool.get_key_buffer(layer)
-        kv.copy_(torch.randn(kv.shape, generator=gen, device=device, dtype=dtype))
+        rows = torch.randn(num_pages * page_size, 1, rank + rope, generator=gen, device=device,
+                           dtype=dtype)
+        pool.set_mla_kv_buffer(layer, torch.arange(rows.shape[0], device=device),
+                               rows[..., :rank], rows[..., rank:])
         if sparse:
             keys = torch.randn(slots.shape[0], cfg.index_head_dim, generator=gen, device=device,
                                dtype=dtype)
@@ -115,7 +122,7 @@ def decode_cache(model, max_b: int, context: int, page_size: int) -> SimpleNames
                                      num_attention_heads=cfg.num_attention_heads,
                                      index_topk=getattr(cfg, "index_topk", None)),
         tp_size=1, device=device, page_size=page_size, req_to_token_pool=req_pool,
-        token_to_kv_pool=pool, kv_cache_dtype=dtype)
+        token_to_kv_pool=pool, kv_cache_dtype=pool.dtype)
     backend = (DSAAttentionBackend if sparse else XPUAttentionBackend)(runner)
     return SimpleNamespace(pool=pool, req_pool=req_pool, backend=backend, loc=loc,
                            context=context, vocab=cfg.vocab_size, device=device)
@@ -137,19 +144,20 @@ def decode_batch(cache: SimpleNamespace, b: int):
     return ids, fb
 
 
-def step_bytes(model, b: int, context: int) -> dict:
+def step_bytes(model, b: int, context: int, fp8: bool = False) -> dict:
     """Bytes one decode step must read at least, ``{"weights", "cache"}``: every weight once
     but the embedding table (``b`` rows of it), and per layer and request the cache rows
     attended: ``min(context + 1, topk)`` latent rows and every fp8 index key (``Di + 4`` bytes:
-    the indexer scores all keys) for sparse MLA, all ``context + 1`` latent rows for dense.
-    Logits and top-k scratch are not counted (a fused indexer need not store them)."""
+    the indexer scores all keys) for sparse MLA, all ``context + 1`` latent rows for dense;
+    a latent row is ``R + r`` values, or with ``fp8`` FlashMLA's fp8 token bytes. Logits and top-k scratch are not counted (a fused indexer need not store them)."""
     cfg = model.config
     size = next(model.parameters()).element_size()
     embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += (b - embed.shape[0]) * embed.shape[1] * embed.element_size()
     keys = context + 1
-    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    row = fp8_token_bytes(dim, cfg.kv_lora_rank) if fp8 else dim * size
     topk = getattr(cfg, "index_topk", None)
     per_layer = row * min(keys, topk) + keys * (cfg.index_head_dim + 4) if topk else row * keys
     return dict(weights=weights, cache=b * cfg.num_hidden_layers * per_layer)
@@ -171,7 +179,7 @@ def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float) -> li
         dev.synchronize(args.device)
         first = time.perf_counter() - t0
         sec, host = step_seconds(step, args.device, max(args.warmup - 1, 0), args.steps)
-        nbytes = step_bytes(model, b, args.context)
+        nbytes = step_bytes(model, b, args.context, fp8=name == "sparse_fp8")
         out.append(dict(model=name, mode=mode, b=b, ms=sec * 1e3, host_ms=host * 1e3,
                         tokens_per_s=b / sec, first_step_s=first,
                         weight_bytes=nbytes["weights"], cache_bytes=nbytes["cache"],
@@ -185,17 +193,22 @@ def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float) -> li
     return out
 
 
-def rows(args, bandwidth: float) -> list[dict]:
+def rows(args, bandwidth: float, done=None) -> list[dict]:
+    """Every model's rows; ``done(rows so far)`` after each model (so a run cut by a time
+    limit keeps the models it finished)."""
     out = []
     for name in args.models:
         t0 = time.perf_counter()
-        model = build(args, name == "sparse")
-        cache = decode_cache(model, max(args.batches), args.context, args.page_size)
+        model = build(args, name != "dense")
+        cache = decode_cache(model, max(args.batches), args.context, args.page_size,
+                             fp8=name == "sparse_fp8")
         dev.synchronize(args.device)
         print(f"{name}: model and cache built in {time.perf_counter() - t0:.1f} s", flush=True)
         for mode in args.modes:
             out += timed_rows(model, name, mode, cache, args, bandwidth)
         del model, cache
+        if done is not None:
+            done(out)
     return out
 
 
@@ -222,18 +235,18 @@ def row_line(r: dict) -> str:
 
 
 def ratio_lines(rows_: list[dict]) -> list[str]:
-    """Sparse against dense for every (mode, b) measured for both."""
+    """Each sparse model against dense for every (mode, b) measured for both."""
     by = {(r["model"], r["mode"], r["b"]): r for r in rows_}
     pairs = [(by[k], by[("dense",) + k[1:]]) for k in by
-             if k[0] == "sparse" and ("dense",) + k[1:] in by]
+             if k[0] != "dense" and ("dense",) + k[1:] in by]
     if not pairs:
         return []
-    lines = ["", "| mode | b | sparse tokens/s | dense tokens/s | sparse / dense speed | "
-             "cache bytes read per step, sparse / dense |", "|---|---|---|---|---|---|"]
-    lines += [f"| {s['mode']} | {s['b']} | {s['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | "
-              f"{s['tokens_per_s'] / d['tokens_per_s']:.2f} | {size(s['cache_bytes'])} / "
-              f"{size(d['cache_bytes'])} ({s['cache_bytes'] / d['cache_bytes']:.2f}) |"
-              for s, d in pairs]
+    lines = ["", "| model | mode | b | tokens/s | dense tokens/s | speed / dense | cache read "
+             "per step / dense |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['model']} | {s['mode']} | {s['b']} | {s['tokens_per_s']:.1f} | "
+              f"{d['tokens_per_s']:.1f} | {s['tokens_per_s'] / d['tokens_per_s']:.2f} | "
+              f"{size(s['cache_bytes'])} / {size(d['cache_bytes'])} "
+              f"({s['cache_bytes'] / d['cache_bytes']:.2f}) |" for s, d in pairs]
     return lines
 
 
@@ -278,9 +291,10 @@ def main(argv=None):
     ap = CliParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "xpu"))
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
-                    help="which models to time, in this order (run each in its own process "
-                         "with the same --out to keep each under a time limit)")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=["sparse", "dense"],
+                    help="which models to time, in this order (sparse_fp8: sparse over an fp8 "
+                         "latent cache; run each in its own process with the same --out to "
+                         "keep each under a time limit)")
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--intermediate", type=positive_int, default=18432)
     ap.add_argument("--context", type=positive_int, default=8192)
@@ -300,11 +314,9 @@ def main(argv=None):
         vars(args).update(QUICK)
     args.dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(args.device, (64 if args.device == "cpu" else 2048) << 20)
-    table = rows(args, bandwidth)
     cfg = config(args)
-    text = (write(Path(args.out), table, cfg) if args.out
-            else markdown([dict(config=cfg, rows=table)]))
-    print(text)
+    table = rows(args, bandwidth, (lambda t: write(Path(args.out), t, cfg)) if args.out else None)
+    print(markdown([dict(config=cfg, rows=table)]))
     return table
 
 

@@ -25,6 +25,10 @@
 #                                                                          about 150 s
 #   mla        bench_attention, the MLA decode row only: default, mla_split and the MLA_CFGS
 #              tile sweep                                                  about 90 s
+#   kernels_check  pytest -m gpu of the split-KV paths the kernels' table relies on: the
+#              FlashMLA kernel's in-kernel split merge (test_flash_mla_gpu.py) and the paged
+#              decode split-KV launches (test_triton_gpu.py -k "long_context or
+#              replays_bitwise")                                           about 40-75 s
 #   kernels    bench_attention --issue: the kernels' one-run table (MLA decode against the matmul
 #              ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer,
 #              each with both split schedules; the eager and in-graph b=1 decode call; prefill
@@ -128,6 +132,10 @@ for part in $PARTS; do
                --step-modes compiled graphs --compile-layers 0 --out "$OUT/steps" ;;
     mla) run_part mla 150 $PY benchmarks/bench_attention.py --variant mla_split --only MLA \
              --out "$OUT/mla" ;;
+    kernels_check) run_part kernels_check 75 $PY -m pytest -m gpu -q -p no:cacheprovider \
+                       tests/ops/test_flash_mla_gpu.py tests/ops/test_triton_gpu.py \
+                       -k "long_context or replays_bitwise"
+                   tail -n 1 "$OUT/kernels_check.log" >> "$SUMMARY" ;;
     kernels) if [ "$DRY_RUN" = 1 ]; then note "kernels: skipped (CUDA only)"; else
                  run_part kernels 540 $PY benchmarks/bench_attention.py --issue \
                      --out "$OUT/kernels"; fi ;;

@@ -9,8 +9,9 @@ unpacked there: ``summary.txt`` (date, commit, each part's exit status and secon
 ``env.txt`` (device, torch, Triton and Python versions), ``commands.txt`` (``part<TAB>command``
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
 ``kernels/attention.md``/``.png``, ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
-``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``sgl/*.md``,
-``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and, optionally, ``notes.txt`` (shown under the device heading).
+``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``kernels_check.log``,
+``sgl/*.md``, ``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and, optionally,
+``notes.txt`` (shown under the device heading).
 Every table of a section comes from that one run, so the figures
 beside each other were measured together; each part shows the command that produced it. The
 page is rewritten whole: edit the run folders or this script, never the page (history is in
@@ -33,6 +34,7 @@ PARTS = {
     "decode": "Whole-model decode tokens/s per mode (bench_model.py)",
     "steps": "Extend and mixed steps, compiled against graphs (bench_model.py)",
     "profile": "Kernels of one decode step (profile_decode.py)",
+    "kernels_check": "GPU check of the split-KV paths of the kernels' table (pytest -m gpu)",
     "kernels": "The kernels' one-run table: decode, prefill, MLA and op calls against the "
                "device's ceilings and peers (bench_attention.py --issue)",
     "attention": "Attention kernels against the device's ceilings and peers (bench_attention.py)",
@@ -111,15 +113,20 @@ def disagg_table(run: Path) -> str:
     return "\n".join(lines)
 
 
-def suite_result(run: Path) -> str:
-    """The pytest summary line of ``suite.log`` (the last line naming passed/failed), if any."""
-    lines = [line for line in read(run / "suite.log").splitlines()
-             if re.search(r"\d+ (passed|failed)", line)]
-    return f"`{lines[-1].strip()}`" if lines else ""
+def pytest_result(log: str) -> Callable[[Path], str]:
+    """The renderer of a pytest part: the summary line of ``log`` (the last line naming
+    passed/failed/skipped), if any."""
+    def render(run: Path) -> str:
+        lines = [line for line in read(run / log).splitlines()
+                 if re.search(r"\d+ (passed|failed|skipped)", line)]
+        return f"`{lines[-1].strip()}`" if lines else ""
+    return render
 
 
+suite_result = pytest_result("suite.log")
 RENDERERS: dict[str, Callable[[Path], str]] = {"gemm": gemm_table, "suite": suite_result,
-                                                "disagg": disagg_table}
+                                                "disagg": disagg_table,
+                                                "kernels_check": pytest_result("kernels_check.log")}
 
 
 def commands(run: Path) -> dict[str, str]:

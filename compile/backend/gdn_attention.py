@@ -14,8 +14,10 @@ returns the core output ``[T, Hv, V]``:
   (``LinearSpecBuffers``) and the recurrent state itself left as it was, so a rejected draft
   rolls back (``LinearStatePool.commit_verified``).
 
-Gating is ``fused_gdn_gating``: ``g = -exp(A_log) * softplus(a + dt_bias)``,
-``beta = sigmoid(b)``. Source: Gated Delta Networks (arXiv 2412.06464); sglang 0.5.23
+Decode and extend run ``xpu_ops.gdn_attention``: those steps in one op (``decode=True`` for
+decode steps), whose ``sgl_kernel`` provider is sgl-kernel-xpu's fused native kernel; verify
+runs the ops one by one. Gating is ``fused_gdn_gating``: ``g = -exp(A_log) *
+softplus(a + dt_bias)``, ``beta = sigmoid(b)``. Source: Gated Delta Networks (arXiv 2412.06464); sglang 0.5.23
 ``layers/attention/linear/gdn_backend.py`` (the same ops per mode).
 """
 
@@ -36,30 +38,26 @@ def split_qkv(layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             v.view(t, layer.num_v_heads, layer.head_v_dim))
 
 
+def _fused(layer, mixed_qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor, meta,
+           decode: bool) -> Tensor:
+    """``xpu_ops.gdn_attention``: conv, gating and rule in one op (on Intel GPUs with
+    sgl-kernel-xpu, its fused native kernel; elsewhere the provider's own kernels)."""
+    return xpu_ops.gdn_attention(
+        mixed_qkv, a, b, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias, conv, ssm,
+        meta.query_start_loc, meta.cache_indices, meta.has_initial_state, layer.num_k_heads,
+        layer.head_k_dim, layer.activation, decode)
+
+
 def decode(layer, mixed_qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor,
            meta) -> Tensor:
     """One token per request: conv update and recurrent step, states updated in place."""
-    x = xpu_ops.causal_conv1d_update(mixed_qkv, conv, layer.conv_weights, layer.bias,
-                                     activation=layer.activation,
-                                     conv_state_indices=meta.cache_indices)
-    q, k, v = split_qkv(layer, x)
-    g, beta = xpu_ops.fused_gdn_gating(layer.A_log, a, layer.dt_bias, b)
-    return xpu_ops.fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, layer.scaling, ssm, meta.cache_indices, meta.query_start_loc,
-        use_qk_l2norm_in_kernel=True)
+    return _fused(layer, mixed_qkv, a, b, conv, ssm, meta, decode=True)
 
 
 def extend(layer, mixed_qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor,
            meta) -> Tensor:
     """Packed requests of any lengths (extend, mixed), each from its slot's state or zeros."""
-    x = xpu_ops.causal_conv1d_fn(mixed_qkv, layer.conv_weights, layer.bias, conv,
-                                 meta.query_start_loc, meta.cache_indices,
-                                 meta.has_initial_state, activation=layer.activation)
-    q, k, v = split_qkv(layer, x)
-    g, beta = xpu_ops.fused_gdn_gating(layer.A_log, a, layer.dt_bias, b)
-    return xpu_ops.chunk_gated_delta_rule(
-        q, k, v, g, beta, layer.scaling, ssm, meta.cache_indices, meta.has_initial_state,
-        meta.query_start_loc, use_qk_l2norm_in_kernel=True)
+    return _fused(layer, mixed_qkv, a, b, conv, ssm, meta, decode=False)
 
 
 def verify(layer, mixed_qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor,

@@ -95,15 +95,17 @@ def _rank_env(rank: int, port: int, gpus: int) -> dict[str, str]:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """Wait for every process; the first non-zero exit stops the others and is returned."""
+    """Wait for every process; the first non-zero exit stops the others and is returned (1 for
+    a process ended by a signal)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = next((c for c in codes if c not in (None, 0)), None)
         if failed is not None:
             rank = codes.index(failed)
-            print(f"[generate] the {ROLES[rank]} rank exited with status {failed}; stopping "
-                  "the other", file=sys.stderr, flush=True)
-            return failed
+            how = f"status {failed}" if failed > 0 else f"signal {-failed}"
+            print(f"[generate] the {ROLES[rank]} rank exited with {how}; stopping the other",
+                  file=sys.stderr, flush=True)
+            return failed if failed > 0 else 1
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.05)
@@ -141,8 +143,10 @@ def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, to
 
 
 def run_disaggregated(model, args, prompt_ids, stops):
-    """This rank's half of ``generate``: ``(outputs per prompt, stats, forward)``; on the prefill
-    rank the outputs and decode stats are the decode rank's (sent back at the end)."""
+    """This rank's half of ``generate``: ``(outputs per prompt, stats, forward)``. Each
+    prefill/decode pair serves its share of the prompts (``pair_prompts``); a prefill rank gets
+    its pair's outputs and decode stats back from its decode rank, and rank 0 then gathers every
+    pair's outputs (its stats stay its own pair's)."""
     from compile.engine import Engine, SamplingParams
 
     prefill = args.disaggregation == "prefill"
@@ -157,16 +161,40 @@ def run_disaggregated(model, args, prompt_ids, stops):
                     disaggregation=args.disaggregation)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
+    mine = pair_prompts(len(prompt_ids), dist.get_rank(), dist.get_world_size())
     if prefill:
-        engine.generate(prompt_ids, sampling)
+        engine.generate([prompt_ids[i] for i in mine], sampling)
         engine.disagg.close()
-        outputs = _collect(engine, len(prompt_ids), args.max_new_tokens)
+        outputs = _collect(engine, len(mine), args.max_new_tokens)
     else:
         engine.generate([])
-        outputs = _reply(engine, len(prompt_ids), args.max_new_tokens)
+        outputs = _reply(engine, len(mine), args.max_new_tokens)
     for rid, why in sorted(engine.disagg.errors.items()):
-        print(f"[generate] request {rid} failed: {why}", file=sys.stderr, flush=True)
-    return outputs, engine.stats, forward
+        print(f"[generate] request {mine[rid]} failed: {why}", file=sys.stderr, flush=True)
+    return _gather(outputs if prefill else [], mine, len(prompt_ids)), engine.stats, forward
+
+
+def pair_prompts(n: int, rank: int, world: int) -> list[int]:
+    """Indices of the prompts (of ``n``) that ``rank``'s prefill/decode pair serves: pair ``p``
+    (prefill rank ``p``, decode rank ``p + world / 2``) takes prompts ``p, p + pairs, ...``."""
+    pairs = world // 2
+    return list(range(rank % pairs, n, pairs))
+
+
+def _gather(outputs: list[list[int]], mine: list[int], n: int) -> list[list[int]]:
+    """Rank 0: the outputs of all ``n`` prompts, every prefill rank's ``outputs`` of its
+    prompts ``mine`` gathered (one pair: nothing to gather); other ranks: their own."""
+    if dist.get_world_size() == 2:
+        return outputs
+    got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((mine, outputs), got, dst=0)
+    if got is None:
+        return outputs
+    full: list[list[int]] = [[] for _ in range(n)]
+    for indices, outs in got:
+        for i, ids in zip(indices, outs):  # decode ranks send no outputs
+            full[i] = ids
+    return full
 
 
 def _reply(engine, n: int, max_new: int) -> list[list[int]]:
@@ -195,7 +223,8 @@ def _collect(engine, n: int, max_new: int) -> list[list[int]]:
     dist.recv(sizes, role.peer)
     n_steps, n_log = sizes.tolist()
     out = torch.empty((n, max_new), dtype=torch.int64, device=role.wire)
-    dist.recv(out, role.peer)
+    if out.numel():  # a pair with no prompt sends none
+        dist.recv(out, role.peer)
     steps = torch.empty((n_steps, 3), dtype=torch.float64, device=role.wire)
     log = torch.empty((n_log, 4), dtype=torch.float64, device=role.wire)
     for t in (steps, log):
@@ -226,5 +255,5 @@ def transfer_summary(log: list, prefill_seconds: float, n: int,
             "request")
 
 
-__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "free_port", "start_disaggregation",
+__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "free_port", "pair_prompts", "start_disaggregation",
            "run_disaggregated", "transfer_summary"]

@@ -13,7 +13,9 @@ def test_issue_rows_carry_their_peers_targets_and_both_schedules():
     specs = {s["name"]: s for s in b.issue_specs()}
     assert list(specs) == list(b.ISSUE_ROWS) and list(specs)[-1].startswith("prefill")
     for name, spec in specs.items():
-        assert spec["sweep"] == () and spec["variants"] == ()
+        splits = b.ISSUE_SPLITS.get(name, ())
+        assert spec["sweep"] == tuple((f"splits={n}", {"num_splits": n}) for n in splits)
+        assert spec["variants"] == () and spec["sweep_columns"]
         assert spec["peers"] == b.ISSUE_ROWS[name][1]
         assert spec.get("schedules", ()) == (b.SCHEDULES if spec["kind"] == "bw" else ())
     assert "cudnn" in specs["prefill 8x4096 causal page 64"]["peers"]
@@ -77,3 +79,13 @@ def test_op_call_rows_run_on_the_cpu_interpreter():
     assert eager["triton"] > 0 and eager["sdpa"] > 0 and eager["flashinfer"] is None
     assert graphed["triton"] is None and graphed["sdpa"] is None
     assert "ctx 32" in eager["workload"] and "2 calls on 2 caches" in graphed["workload"]
+
+
+def test_issue_patches_name_existing_launcher_constants():
+    from xpu_ops.triton import paged_attention as pa
+    for name, patches in b.ISSUE_PATCHES.items():
+        assert name in b.ISSUE_ROWS
+        for label, values in patches:
+            assert all(hasattr(pa, k) for k in values), (label, values)
+    spec = next(s for s in b.issue_specs() if s["name"] == "decode 64x4096 page 16")
+    assert spec["patches"] == b.ISSUE_PATCHES["decode 64x4096 page 16"]

@@ -21,12 +21,13 @@ def test_separate_runs_give_one_table(tmp_path):
                                                     ("dense", 2)]
     assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 and r["graph_breaks"] == 0 for r in rows)
     text = (tmp_path / "dsa_decode.md").read_text()
-    assert text.count("| sparse | eager |") == 2 and text.count("| dense | eager |") == 2, text
+    # two rows each, and the two sparse / dense ratio rows
+    assert text.count("| sparse | eager |") == 4 and text.count("| dense | eager |") == 2, text
     assert text.count("DeepSeek-V3.2 shapes") == 1, text                 # one configuration
     s, d = rows[1], rows[3]                                                # b = 2
     ratio = s["tokens_per_s"] / d["tokens_per_s"]
-    assert f"| eager | 2 | {s['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {ratio:.2f} |" \
-        in text, text
+    assert (f"| sparse | eager | 2 | {s['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | "
+            f"{ratio:.2f} |") in text, text
 
 
 def test_step_bytes_count_topk_rows_and_index_keys_for_sparse():
@@ -36,7 +37,7 @@ def test_step_bytes_count_topk_rows_and_index_keys_for_sparse():
 
     def weights(m, b):   # every parameter, but only b rows of the embedding table (64 wide)
         return sum(p.numel() for p in m.parameters()) * 4 - (256 - b) * 64 * 4
-    row = (32 + 16) * 4  # (R + r) float32
+    row = (128 + 16) * 4  # (R + r) float32
     # context 40: 41 keys; sparse reads top-16 rows and all 41 index keys (32 fp8 + 4 scale)
     assert bench_dsa_decode.step_bytes(sparse, 2, 40) == dict(
         weights=weights(sparse, 2), cache=2 * (16 * row + 41 * 36))
@@ -49,3 +50,15 @@ def test_step_bytes_count_topk_rows_and_index_keys_for_sparse():
 def test_size_units():
     assert [bench_dsa_decode.size(n) for n in (5, 6024, 4.4e8, 1.2075e9)] == [
         "5 B", "6.02 kB", "440 MB", "1.21 GB"]
+
+
+def test_sparse_fp8_reads_flashmla_fp8_tokens(tmp_path):
+    """``sparse_fp8``: the same sparse model over an fp8 latent cache; its rows read R + 4 R /
+    128 + 2 r bytes a latent row (R = 128, r = 16: 164)."""
+    table = bench_dsa_decode.main(QUICK + ["--models", "sparse_fp8", "--out", str(tmp_path)])
+    assert [(r["model"], r["b"], r["graph_breaks"]) for r in table] == [
+        ("sparse_fp8", 1, 0), ("sparse_fp8", 2, 0)]
+    # b = 2, 2 layers, context 40: 41 keys; top-16 latent rows of 164 bytes, 41 index keys of
+    # 32 + 4 bytes
+    assert table[1]["cache_bytes"] == 2 * 2 * (16 * 164 + 41 * 36)
+    assert "| sparse_fp8 | eager | 2 |" in (tmp_path / "dsa_decode.md").read_text()

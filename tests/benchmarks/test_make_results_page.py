@@ -103,3 +103,16 @@ def test_dsa_part_shows_the_decode_table_with_both_models_commands(tmp_path):
     assert "    python benchmarks/bench_dsa_decode.py --models dense --out $OUT/dsa" in text, text
     assert "Part status: exit 0 in 70 s (limit 150 s)." in text, text
     assert text.index("sparse (DSA) against dense") < text.index("the dense-MLA rows"), text
+
+
+def test_the_kernels_check_part_shows_its_pytest_summary(tmp_path):
+    run = tmp_path / "results" / "h200"
+    run.mkdir(parents=True)
+    (run / "summary.txt").write_text("gpu_session 2026-12-07T01:02:03Z parts: kernels_check; "
+                                     "1234abc x\nkernels_check: exit 0 in 41 s (limit 75 s)\n")
+    (run / "env.txt").write_text(ENV.replace("H100 80GB HBM3", "H200") + "\n")
+    (run / "kernels_check.log").write_text("....\n5 passed, 71 deselected in 40.12s\n")
+    text = gen.page({"h200": run}, tmp_path)
+    assert "### GPU check of the split-KV paths" in text, text
+    assert "Part status: exit 0 in 41 s (limit 75 s).\n\n`5 passed, 71 deselected in 40.12s`" \
+        in text, text

@@ -161,3 +161,31 @@ def test_captured_decode_step_replays():
         conv.copy_(conv0), ssm.copy_(ssm0)
         eager = step()
     assert torch.equal(replayed, eager) and torch.equal(conv_r, conv) and torch.equal(ssm_r, ssm)
+
+
+@pytest.mark.parametrize("lens,decode", [((300, 37, 5), False), ((1, 1, 1, 1), True)])
+def test_fused_layer_op_matches_reference(lens, decode):
+    """``gdn_attention`` (conv, gating and rule in one op) on the device: triton's composed
+    kernels (decode: conv update and token recurrence) against the reference."""
+    gen = torch.Generator().manual_seed(5)
+    total, b = sum(lens), len(lens)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(  # noqa: E731
+        torch.bfloat16).to(DEVICE)
+    mixed, a, bb = rand(total, DIM), rand(total, HV), rand(total, HV, scale=2.0)
+    weight, bias = rand(DIM, WIDTH, scale=0.3), rand(DIM)
+    A_log, dt_bias = torch.rand(HV, generator=gen).to(DEVICE), rand(HV)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 5][:b], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, True, decode, True][:b], device=DEVICE)
+    conv = _pool(6, (DIM, WIDTH - 1), [3, 0, 5][:b], gen).to(torch.bfloat16)
+    ssm = _pool(6, (HV, K, V), [3, 0, 5][:b], gen) * 0.1
+
+    def layer(pools, *_):
+        return xpu_ops.gdn_attention(mixed, a, bb, weight, bias, A_log, dt_bias, pools[0],
+                                     pools[1], cu, slots, init, HK, K, decode=decode)
+    (out_t, (conv_t, ssm_t)), (out_r, (conv_r, ssm_r)) = _both(layer, [conv, ssm])
+    assert _rel(out_t, out_r) < 2e-2
+    torch.testing.assert_close(conv_t, conv_r, atol=0, rtol=0, equal_nan=True)   # copies
+    assert _rel(torch.nan_to_num(ssm_t), torch.nan_to_num(ssm_r)) < 2e-2
+    assert torch.equal(ssm_t.isnan(), ssm_r.isnan())

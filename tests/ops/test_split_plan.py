@@ -100,3 +100,26 @@ def test_set_schedule_drops_launch_parameters_planned_under_the_old_one(monkeypa
         assert pa._launch_params.cache_info().currsize == 0
     finally:
         split_plan.set_schedule("waves")
+
+
+@pytest.mark.parametrize("smem, per_sm, expected", [
+    (100 * 1024, 228 * 1024, 2),    # D 128 decode tile: two fit in an H100/H200 multiprocessor
+    (66 * 1024, 228 * 1024, 3),     # D 64, 128-key tiles
+    (4 * 1024, 228 * 1024, 4),      # capped
+    (300 * 1024, 228 * 1024, 1),    # never below one
+    (100 * 1024, None, 2)])         # unknown device: the default
+def test_resident_programs_by_shared_memory(smem, per_sm, expected):
+    assert split_plan.resident_programs(smem, per_sm, 2, 4) == expected
+    if per_sm:   # the count fits the multiprocessor, one more would not (1 KiB per block)
+        n = expected
+        assert n * (smem + 1024) <= per_sm or n == 1
+        assert n == 4 or (n + 1) * (smem + 1024) > per_sm
+
+
+def test_more_resident_programs_fill_more_slots_before_splitting_further(monkeypatch):
+    """8 x 8 programs on 132 multiprocessors: 3 resident each (D 64 tiles) take 6 splits
+    (384 programs, 0.97 of one wave of 396), 2 resident take 4 (256 of 264)."""
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert pa.plan_splits(cuda, 64, 16384, 64, decode=True, resident=3) == (6, 4)
+    assert pa.plan_splits(cuda, 64, 16384, 64, decode=True, resident=2) == (4, 4)

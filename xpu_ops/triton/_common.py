@@ -183,6 +183,23 @@ def _num_sms(device_type: str, index: Optional[int]) -> int:
     return 4  # CPU interpreter: a small "machine" so that tiny test shapes exercise split-KV
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device_type: str, index: Optional[int]) -> Optional[int]:
+    if device_type != "cuda":
+        return None
+    try:
+        props = torch.cuda.get_device_properties(index or 0)
+    except Exception:  # no CUDA runtime here (offline compiles): unknown
+        return None
+    return getattr(props, "shared_memory_per_multiprocessor", None) or None
+
+
+def smem_per_sm(device: torch.device) -> Optional[int]:
+    """Shared memory bytes of one multiprocessor of a CUDA ``device`` (None: unknown, e.g. XPU
+    or no CUDA runtime): a device fact, like ``num_sms``."""
+    return _smem_per_sm(device.type, device.index)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (CUDA) / Xe cores (XPU) of ``device``: a shape-like fact."""
     return _num_sms(device.type, device.index)

@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import provider_table
 from . import split_plan
 from ._common import (available, cdiv, descriptors_supported, launch, launch_paths, next_pow2,
-                      num_sms, set_descriptor_allocator, warp_specialize_supported)
+                      num_sms, set_descriptor_allocator, smem_per_sm, warp_specialize_supported)
 from .paged_attention_kernel import _paged_attention_kernel, _paged_attention_plain_kernel
 
 
@@ -63,6 +63,8 @@ class _Config:
 # page_tiles shrinks a decode tile to one page from pages of this many keys up (H200: with
 # 16-key pages, 64-key tiles of per-key addresses were up to 10 % faster than one-page tiles).
 PAGE_TILE_MIN_KEYS = 32
+# page_tiles applies to tiles of at most this many pages (else per-key page-table loads)
+PAGE_TILE_MAX_PAGES = 2
 # (BLOCK_N, num_warps, num_stages) of a decode launch whose grid is small enough to be split
 # (fewer than DECODE_PROGRAMS_PER_SM programs per multiprocessor), with head dims <= 64, 16-bit
 # q/K/V and pages of under PAGE_TILE_MIN_KEYS keys: such a launch is bound by each program's
@@ -159,6 +161,9 @@ def _pick_tiles(device: torch.device, rows_per_request: int, d_pad: int, dv_pad:
 # best split count of every row; b = 64 x 4096 was fastest unsplit), at least
 # cdiv(keys, DECODE_CHUNK_KEYS) of them (at most DECODE_MAX_CHUNKS): mixed lengths balance.
 DECODE_PROGRAMS_PER_SM = 2
+# At most this many decode programs counted resident per multiprocessor (smaller tiles, D <= 64
+# or fp8 K/V, fit more; split planning counts no more than this).
+DECODE_MAX_RESIDENT = 4
 DECODE_SPLIT_KEYS = 256
 DECODE_CHUNK_KEYS = 4096
 DECODE_MAX_CHUNKS = 8
@@ -168,17 +173,18 @@ MAX_SPLITS = 64
 
 
 def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int,
-                decode: bool) -> tuple[int, int]:
+                decode: bool, resident: Optional[int] = None) -> tuple[int, int]:
     """``(num_splits, min_split_tiles)`` of a launch, from shapes only (never tensor values).
 
     The kernel gives each split of a program an even share of the program's visible key tiles,
     but at least ``min_split_tiles`` of them (``max(min_split_tiles, cdiv(tiles, num_splits))``
     for each request's own length), so a short request uses only its first splits and a graph
     captured at a wide page table still splits the lengths it replays with. ``programs``: the
-    grid without splits; ``max_kv_len``: the page table's capacity in tokens.
+    grid without splits; ``max_kv_len``: the page table's capacity in tokens; ``resident``:
+    decode programs a multiprocessor holds at once (None: ``DECODE_PROGRAMS_PER_SM``).
 
     - Decode-like launches (at most two row tiles per request): ``split_plan.decode_splits``
-      on ``DECODE_PROGRAMS_PER_SM`` resident programs per multiprocessor (whole waves, splits
+      on ``resident`` programs per multiprocessor (whole waves, splits
       of at least ``DECODE_SPLIT_KEYS`` keys while the grid leaves slots empty, else of
       ``DECODE_CHUNK_KEYS``, at least one per ``DECODE_CHUNK_KEYS`` keys up to
       ``DECODE_MAX_CHUNKS``); ``split_plan.SCHEDULE = "legacy"`` takes the former rule.
@@ -196,8 +202,21 @@ def plan_splits(device: torch.device, programs: int, max_kv_len: int, block_n: i
     if split_plan.SCHEDULE == "legacy":
         return split_plan.legacy_decode_splits(programs, num_sms(device), DECODE_PROGRAMS_PER_SM,
                                                max_kv_len, block_n, **keys)
-    return split_plan.decode_splits(programs, DECODE_PROGRAMS_PER_SM * num_sms(device),
-                                    max_kv_len, block_n, **keys)
+    slots = (resident or DECODE_PROGRAMS_PER_SM) * num_sms(device)
+    return split_plan.decode_splits(programs, slots, max_kv_len, block_n, **keys)
+
+
+def decode_program_smem(cfg: _Config, d_pad: int, dv_pad: int, elem: int, kv_elem: int) -> int:
+    """Shared memory of one decode program, estimated from its tiles: ``num_stages - 1``
+    pipelined K and V tiles of ``BLOCK_N`` keys plus the q tile (compiled for sm_90: 102 KiB
+    for 16 x 64 keys, D 128, 4 stages, estimated 100; 70 KiB for 16 x 128 keys, D 64, 3 stages,
+    estimated 66).
+
+    >>> decode_program_smem(_Config(16, 64, 2, 4), 128, 128, 2, 2) // 1024
+    100
+    """
+    stages = max(cfg.num_stages - 1, 1)
+    return stages * cfg.block_n * (d_pad + dv_pad) * kv_elem + cfg.block_m * d_pad * elem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +260,12 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
+        resident = split_plan.resident_programs(
+            decode_program_smem(cfg, d_pad, dv_pad, elem, layout[1]), smem_per_sm(device),
+            DECODE_PROGRAMS_PER_SM, DECODE_MAX_RESIDENT)
         num_splits, min_split_tiles = plan_splits(device, grid_m * batch * num_heads_kv,
-                                                  max_kv_len, cfg.block_n, decode=m_blocks <= 2)
+                                                  max_kv_len, cfg.block_n, decode=m_blocks <= 2,
+                                                  resident=resident)
     else:  # forced: every request's keys shared evenly by all splits
         min_split_tiles = 1
     upcast = device.type == "cpu" and q_dtype != torch.float32
@@ -350,9 +373,9 @@ def _kernel_paths(cfg: _Config, device: torch.device, paged: bool, page_size: in
     if tma and paged:  # one box per page, two pages per tile at most; one stage deeper
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 2 * page_size),
                                   num_stages=max(cfg.num_stages, 3))
-    # at most two pages per tile: with more (page sizes 1-8 under 64-key tiles) the per-page
-    # offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
-    few_pages = cfg.block_n <= 2 * page_size
+    # at most PAGE_TILE_MAX_PAGES pages per tile: with more (page sizes 1-8 under 64-key tiles)
+    # the per-page offsets, reshaped to keys, spill (Triton 3.6, sm_90: 640 bytes at page 1)
+    few_pages = cfg.block_n <= PAGE_TILE_MAX_PAGES * page_size
     return cfg, dict(PAGE_TILES=cfg.page_tiles and paged and pow2_pages and few_pages,
                      EVEN_D=cfg.page_tiles and even_d, PHASES=cfg.phases, TMA=tma,
                      WS=tma and cfg.ws and warp_specialize_supported(),

@@ -6,7 +6,8 @@ itself (the last split of a tile to arrive). The count comes from shapes and dev
 (never tensor values), so a launch captured in a graph replays with the count it was planned
 with.
 
-The device runs ``slots`` programs at once (multiprocessors x programs resident on one). A grid
+The device runs ``slots`` programs at once (multiprocessors x programs resident on one,
+``resident_programs``: bounded by a program's shared memory, the pipelined K/V tiles). A grid
 of ``T`` programs of equal work runs in ``ceil(T / slots)`` waves, the last one partly empty:
 ``wave_efficiency`` is the busy fraction of those waves. FlashInfer's decode planner sizes its
 chunks so that the grid fits the resident slots; FlashAttention-2's split heuristic picks the
@@ -28,6 +29,7 @@ runs (``XPU_OPS_SPLIT_PLAN=legacy``, read once at import, or ``set_schedule``).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from ._common import cdiv
 
@@ -76,6 +78,20 @@ def wave_efficiency(programs: int, slots: int) -> float:
         return 0.0
     waves = programs / slots
     return waves / cdiv(programs, slots)
+
+
+def resident_programs(program_smem: int, smem_per_sm: Optional[int], default: int,
+                      cap: int) -> int:
+    """Programs one multiprocessor holds at once when shared memory bounds them:
+    ``smem_per_sm // (program_smem + 1 KiB)`` (CUDA reserves 1 KiB per block), between 1 and
+    ``cap``; ``default`` when the device's shared memory is unknown.
+
+    >>> resident_programs(100 * 1024, 228 * 1024, 2, 4), resident_programs(0, None, 2, 4)
+    (2, 2)
+    """
+    if not smem_per_sm:
+        return default
+    return max(1, min(cap, smem_per_sm // (max(program_smem, 0) + 1024)))
 
 
 def decode_splits(programs: int, slots: int, max_kv_len: int, block_n: int, *,

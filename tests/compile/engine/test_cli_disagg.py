@@ -3,6 +3,7 @@
 ``--disaggregation both`` spawns a prefill and a decode process (gloo on the CPU, page size 16
 on the prefill side, 1 on the decode side); rank 0 gets the decode side's tokens back, so
 ``--verify`` compares the disaggregated greedy tokens with ``transformers``' own ``generate``.
+Four torchrun-style ranks (two pairs) split the prompts and rank 0 verifies every one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from compile.__main__ import main
-from compile.engine.cli_disagg import transfer_summary
+from compile.engine.cli_disagg import _wait, free_port, pair_prompts, role_argv, transfer_summary
 
 
 def test_both_roles_verify_against_transformers():
@@ -51,3 +52,47 @@ def test_transfer_summary_means():
     line = transfer_summary(log, prefill_seconds=0.5, n=2, pack_seconds=0.001)
     assert line == ("transfer: 2 requests, 2.00 MiB, 3.00 ms per request (receive + write), "
                     "pack 0.50 ms; prefill 250.00 ms per request")
+
+
+def test_pair_prompts_deals_the_prompts_round_robin():
+    assert [pair_prompts(5, r, 4) for r in range(4)] == [[0, 2, 4], [1, 3], [0, 2, 4], [1, 3]]
+    assert pair_prompts(1, 1, 4) == [] and pair_prompts(3, 1, 2) == [0, 1, 2]
+
+
+def test_two_pairs_split_the_prompts_and_rank_zero_verifies_them_all():
+    # torchrun-style: 4 ranks, prefill 0 and 1, decode 2 and 3; pair 0 serves prompts 0 and 2,
+    # pair 1 prompt 1; rank 0 gathers every output and verifies all three
+    argv = [sys.executable, "-m", "compile", "generate", "--model", "tiny", "--device", "cpu",
+            "--verify", "--no-progress", "--prompt", "Hello there", "--prompt", "xy",
+            "--prompt", "abc", "--max-new-tokens", "3", "--page-size", "4",
+            "--decode-page-size", "1", "--threads", "1", "--disaggregation"]
+    port, procs = free_port(), []
+    for rank in range(4):
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "RANK": str(rank), "WORLD_SIZE": "4",
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(argv + [("prefill", "decode")[rank // 2]], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    runs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-2000:] for _, err in runs]
+    rank0, rank1 = runs[0][0], runs[1][0]
+    assert "verify: all prompts match" in rank0 and rank0.count("verify: prompt ") == 3, rank0
+    assert "transfer: 2 requests" in rank0 and "transfer: 1 requests" in rank1, (rank0, rank1)
+
+
+def test_role_argv_names_the_role_and_stages_one_gpu_through_gloo():
+    argv = ["generate", "--disaggregation", "both", "--model", "tiny"]
+    assert role_argv(argv, "decode", 2) == ["generate", "--disaggregation", "decode", "--model",
+                                            "tiny"]
+    assert role_argv(["generate", "--disaggregation=both"], "prefill", 1) == [
+        "generate", "--disaggregation=prefill", "--transfer-backend", "gloo"]
+
+
+def test_wait_returns_the_first_failing_rank_status(capsys):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        assert _wait([failing, sleeper]) == 3
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert "the prefill rank exited with status 3" in capsys.readouterr().err
