@@ -8,6 +8,10 @@ Reads ``<peer>/sgl-kernel-xpu/tests/*.py`` (saved there by ``scripts/prepare_pee
   ``is_available()`` is True);
 * the ``"xpu"`` / ``'xpu'`` device string (also ``"xpu:<i>"``) -> the local device; ``.xpu()``
   -> ``.to(local_device.DEVICE)``;
+* a test function's ``device = device`` or ``torch.device(f"{device}:0")``, which reads the
+  module-level ``device`` after the function made ``device`` local (sgl-kernel-xpu's
+  ``test_flash_attention_4.py`` and ``test_flashmla.py::test_flash_mla_fp8`` raise
+  ``UnboundLocalError`` there, on XPU as well) -> the local device;
 * ``import local_device`` added after the module docstring and ``__future__`` imports.
 
 Everything else (tolerances, shapes, references, calls) is as published. Prints each file and
@@ -30,6 +34,11 @@ RULES = (
     (re.compile(r"""(["'])xpu:(\d+)\1"""), r'(local_device.DEVICE + ":\2")'),
     (re.compile(r"""(?<![\w{])(["'])xpu\1"""), "local_device.DEVICE"),
     (re.compile(r"\.xpu\(\)"), ".to(local_device.DEVICE)"),
+    # a test function that reads the module's ``device`` after assigning a local of that name
+    # (an UnboundLocalError everywhere, on XPU too): the local becomes the local device
+    (re.compile(r"^(\s+)device = device$", re.M), r"\1device = local_device.DEVICE"),
+    (re.compile(r"""torch\.device\(f(["'])\{device\}:0\1\)"""),
+     r'torch.device(f"{local_device.DEVICE}:0")'),
 )
 
 

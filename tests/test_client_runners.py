@@ -35,6 +35,17 @@ def test_plumbing_replaces_only_the_device():
     compile(text, "plumbed", "exec")
 
 
+def test_plumbing_gives_a_shadowed_device_local_the_local_device():
+    source = ('device = utils.get_device()\n\ndef test_a():\n    device = device\n'
+              'def test_b():\n    device = torch.device(f"{device}:0")\n'
+              'def test_c(device):\n    other = device\n')
+    text, n = plumb_xpu_tests.plumb(source)
+    assert n == 2
+    assert "    device = local_device.DEVICE\n" in text
+    assert 'device = torch.device(f"{local_device.DEVICE}:0")' in text
+    assert "device = utils.get_device()" in text and "    other = device" in text
+
+
 def test_counts_one_outcome_per_test(tmp_path):
     lines = [("a.py::test_f[1]", "setup", "passed"), ("a.py::test_f[1]", "call", "passed"),
              ("a.py::test_f[2]", "call", "failed"), ("a.py::test_f[3]", "setup", "skipped"),

@@ -225,11 +225,12 @@ def int_scalar(fn: str, arg: str, value: object, rule: str = "an int") -> int:
 
 
 def check_window(fn: str, window_size: object) -> tuple[int, int]:
-    """Validate ``window_size=(left, right)``; -1 means unbounded on that side.
+    """Validate ``window_size=(left, right)``; -1 (or None, FlashAttention-4's spelling) means
+    unbounded on that side.
 
     Raises:
-        TypeError: not a pair, or a side that is not an integer (``None`` included: unbounded
-            is -1). ValueError: a side below -1.
+        TypeError: not a pair, or a side that is neither an integer nor None.
+        ValueError: a side below -1.
     """
     if type(window_size) is tuple and len(window_size) == 2:
         left, right = window_size
@@ -240,12 +241,13 @@ def check_window(fn: str, window_size: object) -> tuple[int, int]:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         fail(fn, "window_size", "is not a pair", "(left, right) with -1 for unbounded",
              repr(window_size), exc=TypeError)
+    window_size = tuple(-1 if side is None else side for side in window_size)
     for side in window_size:
         if isinstance(side, bool) or not isinstance(side, (int, torch.SymInt)) and not hasattr(
                 side, "__index__"):
             fail(fn, "window_size", "has a side that is not an integer",
-                 "(left, right) of ints, -1 for unbounded", repr(tuple(window_size)),
-                 "Pass -1 (not None) for an unbounded side.", exc=TypeError)
+                 "(left, right) of ints, -1 or None for unbounded", repr(tuple(window_size)),
+                 "Pass an int, or -1 for an unbounded side.", exc=TypeError)
     left, right = (operator.index(side) for side in window_size)
     if left < -1 or right < -1:
         fail(fn, "window_size", "has a negative bound", "each side >= 0 or -1 (unbounded)",

@@ -76,7 +76,11 @@ class DSAAttentionBackend(XPUAttentionBackend):
                             f"{type(self.token_to_kv_pool).__name__}; expected a "
                             f"DSATokenToKVPool (compile.batch.dsa_pool).")
         self.index_topk = int(self.model_config.index_topk)
-        self.fp8_latent = bool(getattr(self.token_to_kv_pool, "fp8_latent", False))
+
+    @property
+    def fp8_latent(self) -> bool:
+        """The pool's latent cache holds FlashMLA fp8 tokens."""
+        return bool(getattr(self.token_to_kv_pool, "fp8_latent", False))
 
     # ----------------------------------------------------------------- plan (host)
 

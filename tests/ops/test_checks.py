@@ -108,6 +108,8 @@ def test_check_gqa_and_window():
                                              fr"Hkv, got Hq={hq}, Hkv=0\.$"):
             _checks.check_gqa(FN, hq, 0)
     assert _checks.check_window(FN, [3, -1]) == (3, -1)
+    assert _checks.check_window(FN, (None, None)) == (-1, -1)    # FlashAttention-4's spelling
+    assert _checks.check_window(FN, (None, 0)) == (-1, 0)
     with pytest.raises(TypeError, match="window_size is not a pair"):
         _checks.check_window(FN, None)
     with pytest.raises(ValueError, match=r"window_size has a negative bound.*got \(0, -5\)"):

@@ -63,12 +63,12 @@ def _paged_oracle(call, softcap=0.0, sinks=None):
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
 @pytest.mark.parametrize("call, kwargs, expected", [
-    (xpu_ops.flash_attn_with_kvcache, _paged_call(window_size=(None, 0)),
+    (xpu_ops.flash_attn_with_kvcache, _paged_call(window_size=(2.5, 0)),
      r"TypeError: flash_attn_with_kvcache: window_size has a side that is not an integer; "
-     r"expected \(left, right\) of ints, -1 for unbounded, got \(None, 0\)\. Pass -1"),
-    (xpu_ops.flash_attn_varlen_func, _varlen_call(window_size=(3, None)),
+     r"expected \(left, right\) of ints, -1 or None for unbounded, got \(2\.5, 0\)\. Pass"),
+    (xpu_ops.flash_attn_varlen_func, _varlen_call(window_size=(3, "4")),
      r"TypeError: flash_attn_varlen_func: window_size has a side that is not an integer; .* "
-     r"got \(3, None\)"),
+     r"got \(3, '4'\)"),
     (xpu_ops.flash_attn_with_kvcache, _paged_call(max_seqlen_q=2.0),
      r"TypeError: flash_attn_with_kvcache: max_seqlen_q is not an integer; expected an int "
      r"number of tokens \(or None\), got 2\.0 \(float\)\. Pass int\(max_seqlen_q\)\."),
@@ -443,3 +443,10 @@ def test_traced_call_under_grad_mode_has_no_graph_either():
     assert not out.requires_grad
     want, _ = _paged_oracle(call)
     torch.testing.assert_close(out.double(), want, **OUT_TOL[torch.float32])
+
+
+def test_none_window_sides_are_unbounded_as_in_flashattention_4():
+    call = _varlen_call(seed=3)
+    want = xpu_ops.flash_attn_varlen_func(**call, window_size=(-1, 0))
+    got = xpu_ops.flash_attn_varlen_func(**call, window_size=(None, 0))
+    assert torch.equal(got, want)

@@ -146,3 +146,29 @@ def test_strided_qkv_views(provider):
     out64, lse64 = oracle.flash_attn_varlen_func(q, k, v, cu, cu, causal=True,
                                                  softmax_scale=32 ** -0.5)
     assert_matches_oracle(out, out64, torch.float32, lse, lse64)
+
+
+def test_flashattention_4_paged_form_matches_the_oracle():
+    """``page_table=`` (FlashAttention-4's varlen over paged caches, sgl-kernel-xpu's
+    ``test_flash_attention_4.py``): 4-D queries, cache lengths in ``seqused_k``, a sink."""
+    from xpu_ops.testing import paged_kv_cache
+    gen = torch.Generator().manual_seed(12)
+    (k_cache, v_cache), table, lens = paged_kv_cache(gen, (9, 5), 4, [(1, 16), (1, 16)],
+                                                     dtype=torch.float32, device="cpu")
+    q = torch.randn(2, 3, 2, 16, generator=gen)
+    sinks = torch.randn(2, generator=gen)
+    out, lse = xpu_ops.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=lens,
+        page_table=table, causal=True, window_size=(None, None), sinks=sinks,
+        return_softmax_lse=True, ver=4)
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    want, _ = oracle.flash_attn_with_kvcache(
+        q.reshape(6, 2, 16), k_cache, v_cache, lens, table, cu_q, None, None, None, None, None,
+        sinks, max_seqlen_q=3, softmax_scale=16 ** -0.5, causal=True, window_size_left=-1,
+        window_size_right=0, softcap=0.0)
+    assert out.shape == (2, 3, 2, 16)
+    torch.testing.assert_close(out.reshape(6, 2, 16).double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="flash_attn_varlen_func: cu_seqlens_k does not fit the "
+                                         "paged form"):
+        xpu_ops.flash_attn_varlen_func(q, k_cache, v_cache, None, cu_q, seqused_k=lens,
+                                       page_table=table)

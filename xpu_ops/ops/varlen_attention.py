@@ -115,7 +115,7 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
     seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
     v_descale=None, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
-    return_softmax_lse=False, sinks=None, out=None, ver=3,
+    return_softmax_lse=False, sinks=None, out=None, ver=3, page_table=None,
 ):
     """Attention over ragged K/V (no cache), sgl-kernel ``flash_attn_varlen_func`` compatible.
 
@@ -143,6 +143,10 @@ def flash_attn_varlen_func(
             most n splits. Results agree to rounding whatever the value.
         pack_gqa, sm_margin: speed hints (None/bool, int >= 0), accepted; results never
             depend on them. ver: 3 or 4 (sgl-kernel's FA3 or FA4: the same math).
+        page_table: FlashAttention-4's paged form: ``k``/``v`` are paged caches
+            ``[num_pages, page_size, Hkv, D]``, ``page_table [b, max_pages]`` int32,
+            ``seqused_k`` the cache lengths, ``cu_seqlens_k`` None; ``q`` ``[b, s, Hq, D]``
+            (``cu_seqlens_q`` None) or packed. Runs ``flash_attn_with_kvcache`` (its returns).
     Returns:
         ``out [total_q, Hq, Dv]`` or ``(out, softmax_lse [Hq, total_q] float32)``.
     Raises:
@@ -161,6 +165,15 @@ def flash_attn_varlen_func(
     True
     """
     fn = NAME
+    if page_table is not None:
+        return _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q, seqused_k,
+                      page_table, dict(softmax_scale=softmax_scale, causal=causal, qv=qv,
+                                       q_descale=q_descale, k_descale=k_descale,
+                                       v_descale=v_descale, window_size=window_size,
+                                       softcap=softcap, num_splits=num_splits,
+                                       pack_gqa=pack_gqa, sm_margin=sm_margin,
+                                       return_softmax_lse=return_softmax_lse, sinks=sinks,
+                                       out=out))
     if not (type(num_splits) is int and num_splits >= 0):
         check_num_splits(fn, num_splits)
     check_speed_hints(fn, pack_gqa=pack_gqa, sm_margin=sm_margin, ver=ver)
@@ -193,3 +206,20 @@ def flash_attn_varlen_func(
         sinks, seqused_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right,
         softcap, num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q, seqused_k, page_table,
+           kwargs):
+    """FlashAttention-4's ``flash_attn_varlen_func(..., page_table=...)``: attention over paged
+    caches, which is ``flash_attn_with_kvcache`` with ``cache_seqlens = seqused_k``."""
+    from .paged_attention import flash_attn_with_kvcache
+    fn = NAME
+    if seqused_k is None:
+        fail(fn, "seqused_k", "is missing with page_table", "[b] int32 cache lengths", "None")
+    for arg, value in (("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q)):
+        if value is not None:
+            fail(fn, arg, "does not fit the paged form", "None with page_table (the cache "
+                 "lengths come in seqused_k)", "a tensor")
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqused_k, page_table=page_table,
+                                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                   **kwargs)
