@@ -121,8 +121,10 @@ def row(b: int, context: int, args, bandwidth: float) -> dict:
                     args.table_tokens)
     cfg = pa.default_config(w["q"], w["caches"][0][1], 1, HKV, page_size=args.page_size)
     grid_m = pa.cdiv(HQ // HKV, cfg.block_m)
+    elem, pad = w["q"].element_size(), max(16, pa.next_pow2(D))
     planned, _ = pa.plan_splits(device, grid_m * b * HKV, w["table"].shape[1] * args.page_size,
-                                cfg.block_n, decode=True)
+                                cfg.block_n, decode=True,
+                                resident=pa.decode_resident(device, cfg, pad, pad, elem, elem))
     out = dict(batch=b, context=context, planned_splits=planned, us={})
     ref = None
     variants = [("auto", {})] + [(f"s={s}", dict(num_splits=s)) for s in args.splits]

@@ -16,14 +16,16 @@ compilation, one graph runner with a whole-step graph per batch bucket) serves e
 Per model, mode and ``b``: median ms per step (``bench_model.step_seconds``: warm-up excluded,
 device synchronised, host plan inside the step), tokens/s, the seconds of the first step
 (Dynamo, Inductor, Triton JIT, warm-up; the capture is the second), the graph breaks Dynamo
-counted while the mode ran (the done-when check: 0), the whole-step graph replays so far (0
-where the device has no graphs), and the bytes the step must read at least (``step_bytes``:
-weights, and the cache rows attended: ``min(context + 1, topk)`` latent rows plus every index
-key for sparse, every latent row for dense), as a fraction of the device's copy bandwidth
-measured in the same process. ``--models`` picks the models, so each can run in its own
-process under a time limit; with ``--out`` each run writes ``dsa_decode_<model>.json`` and
-rewrites ``dsa_decode.md`` from every model's file in that folder, with each sparse model's
-ratios to dense (``make_results_page.py`` shows it as the ``dsa`` part).
+counted while the mode ran (0 expected: the compiled modes trace with ``fullgraph=True``, so a
+break would also stop the run), the whole-step graph replays so far (0 where the device has no
+graphs; in graphs mode on a GPU, proof that the timed steps replayed a captured graph), and
+the bytes the step must read at least (``step_bytes``: weights, and the cache rows attended:
+``min(context + 1, topk)`` latent rows plus every index key for sparse, every latent row for
+dense), as a fraction of the device's copy bandwidth measured in the same process.
+``--models`` picks the models, so each can run in its own process under a time limit; with
+``--out`` each run writes ``dsa_decode_<model>.json`` (after each model) and rewrites
+``dsa_decode.md`` from every model's file in that folder, with each sparse model's ratios to
+dense (``make_results_page.py`` shows it as the ``dsa`` part).
 
     python benchmarks/bench_dsa_decode.py --device cuda                 # 8k context, graphs
     python benchmarks/bench_dsa_decode.py --device cuda --models dense --out $OUT/dsa
@@ -149,7 +151,8 @@ def step_bytes(model, b: int, context: int, fp8: bool = False) -> dict:
     but the embedding table (``b`` rows of it), and per layer and request the cache rows
     attended: ``min(context + 1, topk)`` latent rows and every fp8 index key (``Di + 4`` bytes:
     the indexer scores all keys) for sparse MLA, all ``context + 1`` latent rows for dense;
-    a latent row is ``R + r`` values, or with ``fp8`` FlashMLA's fp8 token bytes. Logits and top-k scratch are not counted (a fused indexer need not store them)."""
+    a latent row is ``R + r`` values, or with ``fp8`` FlashMLA's fp8 token bytes. Logits and
+    top-k scratch are not counted (a fused indexer need not store them)."""
     cfg = model.config
     size = next(model.parameters()).element_size()
     embed = model.model.embed_tokens.weight

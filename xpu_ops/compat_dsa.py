@@ -86,6 +86,7 @@ def fp8_mqa_logits(q_fp8, kv_fp8, weights, ks, ke, clean_logits=False) -> Tensor
 def _paged_inputs(fn: str, q_fp8, kv_cache, seq_lens):
     check_tensor_args(fn, q_fp8=q_fp8, kv_cache=kv_cache, seq_lens=seq_lens)
     q = _fp8_bytes(fn, "q_fp8", q_fp8)
+    check_tensor(fn, "q_fp8", q, ndim=(3, 4))
     if q.dim() == 3:                   # [B, H, D]: next_n = 1
         q = q.unsqueeze(1)
     kv = _fp8_bytes(fn, "kv_cache", kv_cache)
@@ -99,7 +100,16 @@ def _paged_inputs(fn: str, q_fp8, kv_cache, seq_lens):
 def check_paged_call(q_fp8, kv_cache, weights, seq_lens, block_tables, max_seq_len) -> None:
     """The checks of ``fp8_paged_mqa_logits`` (run by the raw op's fake too)."""
     from .ops.dsa_indexer import _check_fp8_paged_mqa_logits
-    q, kv, seq_lens = _paged_inputs("fp8_paged_mqa_logits", q_fp8, kv_cache, seq_lens)
+    fn = "fp8_paged_mqa_logits"
+    q, kv, seq_lens = _paged_inputs(fn, q_fp8, kv_cache, seq_lens)
+    # this call's names first (xpu-ops' op calls them context_lens, block_table, ...)
+    check_tensor(fn, "seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device,
+                 fix="Build it with dtype=torch.int32.")
+    check_size(fn, "seq_lens", seq_lens, 0, q.shape[0], "q_fp8.shape[0] (B)")
+    check_index(fn, "block_tables", block_tables, 2, q.device)
+    check_size(fn, "block_tables", block_tables, 0, q.shape[0], "q_fp8.shape[0] (B)")
+    if int_scalar(fn, "max_seq_len", max_seq_len, "an int >= 0") < 0:
+        fail(fn, "max_seq_len", "is negative", "an int >= 0 (the logits' width)", max_seq_len)
     _check_fp8_paged_mqa_logits(q, kv, weights, seq_lens, block_tables, max_seq_len, False)
 
 

@@ -62,6 +62,15 @@ def _check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_
     if rot_dim % 2 or not 0 < rot_dim <= width:
         fail(fn, "cos_sin_cache", "has a wrong rotary dim (columns)",
              f"an even number in [2, {width}] (cos then sin halves)", rot_dim)
+    if tokens and not cos_sin_cache.shape[0]:
+        fail(fn, "cos_sin_cache", "has no rows", "[max_position >= 1, rot_dim] (a row per "
+             "position)", tuple(cos_sin_cache.shape))
+    if query.dim() == 2:
+        for arg, t in (("query", query), ("key", key)):
+            if any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
+                fail(fn, arg, "has elements that share memory (an expanded tensor)",
+                     "distinct elements (2-D inputs are rotated in place)",
+                     f"strides {tuple(t.stride())}", f"Pass {arg}.contiguous().")
     return rot_dim
 
 
@@ -89,10 +98,12 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, head_size: i
     Args:
         positions: int64|int32, ``tokens`` elements (any shape, e.g. ``[batch, seq]``).
         query, key: 2-D ``[tokens, heads * head_size]`` (rotated **in place**, as the native
-            kernel does) or 3-D ``[tokens, heads, D]`` (not modified; ``head_size`` is then
+            kernel does; no expanded dims; both are read before either is written, so a
+            ``key`` sharing memory with ``query`` is rotated once) or 3-D ``[tokens, heads, D]`` (not modified; ``head_size`` is then
             read from ``D``); fp16|bf16|fp32, the same dtype; any strides.
         head_size: features a head (2-D inputs).
-        cos_sin_cache: any float dtype; ``rot_dim`` even, at most the head size.
+        cos_sin_cache: any float dtype; ``rot_dim`` even, at most the head size; at least one
+            row when there are tokens.
         is_neox: NeoX (True) or GPT-J (False) pairs.
     Returns:
         ``(query_out, key_out)``: new contiguous tensors of the inputs' shapes holding the
@@ -107,13 +118,13 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, head_size: i
     if query.dim() == 3:
         return (_rotate(query, positions, cos_sin_cache, is_neox),
                 _rotate(key, positions, cos_sin_cache, is_neox))
-    outs = []
-    for x in (query, key):
-        x3 = x.unflatten(-1, (-1, head_size))
-        rotated = _rotate(x3, positions, cos_sin_cache, is_neox)
-        x3.copy_(rotated)
-        outs.append(rotated.view(x.shape))
-    return outs[0], outs[1]
+    # both rotations before either write: key may share memory with query (one is read after
+    # the other is written otherwise), and a write happens only once both have run
+    views = [x.unflatten(-1, (-1, head_size)) for x in (query, key)]
+    rotated = [_rotate(x3, positions, cos_sin_cache, is_neox) for x3 in views]
+    for x3, r in zip(views, rotated):
+        x3.copy_(r)
+    return rotated[0].view(query.shape), rotated[1].view(key.shape)
 
 
 @rotary_embedding.register_fake

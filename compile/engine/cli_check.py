@@ -38,6 +38,7 @@ import torch
 from compile.backend import LinearAttention, PagedAttention, kv_layout, linear_layout
 from compile.batch.swa_pages import KVCacheBytes, kv_cache_bytes
 from compile.engine.cli_args import DTYPES, model_name, positive_int
+from xpu_ops.mla_fp8_layout import FP8_TILE, fp8_token_bytes
 
 PROMPTS = ([1, 2, 3, 4, 5], [6, 7, 8])  # token ids: one EXTEND of 8 tokens, then DECODE b=2
 KV_REPORT_TOKENS = 8192
@@ -160,11 +161,15 @@ class MLACacheBytes:
         latent: one layer's latent row ``(R + r) * itemsize``.
         index: one DSA layer's index key and scale ``Di + 4`` (0 without DSA).
         layers: layers with a cache of their own.
+        latent_fp8: a DSA model's latent row in an fp8 latent cache (FlashMLA's token bytes,
+            ``Engine(kv_dtype=torch.float8_e4m3fn)``); 0 without DSA or when R is not a
+            multiple of 128.
     """
 
     latent: int
     index: int
     layers: int
+    latent_fp8: int = 0
 
 
 def mla_cache_bytes(model) -> Optional[MLACacheBytes]:
@@ -174,8 +179,10 @@ def mla_cache_bytes(model) -> Optional[MLACacheBytes]:
         return None
     itemsize = next(model.parameters()).dtype.itemsize
     index = layout.index_head_dim + 4 if layout.index_head_dim else 0  # fp8 key, float32 scale
+    rank = layout.kv_lora_rank
+    fp8 = fp8_token_bytes(layout.head_dim, rank) if index and rank % FP8_TILE == 0 else 0
     return MLACacheBytes(latent=layout.head_dim * itemsize, index=index,
-                         layers=len(layout.cache_layer_ids))
+                         layers=len(layout.cache_layer_ids), latent_fp8=fp8)
 
 
 def attention_kinds(model) -> list[str]:
@@ -246,6 +253,10 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
         lines.append(f"  KV cache per token and layer: MLA latent {m.latent} bytes, DSA index keys "
                      f"{m.index} bytes; all {m.layers} layers: {m.layers * m.latent} + "
                      f"{m.layers * m.index} = {m.layers * (m.latent + m.index)} bytes per token")
+        if m.latent_fp8:
+            lines.append(f"  with an fp8 latent cache (kv_dtype float8_e4m3fn): MLA latent "
+                         f"{m.latent_fp8} bytes per token and layer; all {m.layers} layers: "
+                         f"{m.layers * (m.latent_fp8 + m.index)} bytes per token")
     lines.append(f"  graphs compiled: {r.graphs} ({max(r.graphs - 1, 0)} recompiles)")
     want = r.num_layers + 1
     lines.append(f"  piecewise split: {r.pieces_per_graph:g} pieces around {r.split_ops:g} "

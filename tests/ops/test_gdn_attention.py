@@ -143,6 +143,15 @@ BAD = [
     (dict(num_k_heads=1.0), r"num_k_heads is not an integer"),
     (dict(decode=True), r"decode is True for a batch that is not one token per request"),
     (dict(activation="relu"), r"activation is not supported"),
+    # the conv's checks name this op's arguments, not causal_conv1d's (weight, bias, x)
+    (dict(conv_weights=torch.randn(15, 4)), r"conv_weights has the wrong size in dimension 0; "
+     r"expected mixed_qkv.shape\[-1\] \(dim\) = 16"),
+    (dict(conv_weights=torch.randn(16, 0), conv_states=torch.zeros(2, 16, 0)),
+     r"conv_weights has no taps"),
+    (dict(conv_bias=torch.randn(15)), r"conv_bias has the wrong size in dimension 0"),
+    (dict(conv_bias=torch.randn(16).long()), r"conv_bias has dtype torch.int64"),
+    (dict(conv_states=torch.zeros(2, 16, 2)), r"conv_states has the wrong size in dimension 2; "
+     r"expected conv_weights.shape\[1\] - 1 = 3"),
 ]
 
 

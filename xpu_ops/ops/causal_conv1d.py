@@ -47,21 +47,24 @@ def debug_check_slots(fn: str, cu_arg: str, cu, tokens, slots_arg: str, slots, p
 
 
 def check_conv_weights(fn: str, x: Tensor, weight, bias, conv_state_arg: str,
-                       conv_states) -> None:
+                       conv_states, names: tuple[str, str, str] = ("x", "weight", "bias")
+                       ) -> None:
     """``weight [dim, width]``, ``bias [dim]`` or None, ``conv_states [num_slots, dim, width - 1]``,
-    all float tensors on x's device; ``dim = x.shape[-1]``."""
+    all float tensors on x's device; ``dim = x.shape[-1]``. ``names``: the caller's names of
+    ``x``, ``weight`` and ``bias`` (the messages name the caller's arguments)."""
+    x_arg, w_arg, b_arg = names
     device, dim = x.device, x.shape[-1]
-    check_tensor(fn, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=device)
-    check_size(fn, "weight", weight, 0, dim, "x.shape[-1] (dim)")
+    check_tensor(fn, w_arg, weight, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_size(fn, w_arg, weight, 0, dim, f"{x_arg}.shape[-1] (dim)")
     if weight.shape[1] < 1:
-        fail(fn, "weight", "has no taps", "width = weight.shape[1] >= 1",
+        fail(fn, w_arg, "has no taps", f"width = {w_arg}.shape[1] >= 1",
              f"shape {tuple(weight.shape)}")
-    check_optional(fn, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+    check_optional(fn, b_arg, bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
     if bias is not None:
-        check_size(fn, "bias", bias, 0, dim, "x.shape[-1] (dim)")
+        check_size(fn, b_arg, bias, 0, dim, f"{x_arg}.shape[-1] (dim)")
     check_tensor(fn, conv_state_arg, conv_states, ndim=3, dtypes=FLOAT_DTYPES, device=device)
-    check_size(fn, conv_state_arg, conv_states, 1, dim, "x.shape[-1] (dim)")
-    check_size(fn, conv_state_arg, conv_states, 2, weight.shape[1] - 1, "weight.shape[1] - 1")
+    check_size(fn, conv_state_arg, conv_states, 1, dim, f"{x_arg}.shape[-1] (dim)")
+    check_size(fn, conv_state_arg, conv_states, 2, weight.shape[1] - 1, f"{w_arg}.shape[1] - 1")
 
 
 def _check_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,

@@ -73,7 +73,8 @@ def _check_gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bia
         fail(FN, "a", "has a head count that is not a multiple of num_k_heads",
              f"Hv = a.shape[1] a multiple of num_k_heads={hk}", f"Hv={hv}")
     v_dim = value_dim(FN, mixed_qkv, hk, k_dim, hv)
-    check_conv_weights(FN, mixed_qkv, conv_weights, conv_bias, "conv_states", conv_states)
+    check_conv_weights(FN, mixed_qkv, conv_weights, conv_bias, "conv_states", conv_states,
+                       ("mixed_qkv", "conv_weights", "conv_bias"))
     for arg, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_tensor(FN, arg, t, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         check_size(FN, arg, t, 0, hv, "a.shape[1] (Hv)")
@@ -183,6 +184,7 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
                       dt_bias=dt_bias, conv_states=conv_states, ssm_states=ssm_states,
                       query_start_loc=query_start_loc, cache_indices=cache_indices,
                       has_initial_state=has_initial_state)
+    check_activation(FN, activation)  # before the dispatcher's own, unnamed type error
     return torch.ops.xpu_ops.gdn_attention(
         mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv_states, ssm_states,
         query_start_loc, cache_indices, has_initial_state,

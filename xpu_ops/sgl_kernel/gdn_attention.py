@@ -22,9 +22,12 @@ Argument mapping (the op's validated arguments -> the native schema, as sglang 0
   projections' dtype, as the native op reads them; no workspace (the native op allocates its scratch per call).
 
 Declined (``supports``; the call then runs on ``triton``): float32 projections (the chunked
-kernels serve fp16/bf16), no activation, a conv width outside 1..5, ``K`` not 32, 64, 128 or
-256, ``V`` not a multiple of 4. Tested on the CPU against a stand-in of the native op
-(``tests/ops/native_sgl_kernel.py``), never on an Intel GPU.
+kernels serve fp16/bf16), a conv pool in another dtype than the projections (the native conv
+reads its window in the projections' dtype: a float32 pool would lose its low bits, and a
+request without a slot would round the redirected slot's state), no activation, a conv width
+outside 1..5, ``K`` not 32, 64, 128 or 256, ``V`` not a multiple of 4. An empty pool (every
+slot -1) stages zeros and writes nothing. Tested on the CPU against a stand-in of the native
+op (``tests/ops/native_sgl_kernel.py``), never on an Intel GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def supports(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv_stat
     """None when the native kernels serve the call, else why not."""
     if mixed_qkv.dtype not in (torch.float16, torch.bfloat16):
         return f"projections in {mixed_qkv.dtype} (the native chunked kernels serve fp16/bf16)"
+    if conv_states.dtype != mixed_qkv.dtype:
+        return (f"conv_states in {conv_states.dtype}, projections in {mixed_qkv.dtype} (the "
+                "native conv reads its window in the projections' dtype)")
     if activation is None:
         return "no conv activation (the native conv applies silu)"
     if not 1 <= conv_weights.shape[1] <= 5:
@@ -57,7 +63,10 @@ def supports(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv_stat
 
 
 def _staged(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``pool[slots]`` (rows of invalid slots zero), a fresh tensor."""
+    """``pool[slots]`` (rows of invalid slots zero), a fresh tensor (zeros from an empty
+    pool, whose every slot is invalid)."""
+    if pool.shape[0] == 0:
+        return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
     rows = pool.index_select(0, slots)
     return torch.where(valid.view(-1, *([1] * (rows.dim() - 1))), rows, 0)
 
@@ -108,7 +117,7 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
         query_start_loc.contiguous(), None,
         torch.arange(batch, dtype=torch.int32, device=device), None, None, None, None, tokens,
         1, True, None)
-    if batch:
+    if batch and num_slots:          # an empty pool has no slot to write
         _write_back(conv_states, slots, valid, conv_rows)
         _write_back(ssm_states, slots, valid, ssm_rows.transpose(-1, -2))
     return core

@@ -219,6 +219,16 @@ def decode_program_smem(cfg: _Config, d_pad: int, dv_pad: int, elem: int, kv_ele
     return stages * cfg.block_n * (d_pad + dv_pad) * kv_elem + cfg.block_m * d_pad * elem
 
 
+def decode_resident(device: torch.device, cfg: _Config, d_pad: int, dv_pad: int, elem: int,
+                    kv_elem: int) -> int:
+    """Decode programs of ``cfg`` one multiprocessor of ``device`` holds at once (shared memory
+    bound, ``split_plan.resident_programs``; ``DECODE_PROGRAMS_PER_SM`` where unknown): the
+    ``resident`` of ``plan_splits``."""
+    return split_plan.resident_programs(decode_program_smem(cfg, d_pad, dv_pad, elem, kv_elem),
+                                        smem_per_sm(device), DECODE_PROGRAMS_PER_SM,
+                                        DECODE_MAX_RESIDENT)
+
+
 @dataclasses.dataclass(frozen=True)
 class _LaunchParams:
     """What one ``paged_attention`` call shape launches: everything but the tensors."""
@@ -260,9 +270,7 @@ def _launch_params(device: torch.device, q_shape, q_strides, q_dtype, k_shape, k
     m_blocks = cdiv(max(max_seqlen_q, 1) * group, cfg.block_m)
     grid_m = m_blocks * paths["DV_SPLIT"]
     if num_splits is None:
-        resident = split_plan.resident_programs(
-            decode_program_smem(cfg, d_pad, dv_pad, elem, layout[1]), smem_per_sm(device),
-            DECODE_PROGRAMS_PER_SM, DECODE_MAX_RESIDENT)
+        resident = decode_resident(device, cfg, d_pad, dv_pad, elem, layout[1])
         num_splits, min_split_tiles = plan_splits(device, grid_m * batch * num_heads_kv,
                                                   max_kv_len, cfg.block_n, decode=m_blocks <= 2,
                                                   resident=resident)

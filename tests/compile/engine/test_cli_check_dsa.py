@@ -1,5 +1,6 @@
 """``python -m compile check`` on DeepSeek models: each layer's attention (dense or sparse MLA)
-and the KV and DSA index-key bytes per token; a tiny DeepSeek-V3.2 traces whole (fullgraph, no
+and the KV and DSA index-key bytes per token (and a DSA model's latent bytes in an fp8 latent
+cache); a tiny DeepSeek-V3.2 traces whole (fullgraph, no
 break) and splits into ``num_layers + 1`` pieces."""
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ def test_attention_kinds_and_cache_bytes():
     assert attention_kinds(v2) == ["dense MLA"] * 3
     assert mla_cache_bytes(v2) == MLACacheBytes(latent=(16 + 8) * 4, index=0, layers=3)
     assert mla_cache_bytes(tiny_model()) is None
+    # R = 128: an fp8 latent cache holds 128 e4m3 values, one float32 scale, 8 bfloat16 rope
+    assert mla_cache_bytes(tiny_v32(kv_lora_rank=128)).latent_fp8 == 128 + 4 + 2 * 8
 
 
 def test_check_reports_sparse_layers_and_traces_whole():
-    result = check_model(tiny_v32())
+    result = check_model(tiny_v32(kv_lora_rank=128))
     assert result.ok and result.graph_breaks == 0
     assert result.pieces_per_graph == 3  # num_layers + 1
     text = format_result("tiny-v32", result, "eager")
     assert "2 x sparse MLA (top-k 4) (layers 0-1)" in text
-    assert "MLA latent 96 bytes, DSA index keys 20 bytes; all 2 layers: 192 + 40 = 232" in text
+    # latent (128 + 8) * 4 float32 = 544 bytes, index 16 + 4; fp8 latent 128 + 4 + 2 * 8 = 148
+    assert "MLA latent 544 bytes, DSA index keys 20 bytes; all 2 layers: 1088 + 40 = 1128" in text
+    assert ("with an fp8 latent cache (kv_dtype float8_e4m3fn): MLA latent 148 bytes per token "
+            "and layer; all 2 layers: 336 bytes per token") in text, text
