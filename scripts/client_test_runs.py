@@ -42,6 +42,17 @@ class Job:
     env: dict = field(default_factory=dict, hash=False, compare=False)
 
 
+def write_if_changed(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless it holds it already, atomically (a temporary file
+    renamed over it): runners started side by side regenerate the same copies, and a test file
+    being collected by one must never be seen half written."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def sharded(name: str, files, shards: int, **kwargs) -> list[Job]:
     """``name`` as one job (``shards`` 1) or as ``name_1of<n>`` ... ``name_<n>of<n>``."""
     files = tuple(files)

@@ -26,6 +26,10 @@ import argparse
 import ast
 import pathlib
 import re
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import client_test_runs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = (
@@ -74,7 +78,7 @@ def plumb_folder(src: pathlib.Path, dst: pathlib.Path, verbose: bool = True) -> 
     names = []
     for path in sorted(src.glob("*.py")):
         text, n = plumb(path.read_text())
-        (dst / path.name).write_text(text)
+        client_test_runs.write_if_changed(dst / path.name, text)
         names.append(path.name)
         if verbose:
             print(f"{path.name}: {n} replacements")

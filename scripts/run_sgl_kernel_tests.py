@@ -56,7 +56,7 @@ def switches_off_copy(path: pathlib.Path, peer: pathlib.Path) -> pathlib.Path | 
         source = source.replace(f"\n{name} = True\n", f"\n{name} = False\n")
     target = peer / "generated" / "sglang" / "test_flash_attention_switches_off.py"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(source)
+    runs.write_if_changed(target, source)
     return target
 
 

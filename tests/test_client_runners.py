@@ -90,3 +90,14 @@ def test_a_sharded_job_runs_through_the_shim(tmp_path):
     table = runs.counts(tmp_path / "tiny_2of2.jsonl")
     assert {k: (v["passed"], v["failed"]) for k, v in table.items()} == {
         "test_tiny.py::test_merge": (2, 1)}
+
+
+def test_generated_copies_are_written_once_and_atomically(tmp_path):
+    target = tmp_path / "copy.py"
+    runs.write_if_changed(target, "x = 1\n")
+    inode = target.stat().st_ino
+    runs.write_if_changed(target, "x = 1\n")              # unchanged: the file is left alone
+    assert target.stat().st_ino == inode
+    runs.write_if_changed(target, "x = 2\n")              # changed: a new file renamed over it
+    assert target.read_text() == "x = 2\n" and target.stat().st_ino != inode
+    assert [p.name for p in tmp_path.iterdir()] == ["copy.py"]
