@@ -166,10 +166,13 @@ def step_bytes(model, b: int, context: int, fp8: bool = False) -> dict:
     return dict(weights=weights, cache=b * cfg.num_hidden_layers * per_layer)
 
 
-def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float) -> list[dict]:
+def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float,
+               done=None) -> list[dict]:
     """One row per batch size of ``model`` in ``mode``: one forward (so one compilation and
     one graph runner) over every batch size; its first step (tracing, compilation, Triton
-    JIT, warm-up) timed apart; graph breaks counted by Dynamo over the whole mode."""
+    JIT, warm-up) timed apart; graph breaks counted by Dynamo over the mode so far (every
+    row ends with the count of the whole mode). ``done(rows of this mode so far)`` after each
+    row, so a run cut by a time limit keeps the batch sizes it finished."""
     breaks0 = sum(counters["graph_break"].values())
     forward = make_forward(model, mode)
     out = []
@@ -189,16 +192,18 @@ def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float) -> li
                         bandwidth_fraction=sum(nbytes.values()) / bandwidth / sec,
                         copy_gbps=round(bandwidth / 1e9),
                         graph_replays=getattr(forward, "replays", 0)))
+        breaks = sum(counters["graph_break"].values()) - breaks0
+        for row in out:
+            row["graph_breaks"] = breaks
         print(json.dumps(out[-1]), flush=True)
-    breaks = sum(counters["graph_break"].values()) - breaks0
-    for row in out:
-        row["graph_breaks"] = breaks
+        if done is not None:
+            done(out)
     return out
 
 
 def rows(args, bandwidth: float, done=None) -> list[dict]:
-    """Every model's rows; ``done(rows so far)`` after each model (so a run cut by a time
-    limit keeps the models it finished)."""
+    """Every model's rows; ``done(rows so far)`` after each row (so a run cut by a time
+    limit keeps the rows it finished)."""
     out = []
     for name in args.models:
         t0 = time.perf_counter()
@@ -208,10 +213,10 @@ def rows(args, bandwidth: float, done=None) -> list[dict]:
         dev.synchronize(args.device)
         print(f"{name}: model and cache built in {time.perf_counter() - t0:.1f} s", flush=True)
         for mode in args.modes:
-            out += timed_rows(model, name, mode, cache, args, bandwidth)
+            before = list(out)
+            out += timed_rows(model, name, mode, cache, args, bandwidth,
+                              done and (lambda mode_rows: done(before + mode_rows)))
         del model, cache
-        if done is not None:
-            done(out)
     return out
 
 

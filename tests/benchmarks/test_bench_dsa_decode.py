@@ -62,3 +62,24 @@ def test_sparse_fp8_reads_flashmla_fp8_tokens(tmp_path):
     # 32 + 4 bytes
     assert table[1]["cache_bytes"] == 2 * 2 * (16 * 164 + 41 * 36)
     assert "| sparse_fp8 | eager | 2 |" in (tmp_path / "dsa_decode.md").read_text()
+
+
+def test_a_run_cut_after_its_first_batch_keeps_that_row(tmp_path, monkeypatch):
+    """The files are rewritten after every row: a run stopped (by a time limit) while its
+    second batch size runs still has the first one's row on disk and in the table."""
+    timed = bench_dsa_decode.step_seconds
+    calls = []
+
+    def cut_on_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("cut by the time limit")
+        return timed(*a, **kw)
+    monkeypatch.setattr(bench_dsa_decode, "step_seconds", cut_on_second)
+    try:
+        bench_dsa_decode.main(QUICK + ["--models", "dense", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        pass
+    rows = json.loads((tmp_path / "dsa_decode_dense.json").read_text())["rows"]
+    assert [(r["model"], r["b"], r["graph_breaks"]) for r in rows] == [("dense", 1, 0)]
+    assert "| dense | eager | 1 |" in (tmp_path / "dsa_decode.md").read_text()
