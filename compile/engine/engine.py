@@ -354,7 +354,18 @@ class Engine:
 
     def release(self, req: Req, reason: str) -> None:
         """Finish running ``req`` with ``reason``: free its row, pages (and SWA pages, state
-        slot) and drop it from ``running``."""
+        slot) and drop it from ``running``.
+
+        Raises:
+            ValueError: ``req`` is not one of ``running`` (waiting, released already, or
+                another engine's); nothing changes then.
+        """
+        if not any(r is req for r in self.running):
+            state = ("released" if req.finish_reason is not None else
+                     "waiting" if any(r is req for r in self.waiting) else "not this engine's")
+            raise ValueError(f"Engine.release: req is not running; expected a request of "
+                             f"Engine.running, got request {req.rid} ({state}). Release a "
+                             "request once, after it was admitted.")
         req.finish_reason = reason
         if self.swa_pages is not None:
             self.swa_pages.release(req.row, req.pages)
