@@ -346,7 +346,21 @@ class Engine:
         next decode step: a row, a state slot and slots for the whole prompt, taken in
         ``chunked_prefill_size`` chunks as a local prefill takes them (a hybrid pool evicts
         window pages the same way). The caller writes the prompt's state into those slots
-        (``compile.engine.kv_transfer``) and checks ``has_room`` first."""
+        (``compile.engine.kv_transfer``) and checks ``has_room`` first.
+
+        Raises:
+            ValueError: ``req`` holds a row already, or does not fit (``has_room`` of its prompt
+                plus ``max_new_tokens``); nothing changes then.
+        """
+        total = len(req.prompt_ids) + req.sampling.max_new_tokens
+        if req.row is not None or not self.has_room(total):
+            why = "holds a row already" if req.row is not None else "does not fit"
+            raise ValueError(
+                f"Engine.admit_prefilled: req {why}; expected a request without a row that "
+                f"has_room({total}) accepts (a free row, at most max_request_tokens="
+                f"{self.max_request_tokens} tokens, pages beside the running requests), got "
+                f"request {req.rid} (row {req.row}) with {len(self.allocator.free_pages)} free "
+                "pages. Check has_room first.")
         self._take_row(req)
         n = len(req.prompt_ids)
         while req.num_cached < n:

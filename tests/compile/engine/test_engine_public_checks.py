@@ -1,6 +1,7 @@
-"""``Engine.release`` (public: the disaggregated decode role calls it) refuses a request that
-is not running (released already, still waiting, another engine's) with a ValueError before
-changing anything: its rows, pages and the request's ``finish_reason`` stay as they were."""
+"""The engine's public calls of the disaggregated decode role check before they change
+anything: ``Engine.release`` refuses a request that is not running (released already, still
+waiting, another engine's), ``Engine.admit_prefilled`` one that does not fit or holds a row
+already, each with a ValueError; rows, pages and the request stay as they were."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from compile.engine import Engine, SamplingParams
+from compile.engine.request import Req
 from tests.compile.compile_helpers import tiny_model
 
 
@@ -42,3 +44,20 @@ def test_release_refuses_a_request_that_is_not_running():
     with torch.no_grad():                               # the engine still serves its queue
         assert engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=3))[0]
     assert waiting.finish_reason is not None and len(waiting.output_ids) == 2
+
+
+def test_admit_prefilled_refuses_a_request_that_does_not_fit_or_runs():
+    engine = Engine(tiny_model(), page_size=4, max_running=2, max_context_len=32,
+                    max_total_tokens=16, chunked_prefill_size=8)
+    big = Req(rid=0, prompt_ids=list(range(1, 30)), sampling=SamplingParams(max_new_tokens=2))
+    before = _state(engine)
+    with pytest.raises(ValueError, match=r"^Engine.admit_prefilled: req does not fit; expected "
+                       r"a request without a row that has_room\(31\) accepts"):
+        engine.admit_prefilled(big)                 # 31 tokens: 8 pages of a 4-page pool
+    assert _state(engine) == before and big.row is None and big.pages == []
+    small = Req(rid=1, prompt_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))
+    engine.admit_prefilled(small)
+    admitted = _state(engine)
+    with pytest.raises(ValueError, match=r"^Engine.admit_prefilled: req holds a row already"):
+        engine.admit_prefilled(small)
+    assert _state(engine) == admitted and small.num_cached == 2
