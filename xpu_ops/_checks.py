@@ -84,6 +84,19 @@ def check_tensor(fn: str, arg: str, t: object, *, ndim: Optional[int | Sequence[
     return t
 
 
+def check_writable(fn: str, arg: str, t: torch.Tensor, why: str = "it is written") -> None:
+    """An output written in place has no expanded dimension (stride 0 over several elements:
+    one memory location for several elements, which a copy into it refuses mid-call).
+
+    Raises:
+        ValueError: naming ``arg`` and its strides.
+    """
+    if any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
+        fail(fn, arg, "has elements that share memory (an expanded tensor)",
+             f"distinct elements ({why})", f"strides {tuple(t.stride())}",
+             f"Pass {arg}.contiguous().")
+
+
 _STRIDED = torch.strided
 
 

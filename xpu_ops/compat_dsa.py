@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import XpuOpsValueError, check_size, check_tensor, check_tensor_args, fail, int_scalar
+from ._checks import (XpuOpsValueError, check_size, check_tensor, check_tensor_args,
+                      check_writable, fail, int_scalar)
 from .index_k_layout import tokens_to_blocks
 from .ops.common import check_index
 
@@ -182,12 +183,17 @@ def _check_transform(fn, scores, seq_lens, page_tables, out_page_indices, page_s
     if out_raw_indices is not None:
         check_size(fn, "out_raw_indices", out_raw_indices, 1, out_page_indices.shape[1],
                    "out_page_indices.shape[1] (topk)")
+    for arg, t in (("out_page_indices", out_page_indices), ("out_raw_indices", out_raw_indices)):
+        if t is not None:
+            check_writable(fn, arg, t)
     check_tensor(fn, "page_tables", page_tables, ndim=2, dtypes=(torch.int32,),
                  device=scores.device)
     check_size(fn, "page_tables", page_tables, 0, rows, "scores.shape[0] (rows)")
     page_size = int_scalar(fn, "page_size", page_size, "an int > 0")
     if page_size <= 0:
         fail(fn, "page_size", "is not positive", "an int > 0 (tokens a page)", page_size)
+    if page_size >= 2**31:
+        fail(fn, "page_size", "is too large", "an int <= 2**31 - 1 (slots are int32)", page_size)
     if out_page_indices.shape[1] == 0:
         fail(fn, "out_page_indices", "has no columns", "[rows, topk] with topk > 0",
              tuple(out_page_indices.shape))

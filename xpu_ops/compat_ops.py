@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_size, check_tensor, fail, int_scalar
+from ._checks import FLOAT_DTYPES, check_size, check_tensor, check_writable, fail, int_scalar
 from ._registration import define_op
 from .ops.common import check_flag
 
@@ -67,10 +67,7 @@ def _check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_
              "position)", tuple(cos_sin_cache.shape))
     if query.dim() == 2:
         for arg, t in (("query", query), ("key", key)):
-            if any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
-                fail(fn, arg, "has elements that share memory (an expanded tensor)",
-                     "distinct elements (2-D inputs are rotated in place)",
-                     f"strides {tuple(t.stride())}", f"Pass {arg}.contiguous().")
+            check_writable(fn, arg, t, "2-D inputs are rotated in place")
     return rot_dim
 
 

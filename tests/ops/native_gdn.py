@@ -54,8 +54,9 @@ def gdn_attention(core, z_out, qkvz, ba, hk, hv, k_dim, v_dim, conv_state, ssm_s
                     ("projected_states_ba", ba), ("conv_weights", conv_w), ("A_log", A_log),
                     ("dt_bias", dt_bias)):
         _require(t.is_contiguous(), f"{name} must be contiguous")
-    _require(ssm_state.shape[0] == 0 or ssm_state[0].is_contiguous(),
-             "ssm_state of each batch must be contiguous")
+    _require(ssm_state.shape[0] > 0, "index 0 is out of bounds for dimension 0 with size 0 "
+             "(the native op checks ssm_state[0].is_contiguous())")
+    _require(ssm_state[0].is_contiguous(), "ssm_state of each batch must be contiguous")
     _require(A_log.dtype == torch.float32, "A_log must be float32")
     _require(dt_bias.dtype == core.dtype, "dt_bias dtype must match core_attn_out")
     _require(activation in ("silu", "swish"), f"unsupported activation {activation!r}")

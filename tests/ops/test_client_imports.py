@@ -11,6 +11,8 @@ The list is written out from the clients' sources (not from the shim's table): e
 * sgl-kernel-xpu main (``tests/``: the attention, MLA, merge, store, DSA-indexer and rotary
   files the runner ``scripts/run_sgl_kernel_xpu_tests.py`` runs; ``python/sgl_kernel/__init__.py``
   for the package-level names);
+* sglang main's ``layers/attention/xpu_backend.py`` (commit 00aa388: the same names, with
+  ``flash_mla_get_workspace_size`` where 0.5.23 has ``flash_mla_decode_get_workspace_size``);
 * sgl-kernel's newest tests in the sglang repository (``sgl-kernel/tests/test_flash_attention.py``,
   ``test_merge_state_v2.py``, ``test_flashmla.py``).
 
@@ -40,6 +42,7 @@ CLIENT_IMPORTS = {
                                          _XT + "test_flash_mla_decode.py"),
     ("sgl_kernel", "flash_mla_decode_get_workspace_size"): (_ATT + "xpu_backend.py",),
     ("sgl_kernel", "flash_mla_get_workspace_size"): (_ATT + "dsa_backend.py",
+                                                     "sglang main " + _ATT + "xpu_backend.py",
                                                      _XT + "test_flash_mla_decode.py"),
     ("sgl_kernel", "flash_mla_prefill"): (_ATT + "xpu_backend.py", _ATT + "dsa_backend.py",
                                           _XT + "test_flash_mla_prefill.py"),

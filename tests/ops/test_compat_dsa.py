@@ -82,6 +82,12 @@ def test_topk_transform_512_page_past_the_table_is_minus_one():
     (dict(out_raw_indices=torch.zeros(2, 3, dtype=torch.int32)),
      r"out_raw_indices has the wrong size in dimension 1"),
     (dict(page_size=0), r"page_size is not positive"),
+    (dict(page_size=2**40), r"page_size is too large"),   # int32 arithmetic divided by zero
+    # an expanded output: refused before out_page_indices is written (not mid-call)
+    (dict(out_raw_indices=torch.full((1, 4), 9, dtype=torch.int32).expand(2, 4)),
+     r"out_raw_indices has elements that share memory"),
+    (dict(out_page_indices=torch.full((1, 4), 9, dtype=torch.int32).expand(2, 4)),
+     r"out_page_indices has elements that share memory"),
 ])
 def test_topk_transform_512_checks_write_nothing(change, match):
     kwargs = dict(scores=torch.randn(2, 8), seq_lens=torch.tensor([8, 5], dtype=torch.int32),

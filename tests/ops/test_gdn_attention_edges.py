@@ -1,7 +1,7 @@
 """``gdn_attention`` at its edges: sliced, strided and expanded inputs (as sglang passes them:
 ``mixed_qkv`` and ``a``/``b`` are column slices of the projections) against the float64
 oracle on every provider; the ``sgl_kernel`` glue (through the stand-in of sgl-kernel-xpu's
-fused op) with an empty state pool and with a conv pool in another dtype than the projections
+fused op) with an empty state pool, without requests, and with a conv pool in another dtype than the projections
 (declined, nothing written); a non-str activation."""
 
 from __future__ import annotations
@@ -89,6 +89,25 @@ def test_glue_with_an_empty_pool_equals_reference(native):
     assert native, "the native op did not run"
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_glue_without_requests_returns_zeros_without_the_native_op(native, tokens):
+    # b = 0: the native op would index ssm_state[0] of its empty staging rows; tokens outside
+    # every request are zeros, as the reference makes them
+    args = _sample(1, 850)                           # bf16, K = 32: a call the glue serves
+    args[0], args[1], args[2] = args[0][:tokens], args[1][:tokens], args[2][:tokens]
+    args[9] = torch.zeros(1, dtype=torch.int32)
+    args[10], args[11], args[15] = args[10][:0], args[11][:0], False
+    before = clone(args)
+    with xpu_ops.use_provider("reference"):
+        want = OP(*clone(args))
+    with xpu_ops.use_provider("sgl_kernel"):
+        got = OP(*args)
+    assert native == []
+    assert got.shape == want.shape == (tokens, 4, 4) and torch.equal(got, want)
+    assert torch.equal(args[7].nan_to_num(7.0), before[7].nan_to_num(7.0))
+    assert torch.equal(args[8].nan_to_num(7.0), before[8].nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("slots", [(-1, -1, -1), (3, -1, 0)], ids=["no-slot", "mixed"])

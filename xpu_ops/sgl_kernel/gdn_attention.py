@@ -26,8 +26,10 @@ kernels serve fp16/bf16), a conv pool in another dtype than the projections (the
 reads its window in the projections' dtype: a float32 pool would lose its low bits, and a
 request without a slot would round the redirected slot's state), no activation, a conv width
 outside 1..5, ``K`` not 32, 64, 128 or 256, ``V`` not a multiple of 4. An empty pool (every
-slot -1) stages zeros and writes nothing. Tested on the CPU against a stand-in of the native
-op (``tests/ops/native_sgl_kernel.py``), never on an Intel GPU.
+slot -1) stages zeros and writes nothing; a call without requests returns zeros (as the
+reference does for tokens outside every request) without calling the native op, which indexes
+``ssm_state[0]``. Tested on the CPU against a stand-in of the native op
+(``tests/ops/native_sgl_kernel.py``), never on an Intel GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
     v_dim, batch = ssm_states.shape[3], cache_indices.shape[0]
     dtype, device = mixed_qkv.dtype, mixed_qkv.device
     num_slots = ssm_states.shape[0]
+    if batch == 0:  # no request: nothing to run (the native op indexes ssm_state[0]) or write
+        return mixed_qkv.new_zeros((tokens, hv, v_dim))
     slots = cache_indices.long()
     valid = (slots >= 0) & (slots < num_slots)
     slots = torch.where(valid, slots, 0)
@@ -117,7 +121,7 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
         query_start_loc.contiguous(), None,
         torch.arange(batch, dtype=torch.int32, device=device), None, None, None, None, tokens,
         1, True, None)
-    if batch and num_slots:          # an empty pool has no slot to write
+    if num_slots:                    # an empty pool has no slot to write
         _write_back(conv_states, slots, valid, conv_rows)
         _write_back(ssm_states, slots, valid, ssm_rows.transpose(-1, -2))
     return core
