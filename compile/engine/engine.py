@@ -346,7 +346,21 @@ class Engine:
         next decode step: a row, a state slot and slots for the whole prompt, taken in
         ``chunked_prefill_size`` chunks as a local prefill takes them (a hybrid pool evicts
         window pages the same way). The caller writes the prompt's state into those slots
-        (``compile.engine.kv_transfer``) and checks ``has_room`` first."""
+        (``compile.engine.kv_transfer``) and checks ``has_room`` first.
+
+        Raises:
+            ValueError: ``req`` holds a row already, or does not fit (``has_room`` of its prompt
+                plus ``max_new_tokens``); nothing changes then.
+        """
+        total = len(req.prompt_ids) + req.sampling.max_new_tokens
+        if req.row is not None or not self.has_room(total):
+            why = "holds a row already" if req.row is not None else "does not fit"
+            raise ValueError(
+                f"Engine.admit_prefilled: req {why}; expected a request without a row that "
+                f"has_room({total}) accepts (a free row, at most max_request_tokens="
+                f"{self.max_request_tokens} tokens, pages beside the running requests), got "
+                f"request {req.rid} (row {req.row}) with {len(self.allocator.free_pages)} free "
+                "pages. Check has_room first.")
         self._take_row(req)
         n = len(req.prompt_ids)
         while req.num_cached < n:
@@ -354,7 +368,18 @@ class Engine:
 
     def release(self, req: Req, reason: str) -> None:
         """Finish running ``req`` with ``reason``: free its row, pages (and SWA pages, state
-        slot) and drop it from ``running``."""
+        slot) and drop it from ``running``.
+
+        Raises:
+            ValueError: ``req`` is not one of ``running`` (waiting, released already, or
+                another engine's); nothing changes then.
+        """
+        if not any(r is req for r in self.running):
+            state = ("released" if req.finish_reason is not None else
+                     "waiting" if any(r is req for r in self.waiting) else "not this engine's")
+            raise ValueError(f"Engine.release: req is not running; expected a request of "
+                             f"Engine.running, got request {req.rid} ({state}). Release a "
+                             "request once, after it was admitted.")
         req.finish_reason = reason
         if self.swa_pages is not None:
             self.swa_pages.release(req.row, req.pages)
