@@ -29,6 +29,7 @@ mismatch is found.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections import Counter
 from typing import Callable, Optional
@@ -283,12 +284,29 @@ def cmd_check(args) -> int:
     return 0 if result.ok else 1
 
 
+class _ModelChoice(argparse.Action):
+    """Stores ``check``'s model from the positional ``MODEL`` or ``--model MODEL`` (generate's
+    spelling); a model named both ways is an argument error. argparse may call the positional
+    with its default after the option: then the option's model stays."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "model", "default")
+        if given != "default" and values == "default" and option_string is None:
+            return  # MODEL left out after --model MODEL
+        if given != "default":
+            parser.error(f"argument --model: names the model a second time; expected MODEL or "
+                         f"--model MODEL, got {given!r} and {values!r}")
+        namespace.model = values
+
+
 def add_parser(sub) -> None:
     """Register ``check`` on the ``python -m compile`` subparsers."""
     c = sub.add_parser("check", help="trace a model: graph breaks, recompiles, split count")
-    c.add_argument("model", type=model_name, nargs="?", default="default",
+    c.add_argument("model", type=model_name, nargs="?", default="default", action=_ModelChoice,
                    help="'default' (SmolLM2-135M GGUF; also when left out, as for generate), "
                         "'tiny', 'gemma3' (Gemma 3 270M GGUF), a .gguf or a folder")
+    c.add_argument("--model", type=model_name, action=_ModelChoice, default="default",
+                   metavar="MODEL", help="the same as MODEL, spelled as for generate")
     c.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="cpu")
     c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")

@@ -108,8 +108,16 @@ class ModelLoadError(ValueError):
 
 # What reading a malformed or unsupported model raises: missing or unreadable files, a corrupt
 # GGUF (struct.error, EOFError, ValueError), absent tensors (KeyError), an architecture or RoPE
-# type the zoo lacks (NotImplementedError).
+# type the zoo lacks (NotImplementedError), a config.json that transformers' config validation
+# rejects (huggingface_hub's StrictDataclassError, which is no ValueError: e.g. layer_types
+# shorter than num_hidden_layers).
 LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, struct.error, NotImplementedError)
+try:
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: no strict config dataclasses
+    pass
+else:
+    LOAD_ERRORS += (StrictDataclassError,)
 
 
 @contextlib.contextmanager

@@ -124,6 +124,16 @@ def test_check_tiny_reports_no_breaks_and_layers_plus_one_pieces(capsys):
     assert "3 pieces around 2 attention calls" in out, out  # num_layers + 1 pieces, 2 layers
 
 
+@pytest.mark.parametrize("argv", [["tiny"], ["--model", "tiny"],
+                                  ["--page-size", "4", "--model", "tiny"],
+                                  ["--model", "tiny", "default"]])
+def test_check_takes_the_model_as_generate_spells_it(argv):
+    """``check --model MODEL`` (generate's flag) names the model like the positional."""
+    from compile.__main__ import build_parser
+
+    assert build_parser().parse_args(["check", *argv]).model == "tiny"
+
+
 def test_check_without_a_model_checks_the_default_one():
     # as generate does: no model named means the default SmolLM2 GGUF (parsed only, not loaded)
     from compile.__main__ import build_parser
@@ -183,6 +193,13 @@ BAD_ARGS = [
     (["check", "tiny", "--page-size", "0"],
      r"argument --page-size: expected an integer >= 1, got 0"),
     (["check", "tiny", "--dtype", "int8"], r"argument --dtype: invalid choice: 'int8'"),
+    (["check", "--model", "/no/such/folder"],
+     r"^python -m compile check: error: argument --model: expected 'tiny', .*, got "
+     r"'/no/such/folder' \(no such file or folder\)"),
+    (["check", "tiny", "--model", "tiny"],
+     r"argument --model: names the model a second time; expected MODEL or --model MODEL, got "
+     r"'tiny' and 'tiny'"),
+    (["check", "--model", "tiny", "tiny"], r"argument --model: names the model a second time"),
     # Prompts: empty or blank text, an empty, blank or non-UTF-8 file (files made in {tmp} by
     # the test); before the fix these ran, a blank file silently with the built-in prompts.
     (["generate", "--model", "tiny", "--prompt", ""],
@@ -285,7 +302,7 @@ def _one_line_exit_2(argv, capsys) -> str:
     captured = capsys.readouterr()
     assert exit_info.value.code == 2, captured
     # status lines ("[generate] loading ...") may precede an error found while loading
-    err = [line for line in captured.err.splitlines() if not line.startswith("[generate] ")]
+    err = [line for line in captured.err.splitlines() if not line.startswith(f"[{argv[0]}] ")]
     assert len(err) == 1 and "Traceback" not in captured.err, captured.err
     return err[0]
 
@@ -299,6 +316,21 @@ def test_a_corrupt_gguf_is_a_one_line_error(tmp_path, capsys):
                         r"that transformers loads and this zoo supports, got '.*truncated\.gguf' "
                         r"\(struct\.error: .*\) \(see python -m compile generate --help\)",
                         line), line
+
+
+def test_a_config_transformers_rejects_is_a_one_line_error(tmp_path, capsys):
+    """transformers' config validation raises huggingface_hub's StrictDataclassError, which is
+    not a ValueError: it still becomes the one-line --model error, not a traceback."""
+    config = {"model_type": "qwen3_next", "num_hidden_layers": 4,
+              "layer_types": ["linear_attention", "full_attention"]}  # 2 types for 4 layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for argv in (["generate", "--model", str(tmp_path)], ["check", str(tmp_path)]):
+        line = _one_line_exit_2(argv, capsys)
+        assert re.fullmatch(rf"python -m compile {argv[0]}: error: argument (--)?model: expected a "
+                            r"model that transformers loads and this zoo supports, got '.*' "
+                            r"\(huggingface_hub\.errors\.StrictDataclassClassValidationError: "
+                            r".*layer_types.*\) \(see python -m compile \w+ --help\)", line), line
 
 
 def test_prompt_longer_than_the_models_positions_is_a_one_line_error(capsys):
