@@ -196,3 +196,23 @@ def test_gdn_attention_requests_without_tokens(shim, reorder):
     assert (conv_pool[3] == 0).all() and (ssm_pool[3] == 0).all()
     for slot in (0, 2, 4):
         assert torch.equal(conv_pool[slot], before[0][slot])
+
+
+def test_gdn_attention_compiles_fullgraph(shim):
+    """sglang's call shape (keywords, the transposed conv-pool view) traces in one graph and
+    writes the same results as eager."""
+    from sgl_kernel import gdn_attention
+    lens, slots = [1, 1], [3, -1]
+    t, _, qkvz, ba, p, conv_pool, ssm_pool = _case(lens, 2, True, 11)
+    pools = [(conv_pool.clone(), ssm_pool.clone()) for _ in range(2)]
+    outs = [(torch.full((2, HV, V), torch.nan), torch.full((2, HV, V), torch.nan))
+            for _ in range(2)]
+
+    def step(out, zout, conv, ssm):
+        _call(gdn_attention, out, zout, qkvz, ba, p, conv, ssm, lens, slots, None, 0, 2, t)
+
+    step(*outs[0], *pools[0])
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*outs[1], *pools[1])
+    for want, got in zip(outs[0] + pools[0], outs[1] + pools[1]):
+        torch.testing.assert_close(got, want)
