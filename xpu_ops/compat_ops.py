@@ -16,6 +16,9 @@ imports (a real one defines these names itself; they must not be defined twice).
   bool clean_logits) -> Tensor``: ``xpu_ops.compat_dsa.fp8_paged_mqa_logits`` (sgl-kernel-xpu's
   per-token index-key cache, 0.0 past each request), composed of
   ``torch.ops.xpu_ops.fp8_paged_mqa_logits``.
+* ``sgl_kernel::gdn_attention(...) -> ()``: sgl-kernel-xpu's fused gated-delta-net layer, its
+  schema with ``core_attn_out``, ``z``, ``conv_state`` and ``ssm_state`` written
+  (``xpu_ops.compat_gdn``), composed of ``torch.ops.xpu_ops.gdn_attention``.
 """
 
 from __future__ import annotations
@@ -151,7 +154,40 @@ def _(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata, max_s
     return q_fp8.new_empty((q_fp8.shape[0], max_seq_len), dtype=torch.float32)
 
 
-#: ``torch.ops.sgl_kernel`` names this module defines.
-OP_NAMES = (ROTARY, "fp8_paged_mqa_logits")
+@define_op("sgl_kernel::gdn_attention", mutates_args=("core_attn_out", "z", "conv_state",
+                                                     "ssm_state"))
+def gdn_attention(core_attn_out: Tensor, z: Tensor, projected_states_qkvz: Tensor,
+                  projected_states_ba: Tensor, num_k_heads: int, num_v_heads: int,
+                  head_k_dim: int, head_v_dim: int, conv_state: Tensor, ssm_state: Tensor,
+                  conv_weights: Tensor, conv_bias: Optional[Tensor], activation: str,
+                  A_log: Tensor, dt_bias: Tensor, num_prefills: int, num_decodes: int,
+                  num_spec_decodes: int, has_initial_state: Optional[Tensor],
+                  non_spec_query_start_loc: Optional[Tensor],
+                  non_spec_token_indx: Optional[Tensor],
+                  non_spec_state_indices_tensor: Optional[Tensor],
+                  spec_query_start_loc: Optional[Tensor], spec_token_indx: Optional[Tensor],
+                  spec_state_indices_tensor: Optional[Tensor],
+                  num_accepted_tokens: Optional[Tensor], num_actual_tokens: int, tp_size: int,
+                  reorder_input: bool, workspace: Optional[Tensor] = None) -> None:
+    """sgl-kernel-xpu's raw fused ``gdn_attention`` (writes ``core_attn_out``, ``z`` and both
+    state pools; ``workspace`` is ignored: contract ``xpu_ops.compat_gdn.gdn_attention``)."""
+    from . import compat_gdn
+    compat_gdn.gdn_attention_(
+        core_attn_out, z, projected_states_qkvz, projected_states_ba, num_k_heads, num_v_heads,
+        head_k_dim, head_v_dim, conv_state, ssm_state, conv_weights, conv_bias, activation,
+        A_log, dt_bias, num_prefills, num_decodes, num_spec_decodes, has_initial_state,
+        non_spec_query_start_loc, non_spec_token_indx, non_spec_state_indices_tensor,
+        spec_query_start_loc, spec_token_indx, spec_state_indices_tensor, num_accepted_tokens,
+        num_actual_tokens, tp_size, reorder_input)
 
-__all__ = ["OP_NAMES", "rotary_embedding", "fp8_paged_mqa_logits"]
+
+@gdn_attention.register_fake
+def _(*args):
+    from . import compat_gdn
+    compat_gdn.gdn_attention_(*args[:29], write=False)   # the checks (workspace ignored)
+
+
+#: ``torch.ops.sgl_kernel`` names this module defines.
+OP_NAMES = (ROTARY, "fp8_paged_mqa_logits", "gdn_attention")
+
+__all__ = ["OP_NAMES", "rotary_embedding", "fp8_paged_mqa_logits", "gdn_attention"]

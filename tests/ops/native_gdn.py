@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from xpu_ops.compat_gdn import split_projections
 from xpu_ops.reference import causal_conv1d as ref_conv
 from xpu_ops.reference import gated_delta_rule as ref_rule
 
@@ -30,19 +31,6 @@ CALLS: list[tuple[int, int, bool]] = []
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise RuntimeError(f"native gdn_attention (test stand-in): {message}")
-
-
-def _split(qkvz, ba, hk, hv, k_dim, v_dim, reorder):
-    """``q, k [T, Hk, K]``, ``v, z [T, Hv, V]``, ``b, a [T, Hv]`` from the native layouts."""
-    t, g = qkvz.shape[0], hv // hk
-    if reorder:
-        q, k, v, z = qkvz.split([hk * k_dim, hk * k_dim, hv * v_dim, hv * v_dim], dim=1)
-        b, a = ba.split([hv, hv], dim=1)
-    else:
-        q, k, v, z = qkvz.view(t, hk, -1).split([k_dim, k_dim, g * v_dim, g * v_dim], dim=2)
-        b, a = ba.view(t, hk, 2 * g).split([g, g], dim=2)
-    return (q.reshape(t, hk, k_dim), k.reshape(t, hk, k_dim), v.reshape(t, hv, v_dim),
-            z.reshape(t, hv, v_dim), b.reshape(t, hv), a.reshape(t, hv))
 
 
 def gdn_attention(core, z_out, qkvz, ba, hk, hv, k_dim, v_dim, conv_state, ssm_state, conv_w,
@@ -73,7 +61,7 @@ def gdn_attention(core, z_out, qkvz, ba, hk, hv, k_dim, v_dim, conv_state, ssm_s
     _require(core.shape[1:] == (hv, v_dim) and z_out.shape == core.shape, "output shapes")
     CALLS.append((num_prefills, num_decodes, reorder))
     t = num_actual_tokens
-    q, k, v, z, b, a = _split(qkvz[:t], ba[:t], hk, hv, k_dim, v_dim, reorder)
+    q, k, v, z, b, a = split_projections(qkvz[:t], ba[:t], hk, hv, k_dim, v_dim, reorder)
     mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
     initial = (torch.ones(batch, dtype=torch.bool) if has_initial_state is None
                else has_initial_state)

@@ -100,18 +100,21 @@ CLIENT_IMPORTS = {
     ("sgl_kernel.nsa", "fp8_mqa_logits"): (_XT + "test_fp8_mqa_logits.py",),
     ("sgl_kernel.nsa", "fp8_paged_mqa_logits"): (_XT + "test_fp8_mqa_logits.py",),
     ("sgl_kernel.fp8_paged_mqa_logits", "FP8_DTYPE"): (_XT + "test_fp8_paged_mqa_logits.py",),
+    ("sgl_kernel", "gdn_attention"): ("sglang srt/hardware_backend/xpu/attention/"
+                                      "xpu_gdn_backend.py",),
+    ("sgl_kernel.gdn_attn", "gdn_attention"): (
+        "sgl-kernel-xpu python/sgl_kernel/__init__.py (its home module)",),
 }
 #: ``torch.ops.sgl_kernel.<name>`` called directly -> where.
 RAW_OPS = {
     "rotary_embedding": ("sglang srt/layers/rotary_embedding/base.py (XPU forward)",
                          _XT + "test_rotary_embedding.py"),
     "fp8_paged_mqa_logits": (_XT + "test_fp8_mqa_logits.py",),
+    "gdn_attention": ("sglang srt/hardware_backend/xpu/attention/xpu_gdn_backend.py "
+                      "(hasattr probe before its fused path)",),
 }
 #: Names the sources import from ``sgl_kernel`` that the shim does not provide, and why.
 NOT_PROVIDED = {
-    "gdn_attention": "hardware_backend/xpu/attention/xpu_gdn_backend.py: the fused gated-delta-"
-                     "net layer (linear attention); xpu-ops has the gated delta rule ops, not "
-                     "sgl-kernel-xpu's fused layer entry point",
     "*_cpu (decode_attention_cpu, extend_attention_cpu, ...)": "intel_amx_backend.py, linear/"
                      "*: sgl-kernel's CPU (AMX) kernels, used only on CPU servers",
     "infllmv2_attn_stage1, max_pooling_1d_varlen": "minicpm/sparse_utils.py: CUDA-only",

@@ -194,6 +194,7 @@ def test_paged_mqa_logits_raw_op_reads_the_per_token_layout():
 
 
 def test_op_names_are_defined():
-    assert set(compat_ops.OP_NAMES) == {"rotary_embedding", "fp8_paged_mqa_logits"}
+    assert set(compat_ops.OP_NAMES) == {"rotary_embedding", "fp8_paged_mqa_logits",
+                                        "gdn_attention"}
     for name in compat_ops.OP_NAMES:
         assert hasattr(torch.ops.sgl_kernel, name)

@@ -110,6 +110,22 @@ def test_glue_without_requests_returns_zeros_without_the_native_op(native, token
     assert torch.equal(args[8].nan_to_num(7.0), before[8].nan_to_num(7.0))
 
 
+def test_glue_requests_without_tokens_keep_or_zero_their_states(native):
+    # T = 0 with requests: a fresh request's slot ends at zeros, a continuing one's unchanged,
+    # as the reference's conv and rule leave them; the native op (which needs tokens) not run
+    args = _sample(1, 870)                           # bf16, K = 32, slots (3, -1, 0)
+    args[0], args[1], args[2] = args[0][:0], args[1][:0], args[2][:0]
+    args[9] = torch.zeros(4, dtype=torch.int32)
+    args[11], args[15] = torch.tensor([False, True, True]), False
+    args[7][3], args[8][3] = 1.5, 2.5                # the fresh request's slot holds values
+    want = expected(clone(args))
+    with xpu_ops.use_provider("sgl_kernel"):
+        out = OP(*args)
+    assert native == [] and out.shape == (0, 4, 4)
+    _check(out, args, want)
+    assert (args[7][3] == 0).all() and (args[8][3] == 0).all()
+
+
 @pytest.mark.parametrize("slots", [(-1, -1, -1), (3, -1, 0)], ids=["no-slot", "mixed"])
 def test_glue_declines_a_conv_pool_in_another_dtype(native, slots):
     # a float32 conv pool beside bf16 projections: the native conv would read (and, for a

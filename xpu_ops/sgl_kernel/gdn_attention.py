@@ -28,7 +28,7 @@ request without a slot would round the redirected slot's state), no activation, 
 outside 1..5, ``K`` not 32, 64, 128 or 256, ``V`` not a multiple of 4. An empty pool (every
 slot -1) stages zeros and writes nothing; a call without requests returns zeros (as the
 reference does for tokens outside every request) without calling the native op, which indexes
-``ssm_state[0]``. Tested on the CPU against a stand-in of the native op
+``ssm_state[0]``; one whose requests hold no token zeroes the fresh requests' slots without it. Tested on the CPU against a stand-in of the native op
 (``tests/ops/native_sgl_kernel.py``), never on an Intel GPU.
 """
 
@@ -86,6 +86,15 @@ def _write_back(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     pool.index_copy_(0, target, torch.where(valid.view(shape), rows, fallback).to(pool.dtype))
 
 
+def _without_tokens(pools, slots: torch.Tensor, valid: torch.Tensor,
+                    initial: torch.Tensor) -> None:
+    """A call whose requests hold no token: each request with a slot ends at its initial
+    state, its own (``has_initial_state``) or zeros, as the reference's conv and rule leave it."""
+    for pool in pools:
+        if pool.shape[0]:
+            _write_back(pool, slots, valid, _staged(pool, slots, initial))
+
+
 def available(device_type: str) -> Optional[str]:
     """None when the native ``gdn_attention`` has a kernel for ``device_type``, else why not."""
     return native.unavailable("gdn_attention", device_type)
@@ -106,12 +115,15 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
     slots = cache_indices.long()
     valid = (slots >= 0) & (slots < num_slots)
     slots = torch.where(valid, slots, 0)
+    initial = (torch.ones_like(has_initial_state) if decode else has_initial_state) & valid
+    if tokens == 0:  # requests without a token: nothing to run (the native op needs tokens)
+        _without_tokens((conv_states, ssm_states), slots, valid, initial)
+        return mixed_qkv.new_empty((0, hv, v_dim))
     conv_rows = _staged(conv_states, slots, valid).to(dtype)            # [b, dim, width - 1]
     ssm_rows = _staged(ssm_states, slots, valid).transpose(-1, -2).contiguous()  # [b, Hv, V, K]
     qkvz = torch.cat([mixed_qkv, mixed_qkv.new_zeros((tokens, hv * v_dim))], dim=1)
     ba = torch.cat([b.to(dtype), a.to(dtype)], dim=1)
     core = mixed_qkv.new_empty((tokens, hv, v_dim))
-    initial = (torch.ones_like(has_initial_state) if decode else has_initial_state) & valid
     native.packet("gdn_attention").default(
         core, torch.empty_like(core), qkvz, ba, num_k_heads, hv, head_k_dim, v_dim,
         conv_rows.transpose(1, 2), ssm_rows, conv_weights.to(dtype).contiguous(),
