@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -39,11 +40,19 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
     Returns:
         The model in eval mode; its attention runs through ``PagedAttention``.
     Raises:
+        TypeError: ``hf_model`` is no loaded model (a folder's path, say).
         KeyError: a parameter of the zoo model has no source in ``hf_model``'s state dict.
         ValueError: a source tensor's shape differs from the zoo parameter's.
         NotImplementedError: a ``model_type`` outside ``SUPPORTED_MODEL_TYPES`` (the message
             names them) or an unsupported option of a supported one.
     """
+    if getattr(hf_model, "config", None) is None:  # a folder's path, say: load it first
+        got = repr(str(hf_model)) if isinstance(hf_model, (str, os.PathLike)) else \
+            type(hf_model).__name__
+        raise TypeError(f"from_hf: hf_model expected a loaded transformers model (one with a "
+                        f".config), got {got}. Load a folder first: transformers."
+                        f"AutoModelForCausalLM.from_pretrained(path), or compile.models.gguf."
+                        f"load_hf(path) for the model and its tokenizer")
     model_type = getattr(hf_model.config, "model_type", None)
     check_model_type("from_hf", model_type)
     if model_type in ("deepseek_v2", "deepseek_v3"):
