@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._checks import (FLOAT_DTYPES, check_optional, check_size, check_tensor, check_tensor_args,
-                       fail)
+                       check_writable, fail)
 from .._registration import define_op
 from .common import check_cu_seqlens, check_index
 from .kv_cache import snapshot_aliased
@@ -65,6 +65,7 @@ def check_conv_weights(fn: str, x: Tensor, weight, bias, conv_state_arg: str,
     check_tensor(fn, conv_state_arg, conv_states, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_size(fn, conv_state_arg, conv_states, 1, dim, f"{x_arg}.shape[-1] (dim)")
     check_size(fn, conv_state_arg, conv_states, 2, weight.shape[1] - 1, f"{w_arg}.shape[1] - 1")
+    check_writable(fn, conv_state_arg, conv_states, "each slot its own window; the op writes it")
 
 
 def _check_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices,

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._checks import (FLOAT_DTYPES, check_optional, check_shape, check_size, check_tensor,
-                       check_tensor_args, fail, int_scalar)
+                       check_tensor_args, check_writable, fail, int_scalar)
 from .._registration import define_op
 from .causal_conv1d import debug_check_slots
 from .kv_cache import snapshot_aliased
@@ -116,14 +116,17 @@ def _check_qkv_gates(fn: str, q, k, v, g, beta) -> None:
     check_shape(fn, "beta", beta, rows, "[T, Hv]")
 
 
-def _check_states(fn: str, q, v, ssm_states, cache_indices, cu_seqlens) -> int:
-    """``ssm_states [num_slots, Hv, K, V]`` float32, ``cache_indices [b]`` and
-    ``cu_seqlens [b + 1]`` int32; returns ``b``."""
+def _check_states(fn: str, q, v, ssm_states, cache_indices, cu_seqlens,
+                  writes: bool = True) -> int:
+    """``ssm_states [num_slots, Hv, K, V]`` float32 (not expanded when ``writes``),
+    ``cache_indices [b]`` and ``cu_seqlens [b + 1]`` int32; returns ``b``."""
     device = q.device
     check_tensor(fn, "ssm_states", ssm_states, ndim=4, dtypes=(torch.float32,), device=device)
     check_size(fn, "ssm_states", ssm_states, 1, v.shape[1], "v.shape[1] (Hv)")
     check_size(fn, "ssm_states", ssm_states, 2, q.shape[2], "q.shape[2] (K)")
     check_size(fn, "ssm_states", ssm_states, 3, v.shape[2], "v.shape[2] (V)")
+    if writes:
+        check_writable(fn, "ssm_states", ssm_states, "each slot its own state; the op writes it")
     check_index(fn, "cache_indices", cache_indices, 1, device)
     batch = cache_indices.shape[0]
     check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, batch, device)
@@ -251,12 +254,14 @@ def _check_fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, ssm_states,
     """Validate shapes/dtypes/devices and scalars (runs in the fake too)."""
     fn = "fused_recurrent_gated_delta_rule"
     _check_qkv_gates(fn, q, k, v, g, beta)
-    batch = _check_states(fn, q, v, ssm_states, cache_indices, cu_seqlens)
+    batch = _check_states(fn, q, v, ssm_states, cache_indices, cu_seqlens,
+                          writes=not disable_state_update)
     _check_scale(fn, scale)
     check_optional(fn, "intermediate_states", intermediate_states, ndim=5,
                    dtypes=(torch.float32,), device=q.device)
     if intermediate_states is None:
         return
+    check_writable(fn, "intermediate_states", intermediate_states)
     if intermediate_states.shape[0] < batch:
         fail(fn, "intermediate_states", "has fewer rows than requests (request r writes row r)",
              f"intermediate_states.shape[0] >= b = {batch}",

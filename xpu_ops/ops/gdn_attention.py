@@ -89,8 +89,7 @@ def _check_gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bia
                  device=device)
     check_size(FN, "has_initial_state", has_initial_state, 0, batch, "cache_indices.shape[0] (b)")
     check_activation(FN, activation)
-    for arg, pool in (("conv_states", conv_states), ("ssm_states", ssm_states)):
-        check_writable(FN, arg, pool, "each slot its own state; the op writes the pools")
+    check_writable(FN, "ssm_states", ssm_states, "each slot its own state; the op writes it")
     if check_flag(FN, "decode", decode) and tokens != batch:
         fail(FN, "decode", "is True for a batch that is not one token per request",
              "mixed_qkv.shape[0] (T) == cache_indices.shape[0] (b) when decode=True",
