@@ -51,7 +51,8 @@ def split_projections(qkvz: Tensor, ba: Tensor, hk: int, hv: int, k_dim: int, v_
         q, k, v, z = qkvz.split([hk * k_dim, hk * k_dim, hv * v_dim, hv * v_dim], dim=1)
         b, a = ba.split([hv, hv], dim=1)
     else:
-        q, k, v, z = qkvz.view(t, hk, -1).split([k_dim, k_dim, g * v_dim, g * v_dim], dim=2)
+        group = 2 * k_dim + 2 * g * v_dim       # explicit: a view of 0 rows cannot infer it
+        q, k, v, z = qkvz.view(t, hk, group).split([k_dim, k_dim, g * v_dim, g * v_dim], dim=2)
         b, a = ba.view(t, hk, 2 * g).split([g, g], dim=2)
     return (q.reshape(t, hk, k_dim), k.reshape(t, hk, k_dim), v.reshape(t, hv, v_dim),
             z.reshape(t, hv, v_dim), b.reshape(t, hv), a.reshape(t, hv))
@@ -120,13 +121,17 @@ def _check_outputs(core_attn_out, z, qkvz, hv, v_dim, tokens) -> None:
         check_writable(FN, arg, t)
 
 
-def _check_states(conv_state, ssm_state, device, hk, hv, k_dim, v_dim) -> None:
+def _check_states(conv_state, ssm_state, conv_weights, device, hk, hv, k_dim, v_dim) -> None:
     """The native pool layouts: ``conv_state [cache, width - 1, dim]``, ``ssm_state [cache, Hv,
-    V, K]`` (dtypes and the rest are checked by ``xpu_ops.gdn_attention``)."""
-    check_tensor(FN, "conv_state", conv_state, ndim=3, device=device)
+    V, K]`` float32, named as this call names them (the rest is checked by
+    ``xpu_ops.gdn_attention``)."""
+    check_tensor(FN, "conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_size(FN, "conv_state", conv_state, 2, 2 * hk * k_dim + hv * v_dim,
                "2 Hk K + Hv V (the conv channels)")
-    check_tensor(FN, "ssm_state", ssm_state, ndim=4, device=device)
+    if isinstance(conv_weights, Tensor) and conv_weights.dim() == 2:
+        check_size(FN, "conv_state", conv_state, 1, conv_weights.shape[1] - 1,
+                   "conv_weights.shape[1] - 1 (width - 1)")
+    check_tensor(FN, "ssm_state", ssm_state, ndim=4, dtypes=(torch.float32,), device=device)
     for dim, size, rule in ((1, hv, "Hv"), (2, v_dim, "head_v_dim"), (3, k_dim, "head_k_dim")):
         check_size(FN, "ssm_state", ssm_state, dim, size, rule + " ([cache, Hv, V, K])")
 
@@ -141,6 +146,8 @@ def _check_batch(qsl, state_indices, has_initial_state, device, batch, tokens,
     if has_initial_state is not None:
         check_tensor(FN, "has_initial_state", has_initial_state, ndim=1, dtypes=(torch.bool,),
                      device=device)
+        check_size(FN, "has_initial_state", has_initial_state, 0, batch,
+                   "num_prefills + num_decodes")
     if decode_only and tokens != batch:
         fail(FN, "num_decodes", "does not match the tokens of a decode-only call",
              f"num_actual_tokens = {tokens} (one token a request)", batch)
@@ -163,7 +170,7 @@ def gdn_attention_(core_attn_out, z, projected_states_qkvz, projected_states_ba,
     k_dim, v_dim = _check_projections(qkvz, projected_states_ba, hk, hv, head_k_dim,
                                       head_v_dim, tokens)
     _check_outputs(core_attn_out, z, qkvz, hv, v_dim, tokens)
-    _check_states(conv_state, ssm_state, qkvz.device, hk, hv, k_dim, v_dim)
+    _check_states(conv_state, ssm_state, conv_weights, qkvz.device, hk, hv, k_dim, v_dim)
     reorder = check_flag(FN, "reorder_input", reorder_input)
     if batch == 0:
         if tokens:

@@ -140,6 +140,15 @@ def _bad_calls():
         ("num_decodes", dict(num_decodes=1, non_spec_state_indices_tensor=torch.zeros(
             1, dtype=torch.int32), non_spec_query_start_loc=torch.tensor([0, 2]).int())),
         ("conv_weights", dict(conv_weights=torch.randn(DIM + 1, WIDTH))),   # xpu_ops' own check
+        # this call's names (not xpu_ops.gdn_attention's conv_states, ssm_states, cache_indices)
+        ("ssm_state has dtype torch.float16",
+         dict(ssm_state=torch.zeros(CACHE, HV, V, K, dtype=torch.float16))),
+        ("conv_state has dtype torch.int32",
+         dict(conv_state=torch.zeros(CACHE, WIDTH - 1, DIM, dtype=torch.int32))),
+        ("conv_state has the wrong size in dimension 1",
+         dict(conv_state=torch.zeros(CACHE, WIDTH, DIM))),
+        ("has_initial_state has the wrong size in dimension 0; expected num_prefills",
+         dict(has_initial_state=torch.tensor([True]))),
     ]
 
 
@@ -169,6 +178,24 @@ def test_gdn_attention_raw_op_and_fake(shim):
                  qkvz, ba, p, conv_pool.transpose(1, 2).contiguous().transpose(1, 2), ssm_pool,
                  [1, 1], [3, 0], None, 0, 2, t)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("reorder", [True, False], ids=["by-part", "grouped"])
+def test_gdn_attention_requests_without_tokens(shim, reorder):
+    """Two prefills of no token (``num_actual_tokens = 0``): nothing to compute; the continuing
+    request keeps its states and the fresh one's slot is zeroed, in either projection layout
+    (the grouped layout's 0-row view failed to infer its width)."""
+    from sgl_kernel import gdn_attention
+    _, _, qkvz, ba, p, conv_pool, ssm_pool = _case([0, 0], 2, reorder, 9)
+    out, zout = torch.full((2, HV, V), torch.nan), torch.full((2, HV, V), torch.nan)
+    before = conv_pool.clone(), ssm_pool.clone()
+    _call(gdn_attention, out, zout, qkvz, ba, p, conv_pool, ssm_pool, [0, 0], [1, 3],
+          torch.tensor([True, False]), 2, 0, 0, reorder=reorder)
+    assert out.isnan().all() and zout.isnan().all()
+    assert torch.equal(conv_pool[1], before[0][1]) and torch.equal(ssm_pool[1], before[1][1])
+    assert (conv_pool[3] == 0).all() and (ssm_pool[3] == 0).all()
+    for slot in (0, 2, 4):
+        assert torch.equal(conv_pool[slot], before[0][slot])
 
 
 def test_gdn_attention_compiles_fullgraph(shim):

@@ -143,6 +143,11 @@ BAD = [
     (dict(num_k_heads=1.0), r"num_k_heads is not an integer"),
     (dict(decode=True), r"decode is True for a batch that is not one token per request"),
     (dict(activation="relu"), r"activation is not supported"),
+    # an expanded pool: every slot one memory (silently overwritten by each request before)
+    (dict(conv_states=torch.zeros(1, 16, 3).expand(2, 16, 3)),
+     r"conv_states has elements that share memory"),
+    (dict(ssm_states=torch.zeros(1, 2, 4, 4).expand(2, 2, 4, 4)),
+     r"ssm_states has elements that share memory"),
     # the conv's checks name this op's arguments, not causal_conv1d's (weight, bias, x)
     (dict(conv_weights=torch.randn(15, 4)), r"conv_weights has the wrong size in dimension 0; "
      r"expected mixed_qkv.shape\[-1\] \(dim\) = 16"),

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _value_checks
 from .._checks import (FLOAT_DTYPES, check_size, check_tensor,
-                       check_tensor_args, fail, int_scalar)
+                       check_tensor_args, check_writable, fail, int_scalar)
 from .._registration import define_op
 from .causal_conv1d import check_activation, check_conv_weights, debug_check_slots
 from .common import check_cu_seqlens, check_flag, check_index
@@ -89,6 +89,8 @@ def _check_gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bia
                  device=device)
     check_size(FN, "has_initial_state", has_initial_state, 0, batch, "cache_indices.shape[0] (b)")
     check_activation(FN, activation)
+    for arg, pool in (("conv_states", conv_states), ("ssm_states", ssm_states)):
+        check_writable(FN, arg, pool, "each slot its own state; the op writes the pools")
     if check_flag(FN, "decode", decode) and tokens != batch:
         fail(FN, "decode", "is True for a batch that is not one token per request",
              "mixed_qkv.shape[0] (T) == cache_indices.shape[0] (b) when decode=True",
@@ -165,8 +167,9 @@ def gdn_attention(mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv
         ``o [T, Hv, V]`` in mixed_qkv's dtype, contiguous.
     Raises:
         TypeError/ValueError: wrong kind, shape, dtype or device, naming the argument;
-        ``decode=True`` with ``T != b``. Under ``xpu_ops.debug_checks()`` also slots out of
-        range or repeated, prefix sums that do not end at T, a decode with a fresh request.
+        ``decode=True`` with ``T != b``; an expanded state pool (slots sharing memory). Under
+        ``xpu_ops.debug_checks()`` also slots out of range or repeated, prefix sums that do not
+        end at T, a decode with a fresh request.
 
     >>> import torch, xpu_ops
     >>> T, hk, hv, k, v, w = 3, 1, 2, 4, 4, 4

@@ -436,14 +436,20 @@ def test_multi_step_sglang_hooks_and_bad_arguments():
     assert all(b.forward_metadata is m for b, m in zip(multi.attn_backends, bound))
 
 
-def test_step_buffers_refuse_an_unrelated_backend():
+def test_draft_steps_retarget_to_an_unrelated_backend():
+    """A draft backend over another pool and page table cannot share the step buffers: the
+    runner drops them and its whole-step graphs, captures again over the new backend's, and
+    every draft forward still equals the oracle; back on the first backend, the same again."""
     h = _harness(16, 350)
     probe = AttentionProbe(h, [h.layer(0)])
     runner = _runner(h, probe, speculative_num_steps=3)
     run_round(h, probe, runner, XPUMultiStepDraftBackend(h.runner, 1, 3), 2)
+    assert runner.retargets == 0
     other = _harness(16, 351, context_len=256)  # another pool and page table
-    with pytest.raises(RuntimeError, match="cannot use the step buffers"):
-        run_round(other, probe, runner, XPUMultiStepDraftBackend(other.runner, 1, 3), 2)
+    run_round(other, probe, runner, XPUMultiStepDraftBackend(other.runner, 1, 3), 2)
+    assert runner.retargets == 1
+    run_round(h, probe, runner, XPUMultiStepDraftBackend(h.runner, 1, 3), 2)
+    assert runner.retargets == 2
 
 
 # ------------------------------------------------------------------ device graphs (gpu)
