@@ -49,7 +49,8 @@ from compile.engine.cli_args import (DTYPES, MAX_PAGE_SIZE, CliParser, default_t
                                      positive_int, prompt_lines, prompt_text, temperature, threads)
 from compile.engine.cli_check import add_parser as add_check_parser
 from compile.engine.cli_models import ModelLoadError, check_ops_environment, pick_device
-from compile.engine.cli_disagg import (add_disaggregation_arguments, launch_both,
+from compile.engine.cli_disagg import (add_disaggregation_arguments,
+                                       check_disaggregation_arguments, launch_both,
                                        run_disaggregated, start_disaggregation)
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, say, shard_model, start_parallel,
@@ -455,6 +456,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_ops_environment(pick_device(args.device).type)
         except (RuntimeError, ValueError) as e:
             error(str(e))
+    if args.command == "generate":
+        check_disaggregation_arguments(args)
     if getattr(args, "disaggregation", None) == "both":
         return launch_both(sys.argv[1:] if argv is None else list(argv),
                            pick_device(args.device).type)

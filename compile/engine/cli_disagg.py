@@ -53,6 +53,22 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a transfer may wait for the peer (the process group's)")
 
 
+def check_disaggregation_arguments(args) -> None:
+    """Argument errors found before any process starts: ``--decode-page-size`` or
+    ``--decode-mode`` without ``--disaggregation`` (they would be ignored), ``--tp``/``--dcp``
+    beside ``--disaggregation both`` (found before its two processes spawn)."""
+    if args.disaggregation is None:
+        for flag, value in (("--decode-page-size", args.decode_page_size),
+                            ("--decode-mode", args.decode_mode)):
+            if value is not None:
+                args.error(f"argument {flag}: sets the decode engine of a disaggregated run; "
+                           f"expected --disaggregation prefill|decode|both beside it, got "
+                           f"{flag} {value} alone")
+    elif args.disaggregation == "both" and args.tp * args.dcp > 1:
+        args.error("argument --disaggregation: expected --tp 1 --dcp 1 beside it, got "
+                   f"--tp {args.tp} --dcp {args.dcp}")
+
+
 def launch_both(argv: list[str], device_type: str) -> int:
     """Run ``python -m compile`` with ``argv`` (holding ``--disaggregation both``) as a prefill
     rank 0 and a decode rank 1, each a child process with a torchrun-style environment (each
@@ -255,5 +271,6 @@ def transfer_summary(log: list, prefill_seconds: float, n: int,
             "request")
 
 
-__all__ = ["add_disaggregation_arguments", "launch_both", "role_argv", "free_port", "pair_prompts", "start_disaggregation",
-           "run_disaggregated", "transfer_summary"]
+__all__ = ["check_disaggregation_arguments", "add_disaggregation_arguments", "launch_both",
+           "role_argv", "free_port", "pair_prompts", "start_disaggregation", "run_disaggregated",
+           "transfer_summary"]

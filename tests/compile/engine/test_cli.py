@@ -235,6 +235,15 @@ BAD_ARGS = [
     (["bench", "--device", "cpu", "--context", "8192"],
      r"bench: error: argument --context: expected at most 8191 .*, got 8192"),
     (["bench", "--no-such-flag"], r"bench: error: unrecognized arguments: --no-such-flag"),
+    # decode-engine options without --disaggregation were ignored; --tp beside "both" was found
+    # only inside the spawned processes (two lines from two processes)
+    (["generate", "--model", "tiny", "--decode-page-size", "4"],
+     r"argument --decode-page-size: sets the decode engine of a disaggregated run; expected "
+     r"--disaggregation prefill\|decode\|both beside it, got --decode-page-size 4 alone"),
+    (["generate", "--model", "tiny", "--decode-mode", "graphs"],
+     r"argument --decode-mode: .*got --decode-mode graphs alone"),
+    (["generate", "--model", "tiny", "--disaggregation", "both", "--tp", "2"],
+     r"argument --disaggregation: expected --tp 1 --dcp 1 beside it, got --tp 2 --dcp 1"),
     # an unknown flag points at the subcommand's help, which lists its options
     (["generate", "--no-such-flag"],
      r"^python -m compile generate: error: unrecognized arguments: --no-such-flag \(see python "
