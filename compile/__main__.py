@@ -15,8 +15,9 @@ copies its weights into the zoo's model (``compile.models.from_hf``), applies th
 decode tokens/s, without the warm-up steps where compilation and capture happen). ``--verify``
 reruns every prompt with ``transformers``' own greedy ``generate`` (in float32, whatever
 ``--dtype`` is) and exits 1 unless the ids agree (``compile.engine.cli_verify``: exactly under
-float32, up to a near tie under 16-bit dtypes). What runs now (loading, compiling, verifying)
-is said on stderr as it starts.
+float32, up to a near tie under 16-bit dtypes; a DeepSeek-V3.2 model against ``transformers``
+with the engine's fp8 indexer scoring, ``compile.models.deepseek_v32_reference``). What runs
+now (loading, compiling, verifying) is said on stderr as it starts.
 """
 
 from __future__ import annotations
@@ -361,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare greedy ids with transformers' generate (in float32 "
                         "whatever --dtype is): exactly under float32; under bfloat16/float16 "
                         "equal up to the first difference, where the engine's token must be a "
-                        "near tie in the reference's logits; exit 1 on mismatch")
+                        "near tie in the reference's logits; DeepSeek-V3.2 with the engine's "
+                        "fp8 indexer scoring; exit 1 on mismatch")
     g.add_argument("--threads", type=threads, default=argparse.SUPPRESS,
                    help=f"CPU threads for PyTorch, 0 to the cores this process may use (0: "
                         f"PyTorch's default, every core); default: OMP_NUM_THREADS when set, "

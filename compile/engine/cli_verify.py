@@ -9,13 +9,22 @@ The reference is the ``transformers`` model as loaded, in float32, whatever ``--
   logits (of the common prefix) must rate the engine's token within ``LOGIT_TOLERANCE[dtype]``
   of the reference's choice. A wrong model or kernel picks tokens the reference rates far lower
   and fails; a rounding flip between near-equal tokens passes and is reported as such.
+
+A DeepSeek-V3.2 model (``model_type`` ``deepseek_v32``) is compared with ``transformers`` under
+``compile.models.deepseek_v32_reference.fp8_indexer``: its DSA indexer scores fp8-rounded
+queries and keys, the engine's numerical contract (plain ``transformers`` scores them in float,
+and near-tied scores then pick other keys, so its ids drift from the engine's on prompts longer
+than ``index_topk``). The printed reference line names it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
+
+from compile.models.deepseek_v32_reference import fp8_indexer, uses_fp8_indexer
 
 # Largest float32 logit gap (reference's best minus the engine's token) accepted at the first
 # difference. bfloat16 keeps 8 significant bits (relative step 2**-8) and float16 11: over a
@@ -23,6 +32,18 @@ import torch
 # (bfloat16) or hundredths (float16), so only tokens that close can swap places. A wrong
 # token in a working model trails by several logits.
 LOGIT_TOLERANCE = {"float32": 0.0, "bfloat16": 0.5, "float16": 0.125}
+
+PLAIN_REFERENCE = "float32 transformers"
+FP8_INDEXER_REFERENCE = ("float32 transformers with its DSA indexer scoring fp8-rounded queries "
+                         "and keys, as the engine's does (compile.models.deepseek_v32_reference)")
+
+
+def reference_of(hf_model) -> tuple[str, contextlib.AbstractContextManager]:
+    """(what the reference is, the context to run ``hf_model`` in as that reference):
+    ``fp8_indexer`` for DeepSeek-V3.2 (module docstring), else ``transformers`` as it is."""
+    if uses_fp8_indexer(hf_model):
+        return FP8_INDEXER_REFERENCE, fp8_indexer()
+    return PLAIN_REFERENCE, contextlib.nullcontext()
 
 
 def hf_generate(hf_model, prompt_ids, max_new_tokens: int, stops) -> list[list[int]]:
@@ -76,20 +97,24 @@ def verify(hf_model, prompt_ids, outputs, max_new_tokens: int, stops,
             (prompt and engine output). dtype: ``--dtype`` of the engine run, which picks the
             tolerance. expected: the reference ids when already computed (else generated here).
     """
-    if expected is None:
-        expected = hf_generate(hf_model, prompt_ids, max_new_tokens, stops)
+    name, context = reference_of(hf_model)
     tolerance = LOGIT_TOLERANCE[dtype]
-    if tolerance:
-        print(f"verify: reference: float32 transformers; under --dtype {dtype} ids must be "
-              f"equal up to the first difference, where the engine's token must be within "
-              f"{tolerance} logits of the reference's")
+    if tolerance or name != PLAIN_REFERENCE:
+        rule = (f"; under --dtype {dtype} ids must be equal up to the first difference, where "
+                f"the engine's token must be within {tolerance} logits of the reference's"
+                if tolerance else "; ids must be equal")
+        print(f"verify: reference: {name}{rule}")
     ok = True
-    for i, (prompt, want, got) in enumerate(zip(prompt_ids, expected, outputs)):
-        passed, text = judge(hf_model, list(prompt), want, got, tolerance)
-        ok &= passed
-        print(f"verify: prompt {i}: {text}")
+    with context:
+        if expected is None:
+            expected = hf_generate(hf_model, prompt_ids, max_new_tokens, stops)
+        for i, (prompt, want, got) in enumerate(zip(prompt_ids, expected, outputs)):
+            passed, text = judge(hf_model, list(prompt), want, got, tolerance)
+            ok &= passed
+            print(f"verify: prompt {i}: {text}")
     print("verify: all prompts match" if ok else "verify: MISMATCH")
     return ok
 
 
-__all__ = ["verify", "judge", "hf_generate", "first_diff", "logit_gap", "LOGIT_TOLERANCE"]
+__all__ = ["verify", "judge", "reference_of", "hf_generate", "first_diff", "logit_gap",
+           "LOGIT_TOLERANCE", "PLAIN_REFERENCE", "FP8_INDEXER_REFERENCE"]

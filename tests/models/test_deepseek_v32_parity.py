@@ -8,9 +8,10 @@ with ``compile.models.from_hf`` and run through the engine on a ``DSATokenToKVPo
   indexer scores fp8 keys and queries, as DeepSeek's reference and sglang do;
   ``transformers`` scores them in float (it calls fp8 "a precision optimization"), and the
   ~4 % rounding of fp8 reorders close scores. So the reference here is ``transformers`` with
-  its indexer's scores taken from fp8-rounded keys and queries (``fp8_indexer``: Hadamard
-  rotation, per-row scale ``amax / 448``, written in this file from DeepSeek-V3.2's
-  ``act_quant``); everything else is ``transformers``' own code.
+  its indexer's scores taken from fp8-rounded keys and queries
+  (``compile.models.deepseek_v32_reference.fp8_indexer``, the engine's numerical contract:
+  Hadamard rotation, per-row scale ``amax / 448``; also ``generate --verify``'s reference);
+  everything else is ``transformers``' own code.
 - ``index_topk`` 64, above every length: sparse equals dense and the reference is plain
   ``transformers``.
 
@@ -22,12 +23,10 @@ key instead of the top-k breaks parity.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -38,10 +37,9 @@ from compile.__main__ import hf_generate  # noqa: E402
 from compile.backend.dsa_backend import DSAAttentionBackend  # noqa: E402
 from compile.batch import DSATokenToKVPool  # noqa: E402
 from compile.models import deepseek_v32, from_hf  # noqa: E402
+from compile.models.deepseek_v32_reference import fp8_indexer  # noqa: E402
 from tests.models import test_deepseek_moe_parity as moe_parity  # noqa: E402
 from tests.models import test_llama_parity as llama_parity  # noqa: E402
-
-hf_v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
 
 VOCAB = moe_parity.VOCAB
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -67,56 +65,6 @@ def make_hf(index_topk: int, seed: int = 0, **overrides):
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.1)
     return hf
-
-
-def _fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """Hadamard-rotate ``x [..., D]`` (Sylvester order, ``/ sqrt(D)``), then round each row to
-    ``float8_e4m3fn`` with scale ``max(amax, 1e-4) / 448`` and back (DeepSeek's ``act_quant``
-    with one block per row)."""
-    d = x.shape[-1]
-    h = torch.ones(1, 1, device=x.device)
-    while h.shape[0] < d:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    x = x.float() @ h * d ** -0.5
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 448.0
-    return (x * (1.0 / scale)).to(torch.float8_e4m3fn).float() * scale
-
-
-def _fp8_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                         position_ids=None, cache=None, **_):
-    """``DeepseekV32Indexer.forward`` scoring fp8-rounded queries and keys (``_fp8_round``)."""
-    b, s, _ = hidden_states.shape
-    cos, sin = position_embeddings
-    r = self.qk_rope_head_dim
-    q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim)
-    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
-    q_rot, k_rot = hf_v32.apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
-    q = _fp8_round(torch.cat([q_rot, q[..., r:]], dim=-1))
-    k = _fp8_round(torch.cat([k_rot, k[..., r:]], dim=-1).squeeze(2))
-    if cache is not None:
-        k = cache.update_indexer(k, self.layer_idx)
-    scores = F.relu(q @ k.transpose(-1, -2).unsqueeze(1) * self.softmax_scale)   # [B, S, H, T]
-    weights = self.weights_proj(hidden_states.float()).float() * self.n_heads ** -0.5
-    index_scores = (weights.unsqueeze(-2) @ scores).squeeze(-2)                   # [B, S, T]
-    if attention_mask.dtype == torch.bool:
-        index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
-    else:
-        index_scores = index_scores + attention_mask
-    topk = min(self.index_topk, index_scores.shape[-1])
-    return index_scores.topk(topk, dim=-1).indices.to(torch.int32)
-
-
-@contextlib.contextmanager
-def fp8_indexer(enabled: bool = True):
-    """``transformers``' indexer with fp8-rounded scores while the context is open."""
-    cls = hf_v32.DeepseekV32Indexer
-    real = cls.forward
-    if enabled:
-        cls.forward = _fp8_indexer_forward
-    try:
-        yield
-    finally:
-        cls.forward = real
 
 
 @functools.lru_cache(maxsize=None)
