@@ -174,10 +174,12 @@ _HF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"}
 #: ``model_type`` values ``ModelConfig.from_hf`` reads (DeepSeek-V2 has a config of its own).
 CONFIG_MODEL_TYPES = tuple(sorted(_HF_MODEL_TYPES | {"llama4_text", "gemma3_text", "gemma3"}))
 #: Every ``transformers`` ``model_type`` the zoo builds (``compile.models.from_hf``); Qwen3-Next
-#: and Qwen3.5 have a config of their own (``compile.models.qwen3_next_config``).
+#: and Qwen3.5 have a config of their own (``compile.models.qwen3_next_config``; of the
+#: multimodal qwen3_5 and qwen3_5_moe the text model is built).
 SUPPORTED_MODEL_TYPES = tuple(sorted(CONFIG_MODEL_TYPES
                                      + ("deepseek_v2", "deepseek_v3", "deepseek_v32")
-                                     + ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")))
+                                     + ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                                     + ("qwen3_5", "qwen3_5_moe")))
 
 
 def check_model_type(where: str, model_type, supported=SUPPORTED_MODEL_TYPES) -> None:

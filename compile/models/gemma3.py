@@ -24,7 +24,7 @@ from torch import nn
 from compile.models.config import Gemma3Config
 from compile.models.decoder import DecoderModel
 from compile.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from compile.models.weights import copy_from_hf
+from compile.models.weights import TextOnly, copy_from_hf
 from compile.models.rope import RotaryEmbedding
 
 
@@ -84,26 +84,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Gemma
         KeyError, ValueError: see ``compile.models.weights.load_state``.
     """
     config = Gemma3Config.from_hf(hf_model.config)
-    return copy_from_hf(Gemma3ForCausalLM, config, _TextOnly(hf_model), dtype, device)
-
-
-class _TextOnly:
-    """``hf_model`` seen through its text decoder's parameter names: a multimodal Gemma 3 keeps
-    them under ``model.language_model.``, the zoo (and ``Gemma3ForCausalLM``) under ``model.``."""
-
-    _PREFIX = "model.language_model."
-
-    def __init__(self, hf_model):
-        self._model = hf_model
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        src = self._model.state_dict()
-        text = {"model." + k[len(self._PREFIX):]: v for k, v in src.items()
-                if k.startswith(self._PREFIX)}
-        if not text:
-            return src
-        text.update({k: v for k, v in src.items() if k.startswith("lm_head.")})
-        return text
+    return copy_from_hf(Gemma3ForCausalLM, config, TextOnly(hf_model), dtype, device)
 
 
 __all__ = ["Gemma3ForCausalLM", "Gemma3Model", "from_hf"]

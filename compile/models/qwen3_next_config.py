@@ -1,6 +1,7 @@
 """``Qwen3NextConfig``: the shapes of a Qwen3-Next or Qwen3.5 (text) decoder
 (``compile.models.qwen3_next``), read from ``transformers``' ``Qwen3NextConfig``,
-``Qwen3_5TextConfig`` or ``Qwen3_5MoeTextConfig``.
+``Qwen3_5TextConfig`` or ``Qwen3_5MoeTextConfig``, or the ``text_config`` of a multimodal
+``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (the vision tower is not part of the zoo).
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from typing import Optional
 
 from compile.models.config import DecoderConfig, hf_decoder_kwargs
 
+_TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+#: the multimodal Qwen3.5 types, whose ``text_config`` holds the decoder's shapes
+QWEN3_5_MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
 #: ``model_type`` values this config reads (and ``compile.models.from_hf`` builds).
-QWEN3_NEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_NEXT_MODEL_TYPES = _TEXT_MODEL_TYPES + QWEN3_5_MULTIMODAL_TYPES
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -90,13 +94,16 @@ class Qwen3NextConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, hf_config) -> "Qwen3NextConfig":
         """Build from a ``transformers`` ``Qwen3NextConfig``, ``Qwen3_5TextConfig`` or
-        ``Qwen3_5MoeTextConfig`` (every layer MoE, top-k weights always renormalised).
+        ``Qwen3_5MoeTextConfig`` (every layer MoE, top-k weights always renormalised), or a
+        multimodal ``Qwen3_5Config`` / ``Qwen3_5MoeConfig``: its ``text_config``, with the
+        wrapper's ``tie_word_embeddings`` (what its ``*ForConditionalGeneration`` ties by).
 
         Raises:
             NotImplementedError: another model type or a RoPE type other than default.
         """
+        hf_config, tie = _text_config(hf_config)
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in QWEN3_NEXT_MODEL_TYPES:
+        if model_type not in _TEXT_MODEL_TYPES:
             raise NotImplementedError(f"Qwen3NextConfig.from_hf: model_type {model_type!r} is "
                                       f"not supported; expected one of "
                                       f"{', '.join(QWEN3_NEXT_MODEL_TYPES)}.")
@@ -115,6 +122,8 @@ class Qwen3NextConfig(DecoderConfig):
                                                        get("partial_rotary_factor", 1.0))),
                   layer_types=list(hf_config.layer_types),
                   split_projections=model_type != "qwen3_next")
+        if tie is not None:
+            kw["tie_word_embeddings"] = tie
         for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim"):
             kw[name] = get(name)
@@ -132,4 +141,14 @@ class Qwen3NextConfig(DecoderConfig):
         return cls(**kw)
 
 
-__all__ = ["Qwen3NextConfig", "QWEN3_NEXT_MODEL_TYPES", "HYBRID_LAYER_TYPES"]
+def _text_config(hf_config):
+    """``(text config, tie_word_embeddings or None)``: a multimodal Qwen3.5 config's
+    ``text_config`` and its own ``tie_word_embeddings`` (its ``*ForConditionalGeneration``
+    ties the LM head by the wrapper's flag), else ``(hf_config, None)``."""
+    if getattr(hf_config, "model_type", None) not in QWEN3_5_MULTIMODAL_TYPES:
+        return hf_config, None
+    return hf_config.text_config, bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+__all__ = ["Qwen3NextConfig", "QWEN3_NEXT_MODEL_TYPES", "QWEN3_5_MULTIMODAL_TYPES",
+           "HYBRID_LAYER_TYPES"]

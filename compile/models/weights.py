@@ -89,6 +89,30 @@ def column_major_weights(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class TextOnly:
+    """``hf_model`` seen through its text decoder's parameter names, for the multimodal
+    wrappers (``Gemma3ForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``, ...):
+    they keep the decoder under ``model.language_model.``, the zoo (and the text-only
+    ``*ForCausalLM``) under ``model.``. The LM head keeps its name; the vision tower and
+    projector are left out. A model with no ``model.language_model.`` tensor (text-only
+    already) is seen unchanged.
+    """
+
+    PREFIX = "model.language_model."
+
+    def __init__(self, hf_model):
+        self._model = hf_model
+
+    def state_dict(self) -> dict[str, Tensor]:
+        src = self._model.state_dict()
+        text = {"model." + k[len(self.PREFIX):]: v for k, v in src.items()
+                if k.startswith(self.PREFIX)}
+        if not text:
+            return src
+        text.update({k: v for k, v in src.items() if k.startswith("lm_head.")})
+        return text
+
+
 def _source(src: dict[str, Tensor], name: str) -> Tensor:
     """HF tensor(s) behind zoo parameter ``name`` (fused ones concatenated)."""
     for ours, theirs in _FUSED.items():
@@ -101,4 +125,4 @@ def _source(src: dict[str, Tensor], name: str) -> Tensor:
                    f"has e.g. {sorted(src)[:4]}.")
 
 
-__all__ = ["copy_from_hf", "load_state", "column_major_weights"]
+__all__ = ["copy_from_hf", "load_state", "column_major_weights", "TextOnly"]
