@@ -63,14 +63,21 @@ def test_strided_inputs_match_oracle(provider, index):
     assert spare[1::2].isnan().all(), "a slot outside the strided pool was written"
 
 
-def test_glue_strided_inputs_equal_reference(native):
-    args = _restrided(_sample(1, 820))
-    ref = _same_values_contiguous(args)
+def _glue_and_reference(args, ref, native):
+    """``OP`` on ``ref`` under the reference and on ``args`` through the native glue (which
+    must reach the native op): (glue's output, reference's output)."""
     with xpu_ops.use_provider("reference"):
         want = OP(*ref)
     with xpu_ops.use_provider("sgl_kernel"):
         got = OP(*args)
     assert native, "the native op did not run"
+    return got, want
+
+
+def test_glue_strided_inputs_equal_reference(native):
+    args = _restrided(_sample(1, 820))
+    ref = _same_values_contiguous(args)
+    got, want = _glue_and_reference(args, ref, native)
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(args[8], ref[8], equal_nan=True, atol=1e-4, rtol=1e-4)
     assert args[8]._base[1::2].isnan().all()
@@ -81,12 +88,7 @@ def test_glue_with_an_empty_pool_equals_reference(native):
     args = _sample(1, 840)                           # bf16 decode of 3 requests
     args[7], args[8] = args[7][:0], args[8][:0]
     args[10] = torch.full((3,), -1, dtype=torch.int32)
-    ref = clone(args)
-    with xpu_ops.use_provider("reference"):
-        want = OP(*ref)
-    with xpu_ops.use_provider("sgl_kernel"):
-        got = OP(*args)
-    assert native, "the native op did not run"
+    got, want = _glue_and_reference(args, clone(args), native)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
 
