@@ -35,8 +35,11 @@ def make_forward(model, mode: str, *, inductor: bool = True) -> Callable:
         inductor: False compiles with the ``eager`` backend instead (Dynamo traces, no Inductor;
             fast smoke runs). Device graphs are captured on CUDA/XPU either way.
     Raises:
-        KeyError: ``mode`` is not one of ``MODES`` (the CLI's choices check it first).
+        ValueError: ``mode`` is not one of ``MODES`` (the CLI's choices check it first).
     """
+    if mode not in FORWARDS:
+        raise ValueError(f"make_forward: mode is unknown; expected one of {', '.join(MODES)}, "
+                         f"got {mode!r}.")
     return FORWARDS[mode](model, inductor)
 
 

@@ -441,3 +441,10 @@ def test_bench_help_lists_bench_models_options(capsys):
             main(["bench", flag])
         out = capsys.readouterr().out
         assert exit_info.value.code == 0 and "--batches" in out and "--layers" in out, out
+
+
+def test_make_forward_names_an_unknown_mode():
+    from compile.engine.forwards import MODES, make_forward
+    with pytest.raises(ValueError, match=r"make_forward: mode is unknown; expected one of "
+                                         + ", ".join(MODES) + r", got 'graph'\."):
+        make_forward(None, "graph")
