@@ -1,4 +1,4 @@
-"""Op-call rows of ``bench_attention.py --issue``: what one decode attention call costs.
+"""Op-call rows of ``bench_attention.py --kernels-table``: what one decode attention call costs.
 
 Shapes of ``bench_op_call.py`` (Llama-3.2-1B attention: Hq 32, Hkv 8, D 64; page 16; bf16), one
 request of ``context`` keys:

@@ -12,14 +12,14 @@ is timed through the launcher with the default tile config and only that path on
 ms`` column is the op call with the process's defaults: ``DEFAULT_PATHS`` of each launch kind, or
 ``XPU_OPS_TRITON_PATHS``). ``--only`` keeps the rows whose names contain one of its substrings.
 
-``--issue`` is the kernels' one-run table (``gpu_session.sh`` part ``kernels``): MLA decode,
+``--kernels-table`` is the kernels' one-run table (``gpu_session.sh`` part ``kernels``): MLA decode,
 decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer, each decode row also
 under both decode split schedules (``waves plan``/``legacy plan`` columns, the split counts under
 the table) and page 16 under two-page and 4-warp tiles, the op-call rows (``attention_calls``:
 b=1 decode eager and inside a CUDA graph), then prefill 8x4096 causal against SDPA, cuDNN,
 FlashAttention-2 (SDPA's flash backend), FlashInfer and Flex. Every table names the device.
 
-    python benchmarks/bench_attention.py --issue --out /tmp/kernels
+    python benchmarks/bench_attention.py --kernels-table --out /tmp/kernels
     python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
     python benchmarks/bench_attention.py --quick --only "decode 1x,decode 4x" --out /tmp/small
     python benchmarks/bench_attention.py --quick --variant none --only "prefill 8x4096 causal" \
@@ -671,13 +671,13 @@ def workloads(quick: bool, variants: tuple) -> list[dict]:
     return rows
 
 
-# The issue's one-run table (--issue), in run order: row -> (target, peers, tile configs
+# The kernels' one-run table (--kernels-table), in run order: row -> (target, peers, tile configs
 # timed beside the default, "PATHS@BLOCK_M,BLOCK_N,num_warps,num_stages;..."). Decode rows also
 # time both split schedules; the configs (4 warps, one stage less; at page 16 two-page tiles
 # with one page-table load per page) compile for sm_90 without spills. Prefill last: its
 # FlashInfer JIT is the longest step of the run.
 WIDE_DECODE = "page_tiles@16,64,4,4;page_tiles@16,64,2,3"
-ISSUE_ROWS = {
+TABLE_ROWS = {
     "decode 8x32768 (split-KV)": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer"),
                                   WIDE_DECODE),
     "decode 64x4096 page 16": (">= 1.00 flashinfer", ("sdpa", "cudnn", "flashinfer", "flex"),
@@ -686,33 +686,33 @@ ISSUE_ROWS = {
     "prefill 8x4096 causal page 64": (">= 0.80 cudnn", ("sdpa", "cudnn", "fa2", "flashinfer",
                                                         "flex"), ""),
 }
-# --issue rows timed with paged_attention constants patched (default tiles): page 16 with
+# --kernels-table rows timed with paged_attention constants patched (default tiles): page 16 with
 # page_tiles over the 64-key tile's four pages (one page-table load per page; compiled for
 # sm_90 without spills), where the default loads a page id per key
-ISSUE_PATCHES = {"decode 64x4096 page 16": (("4-page tiles", {"PAGE_TILE_MAX_PAGES": 4}),)}
-# --issue rows timed at forced split counts too (table columns): 8 x 32768 at one wave of two
-# programs per multiprocessor (4 splits) and at four waves (16) beside the plan's
-ISSUE_SPLITS = {"decode 8x32768 (split-KV)": (4, 16)}
-# MLA decode in --issue: the default tiles at 1, 2 and 4 splits beside the op's 8
+TABLE_PATCHES = {"decode 64x4096 page 16": (("4-page tiles", {"PAGE_TILE_MAX_PAGES": 4}),)}
+# --kernels-table rows timed at forced split counts too (table columns): 8 x 32768 at one
+# wave of two programs per multiprocessor (4 splits) and at four waves (16) beside the plan's
+TABLE_SPLITS = {"decode 8x32768 (split-KV)": (4, 16)}
+# MLA decode in --kernels-table: the default tiles at 1, 2 and 4 splits beside the op's 8
 # (mla_num_kv_splits): 64 x 2 row tiles of 8 warps nearly fill one wave unsplit, and each split
 # adds fp32 partials of [64, 128, 512] (134 MB at 8 splits, against 302 MB of latent cache)
-MLA_ISSUE_CFGS = [(1, 64, 64, 8, 2), (2, 64, 64, 8, 2), (4, 64, 64, 8, 2)]
+MLA_TABLE_CFGS = [(1, 64, 64, 8, 2), (2, 64, 64, 8, 2), (4, 64, 64, 8, 2)]
 SCHEDULES = ("waves", "legacy")
 
 
-def issue_specs() -> list[dict]:
-    """The ``run_attention`` keywords of the issue's rows (no sweeps, no variants)."""
+def table_specs() -> list[dict]:
+    """The ``run_attention`` keywords of the table's rows (no sweeps, no variants)."""
     specs = {spec["name"]: spec for spec in workloads(True, ())}
-    for name, (target, peers, configs) in ISSUE_ROWS.items():
+    for name, (target, peers, configs) in TABLE_ROWS.items():
         specs[name].update(target=target, peers=peers, sweep=(), variants=(),
                            configs=parse_configs(configs))
         if specs[name]["kind"] == "bw":
             specs[name]["schedules"] = SCHEDULES
-        specs[name]["patches"] = ISSUE_PATCHES.get(name, ())
+        specs[name]["patches"] = TABLE_PATCHES.get(name, ())
         specs[name]["sweep"] = tuple((f"splits={n}", {"num_splits": n})
-                                     for n in ISSUE_SPLITS.get(name, ()))
+                                     for n in TABLE_SPLITS.get(name, ()))
         specs[name]["sweep_columns"] = True
-    return [specs[name] for name in ISSUE_ROWS]
+    return [specs[name] for name in TABLE_ROWS]
 
 
 def late_variants(spec: dict, row: Row) -> None:
@@ -817,12 +817,12 @@ def main():
                     "rows carry about 40 of them")
     ap.add_argument("--targeted", action="store_true", help="time only the rows with a "
                     "target (the one-run table: no small-batch rows)")
-    ap.add_argument("--issue", action="store_true", help="the kernels' one-run table: MLA "
-                    f"decode, {', '.join(ISSUE_ROWS)} with their peers, both split schedules "
+    ap.add_argument("--kernels-table", action="store_true", help="the kernels' one-run table: MLA "
+                    f"decode, {', '.join(TABLE_ROWS)} with their peers, both split schedules "
                     "on the decode rows, and the op-call rows (eager and in a CUDA graph); "
                     "no sweeps or variants (--only still filters)")
     args = ap.parse_args()
-    if args.issue:  # its own sweeps only (ISSUE_SPLITS, MLA_ISSUE_CFGS), no variants
+    if args.kernels_table:  # its own sweeps only (TABLE_SPLITS, MLA_TABLE_CFGS), no variants
         args.variant = "none"
     only = [x for x in args.only.split(",") if x]
     configs = parse_configs(args.configs)
@@ -832,7 +832,7 @@ def main():
     torch.manual_seed(0)
     copy_tbs, mm_tflops = ceilings()
     print(f"ceilings: copy {copy_tbs:.2f} TB/s, matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-    specs = [spec for spec in (issue_specs() if args.issue
+    specs = [spec for spec in (table_specs() if args.kernels_table
                                else workloads(args.quick, parse_variants(args.variant)))
              if (not only or any(x in spec["name"] for x in only))
              and not (args.targeted and spec["target"] == "-")]
@@ -841,16 +841,16 @@ def main():
             spec["sweep"] = ()
         if keep_peers:
             spec["peers"] = tuple(p for p in spec.get("peers", ALL_PEERS) if p in keep_peers)
-        if spec["kind"] == "flops" and not args.issue:  # prefill and extend: --configs
+        if spec["kind"] == "flops" and not args.kernels_table:  # prefill and extend: --configs
             spec["configs"] = tuple(c for c in configs if not c[1].tma)
             spec["late_configs"] = tuple(c for c in configs if c[1].tma)
     mla, mla_rows = "MLA decode H128 R512 r64 64x4096", []
     if not only or any(x in mla for x in only):  # first: no peer JIT can cut it
         mla_rows.append(run_mla(mla, ">= 0.50 matmul",
-                                sweep=MLA_ISSUE_CFGS if args.issue else () if args.no_sweeps
+                                sweep=MLA_TABLE_CFGS if args.kernels_table else () if args.no_sweeps
                                 else MLA_QUICK_CFGS if args.quick else MLA_CFGS,
                                 variants=parse_variants(args.variant)))
-    rows, calls, calls_due = [], [], args.issue
+    rows, calls, calls_due = [], [], args.kernels_table
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
         run = {k: v for k, v in spec.items() if k != "late_configs"}
         rows.append(run_attention(**dict(run, variants=tuple(v for v in spec["variants"]

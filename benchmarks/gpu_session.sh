@@ -31,11 +31,11 @@
 #              FlashMLA kernel's in-kernel split merge (test_flash_mla_gpu.py) and the paged
 #              decode split-KV launches (test_triton_gpu.py -k "long_context or
 #              replays_bitwise")                                           about 40-75 s
-#   kernels    bench_attention --issue: the kernels' one-run table (MLA decode against the matmul
-#              ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN and FlashInfer,
-#              each with both split schedules; the eager and in-graph b=1 decode call; prefill
-#              8x4096 causal against SDPA, cuDNN, FA2, FlashInfer and Flex); CUDA only, skipped
-#              by DRY_RUN                                                  about 300-450 s
+#   kernels    bench_attention --kernels-table: the kernels' one-run table (MLA decode against
+#              the matmul ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN
+#              and FlashInfer, each with both split schedules; the eager and in-graph b=1
+#              decode call; prefill 8x4096 causal against SDPA, cuDNN, FA2, FlashInfer and
+#              Flex); CUDA only, skipped by DRY_RUN                        about 300-450 s
 #   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
 #              rows with a target, MLA first (the FlashInfer prefill rows JIT-compile for about
 #              90 s each)                                                  several minutes
@@ -148,7 +148,7 @@ for part in $PARTS; do
                        -k "long_context or replays_bitwise"
                    tail -n 1 "$OUT/kernels_check.log" >> "$SUMMARY" ;;
     kernels) if [ "$DRY_RUN" = 1 ]; then note "kernels: skipped (CUDA only)"; else
-                 run_part kernels 540 $PY benchmarks/bench_attention.py --issue \
+                 run_part kernels 540 $PY benchmarks/bench_attention.py --kernels-table \
                      --out "$OUT/kernels"; fi ;;
     attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \
                    --targeted --out "$OUT/attention" ;;

@@ -36,7 +36,7 @@ PARTS = {
     "profile": "Kernels of one decode step (profile_decode.py)",
     "kernels_check": "GPU check of the split-KV paths of the kernels' table (pytest -m gpu)",
     "kernels": "The kernels' one-run table: decode, prefill, MLA and op calls against the "
-               "device's ceilings and peers (bench_attention.py --issue)",
+               "device's ceilings and peers (bench_attention.py --kernels-table)",
     "attention": "Attention kernels against the device's ceilings and peers (bench_attention.py)",
     "mla": "MLA decode: kernel paths and tile configurations (bench_attention.py)",
     "gemm": "The decode step's GEMMs under each GEMM choice (bench_decode_gemm.py)",

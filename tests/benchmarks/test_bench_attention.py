@@ -1,4 +1,4 @@
-"""bench_attention's one-run table without a GPU: the issue's rows and peers, the split
+"""bench_attention's one-run table without a GPU: the table's rows and peers, the split
 schedule A/B (each schedule planned in turn, the default restored), and the rendered tables
 (the device named, a column per peer that ran, the split counts under the table)."""
 
@@ -9,14 +9,14 @@ from attention_calls import calls_table
 from xpu_ops.triton import split_plan
 
 
-def test_issue_rows_carry_their_peers_targets_and_both_schedules():
-    specs = {s["name"]: s for s in b.issue_specs()}
-    assert list(specs) == list(b.ISSUE_ROWS) and list(specs)[-1].startswith("prefill")
+def test_table_rows_carry_their_peers_targets_and_both_schedules():
+    specs = {s["name"]: s for s in b.table_specs()}
+    assert list(specs) == list(b.TABLE_ROWS) and list(specs)[-1].startswith("prefill")
     for name, spec in specs.items():
-        splits = b.ISSUE_SPLITS.get(name, ())
+        splits = b.TABLE_SPLITS.get(name, ())
         assert spec["sweep"] == tuple((f"splits={n}", {"num_splits": n}) for n in splits)
         assert spec["variants"] == () and spec["sweep_columns"]
-        assert spec["peers"] == b.ISSUE_ROWS[name][1]
+        assert spec["peers"] == b.TABLE_ROWS[name][1]
         assert spec.get("schedules", ()) == (b.SCHEDULES if spec["kind"] == "bw" else ())
     assert "cudnn" in specs["prefill 8x4096 causal page 64"]["peers"]
     assert [c.block_n for _, c in specs["decode 64x4096 page 16"]["configs"]] == [32, 32, 64]
@@ -81,11 +81,11 @@ def test_op_call_rows_run_on_the_cpu_interpreter():
     assert "ctx 32" in eager["workload"] and "2 calls on 2 caches" in graphed["workload"]
 
 
-def test_issue_patches_name_existing_launcher_constants():
+def test_table_patches_name_existing_launcher_constants():
     from xpu_ops.triton import paged_attention as pa
-    for name, patches in b.ISSUE_PATCHES.items():
-        assert name in b.ISSUE_ROWS
+    for name, patches in b.TABLE_PATCHES.items():
+        assert name in b.TABLE_ROWS
         for label, values in patches:
             assert all(hasattr(pa, k) for k in values), (label, values)
-    spec = next(s for s in b.issue_specs() if s["name"] == "decode 64x4096 page 16")
-    assert spec["patches"] == b.ISSUE_PATCHES["decode 64x4096 page 16"]
+    spec = next(s for s in b.table_specs() if s["name"] == "decode 64x4096 page 16")
+    assert spec["patches"] == b.TABLE_PATCHES["decode 64x4096 page 16"]

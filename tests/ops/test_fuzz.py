@@ -280,7 +280,7 @@ def test_store_with_wild_slots_writes_only_in_range_slots(provider, n, wild, pag
             xpu_ops.store_kv_cache(k_cache, v_cache, loc, k, v)
 
 
-# ---- the reports of item 2 on the other ops ------------------------------------------------
+# ---- the reported cases on the other ops ------------------------------------------------
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("cu_k, seqused, max_k, dense_cu_k, dense_used", [

@@ -59,7 +59,7 @@ def _paged_oracle(call, softcap=0.0, sinks=None):
         window_size_left=-1, window_size_right=-1, softcap=softcap)
 
 
-# ---- item 4: unclear errors and silent acceptances -------------------------------------------
+# ---- unclear errors and silent acceptances -------------------------------------------
 
 @pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
 @pytest.mark.parametrize("call, kwargs, expected", [
@@ -309,7 +309,7 @@ def test_zero_tensor_scale_raises_under_debug_checks():
         assert cache.float()[1].eq(1.0).all()
 
 
-# ---- item 3: edge values ------------------------------------------------------------------
+# ---- edge values ------------------------------------------------------------------
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("cache_dtype, big", [(E4M3, 448.0), (E5M2, 57344.0)],
@@ -384,7 +384,7 @@ def test_empty_rows_with_minus_inf_sinks_are_zero(provider):
     assert_matches_oracle(out, want, torch.float32, lse, want_lse)
 
 
-# ---- item 6: gradients --------------------------------------------------------------------
+# ---- gradients --------------------------------------------------------------------
 
 def _written(op) -> set[int]:
     """Positions of the arguments ``op`` mutates."""

@@ -142,10 +142,10 @@ def test_opcheck_on_strided_samples(op):
         torch.library.opcheck(op.default, copy.deepcopy(args), kwargs, test_utils=utils)
 
 
-# ---- the reports of item 1, one by one --------------------------------------------------
+# ---- reported layout cases, one by one ------------------------------------------------
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_issue_loc_view_writes_the_viewed_slots(provider):
+def test_loc_view_writes_the_viewed_slots(provider):
     """``loc = tensor([1, 14, 5, 13, 9, 12])[::2]`` holds slots 1, 5, 9: Triton wrote 1, 5, 14."""
     loc = torch.tensor([1, 14, 5, 13, 9, 12])[::2]
     k_cache, v_cache = torch.zeros(16, 1, 4), torch.zeros(16, 1, 4)
@@ -160,7 +160,7 @@ def test_issue_loc_view_writes_the_viewed_slots(provider):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_issue_expanded_per_tensor_descale_and_sliced_metadata(provider):
+def test_expanded_per_tensor_descale_and_sliced_metadata(provider):
     """sglang's FA3 backend passes ``scale.expand(b, Hkv)`` for fp8 caches; with column-sliced
     page tables, strided lengths and prefix sums and expanded sinks the result is the oracle's."""
     gen = torch.Generator().manual_seed(5)
@@ -190,7 +190,7 @@ def test_issue_expanded_per_tensor_descale_and_sliced_metadata(provider):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_issue_strided_varlen_metadata(provider):
+def test_strided_varlen_metadata(provider):
     """Strided ``cu_seqlens_q/k`` and ``seqused_k`` (Triton read them as contiguous)."""
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(n, h, 16, generator=gen) for n, h in ((4, 2), (9, 1), (9, 1)))
