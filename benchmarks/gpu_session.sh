@@ -85,12 +85,14 @@ if [ "$DRY_RUN" = 1 ]; then  # CPU: tiny shapes, every part's command line exerc
 else
     DEVICE=cuda; SMALL=""; BATCHES="1 8 64"; TOKENS="64 512"
 fi
-# the gpu suite: one xdist worker per 20 GiB of device memory (more starve each other of memory:
-# 12 on an 80 GB card failed its last tests), SUITE_TESTS to run part of it (default: all)
-GIB=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30
-              if torch.cuda.is_available() else 40)" 2>/dev/null || echo 40)
-SUITE_WORKERS="${SUITE_WORKERS:-$(( GIB / 20 > 1 ? GIB / 20 : 2 ))}"
-SUITE_TESTS="${SUITE_TESTS:-}"
+SUITE_TESTS="${SUITE_TESTS:-}"  # the gpu suite's files or node ids (default: all)
+suite_workers() {  # one xdist worker per 20 GiB of device memory (12 on an 80 GB card starved
+    # each other of memory and failed the last tests); SUITE_WORKERS overrides
+    local gib
+    gib=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30
+                  if torch.cuda.is_available() else 40)" 2>/dev/null || echo 40)
+    echo "${SUITE_WORKERS:-$(( gib / 20 > 1 ? gib / 20 : 2 ))}"
+}
 note() { echo "$*" | tee -a "$SUMMARY"; }
 note "gpu_session $(date -u +%FT%TZ) parts: $PARTS; $(git log --oneline -1 2>/dev/null)"
 $PY - > "$OUT/env.txt" <<'EOF'
@@ -127,7 +129,7 @@ run_part() {  # run_part NAME LIMIT CMD...: timed, logged, status noted; skipped
 
 for part in $PARTS; do
     case $part in
-    suite) run_part suite 420 $PY -m pytest -m gpu -n "$SUITE_WORKERS" -v -p no:cacheprovider \
+    suite) run_part suite 420 $PY -m pytest -m gpu -n "$(suite_workers)" -v -p no:cacheprovider \
                -rfE --tb=short --durations=15 $SUITE_TESTS
            grep -cE "\] (FAILED|ERROR) " "$OUT/suite.log" | sed 's/^/suite: failed or errored so far: /' \
                >> "$SUMMARY"
