@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import LLAMA_1B, build  # noqa: E402
-from compile.backend.parallel_state import init_parallel  # noqa: E402
+from compile.backend.parallel_state import init_parallel, process_group_scope  # noqa: E402
 from compile.engine.engine import Engine, SamplingParams  # noqa: E402
 from compile.models.tensor_parallel import tensor_parallel  # noqa: E402
 
@@ -118,7 +118,8 @@ def main(argv=None) -> None:
         args.dtype, args.warmup_steps, args.page_size = "float32", 2, 4
     if args.dcp > 1 and args.mode == "graphs":
         args.mode = "piecewise"   # DCP steps are not captured whole (dcp_attention)
-    row = run(args)
+    with process_group_scope():
+        row = run(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(row, indent=1))
         if args.out:

@@ -56,6 +56,7 @@ from compile.engine.cli_disagg import (add_disaggregation_arguments,
 from compile.engine.cli_parallel import (add_parallel_arguments, is_rank_zero,
                                          quiet_unless_rank_zero, say, shard_model, start_parallel,
                                          unsupported_by_dcp)
+from compile.backend.parallel_state import process_group_scope
 from compile.engine.cli_verify import hf_generate, verify
 from compile.engine.forwards import MODES, make_forward
 from compile.graphs import GraphRunner, PiecewiseModel
@@ -294,7 +295,7 @@ def cmd_generate(args) -> int:
     prompt_ids = encode_prompts(tokenizer, prompts)
     check_prompt_lengths(args, prompt_ids, model.config.max_position_embeddings)
     stops = stop_ids(tokenizer, hf_model)
-    with unsupported_by_dcp(args):
+    with unsupported_by_dcp(args), process_group_scope():
         if args.disaggregation:
             outputs, stats, forward = run_disaggregated(model, args, prompt_ids, stops)
         else:

@@ -17,6 +17,7 @@ Source: Megatron-LM (arXiv 1909.08053) for the tensor-parallel layout; sglang's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -147,5 +148,19 @@ def init_parallel(tp_size: int = 1, dcp_size: int = 1, backend: Optional[str] = 
                           dcp=ParallelGroup(rank // tp_size, dcp_size, dcp))
 
 
+@contextlib.contextmanager
+def process_group_scope():
+    """Leave the default process group when the block ends without an error: every rank waits
+    at a barrier (so none tears down while a peer still reads from it), then destroys the group
+    and joins its threads. Without this a rank that finishes first can exit while gloo's
+    background thread still runs, and the C++ runtime aborts the process (SIGABRT). A block that
+    raises leaves the group as it is: the process is failing anyway, and a barrier could wait for
+    a peer that never comes. No-op when no process group was started."""
+    yield
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 __all__ = ["ParallelGroup", "ParallelConfig", "tp_heads", "all_reduce", "all_gather",
-           "init_parallel"]
+           "init_parallel", "process_group_scope"]

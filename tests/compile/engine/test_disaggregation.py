@@ -274,6 +274,7 @@ def _failure_worker(rank: int, port: int, out_dir: str) -> None:
               "broken": engine.disagg.broken, "pools": [start, counters(engine)],
               "want0": want[0], "running": len(engine.running)}
     _dump(out_dir, "decode.json", result)
+    dist.destroy_process_group()  # join gloo's threads before exit (the peer is gone: no barrier)
 
 
 def test_prefill_peer_dies_mid_transfer(tmp_path):
@@ -303,6 +304,7 @@ def _decode_dies_worker(rank: int, port: int, out_dir: str) -> None:
     result = {"errors": engine.disagg.errors, "pools": [start, counters(engine)],
               "reasons": [r.finish_reason for r in reqs]}
     _dump(out_dir, "prefill.json", result)
+    dist.destroy_process_group()  # join gloo's threads before exit (the peer is gone: no barrier)
 
 
 def test_decode_peer_dies(tmp_path):
