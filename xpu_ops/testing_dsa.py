@@ -111,7 +111,8 @@ _TOPK_CASES = (
     (3, 30, (10, 15, 10), (0, 10, 25), 6),          # ragged rows; the last runs past the width
     (2, 5, (5, 3), None, 8),                        # topk beyond the width: -1 padding
     (3, 16, (16, -2, 9), (0, 3, 40), 4),            # negative length, start past the width
-    (0, 8, (), None, 4))                            # no row
+    (0, 8, (), None, 4),                            # no row
+    (2, 4500, (4500, 4097), None, 2048))            # several radix and compaction blocks
 
 
 @_sampler("fast_topk")
@@ -124,7 +125,7 @@ def _fast_topk_samples(device, dtype, gen):
 @_sampler("fast_topk_transform")
 def _fast_topk_transform_samples(device, dtype, gen):
     # cu_seqlens_q per case: rows per request (the last case covers only part of its rows)
-    cus = ((0, 1, 3, 3, 4), (0, 3), (0, 1, 2), (0, 2), (0, 0))
+    cus = ((0, 1, 3, 3, 4), (0, 3), (0, 1, 2), (0, 2), (0, 0), (0, 1, 2))
     for (rows, width, lengths, starts, topk), cu in zip(_TOPK_CASES, cus):
         b = len(cu) - 1
         table = torch.randint(0, 1000, (b, width + 1), generator=gen, dtype=I32)

@@ -93,7 +93,7 @@ def test_paged_logits_of_decode_equal_the_ragged_logits(provider):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_fast_topk_matches_oracle(provider, index):
     skip_if_unimplemented(provider, OPS.fast_topk)
     score, lengths, starts, topk = _samples(OPS.fast_topk, 300 + index)[index][0]
@@ -104,7 +104,7 @@ def test_fast_topk_matches_oracle(provider, index):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_fast_topk_transform_matches_oracle(provider, index):
     skip_if_unimplemented(provider, OPS.fast_topk_transform)
     score, lengths, table, cu, starts, topk = _samples(OPS.fast_topk_transform, 400 + index)[

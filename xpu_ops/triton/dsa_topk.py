@@ -3,9 +3,10 @@ a radix search for the k-th largest score, then an in-order compaction.
 
 Scores become order-preserving integer keys (float bits, negatives' magnitude bits flipped;
 NaN as ``-inf``, ``-0.0`` as ``0.0``), shifted into ``[0, 2**32)`` as int64; positions past the
-row's length get ``-2``. The k-th largest key ``T`` is found 4 bits at a time from the top (a
-radix select: 8 passes over the row, each counting the 16 digits of the keys that share the
-prefix found so far). The last pass keeps every key ``> T`` and
+row's length get ``-2``. The k-th largest key ``T`` is found 8 bits at a time from the top (a
+radix select: 4 passes over the row, each a ``tl.histogram`` of the 256 digits of the keys that
+share the prefix found so far, ``RADIX_BLOCK`` keys a step; keys off the prefix are counted in
+digit 0, a count the search never reads). The compaction pass keeps every key ``> T`` and
 the first ``k - count(> T)`` keys ``== T`` (lower positions win ties), writing them in ascending
 position through a running prefix sum, so the output equals the reference's bit for bit.
 Rows with ``L <= topk`` skip the search: positions ``0 .. L-1``.
@@ -23,7 +24,8 @@ from ._common import available, launch
 from .dsa_indexer import declines_strided_rows
 
 _BLOCK = 1024
-_RADIX_BLOCK = 256      # keys per step of a radix pass (a [256, 16] digit-count tile)
+_RADIX_BLOCK = 2048     # keys per histogram step of a radix pass
+TOPK_WARPS = 8          # one program per row: warps in flight hide the row's load latency
 
 
 @triton.jit
@@ -40,25 +42,27 @@ def _keys(SCORE, row_base, start, length, offs):
 
 @triton.jit
 def _kth_key(SCORE, row_base, start, length, topk, BLOCK: tl.constexpr):
-    # Radix select, 4 bits a pass from the top: T (the k-th largest key) and count(key > T).
+    # Radix select, 8 bits a pass from the top: T (the k-th largest key) and count(key > T).
     # Invariant: `above` keys have a prefix above T's, and above < topk <= above + (keys
     # sharing T's prefix), so one digit of each pass keeps topk inside.
-    digits = tl.arange(0, 16)
+    digits = tl.arange(0, 256)
     threshold = tl.full([], 0, tl.int64)
     above = tl.full([], 0, tl.int64)
-    for p in range(8):
-        shift = 28 - 4 * p
-        counts = tl.zeros([16], tl.int64)
+    for p in range(4):
+        shift = 24 - 8 * p
+        counts = tl.zeros([256], tl.int32)
         for c in range(0, length, BLOCK):
             keys = _keys(SCORE, row_base, start, length, c + tl.arange(0, BLOCK))
-            match = (keys >= 0) & ((keys >> (shift + 4)) == (threshold >> (shift + 4)))
-            digit = ((keys >> shift) & 15).to(tl.int32)
-            hit = (digit[:, None] == digits[None, :]) & match[:, None]     # [BLOCK, 16]
-            counts += tl.sum(hit.to(tl.int32), axis=0).to(tl.int64)
-        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts    # digit >= d
+            match = (keys >= 0) & ((keys >> (shift + 8)) == (threshold >> (shift + 8)))
+            # keys off the prefix land in digit 0, whose count is never read: d = 0 is the
+            # fallback when no higher digit keeps topk inside, and `above` sums digits > d
+            digit = tl.where(match, (keys >> shift) & 255, 0).to(tl.int32)
+            counts += tl.histogram(digit, 256)
+        wide = counts.to(tl.int64)
+        at_least = tl.sum(wide, axis=0) - tl.cumsum(wide, 0) + wide          # digit >= d
         d = tl.max(tl.where(above + at_least >= topk, digits, -1), axis=0)
         threshold = threshold | (d.to(tl.int64) << shift)
-        above += tl.sum(tl.where(digits > d, counts, 0), axis=0)
+        above += tl.sum(tl.where(digits > d, wide, 0), axis=0)
     return threshold, above
 
 
@@ -128,7 +132,7 @@ def _launch(score, lengths, row_starts, topk, request=None, table=None):
            tbl.stride(1), out.stride(0), width, topk, tbl.shape[0], tbl.shape[1],
            BLOCK=_BLOCK, RADIX_BLOCK=_RADIX_BLOCK, HAS_STARTS=row_starts is not None,
            TRANSFORM=table is not None,
-           num_warps=4)
+           num_warps=TOPK_WARPS)
     return out
 
 
