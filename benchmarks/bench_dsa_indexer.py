@@ -8,8 +8,9 @@ Cases (``--cases``):
   ``ragged``   ``fp8_mqa_logits``, an extend of ``b`` new tokens over ``context`` cached ones:
                ``2 * b * H * D * keys`` FLOPs with ``keys`` the causal total
   ``topk``     ``fast_topk_v2`` over ``b`` rows of ``context`` float32 logits: one read of the
-               row is ``b * context * 4`` bytes (the Triton kernel reads it 9 times: 8 radix
-               passes of 4 bits and the compaction)
+               row is ``b * context * 4`` bytes (the Triton kernel reads it 5 times: 4 radix
+               passes of 8 bits and the compaction); the decode rows (b = 1, 8, 32 at 8192)
+               are the DSA decode step's, one program per row
 Ceilings: device copy bandwidth (``decode_roofline.copy_bandwidth``) and a bf16 matmul's
 TFLOP/s, both measured first. Peers: every provider that runs on the device (``reference``,
 ``triton``, ``sgl_kernel`` where installed); DeepGEMM is not a dependency and is not timed.
@@ -34,7 +35,7 @@ from decode_roofline import copy_bandwidth
 
 HEADS, DIM, BLOCK, TOPK = 64, 128, 64, 2048
 FULL = {"paged": [(1, 65536), (32, 16384), (128, 8192)], "ragged": [(2048, 8192), (8192, 0)],
-        "topk": [(32, 65536), (128, 16384)]}
+        "topk": [(1, 8192), (8, 8192), (32, 8192), (32, 65536), (128, 16384)]}
 QUICK = {"paged": [(2, 256)], "ragged": [(64, 64)], "topk": [(4, 4096)]}
 
 

@@ -50,6 +50,9 @@
 #                                                                          about 90 s
 #   dsa_dense  the same with dense MLA, in its own process, into the same table (run after dsa)
 #                                                                          about 90 s
+#   dsa_indexer  bench_dsa_indexer --cases topk paged: the indexer's top-k (decode rows b = 1/8/32
+#              at 8192 keys, one program per row) and paged logits against the reference
+#              provider and the copy ceiling                                 about 60 s
 #   hybrid     bench_hybrid_decode: a Qwen3-Next-shaped hybrid (8 layers, 3 linear per full
 #              attention layer) against a dense model of the same size, graphs mode, b = 1/8/32,
 #              context 1024 (tokens/s, graph breaks, replays)                about 150 s
@@ -162,6 +165,9 @@ for part in $PARTS; do
     dsa|dsa_dense) run_part $part 150 $PY benchmarks/bench_dsa_decode.py --device $DEVICE \
                        $([ "$DRY_RUN" = 1 ] && echo --quick) \
                        --models $([ $part = dsa ] && echo sparse || echo dense) --out "$OUT/dsa" ;;
+    dsa_indexer) run_part dsa_indexer 120 $PY benchmarks/bench_dsa_indexer.py --device $DEVICE \
+                     $([ "$DRY_RUN" = 1 ] && echo --quick) --cases topk paged \
+                     --out "$OUT/dsa_indexer" ;;
     hybrid) run_part hybrid 180 $PY benchmarks/bench_hybrid_decode.py --device $DEVICE \
                 $([ "$DRY_RUN" = 1 ] && echo --quick --no-inductor --dtype float32 --context 16 \
                   || echo --layers 8 --context 1024) --batches ${BATCHES/64/32} \
