@@ -39,8 +39,39 @@ def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
         fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
              "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
     batch, seqlen = q.shape[:2]
-    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
-    return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
+    return (q.reshape(batch * seqlen, *q.shape[2:]), uniform_cu_seqlens(q, batch, seqlen), seqlen,
+            (batch, seqlen))
+
+
+# The cu_seqlens_q of 4-D queries, one read-only int32 tensor per (device, b, s): an eager call
+# of a 4-D q then does no device work (an arange and a multiply, each an allocation and a
+# launch) to build it. Entries are never dropped (a block freed back to a device's caching
+# allocator could be handed out while another stream still reads it) and are a few bytes each.
+_UNIFORM_CU_SEQLENS: dict[tuple, Tensor] = {}
+
+
+def uniform_cu_seqlens(q: Tensor, batch: int, seqlen: int) -> Tensor:
+    """``cu_seqlens_q = arange(b + 1) * s`` (int32, q's device) of a 4-D ``q [b, s, Hq, D]``.
+
+    An eager call of a plain tensor gets the tensor kept for ``(device, b, s)`` (made once
+    outside any dispatch mode and inference mode, and copied to the device with a blocking copy,
+    so every stream may read it; nothing writes it). Built as part of the call instead while
+    Dynamo traces, for tensor subclasses (fake, functional, proxy tensors) and while the current
+    stream of ``q``'s device is capturing a graph: a tensor made during a capture lives in the
+    graph's memory pool, which later captures reuse, so it must not outlive the call.
+    """
+    device = q.device
+    if (torch.compiler.is_compiling() or type(q) is not Tensor
+            or device.type != "cpu" and _value_checks._capturing(device)):
+        return torch.arange(0, batch + 1, dtype=torch.int32, device=device) * seqlen
+    key = (device, batch, seqlen)
+    cu = _UNIFORM_CU_SEQLENS.get(key)
+    if cu is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes(), torch.inference_mode(False):
+            cu = (torch.arange(0, batch + 1, dtype=torch.int32) * seqlen).to(device)
+        cu = _UNIFORM_CU_SEQLENS.setdefault(key, cu)
+    return cu
 
 
 def pack_rows(fn: str, arg: str, t, batch_shape):

@@ -1,0 +1,141 @@
+"""The aten ops one eager decode call of ``flash_attn_with_kvcache`` dispatches besides the op.
+
+On a GPU every aten op on a device tensor is a kernel launch (plus an allocation) and each costs
+host time, so the decode forms (packed ``q [b, Hq, D]`` with ``cu_seqlens_q``, and a 4-D
+``q [b, s, Hq, D]``) may allocate the output when the caller gives none, and take views of q,
+the output and the LSE; nothing else (the 4-D form's ``cu_seqlens_q``, ``arange(b + 1) * s``,
+is kept per (device, b, s), not built per call). Inside the op, the ``triton`` provider's entry
+(its launch stubbed) allocates only the LSE it returns (``[Hq, total_q]``, or the empty
+``[Hq, 0]`` of a call without it), its split-KV workspace kept between calls. The kept
+``cu_seqlens_q`` is built fresh while tracing and while a graph is being captured, and is a
+plain tensor whatever mode the first call runs in.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import xpu_ops
+from xpu_ops import _value_checks
+from xpu_ops.ops import kvcache_layout
+from xpu_ops.testing import counted_ops
+
+I32 = dict(dtype=torch.int32)
+# metadata-only ops (no device memory, no launch)
+VIEWS = {"view", "_reshape_alias", "_unsafe_view", "transpose", "unsqueeze", "squeeze",
+         "as_strided", "alias", "expand", "slice", "select", "permute", "t"}
+ALLOCATIONS = {"new_empty", "empty", "empty_like", "empty_strided"}
+VIEW_BUDGET = 4  # q packed, the output unpacked, the LSE's [b, Hq, s] (a view and a transpose)
+
+
+def _decode(b=2, hq=4, hkv=2, d=16, page=16, context=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pages_per_req = -(-context // page)
+    k_cache = torch.randn(b * pages_per_req + 1, page, hkv, d, generator=g)
+    page_table = torch.randperm(b * pages_per_req, generator=g).to(torch.int32)
+    return dict(q=torch.randn(b, 1, hq, d, generator=g), k_cache=k_cache,
+                v_cache=torch.randn(k_cache.shape, generator=g),
+                page_table=page_table.reshape(b, pages_per_req),
+                cache_seqlens=torch.tensor([context - 3 * r for r in range(b)], **I32),
+                cu_seqlens_q=torch.arange(b + 1, **I32))
+
+
+def _call(t, form, lse, out):
+    """The decode call: 4-D ``q [b, 1, Hq, D]``, or packed ``[b, Hq, D]`` with the caller's
+    ``cu_seqlens_q``."""
+    q = t["q"] if form == "4d" else t["q"][:, 0]
+    packed = {} if form == "4d" else dict(cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=1)
+    return xpu_ops.flash_attn_with_kvcache(
+        q, t["k_cache"], t["v_cache"], page_table=t["page_table"],
+        cache_seqlens=t["cache_seqlens"], causal=True, return_softmax_lse=lse,
+        out=None if out is None else (out if form == "4d" else out[:, 0]), **packed)
+
+
+def _split(counts: collections.Counter) -> tuple[dict, int, int]:
+    """``(other ops, allocations, views)`` of a call's counts, the op itself dropped."""
+    other = {k: v for k, v in counts.items()
+             if k not in VIEWS and k not in ALLOCATIONS and k != "flash_attn_with_kvcache"}
+    return (other, sum(counts[k] for k in ALLOCATIONS), sum(counts[k] for k in VIEWS))
+
+
+@pytest.mark.parametrize("form", ["4d", "packed"])
+@pytest.mark.parametrize("lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("given_out", [False, True], ids=["new", "given"])
+def test_decode_call_dispatches_only_the_op_its_output_and_views(form, lse, given_out):
+    t = _decode()
+    out = torch.full((2, 1, 4, 16), float("nan")) if given_out else None
+    expected = _call(t, "packed", lse, None)         # cu_seqlens_q built by the caller
+    _call(t, form, lse, out)                         # warm: kept tensors made once
+    with counted_ops() as counts:
+        got = _call(t, form, lse, out)
+    assert counts["flash_attn_with_kvcache"] == 1
+    other, allocations, views = _split(counts)
+    assert other == {}, f"device work besides the op per call: {dict(counts)}"
+    assert allocations == (0 if given_out else 1), dict(counts)
+    assert views <= VIEW_BUDGET, dict(counts)
+    got, expected = (got, expected) if lse else ((got,), (expected,))
+    if form == "4d":
+        expected = (expected[0].unsqueeze(1),) + ((expected[1].t().unsqueeze(-1),) if lse else ())
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    if given_out:
+        assert got[0].data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("lse", [False, True])
+def test_triton_entry_allocates_only_its_lse(monkeypatch, lse):
+    pa = pytest.importorskip("xpu_ops.triton.paged_attention")
+    launches = []
+    monkeypatch.setattr(pa, "launch", lambda *a, **k: launches.append(k))
+    t = _decode(b=1, context=1024)
+    q = t["q"][:, 0]
+    args = (q, t["k_cache"], t["v_cache"], t["cache_seqlens"], t["page_table"],
+            torch.arange(2, **I32), torch.empty_like(q), *[None] * 7, 1, 0.25, True, -1, 0, 0.0,
+            0, lse)
+    pa.flash_attn_with_kvcache(*args)                # warm: the split-KV workspace
+    with counted_ops() as counts:
+        result = pa.flash_attn_with_kvcache(*args)
+    assert len(launches) == 2 and launches[-1]["NUM_SPLITS"] > 1  # the split-KV decode launch
+    other, allocations, views = _split(counts)
+    assert (other, allocations, views) == ({}, 1, 0), dict(counts)
+    assert result.shape == ((4, 1) if lse else (4, 0))
+
+
+def test_4d_cu_seqlens_is_kept_outside_capture_and_fresh_inside(monkeypatch):
+    q = torch.empty(3, 2, 4, 8, device="meta")       # a device type whose capture is asked
+    kept = kvcache_layout.uniform_cu_seqlens(q, 3, 2)
+    assert kvcache_layout.uniform_cu_seqlens(q, 3, 2) is kept
+    monkeypatch.setattr(_value_checks, "_capturing", lambda device: True)
+    with counted_ops() as counts:
+        fresh = kvcache_layout.uniform_cu_seqlens(q, 3, 2)
+    assert fresh is not kept and counts["arange"] == 1
+    cpu = torch.empty(3, 2, 4, 8)                    # the CPU captures no graph
+    assert kvcache_layout.uniform_cu_seqlens(cpu, 3, 2) is kvcache_layout.uniform_cu_seqlens(
+        cpu, 3, 2)
+    assert kvcache_layout.uniform_cu_seqlens(cpu, 3, 2).tolist() == [0, 2, 4, 6]
+
+
+def test_4d_cu_seqlens_made_under_a_mode_is_a_plain_tensor():
+    q = torch.empty(5, 3, 4, 8)
+    with torch.inference_mode(), counted_ops():
+        cu = kvcache_layout.uniform_cu_seqlens(q, 5, 3)
+    assert type(cu) is torch.Tensor and not cu.is_inference()
+    assert cu.tolist() == [0, 3, 6, 9, 12, 15] and cu.dtype == torch.int32
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        fq = torch.empty(7, 3, 4, 8)
+        cu = kvcache_layout.uniform_cu_seqlens(fq, 7, 3)
+    assert (torch.device("cpu"), 7, 3) not in kvcache_layout._UNIFORM_CU_SEQLENS
+
+
+def test_4d_call_compiles_without_keeping_a_traced_tensor():
+    t = _decode(b=3, seed=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: _call(t, "4d", False, None), backend="eager",
+                             fullgraph=True)
+    got = compiled(t)
+    assert torch.equal(got, _call(t, "packed", False, None).unsqueeze(1))
+    assert all(type(cu) is torch.Tensor for cu in kvcache_layout._UNIFORM_CU_SEQLENS.values())
