@@ -2,12 +2,13 @@
 count results per file and function.
 
 The files of ``XPU_FILES`` (sgl-kernel-xpu main's attention, DSA-indexer, GDN and causal-conv1d
-tests, saved under
-``<peer>/sgl-kernel-xpu/tests/`` by ``scripts/prepare_peer.py``, never committed) are plumbed to
-the local device by ``scripts/plumb_xpu_tests.py`` into ``<peer>/generated/`` (``"xpu"`` -> CUDA
-or CPU, ``torch.xpu.*`` -> ``scripts/local_device.py``) and run with ``import sgl_kernel``
-resolving to xpu-ops (``-p sgl_kernel_shim``). One job per file (``--list``); the largest are
-split into shards (``SHARDS``) so each job fits a 10-minute GPU call.
+tests, saved under ``<peer>/sgl-kernel-xpu/tests/`` by ``scripts/prepare_peer.py``, never
+committed) are plumbed to the local device by ``scripts/plumb_xpu_tests.py`` into
+``<peer>/generated/`` (``"xpu"`` -> CUDA or CPU, ``torch.xpu.*`` -> ``scripts/local_device.py``)
+and run with ``import sgl_kernel`` resolving to xpu-ops (``-p sgl_kernel_shim``). One job per file
+(``--list``); the largest are split into shards (``SHARDS``) so each job fits a 10-minute GPU
+call. Without CUDA the jobs run on the CPU (``client_test_runs.CPU_ENV``: the reference provider,
+the tests' own Triton kernels interpreted); pass ``-- -k EXPR`` to sample a large file there.
 
 Writes under ``--out`` (default ``$OUT``) each job's log and outcomes, and
 ``sgl_kernel_xpu_tests.json`` / ``.md`` (per job, file and function; see ``client_test_runs``).

@@ -188,12 +188,16 @@ def _staging(workspace, tokens: int, width: int, dtype: torch.dtype, device) -> 
 def _stage_states(conv_state: Tensor, ssm_state: Tensor, slots: Tensor) -> tuple[Tensor, ...]:
     """The addressed slots of both pools, copied (the ssm states as float32): ``(conv [b, width
     - 1, dim], ssm [b, Hv, V, K], compact slot per request (-1 where its slot is outside the
-    pool), which requests address the pool)``. The op takes one slot index for both pools."""
-    cache = ssm_state.shape[0]
+    pools), which requests address them)``. The op takes one slot index for both pools."""
+    cache = min(ssm_state.shape[0], conv_state.shape[0])
     inside = (slots >= 0) & (slots < cache)
     rows = slots.clamp(0, max(cache - 1, 0)).long()
     compact = torch.where(inside, torch.arange(slots.shape[0], dtype=slots.dtype,
                                                device=slots.device), -1)
+    if cache == 0:                      # no slot to read: every request runs from zeros
+        return (conv_state.new_zeros((slots.shape[0], *conv_state.shape[1:])),
+                ssm_state.new_zeros((slots.shape[0], *ssm_state.shape[1:]), dtype=torch.float32),
+                compact, inside)
     return (conv_state.index_select(0, rows), ssm_state.index_select(0, rows).float(),
             compact, inside)
 
