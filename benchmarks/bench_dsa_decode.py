@@ -29,6 +29,8 @@ dense (``make_results_page.py`` shows it as the ``dsa`` part).
 
     python benchmarks/bench_dsa_decode.py --device cuda                 # 8k context, graphs
     python benchmarks/bench_dsa_decode.py --device cuda --models dense --out $OUT/dsa
+    python benchmarks/bench_dsa_decode.py --device cuda --models sparse --profile-batches 1 \\
+        --out $OUT/dsa                              # also the kernels of a b = 1 step
     python benchmarks/bench_dsa_decode.py --device cpu --quick          # CPU check, tiny
 """
 
@@ -54,6 +56,7 @@ from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from compile.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 from bench_model import make_forward, paged_step, step_seconds
 from decode_roofline import copy_bandwidth
+from profile_decode import kernel_times, markdown as kernel_markdown, profile_rows
 from xpu_ops.mla_fp8_layout import fp8_token_bytes
 
 MODELS = ("sparse", "sparse_fp8", "dense")
@@ -185,6 +188,8 @@ def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float,
         dev.synchronize(args.device)
         first = time.perf_counter() - t0
         sec, host = step_seconds(step, args.device, max(args.warmup - 1, 0), args.steps)
+        if b in args.profile_batches and args.out:
+            write_profile(Path(args.out), f"{name} {mode} b={b}", step, args, sec)
         nbytes = step_bytes(model, b, args.context, fp8=name == "sparse_fp8")
         out.append(dict(model=name, mode=mode, b=b, ms=sec * 1e3, host_ms=host * 1e3,
                         tokens_per_s=b / sec, first_step_s=first,
@@ -199,6 +204,21 @@ def timed_rows(model, name: str, mode: str, cache, args, bandwidth: float,
         if done is not None:
             done(out)
     return out
+
+
+def write_profile(out: Path, label: str, step, args, seconds: float) -> None:
+    """The kernels of ``args.profile_steps`` more steps under the profiler (replays of the
+    captured graph in graphs mode), slowest first, as ``profile_<label>.md`` in ``out``."""
+    steps = args.profile_steps
+    rows_ = profile_rows(kernel_times(step, args.device, steps), {}, steps, 1.0)
+    kernel_us = sum(r["us"] for r in rows_)
+    head = (f"#### Kernels of one {label} step ({args.device}, {args.layers} layers, context "
+            f"{args.context}, top-k {args.topk})\n\nStep {seconds * 1e6:.0f} us (median of the "
+            f"timed steps); kernels {kernel_us:.0f} us per step, "
+            f"{sum(r['calls'] for r in rows_):.0f} launches; {steps} profiled steps.")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{label.replace(' ', '_').replace('=', '')}.md").write_text(
+        kernel_markdown(rows_, head))
 
 
 def rows(args, bandwidth: float, done=None) -> list[dict]:
@@ -314,6 +334,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=non_negative_int, default=5)
     ap.add_argument("--steps", type=positive_int, default=30)
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny shapes")
+    ap.add_argument("--profile-batches", type=positive_int, nargs="*", default=[],
+                    help="with --out: after timing these batch sizes, profile their kernels "
+                         "(profile_<model>_<mode>_b<b>.md)")
+    ap.add_argument("--profile-steps", type=positive_int, default=5)
     ap.add_argument("--out", default=None,
                     help="directory for dsa_decode_<model>.json and dsa_decode.md (the table "
                          "of every model's file there)")

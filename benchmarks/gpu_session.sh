@@ -46,8 +46,8 @@
 #              engine, NCCL on one card probed (gloo through the host when it refuses)
 #                                                                          about 120 s
 #   dsa        bench_dsa_decode --models sparse: a DeepSeek-V3.2-shaped model (4 layers, context
-#              8192, top-k 2048) decoding in graphs mode at b = 1/8/32, DSA sparse MLA
-#                                                                          about 90 s
+#              8192, top-k 2048) decoding in graphs mode at b = 1/8/32, DSA sparse MLA, and
+#              the kernels of its b = 1 step (profile_sparse_graphs_b1.md)    about 100 s
 #   dsa_dense  the same with dense MLA, in its own process, into the same table (run after dsa)
 #                                                                          about 90 s
 #   dsa_indexer  bench_dsa_indexer --cases topk paged: the indexer's top-k (decode rows b = 1/8/32
@@ -164,7 +164,8 @@ for part in $PARTS; do
                   --new-tokens 3 || echo --probe-nccl) --out "$OUT/disagg" ;;
     dsa|dsa_dense) run_part $part 150 $PY benchmarks/bench_dsa_decode.py --device $DEVICE \
                        $([ "$DRY_RUN" = 1 ] && echo --quick) \
-                       --models $([ $part = dsa ] && echo sparse || echo dense) --out "$OUT/dsa" ;;
+                       --models $([ $part = dsa ] && echo sparse || echo dense) \
+                       --profile-batches 1 --out "$OUT/dsa" ;;
     dsa_indexer) run_part dsa_indexer 120 $PY benchmarks/bench_dsa_indexer.py --device $DEVICE \
                      $([ "$DRY_RUN" = 1 ] && echo --quick) --cases topk paged \
                      --out "$OUT/dsa_indexer" ;;

@@ -10,7 +10,8 @@ unpacked there: ``summary.txt`` (date, commit, each part's exit status and secon
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
 ``kernels/attention.md``/``.png``, ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
 ``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``kernels_check.log``,
-``sgl/*.md``, ``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``) and, optionally,
+``sgl/*.md``, ``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``, ``dsa_indexer/results.md``,
+``clients/**/sgl_kernel*_tests.json`` from ``scripts/gpu_client_tests.sh``) and, optionally,
 ``notes.txt`` (shown under the device heading).
 Every table of a section comes from that one run, so the figures
 beside each other were measured together; each part shows the command that produced it. The
@@ -47,10 +48,18 @@ PARTS = {
     "dsa": "DeepSeek-V3.2-shaped decode: sparse (DSA) against dense MLA (bench_dsa_decode.py)",
     "dsa_dense": "DeepSeek-V3.2-shaped decode: the dense-MLA rows of the table above, in their "
                  "own process (bench_dsa_decode.py)",
+    "dsa_indexer": "The DSA indexer ops: top-k and paged logits against the reference provider "
+                   "and the copy ceiling (bench_dsa_indexer.py)",
     "suite": "The gpu-marked test suite",
     "sgl": "sgl-kernel's own tests through the shim (run_sgl_kernel_tests.py)",
     "generate": "The main job on the GPU (generate_verify.sh)",
+    "clients": "The clients' own tests through the shim: sgl-kernel-xpu's tests/ and sgl-kernel's "
+               "newest (scripts/gpu_client_tests.sh)",
 }
+#: summary name of each client runner -> its heading in the ``clients`` part
+CLIENT_RUNNERS = {"sgl_kernel_xpu_tests": "sgl-kernel-xpu's tests/ (run_sgl_kernel_xpu_tests.py)",
+                  "sgl_kernel_tests": "sgl-kernel's newest tests (run_sgl_kernel_tests.py)"}
+OUTCOMES = ("passed", "failed", "errors", "skipped")
 
 
 def read(path: Path) -> str:
@@ -123,9 +132,39 @@ def pytest_result(log: str) -> Callable[[Path], str]:
     return render
 
 
+def client_tables(run: Path) -> str:
+    """Every ``<runner>.json`` under ``clients/`` (the lanes of each ``gpu_client_tests.sh``
+    part), summed per file and function across the jobs: a table per runner, each row marked
+    when a job that holds it stopped at its budget (its counts are then a part of the file)."""
+    blocks = []
+    for summary, title in CLIENT_RUNNERS.items():
+        rows: dict[str, dict] = {}
+        for path in sorted((run / "clients").rglob(f"{summary}.json")):
+            data = json.loads(read(path) or "{}")
+            for job, table in data.get("results", {}).items():
+                cut = bool(data.get("jobs", {}).get(job, {}).get("timed_out"))
+                for function, c in table.items():
+                    row = rows.setdefault(function, {o: 0 for o in OUTCOMES} | {"cut": False})
+                    for o in OUTCOMES:
+                        row[o] += c.get(o, 0)
+                    row["cut"] |= cut
+        if not rows:
+            continue
+        lines = [f"#### {title}", "", "| file::function | passed | failed | errors | skipped |",
+                 "|---|---:|---:|---:|---:|"]
+        for function, row in sorted(rows.items()):
+            mark = " (a job stopped at its budget)" if row["cut"] else ""
+            lines.append(f"| {function}{mark} | " + " | ".join(str(row[o]) for o in OUTCOMES)
+                         + " |")
+        total = {o: sum(r[o] for r in rows.values()) for o in OUTCOMES}
+        lines.append("| total | " + " | ".join(str(total[o]) for o in OUTCOMES) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 suite_result = pytest_result("suite.log")
 RENDERERS: dict[str, Callable[[Path], str]] = {"gemm": gemm_table, "suite": suite_result,
-                                                "disagg": disagg_table,
+                                                "disagg": disagg_table, "clients": client_tables,
                                                 "kernels_check": pytest_result("kernels_check.log")}
 
 

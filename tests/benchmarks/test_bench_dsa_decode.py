@@ -1,6 +1,7 @@
 """``bench_dsa_decode --quick`` on the CPU: both models (sparse DSA and dense MLA) decode every
 batch size through one forward each, separate runs into one folder give one table with the
-sparse / dense ratios, and the bytes a step reads are counted from the shapes."""
+sparse / dense ratios, a profiled batch size gets its kernel table, and the bytes a step reads
+are counted from the shapes."""
 
 import json
 from types import SimpleNamespace
@@ -13,8 +14,13 @@ QUICK = ["--device", "cpu", "--quick", "--dtype", "float32", "--modes", "eager"]
 
 
 def test_separate_runs_give_one_table(tmp_path):
-    bench_dsa_decode.main(QUICK + ["--models", "sparse", "--out", str(tmp_path)])
+    bench_dsa_decode.main(QUICK + ["--models", "sparse", "--out", str(tmp_path),
+                                   "--profile-batches", "2", "--profile-steps", "1"])
     bench_dsa_decode.main(QUICK + ["--models", "dense", "--out", str(tmp_path)])
+    profile = (tmp_path / "profile_sparse_eager_b2.md").read_text()   # the one profiled step
+    assert profile.startswith("#### Kernels of one sparse eager b=2 step (cpu, 2 layers"), profile
+    assert "| `aten::mm` |" in profile, profile
+    assert sorted(p.name for p in tmp_path.glob("profile_*")) == ["profile_sparse_eager_b2.md"]
     rows = [r for m in ("sparse", "dense")
             for r in json.loads((tmp_path / f"dsa_decode_{m}.json").read_text())["rows"]]
     assert [(r["model"], r["b"]) for r in rows] == [("sparse", 1), ("sparse", 2), ("dense", 1),

@@ -116,3 +116,36 @@ def test_the_kernels_check_part_shows_its_pytest_summary(tmp_path):
     assert "### GPU check of the split-KV paths" in text, text
     assert "Part status: exit 0 in 41 s (limit 75 s).\n\n`5 passed, 71 deselected in 40.12s`" \
         in text, text
+
+
+def _client_summary(path, results, jobs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"results": results, "jobs": jobs}))
+
+
+def test_the_clients_part_sums_each_function_over_the_lanes_and_marks_cut_jobs(tmp_path):
+    run = tmp_path / "results" / "h100"
+    run.mkdir(parents=True)
+    (run / "env.txt").write_text(ENV + "\n")
+    row = lambda p, f, e, s: {"passed": p, "failed": f, "errors": e, "skipped": s}  # noqa: E731
+    # one file's function split over two shards in two parts' lanes; one shard was cut
+    _client_summary(run / "clients" / "part1" / "xpu_a" / "sgl_kernel_xpu_tests.json",
+                    {"flash_attention_1of2": {"test_flash_attention.py::test_kv": row(5, 1, 0, 2)},
+                     "merge_state": {"test_merge_state.py::test_merge": row(7, 0, 0, 0)}},
+                    {"flash_attention_1of2": {"timed_out": False},
+                     "merge_state": {"timed_out": False}})
+    _client_summary(run / "clients" / "part4" / "xpu_b" / "sgl_kernel_xpu_tests.json",
+                    {"flash_attention_2of2": {"test_flash_attention.py::test_kv": row(3, 0, 1, 0)}},
+                    {"flash_attention_2of2": {"timed_out": True}})
+    _client_summary(run / "clients" / "part1" / "sgl" / "sgl_kernel_tests.json",
+                    {"merge": {"test_merge_state_v2.py::test_merge_attn_states": row(150, 0, 0,
+                                                                                     0)}},
+                    {"merge": {"timed_out": False}})
+    text = gen.page({"h100": run}, tmp_path)
+    assert "### The clients' own tests through the shim" in text, text
+    assert ("| test_flash_attention.py::test_kv (a job stopped at its budget) | 8 | 1 | 1 | 2 |"
+            in text), text
+    assert "| test_merge_state.py::test_merge | 7 | 0 | 0 | 0 |\n| total | 15 | 1 | 1 | 2 |" \
+        in text, text
+    assert "| test_merge_state_v2.py::test_merge_attn_states | 150 | 0 | 0 | 0 |" in text, text
+    assert text.index("sgl-kernel-xpu's tests/") < text.index("sgl-kernel's newest tests"), text
