@@ -14,12 +14,13 @@ plain tensor whatever mode the first call runs in.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
 
 import xpu_ops
-from xpu_ops import _value_checks
+from xpu_ops import _value_checks, provider_table
 from xpu_ops.ops import kvcache_layout
 from xpu_ops.testing import counted_ops
 
@@ -139,3 +140,41 @@ def test_4d_call_compiles_without_keeping_a_traced_tensor():
     got = compiled(t)
     assert torch.equal(got, _call(t, "packed", False, None).unsqueeze(1))
     assert all(type(cu) is torch.Tensor for cu in kvcache_layout._UNIFORM_CU_SEQLENS.values())
+
+
+
+def test_kernel_runs_the_provider_with_grad_off_and_restores_grad_mode():
+    """The op's kernel runs its provider with grad mode off (nothing differentiable) and leaves
+    grad mode as it found it, whether the call returns, its checks raise or the provider does."""
+    impls = provider_table._registry["flash_attn_with_kvcache"]
+    real, seen, boom = impls["reference"], [], []
+
+    def spy(*args):
+        seen.append(torch.is_grad_enabled())
+        if boom:
+            raise RuntimeError("boom")
+        return real.fn(*args)
+    t = _decode()
+    q3 = t["q"][:, 0]
+    bad = (q3, t["k_cache"], t["v_cache"], t["cache_seqlens"], t["page_table"],
+           t["cu_seqlens_q"], torch.empty(2, 4, 15), *[None] * 7, 1, 0.25, True, -1, 0, 0.0, 0,
+           False)
+    impls["reference"] = dataclasses.replace(real, fn=spy)
+    xpu_ops.refresh()
+    try:
+        with xpu_ops.use_provider("reference"):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    assert not _call(t, "4d", False, None).requires_grad
+                    with pytest.raises(ValueError, match="out"):
+                        torch.ops.xpu_ops.flash_attn_with_kvcache.default(*bad)
+                    assert torch.is_grad_enabled() is grad
+                    boom.append(1)
+                    with pytest.raises(RuntimeError, match="boom"):
+                        _call(t, "4d", False, None)
+                    boom.clear()
+                    assert torch.is_grad_enabled() is grad
+    finally:
+        impls["reference"] = real
+        xpu_ops.refresh()
+    assert seen == [False] * 4
