@@ -178,3 +178,78 @@ def test_kernel_runs_the_provider_with_grad_off_and_restores_grad_mode():
         impls["reference"] = real
         xpu_ops.refresh()
     assert seen == [False] * 4
+
+
+def _mutations(t):
+    """``(name, form, keyword changes)`` of decode calls, valid and not, for the plain paths."""
+    q4, kc = t["q"], t["k_cache"]
+    yield "valid", "4d", {}
+    yield "valid-lse-nocausal", "4d", dict(return_softmax_lse=True, causal=False)
+    yield "valid-scale-softcap", "4d", dict(softmax_scale=-0.3, softcap=2.5)
+    yield "strided-out", "4d", dict(out=torch.empty(1, 2, 4, 16).transpose(0, 1))
+    q2 = torch.randn(2, 2, 4, 16, generator=torch.Generator().manual_seed(3))   # s = 2
+    yield "valid-s2", "4d", dict(q=q2)
+    yield "strided-out-s2", "4d", dict(q=q2, out=torch.empty(2, 2, 4, 16).transpose(0, 1))
+    yield "strided-out-s2-lse", "4d", dict(q=q2, out=torch.empty(2, 2, 4, 16).transpose(0, 1),
+                                           return_softmax_lse=True)
+    yield "out-shape", "4d", dict(out=torch.empty(2, 1, 4, 15))
+    yield "out-dtype", "4d", dict(out=torch.empty(2, 1, 4, 16, dtype=torch.float64))
+    yield "out-packed", "4d", dict(out=torch.empty(2, 4, 16))
+    yield "nan-scale", "4d", dict(softmax_scale=float("nan"))
+    yield "inf-scale", "4d", dict(softmax_scale=float("inf"))
+    yield "q-head-dim-0", "4d", dict(q=q4[..., :0])
+    yield "q-int", "4d", dict(q=q4.to(torch.int32))
+    yield "q-5d", "4d", dict(q=q4.unsqueeze(0))
+    yield "q-meta", "4d", dict(q=q4.to("meta"))
+    yield "v-3d", "4d", dict(v_cache=t["v_cache"][0])
+    yield "v-heads", "4d", dict(v_cache=t["v_cache"][:, :, :1])
+    yield "v-dtype", "4d", dict(v_cache=t["v_cache"].double())
+    yield "k-page-0", "4d", dict(k_cache=kc[:, :0], v_cache=t["v_cache"][:, :0])
+    yield "k-3d", "4d", dict(k_cache=kc[0])
+    yield "seqlens-int64", "4d", dict(cache_seqlens=t["cache_seqlens"].long())
+    yield "seqlens-rows", "4d", dict(cache_seqlens=t["cache_seqlens"][:1])
+    yield "table-rows", "4d", dict(page_table=t["page_table"][:1])
+    yield "q-batch", "4d", dict(q=q4[:1])
+    yield "cu-with-4d", "4d", dict(cu_seqlens_q=t["cu_seqlens_q"])
+    yield "valid", "packed", {}
+    yield "out-shape", "packed", dict(out=torch.empty(2, 4, 15))
+    yield "nan-scale", "packed", dict(softmax_scale=float("nan"))
+    yield "v-3d", "packed", dict(v_cache=t["v_cache"][0])
+
+
+def _outcome(fn):
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 (the outcome compared is the exception itself)
+        return type(e), str(e)
+    return result if isinstance(result, tuple) else (result,)
+
+
+@pytest.mark.parametrize("name,form,change", [pytest.param(*m, id=f"{m[1]}-{m[0]}")
+                                               for m in _mutations(_decode())])
+def test_plain_paths_match_the_general_path(name, form, change):
+    """The wrapper's plain paths (``window_size=(-1, -1)``) and its general path (the same
+    window as a list) give the same results and raise the same exceptions, messages included."""
+    def call(window):
+        t = _decode()
+        kw = dict(k_cache=t["k_cache"], v_cache=t["v_cache"], page_table=t["page_table"],
+                  cache_seqlens=t["cache_seqlens"], causal=True, window_size=window)
+        kw["q"] = t["q"] if form == "4d" else t["q"][:, 0]
+        if form == "packed":
+            kw.update(cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=1)
+        kw.update(change)
+        if "out" in change:  # a buffer of this call, of the same strides
+            kw["out"] = torch.empty_strided(change["out"].shape, change["out"].stride(),
+                                             dtype=change["out"].dtype)
+            kw["out"].fill_(float("nan"))
+        return kw["out"] if "out" in kw else None, _outcome(
+            lambda: xpu_ops.flash_attn_with_kvcache(**kw))
+    (plain_out, plain), (_, general) = call((-1, -1)), call([-1, -1])
+    if isinstance(general[0], type):
+        assert plain == general
+        return
+    assert name.startswith(("valid", "strided")) and not isinstance(plain[0], type), plain
+    for p, g in zip(plain, general, strict=True):
+        assert torch.equal(p, g) and p.shape == g.shape and p.stride() == g.stride()
+    if plain_out is not None:
+        assert plain[0] is plain_out

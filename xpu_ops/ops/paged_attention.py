@@ -427,23 +427,30 @@ def _plain_batched_call(q, k_cache, v_cache, cache_seqlens, page_table, softmax_
     general path's steps for it in its order (packed q, the kept ``cu_seqlens_q``, the cache's
     rank, the default scale, ``out`` in the packed layout, the scale's finiteness, the debug
     value checks), none of its other argument forms; the results in the 4-D layout."""
-    batch_shape = (q.shape[0], q.shape[1])
-    q3 = q.reshape(batch_shape[0] * batch_shape[1], *q.shape[2:])
-    cu_seqlens_q = kvcache_layout.uniform_cu_seqlens(q, *batch_shape)
+    batch, seqlen, num_heads_q, head_dim = q.shape
+    q3 = q.reshape(batch * seqlen, num_heads_q, head_dim)
+    cu_seqlens_q = kvcache_layout.uniform_cu_seqlens(q, batch, seqlen)
     _check_cache_rank(NAME, "k_cache", k_cache)
     if softmax_scale is None:
         check_head_dim(NAME, "q", q3)
-        softmax_scale = default_softmax_scale(q3.shape[-1])
-    out3, mergeable = _packed_out(NAME, out, q3, v_cache.shape[-1], batch_shape)
+        softmax_scale = default_softmax_scale(head_dim)
+    if out is None:  # _packed_out's new buffer, without its frame
+        out3 = q3.new_empty((batch * seqlen, num_heads_q, v_cache.shape[-1]),
+                            dtype=output_dtype(q3))
+        mergeable = True
+    else:
+        out3, mergeable = _packed_out(NAME, out, q3, v_cache.shape[-1], (batch, seqlen))
     if not -math.inf < softmax_scale < math.inf:  # False for NaN too
         finite_scale(NAME, "softmax_scale", softmax_scale)
     _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
-                                                cu_seqlens_q, batch_shape[1])
+                                                cu_seqlens_q, seqlen)
     lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
         q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, None, None, None,
-        None, None, None, None, batch_shape[1], softmax_scale, causal, -1, 0 if causal else -1,
+        None, None, None, None, seqlen, softmax_scale, causal, -1, 0 if causal else -1,
         softcap, num_splits, return_softmax_lse)
-    result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, batch_shape,
+    if out is None and not return_softmax_lse:
+        return out3.view(batch, seqlen, num_heads_q, out3.shape[2])
+    result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, (batch, seqlen),
                             mergeable)
     return (result, lse) if return_softmax_lse else result
 
