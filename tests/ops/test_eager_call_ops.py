@@ -24,6 +24,8 @@ from xpu_ops import _value_checks, provider_table
 from xpu_ops.ops import kvcache_layout
 from xpu_ops.testing import counted_ops
 
+from ..markers import GPU_DEVICE, requires_gpu_graphs
+
 I32 = dict(dtype=torch.int32)
 # metadata-only ops (no device memory, no launch)
 VIEWS = {"view", "_reshape_alias", "_unsafe_view", "transpose", "unsqueeze", "squeeze",
@@ -106,17 +108,52 @@ def test_triton_entry_allocates_only_its_lse(monkeypatch, lse):
 
 
 def test_4d_cu_seqlens_is_kept_outside_capture_and_fresh_inside(monkeypatch):
-    q = torch.empty(3, 2, 4, 8, device="meta")       # a device type whose capture is asked
+    q = torch.empty(3, 2, 4, 8)
     kept = kvcache_layout.uniform_cu_seqlens(q, 3, 2)
-    assert kvcache_layout.uniform_cu_seqlens(q, 3, 2) is kept
-    monkeypatch.setattr(_value_checks, "_capturing", lambda device: True)
+    assert kvcache_layout.uniform_cu_seqlens(q, 3, 2) is kept and kept.tolist() == [0, 2, 4, 6]
+    meta = torch.empty(3, 2, 4, 8, device="meta")   # another device: its own tensor
+    assert kvcache_layout.uniform_cu_seqlens(meta, 3, 2).device.type == "meta"
+    monkeypatch.setattr(kvcache_layout, "_cu_seqlens_key", lambda device: None)  # capturing
     with counted_ops() as counts:
         fresh = kvcache_layout.uniform_cu_seqlens(q, 3, 2)
-    assert fresh is not kept and counts["arange"] == 1
-    cpu = torch.empty(3, 2, 4, 8)                    # the CPU captures no graph
-    assert kvcache_layout.uniform_cu_seqlens(cpu, 3, 2) is kvcache_layout.uniform_cu_seqlens(
-        cpu, 3, 2)
-    assert kvcache_layout.uniform_cu_seqlens(cpu, 3, 2).tolist() == [0, 2, 4, 6]
+    assert fresh is not kept and counts["arange"] == 1 and fresh.tolist() == [0, 2, 4, 6]
+
+
+def test_cu_seqlens_key_is_the_device_off_gpus_and_none_while_capturing(monkeypatch):
+    assert kvcache_layout._cu_seqlens_key(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(_value_checks, "_capturing", lambda device: True)
+    assert kvcache_layout._cu_seqlens_key(torch.device("cuda", 0)) is None
+    assert kvcache_layout._cu_seqlens_key(torch.device("xpu", 0)) is None
+
+
+@requires_gpu_graphs
+def test_4d_cu_seqlens_per_stream_and_fresh_in_a_graph_capture():
+    """On a GPU the kept tensor is per stream; a captured call builds its own, which the cache
+    never keeps, and the graph's replays give the eager result."""
+    from compile.graphs import device as dev
+    device = torch.device(GPU_DEVICE)
+    q = torch.empty(5, 1, 4, 8, device=device)
+    kept = kvcache_layout.uniform_cu_seqlens(q, 5, 1)
+    side = dev._module(device).Stream()
+    with dev._module(device).stream(side):
+        other = kvcache_layout.uniform_cu_seqlens(q, 5, 1)
+    dev.synchronize(device)
+    assert other is not kept and other.tolist() == kept.tolist() == [0, 1, 2, 3, 4, 5]
+    t = {k: v.to(device) for k, v in _decode(b=5).items()}
+    eager = _call(t, "4d", False, None)
+    graph = dev.new_graph(device)
+    side.wait_stream(dev._module(device).current_stream())
+    with dev._module(device).stream(side):            # warm up off the capture
+        _call(t, "4d", False, None)
+    dev._module(device).current_stream().wait_stream(side)
+    entries = dict(kvcache_layout._UNIFORM_CU_SEQLENS)
+    with dev.graph_capture(graph, device):
+        captured = _call(t, "4d", False, None)
+    kept_now = kvcache_layout._UNIFORM_CU_SEQLENS                # nothing kept from the capture
+    assert kept_now.keys() == entries.keys() and all(kept_now[k] is v for k, v in entries.items())
+    graph.replay()
+    dev.synchronize(device)
+    assert torch.equal(captured, eager)
 
 
 def test_4d_cu_seqlens_made_under_a_mode_is_a_plain_tensor():
