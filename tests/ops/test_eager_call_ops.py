@@ -229,6 +229,9 @@ def _mutations(t):
     yield "strided-out-s2", "4d", dict(q=q2, out=torch.empty(2, 2, 4, 16).transpose(0, 1))
     yield "strided-out-s2-lse", "4d", dict(q=q2, out=torch.empty(2, 2, 4, 16).transpose(0, 1),
                                            return_softmax_lse=True)
+    yield "valid-b0-lse", "4d", dict(q=q4[:0], cache_seqlens=t["cache_seqlens"][:0],
+                                     page_table=t["page_table"][:0], return_softmax_lse=True)
+    yield "valid-s0-lse", "4d", dict(q=q4[:, :0], return_softmax_lse=True)
     yield "out-shape", "4d", dict(out=torch.empty(2, 1, 4, 15))
     yield "out-dtype", "4d", dict(out=torch.empty(2, 1, 4, 16, dtype=torch.float64))
     yield "out-packed", "4d", dict(out=torch.empty(2, 4, 16))
