@@ -62,12 +62,28 @@ def sharded(name: str, files, shards: int, **kwargs) -> list[Job]:
             for i in range(1, shards + 1)]
 
 
+#: What a job adds to its environment on a machine without CUDA: the client tests' own Triton
+#: references (``test_merge_state*.py``, ``test_flashmla.py``) run in Triton's interpreter (Triton
+#: has no CPU code generator), and xpu-ops stays on its CPU provider, the reference oracle (the
+#: interpreter would otherwise make the triton provider available there too).
+CPU_ENV = {"TRITON_INTERPRET": "1", "XPU_OPS_PROVIDER": "reference"}
+
+
+def device_env() -> dict:
+    """``CPU_ENV`` when CUDA is not available, else nothing (an explicit setting in the caller's
+    environment wins)."""
+    import torch
+    if torch.cuda.is_available():
+        return {}
+    return {k: v for k, v in CPU_ENV.items() if k not in os.environ}
+
+
 def run_job(job: Job, out: pathlib.Path, workers: int, budget: float, extra: list[str]) -> dict:
-    """Run ``job``'s pytest with the shim plugin; stop it (its whole process group) after
-    ``budget`` seconds. Returns ``{"status", "seconds", "timed_out"}``."""
+    """Run ``job``'s pytest with the shim plugin (``device_env()`` added); stop it (its whole
+    process group) after ``budget`` seconds. Returns ``{"status", "seconds", "timed_out"}``."""
     results = out / f"{job.name}.jsonl"
     results.unlink(missing_ok=True)
-    env = dict(os.environ, **job.env, XPU_OPS_TEST_RESULTS=str(results),
+    env = dict(os.environ, **device_env(), **job.env, XPU_OPS_TEST_RESULTS=str(results),
                PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT),
                                            os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", *map(str, job.files), "-q", "-rN",

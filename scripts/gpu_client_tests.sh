@@ -5,7 +5,10 @@
 # Each PART stays under 540 s: three runner lanes in parallel on the one GPU (16 workers in all),
 # each lane's jobs one after another, each job stopped at its budget with its counts kept.
 #   PART=1 (default): never-run sgl-kernel-xpu jobs (rotary, DSA indexer, top-k, MLA decode,
-#          flashmla, sparse, FA4) + sgl-kernel's newest merge and flash shards 1-3/4.
+#          flashmla, sparse, FA4) + sgl-kernel's newest merge and flash shards 1-3/4, and a
+#          fourth, small lane (2 workers, 18 in all): the fused GDN layer (test_gdn_attention*.py,
+#          three jobs, 86 tests) and the channel-first causal conv1d (760 tests; 2 min on 2 CPU
+#          cores on the reference provider).
 #   PART=2: sgl-kernel's newest flash shard 4/4 and test_flashmla.py, flash_mla_prefill, and 4
 #          of the 24 sgl-kernel-xpu test_flash_attention.py shards (1, 5, 9, 17).
 # The two test_flashmla.py files never run side by side: their test_flash_mla_fp8 cases
@@ -37,6 +40,7 @@ case "$PART" in
   lane xpu_a $XPU 6 200 rotary_embedding,fp8_mqa_logits,fp8_paged_mqa_logits,hadamard,topk_transform_1of2,topk_transform_2of2,flash_mla_decode_1of3,flash_mla_decode_2of3,flash_mla_decode_3of3 &
   lane xpu_b $XPU 4 200 flashmla_1of3,flashmla_2of3,flashmla_3of3,flash_attn_sparse_1of2,flash_attn_sparse_2of2,flash_attention_4_1of2,flash_attention_4_2of2 &
   lane sgl $SGL 5 150 merge,flash_1of4,flash_2of4,flash_3of4 &
+  lane xpu_c $XPU 2 120 gdn_attention,gdn_attention_workspace,gdn_attention_wrapper,causal_conv1d &
   ;;
 2)
   lane sgl $SGL 4 200 flash_4of4,flashmla_1of3,flashmla_2of3,flashmla_3of3 &

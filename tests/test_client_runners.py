@@ -101,3 +101,17 @@ def test_generated_copies_are_written_once_and_atomically(tmp_path):
     runs.write_if_changed(target, "x = 2\n")              # changed: a new file renamed over it
     assert target.read_text() == "x = 2\n" and target.stat().st_ino != inode
     assert [p.name for p in tmp_path.iterdir()] == ["copy.py"]
+
+
+def test_cpu_jobs_interpret_the_tests_triton_on_the_reference_provider(monkeypatch):
+    """Without CUDA a job adds TRITON_INTERPRET=1 (the client tests' own Triton references) and
+    XPU_OPS_PROVIDER=reference, unless the caller set them; with CUDA it adds nothing."""
+    import torch
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("XPU_OPS_PROVIDER", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runs.device_env() == {"TRITON_INTERPRET": "1", "XPU_OPS_PROVIDER": "reference"}
+    monkeypatch.setenv("XPU_OPS_PROVIDER", "triton")
+    assert runs.device_env() == {"TRITON_INTERPRET": "1"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runs.device_env() == {}

@@ -17,6 +17,7 @@ module and the names it exports), so these resolve:
     from sgl_kernel import topk_transform_512, fp8_paged_mqa_logits_triton   # DeepSeek-V4
     from sgl_kernel.nsa import fp8_mqa_logits, fp8_paged_mqa_logits   # sgl-kernel-xpu's forms
     from sgl_kernel import gdn_attention     # sgl-kernel-xpu's fused GDN layer (compat_gdn)
+    from sgl_kernel import causal_conv1d_fn_xpu, causal_conv1d_update_xpu   # (compat_mamba)
     torch.ops.sgl_kernel.rotary_embedding(positions, query, key, head_size, cache, is_neox)
     torch.ops.sgl_kernel.gdn_attention(core_attn_out, z, projected_states_qkvz, ...)
 
@@ -31,7 +32,10 @@ The top-level ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` are xpu-ops' (DeepGE
 and cache layout, what sglang's DSA index buffer holds); ``sgl_kernel.nsa``'s are
 sgl-kernel-xpu's (``xpu_ops.compat_dsa``). ``gdn_attention`` is sgl-kernel-xpu's signature and
 layouts (in place, returns None) on ``xpu_ops.gdn_attention`` (``xpu_ops.compat_gdn``), which
-sglang's ``hardware_backend/xpu/attention/xpu_gdn_backend.py`` imports.
+sglang's ``hardware_backend/xpu/attention/xpu_gdn_backend.py`` imports; its wrapper keeps
+sgl-kernel-xpu's grow-only scratch cache ``sgl_kernel.gdn_attn._gdn_ws_cache``.
+``causal_conv1d_fn_xpu`` / ``causal_conv1d_update_xpu`` are sgl-kernel-xpu's channel-first,
+write-into-``x`` forms (``sgl_kernel.mamba``) of xpu-ops' causal conv1d (``xpu_ops.compat_mamba``).
 ``get_scheduler_metadata`` returns None: FA3's precomputed tile schedule is a speed hint that ``flash_attn_with_kvcache`` accepts as
 ``scheduler_metadata=None``.
 
@@ -62,7 +66,8 @@ SGL_KERNEL_NAMES = _ATTENTION + _SPARSE + _TOP_K + (
     # the DSA indexer (DeepGEMM's contract and cache layout, what sglang's index buffer holds)
     "fp8_mqa_logits", "fp8_paged_mqa_logits", "hadamard_transform",
     "fp8_paged_mqa_logits_triton",     # sgl-kernel-xpu's DeepSeek-V4 form (0.0 past the end)
-    "gdn_attention")                   # sgl-kernel-xpu's fused GDN layer (xpu_ops.compat_gdn)
+    "gdn_attention",                   # sgl-kernel-xpu's fused GDN layer (xpu_ops.compat_gdn)
+    "causal_conv1d_fn_xpu", "causal_conv1d_update_xpu")   # its channel-first conv (compat_mamba)
 #: Names the shim's ``sgl_kernel.flash_attn`` module exports.
 SGL_KERNEL_FLASH_ATTN_NAMES = ("flash_attn_with_kvcache", "flash_attn_varlen_func",
                                "get_scheduler_metadata", "build_bidirectional_block_ids")
@@ -80,7 +85,8 @@ SHIM_MODULES = {
     f"{SHIM_NAME}.nsa": ("fp8_mqa_logits", "fp8_paged_mqa_logits", "_fp8_mqa_logits_impl",
                          "_HEAD_LOOP_THRESHOLD"),
     f"{SHIM_NAME}.fp8_paged_mqa_logits": ("fp8_paged_mqa_logits_triton", "FP8_DTYPE"),
-    f"{SHIM_NAME}.gdn_attn": ("gdn_attention",),   # sgl-kernel-xpu's home of it
+    f"{SHIM_NAME}.gdn_attn": ("gdn_attention", "_gdn_ws_cache"),   # sgl-kernel-xpu's home of it
+    f"{SHIM_NAME}.mamba": ("causal_conv1d_fn_xpu", "causal_conv1d_update_xpu"),
     f"{SHIM_NAME}.testing": (),
     f"{SHIM_NAME}.testing.rotary_embedding": ("_apply_rotary_emb",),
 }
@@ -159,9 +165,12 @@ def _functions(module: str) -> dict:
     import xpu_ops
     from xpu_ops.ops.rotary import apply_rotary_emb_per_token
     from xpu_ops.ops.sparse_attn_varlen import sparse_attn_varlen_func
-    from . import compat_dsa, compat_flash_mla, compat_gdn
+    from . import compat_dsa, compat_flash_mla, compat_gdn, compat_mamba
     functions = dict(vars(xpu_ops), get_scheduler_metadata=get_scheduler_metadata,
                      gdn_attention=compat_gdn.gdn_attention,
+                     _gdn_ws_cache=compat_gdn._gdn_ws_cache,
+                     causal_conv1d_fn_xpu=compat_mamba.causal_conv1d_fn_xpu,
+                     causal_conv1d_update_xpu=compat_mamba.causal_conv1d_update_xpu,
                      _apply_rotary_emb=apply_rotary_emb_per_token,
                      sparse_attn_varlen_func=sparse_attn_varlen_func,
                      **compat_dsa.shim_functions())

@@ -21,6 +21,17 @@ arguments onto xpu-ops' op, which computes the same layer (no new math here):
 * Only the first ``num_actual_tokens`` rows are read and written (rows past them, a padded
   capture's, are left as they are).
 
+* ``ssm_state`` may be float32, float16 or bfloat16 (the native op's state types): a
+  16-bit pool's addressed slots are staged in float32 for the call and rounded back (pad slots
+  untouched).
+* ``workspace`` (the raw op's last argument, sgl-kernel-xpu's optional scratch buffer): a 1-D
+  contiguous uint8 tensor on the projections' device of at least ``gdn_workspace_bytes`` bytes
+  holds the call's conv input (``q | k | v``, ``[T, 2 Hk K + Hv V]``); anything else (None, too
+  small, another dtype) is ignored and the call allocates, as the native op falls back.
+  ``gdn_attention`` (the wrapper) keeps one such buffer per device in ``_gdn_ws_cache``,
+  grow-only (regrown with 1.25x headroom, reused when large enough), as sgl-kernel-xpu's
+  ``python/sgl_kernel/gdn_attn.py`` does; a rejected call leaves the cache as it was.
+
 Not served (ValueError): speculative decodes (``num_spec_decodes > 0``, the ``spec_*``
 arguments, ``num_accepted_tokens``) and ``non_spec_token_indx`` (a gather of the non-speculative
 tokens, used only next to speculative ones); sglang's XPU backend passes neither.
@@ -123,7 +134,7 @@ def _check_outputs(core_attn_out, z, qkvz, hv, v_dim, tokens) -> None:
 
 def _check_states(conv_state, ssm_state, conv_weights, device, hk, hv, k_dim, v_dim) -> None:
     """The native pool layouts: ``conv_state [cache, width - 1, dim]``, ``ssm_state [cache, Hv,
-    V, K]`` float32, named as this call names them (the rest is checked by
+    V, K]`` (fp32|fp16|bf16), named as this call names them (the rest is checked by
     ``xpu_ops.gdn_attention``)."""
     check_tensor(FN, "conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_size(FN, "conv_state", conv_state, 2, 2 * hk * k_dim + hv * v_dim,
@@ -131,7 +142,7 @@ def _check_states(conv_state, ssm_state, conv_weights, device, hk, hv, k_dim, v_
     if isinstance(conv_weights, Tensor) and conv_weights.dim() == 2:
         check_size(FN, "conv_state", conv_state, 1, conv_weights.shape[1] - 1,
                    "conv_weights.shape[1] - 1 (width - 1)")
-    check_tensor(FN, "ssm_state", ssm_state, ndim=4, dtypes=(torch.float32,), device=device)
+    check_tensor(FN, "ssm_state", ssm_state, ndim=4, dtypes=FLOAT_DTYPES, device=device)
     for dim, size, rule in ((1, hv, "Hv"), (2, v_dim, "head_v_dim"), (3, k_dim, "head_k_dim")):
         check_size(FN, "ssm_state", ssm_state, dim, size, rule + " ([cache, Hv, V, K])")
 
@@ -153,13 +164,60 @@ def _check_batch(qsl, state_indices, has_initial_state, device, batch, tokens,
              f"num_actual_tokens = {tokens} (one token a request)", batch)
 
 
+def gdn_workspace_bytes(tokens: int, hk: int, hv: int, k_dim: int, v_dim: int,
+                        dtype: torch.dtype) -> int:
+    """Bytes of ``workspace`` a call of ``tokens`` tokens stages its conv input in: ``tokens x
+    (2 Hk K + Hv V)`` elements of the projections' ``dtype`` (per-rank heads); 0 for no token.
+
+    >>> gdn_workspace_bytes(3, 1, 2, 4, 4, torch.bfloat16)
+    96
+    """
+    return max(0, tokens) * (2 * hk * k_dim + hv * v_dim) * dtype.itemsize
+
+
+def _staging(workspace, tokens: int, width: int, dtype: torch.dtype, device) -> Tensor | None:
+    """``[tokens, width]`` of ``dtype`` at the start of ``workspace`` when it is usable (a 1-D
+    contiguous uint8 tensor on ``device`` with room for it), else None (the call allocates)."""
+    nbytes = tokens * width * dtype.itemsize
+    usable = (isinstance(workspace, Tensor) and workspace.dim() == 1
+              and workspace.dtype == torch.uint8 and workspace.is_contiguous()
+              and workspace.device == device and workspace.numel() >= nbytes)
+    return workspace[:nbytes].view(dtype).view(tokens, width) if usable and nbytes else None
+
+
+def _stage_states(conv_state: Tensor, ssm_state: Tensor, slots: Tensor) -> tuple[Tensor, ...]:
+    """The addressed slots of both pools, copied (the ssm states as float32): ``(conv [b, width
+    - 1, dim], ssm [b, Hv, V, K], compact slot per request (-1 where its slot is outside the
+    pools), which requests address them)``. The op takes one slot index for both pools."""
+    cache = min(ssm_state.shape[0], conv_state.shape[0])
+    inside = (slots >= 0) & (slots < cache)
+    rows = slots.clamp(0, max(cache - 1, 0)).long()
+    compact = torch.where(inside, torch.arange(slots.shape[0], dtype=slots.dtype,
+                                               device=slots.device), -1)
+    if cache == 0:                      # no slot to read: every request runs from zeros
+        return (conv_state.new_zeros((slots.shape[0], *conv_state.shape[1:])),
+                ssm_state.new_zeros((slots.shape[0], *ssm_state.shape[1:]), dtype=torch.float32),
+                compact, inside)
+    return (conv_state.index_select(0, rows), ssm_state.index_select(0, rows).float(),
+            compact, inside)
+
+
+def _unstage_states(conv_state, ssm_state, slots, conv, ssm, inside) -> None:
+    """Write the staged slots back into the caller's pools (rounded to their dtypes)."""
+    rows = inside.nonzero().squeeze(1)
+    dest = slots[rows].long()
+    conv_state.index_copy_(0, dest, conv[rows])
+    ssm_state.index_copy_(0, dest, ssm[rows].to(ssm_state.dtype))
+
+
 def gdn_attention_(core_attn_out, z, projected_states_qkvz, projected_states_ba, num_k_heads,
                    num_v_heads, head_k_dim, head_v_dim, conv_state, ssm_state, conv_weights,
                    conv_bias, activation, A_log, dt_bias, num_prefills, num_decodes,
                    num_spec_decodes, has_initial_state, non_spec_query_start_loc,
                    non_spec_token_indx, non_spec_state_indices_tensor, spec_query_start_loc,
                    spec_token_indx, spec_state_indices_tensor, num_accepted_tokens,
-                   num_actual_tokens, tp_size, reorder_input, write=True) -> None:
+                   num_actual_tokens, tp_size, reorder_input, workspace=None,
+                   write=True) -> None:
     """The raw op's body (contract: the module docstring); ``write=False`` runs every check
     (the fake) and writes nothing of its own."""
     batch = _check_counts(num_prefills, num_decodes, num_spec_decodes, num_actual_tokens,
@@ -181,16 +239,27 @@ def gdn_attention_(core_attn_out, z, projected_states_qkvz, projected_states_ba,
                  qkvz.device, batch, tokens, num_prefills == 0)
     q, k, v, z_part, b, a = split_projections(qkvz[:tokens], projected_states_ba[:tokens], hk,
                                               hv, k_dim, v_dim, reorder)
-    mixed_qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    parts = [q.flatten(1), k.flatten(1), v.flatten(1)]
+    width = 2 * hk * k_dim + hv * v_dim
+    buf = _staging(workspace, tokens, width, qkvz.dtype, qkvz.device) if write else None
+    mixed_qkv = torch.cat(parts, dim=1) if buf is None else torch.cat(parts, dim=1, out=buf)
     initial = (torch.ones(batch, dtype=torch.bool, device=qkvz.device)
                if has_initial_state is None else has_initial_state)
+    conv, ssm, slots = conv_state, ssm_state, non_spec_state_indices_tensor
+    if ssm_state.dtype != torch.float32 and write:     # the op's states are float32
+        conv, ssm, slots, inside = _stage_states(conv_state, ssm_state, slots)
+    elif ssm_state.dtype != torch.float32:             # the fake: a float32 stand-in
+        ssm = torch.empty_like(ssm_state, dtype=torch.float32)
     o = torch.ops.xpu_ops.gdn_attention(
-        mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv_state.transpose(1, 2),
-        ssm_state.transpose(-1, -2), non_spec_query_start_loc, non_spec_state_indices_tensor,
-        initial, hk, k_dim, activation, num_prefills == 0)
+        mixed_qkv, a, b, conv_weights, conv_bias, A_log, dt_bias, conv.transpose(1, 2),
+        ssm.transpose(-1, -2), non_spec_query_start_loc, slots, initial, hk, k_dim, activation,
+        num_prefills == 0)
     if write:
         core_attn_out[:tokens].copy_(o)
         z[:tokens].copy_(z_part)
+        if ssm is not ssm_state:
+            _unstage_states(conv_state, ssm_state, non_spec_state_indices_tensor, conv, ssm,
+                            inside)
 
 
 _OPTIONAL = ("conv_bias", "has_initial_state", "non_spec_query_start_loc",
@@ -225,7 +294,8 @@ def gdn_attention(core_attn_out, z, projected_states_qkvz, projected_states_ba, 
         non_spec_state_indices_tensor: int32 ``[b]`` pool slots (-1: from zeros, no write).
         tp_size: divides both head counts. reorder_input: the projections' layout.
     Returns:
-        None (sgl-kernel-xpu's contract: results are written in place).
+        None (sgl-kernel-xpu's contract: results are written in place). The call's scratch
+        comes from ``_gdn_ws_cache`` (grow-only, per device; the module docstring).
     Raises:
         TypeError/ValueError (also RuntimeError), naming the argument; nothing is written then.
     Source: sgl-kernel-xpu ``python/sgl_kernel/gdn_attn.py`` and ``src/torch_extension_sycl.cc``
@@ -250,13 +320,38 @@ def gdn_attention(core_attn_out, z, projected_states_qkvz, projected_states_ba, 
         ("head_v_dim", head_v_dim), ("num_prefills", num_prefills), ("num_decodes", num_decodes),
         ("num_spec_decodes", num_spec_decodes), ("num_actual_tokens", num_actual_tokens),
         ("tp_size", tp_size))]
+    hk, hv = _heads(ints[0], ints[1], ints[8])
+    device = projected_states_qkvz.device
+    workspace = _workspace(gdn_workspace_bytes(ints[7], hk, hv, ints[2], ints[3],
+                                               projected_states_qkvz.dtype), device)
     torch.ops.sgl_kernel.gdn_attention(
         core_attn_out, z, projected_states_qkvz, projected_states_ba, *ints[:4], conv_state,
         ssm_state, conv_weights, conv_bias, activation, A_log, dt_bias, *ints[4:7],
         has_initial_state, non_spec_query_start_loc, non_spec_token_indx,
         non_spec_state_indices_tensor, spec_query_start_loc, spec_token_indx,
         spec_state_indices_tensor, num_accepted_tokens, ints[7], ints[8],
-        check_flag(FN, "reorder_input", reorder_input))
+        check_flag(FN, "reorder_input", reorder_input), workspace)
+    if workspace is not None:
+        _gdn_ws_cache[device] = workspace     # kept only once a call has accepted it
 
 
-__all__ = ["gdn_attention", "gdn_attention_", "split_projections"]
+#: Growth factor of a regrown cached workspace (sgl-kernel-xpu's wrapper: 1.25).
+WORKSPACE_HEADROOM = 1.25
+#: The wrapper's workspace per device (sgl-kernel-xpu's ``sgl_kernel.gdn_attn._gdn_ws_cache``):
+#: a flat uint8 buffer that only grows, shared by every call through ``gdn_attention``.
+_gdn_ws_cache: dict[torch.device, Tensor] = {}
+
+
+def _workspace(nbytes: int, device: torch.device) -> Tensor | None:
+    """The cached buffer when it holds ``nbytes``, else a new one ``WORKSPACE_HEADROOM`` times
+    larger (cached by the caller after the call); None for no byte or while tracing (the
+    compiler plans a graph's memory)."""
+    if nbytes <= 0 or torch.compiler.is_compiling():
+        return None
+    cur = _gdn_ws_cache.get(device)
+    if cur is not None and cur.numel() >= nbytes:
+        return cur
+    return torch.empty(int(nbytes * WORKSPACE_HEADROOM), dtype=torch.uint8, device=device)
+
+
+__all__ = ["gdn_attention", "gdn_attention_", "gdn_workspace_bytes", "split_projections"]

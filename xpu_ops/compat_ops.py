@@ -17,7 +17,8 @@ imports (a real one defines these names itself; they must not be defined twice).
   per-token index-key cache, 0.0 past each request), composed of
   ``torch.ops.xpu_ops.fp8_paged_mqa_logits``.
 * ``sgl_kernel::gdn_attention(...) -> ()``: sgl-kernel-xpu's fused gated-delta-net layer, its
-  schema with ``core_attn_out``, ``z``, ``conv_state`` and ``ssm_state`` written
+  schema with ``core_attn_out``, ``z``, ``conv_state``, ``ssm_state`` and the optional scratch
+  ``workspace`` written
   (``xpu_ops.compat_gdn``), composed of ``torch.ops.xpu_ops.gdn_attention``.
 """
 
@@ -155,7 +156,7 @@ def _(q_fp8, kv_cache, weights, seq_lens, block_tables, schedule_metadata, max_s
 
 
 @define_op("sgl_kernel::gdn_attention", mutates_args=("core_attn_out", "z", "conv_state",
-                                                     "ssm_state"))
+                                                     "ssm_state", "workspace"))
 def gdn_attention(core_attn_out: Tensor, z: Tensor, projected_states_qkvz: Tensor,
                   projected_states_ba: Tensor, num_k_heads: int, num_v_heads: int,
                   head_k_dim: int, head_v_dim: int, conv_state: Tensor, ssm_state: Tensor,
@@ -169,8 +170,8 @@ def gdn_attention(core_attn_out: Tensor, z: Tensor, projected_states_qkvz: Tenso
                   spec_state_indices_tensor: Optional[Tensor],
                   num_accepted_tokens: Optional[Tensor], num_actual_tokens: int, tp_size: int,
                   reorder_input: bool, workspace: Optional[Tensor] = None) -> None:
-    """sgl-kernel-xpu's raw fused ``gdn_attention`` (writes ``core_attn_out``, ``z`` and both
-    state pools; ``workspace`` is ignored: contract ``xpu_ops.compat_gdn.gdn_attention``)."""
+    """sgl-kernel-xpu's raw fused ``gdn_attention`` (writes ``core_attn_out``, ``z``, both
+    state pools and, when usable, the scratch ``workspace``: contract ``xpu_ops.compat_gdn``)."""
     from . import compat_gdn
     compat_gdn.gdn_attention_(
         core_attn_out, z, projected_states_qkvz, projected_states_ba, num_k_heads, num_v_heads,
@@ -178,13 +179,13 @@ def gdn_attention(core_attn_out: Tensor, z: Tensor, projected_states_qkvz: Tenso
         A_log, dt_bias, num_prefills, num_decodes, num_spec_decodes, has_initial_state,
         non_spec_query_start_loc, non_spec_token_indx, non_spec_state_indices_tensor,
         spec_query_start_loc, spec_token_indx, spec_state_indices_tensor, num_accepted_tokens,
-        num_actual_tokens, tp_size, reorder_input)
+        num_actual_tokens, tp_size, reorder_input, workspace)
 
 
 @gdn_attention.register_fake
 def _(*args):
     from . import compat_gdn
-    compat_gdn.gdn_attention_(*args[:29], write=False)   # the checks (workspace ignored)
+    compat_gdn.gdn_attention_(*args[:29], write=False)   # the checks (workspace: scratch)
 
 
 #: ``torch.ops.sgl_kernel`` names this module defines.

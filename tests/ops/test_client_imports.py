@@ -8,8 +8,8 @@ The list is written out from the clients' sources (not from the shim's table): e
   ``vision.py``, ``deepseek_v4_backend.py``, ``dsa/``, ``dsv4/``, ``qsa/``, ``linear/``),
   ``hardware_backend/xpu/``, ``mem_cache/memory_pool.py`` (the KV store),
   ``layers/rotary_embedding/base.py`` (XPU's raw rotary op), ``models/gemma3_mm.py``;
-* sgl-kernel-xpu main (``tests/``: the attention, MLA, merge, store, DSA-indexer and rotary
-  files the runner ``scripts/run_sgl_kernel_xpu_tests.py`` runs; ``python/sgl_kernel/__init__.py``
+* sgl-kernel-xpu main (``tests/``: the attention, MLA, merge, store, DSA-indexer, rotary, GDN
+  and causal-conv1d files the runner ``scripts/run_sgl_kernel_xpu_tests.py`` runs; ``python/sgl_kernel/__init__.py``
   for the package-level names);
 * sglang main's ``layers/attention/xpu_backend.py`` (commit 00aa388: the same names, with
   ``flash_mla_get_workspace_size`` where 0.5.23 has ``flash_mla_decode_get_workspace_size``);
@@ -26,6 +26,8 @@ import importlib
 
 import pytest
 import torch
+
+import xpu_ops.compat_gdn
 
 from .test_compat_shim import shim  # noqa: F401  (the fixture: the shim, or a skip)
 
@@ -103,6 +105,13 @@ CLIENT_IMPORTS = {
     ("sgl_kernel", "gdn_attention"): ("sglang srt/hardware_backend/xpu/attention/"
                                       "xpu_gdn_backend.py",),
     ("sgl_kernel.gdn_attn", "gdn_attention"): (
+        "sgl-kernel-xpu python/sgl_kernel/__init__.py (its home module)",
+        _XT + "test_gdn_attention_wrapper.py"),
+    ("sgl_kernel", "causal_conv1d_fn_xpu"): (_XT + "test_causal_conv1d.py",),
+    ("sgl_kernel", "causal_conv1d_update_xpu"): (_XT + "test_causal_conv1d.py",),
+    ("sgl_kernel.mamba", "causal_conv1d_fn_xpu"): (
+        "sgl-kernel-xpu python/sgl_kernel/__init__.py (its home module)",),
+    ("sgl_kernel.mamba", "causal_conv1d_update_xpu"): (
         "sgl-kernel-xpu python/sgl_kernel/__init__.py (its home module)",),
 }
 #: ``torch.ops.sgl_kernel.<name>`` called directly -> where.
@@ -111,7 +120,8 @@ RAW_OPS = {
                          _XT + "test_rotary_embedding.py"),
     "fp8_paged_mqa_logits": (_XT + "test_fp8_mqa_logits.py",),
     "gdn_attention": ("sglang srt/hardware_backend/xpu/attention/xpu_gdn_backend.py "
-                      "(hasattr probe before its fused path)",),
+                      "(hasattr probe before its fused path)", _XT + "test_gdn_attention.py",
+                      _XT + "test_gdn_attention_workspace.py (with workspace=)"),
 }
 #: Names the sources import from ``sgl_kernel`` that the shim does not provide, and why.
 NOT_PROVIDED = {
@@ -148,3 +158,7 @@ def test_module_attribute_forms(shim):
     assert callable(sgl_kernel.fp8_paged_mqa_logits)
     assert importlib.import_module("sgl_kernel.fp8_paged_mqa_logits").FP8_DTYPE is \
         torch.float8_e4m3fn
+    # sgl-kernel-xpu's wrapper cache that test_gdn_attention_wrapper.py reads and clears
+    import sgl_kernel.gdn_attn as gdn_attn
+    assert isinstance(gdn_attn._gdn_ws_cache, dict)
+    assert gdn_attn._gdn_ws_cache is xpu_ops.compat_gdn._gdn_ws_cache   # one cache

@@ -141,8 +141,8 @@ def _bad_calls():
             1, dtype=torch.int32), non_spec_query_start_loc=torch.tensor([0, 2]).int())),
         ("conv_weights", dict(conv_weights=torch.randn(DIM + 1, WIDTH))),   # xpu_ops' own check
         # this call's names (not xpu_ops.gdn_attention's conv_states, ssm_states, cache_indices)
-        ("ssm_state has dtype torch.float16",
-         dict(ssm_state=torch.zeros(CACHE, HV, V, K, dtype=torch.float16))),
+        ("ssm_state has dtype torch.float64",      # fp32|fp16|bf16 are the native types
+         dict(ssm_state=torch.zeros(CACHE, HV, V, K, dtype=torch.float64))),
         ("conv_state has dtype torch.int32",
          dict(conv_state=torch.zeros(CACHE, WIDTH - 1, DIM, dtype=torch.int32))),
         ("conv_state has the wrong size in dimension 1",
@@ -172,7 +172,7 @@ def test_gdn_attention_raw_op_and_fake(shim):
     op = torch.ops.sgl_kernel.gdn_attention.default
     written = [a.name for a in op._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write]
-    assert written == ["core_attn_out", "z", "conv_state", "ssm_state"]
+    assert written == ["core_attn_out", "z", "conv_state", "ssm_state", "workspace"]
     t, _, qkvz, ba, p, conv_pool, ssm_pool = _case([1, 1], 2, True, 5)
     args = _call(lambda **kw: tuple(kw.values()), torch.empty(2, HV, V), torch.empty(2, HV, V),
                  qkvz, ba, p, conv_pool.transpose(1, 2).contiguous().transpose(1, 2), ssm_pool,

@@ -166,9 +166,14 @@ def error_kind(error: BaseException) -> str:
     return next(c.__name__ for c in type(error).__mro__ if c.__module__ == "builtins")
 
 
+def implemented(provider: str, op) -> bool:
+    """``provider`` has an implementation of ``op`` (on some device; ``python -m xpu_ops info``
+    lists the op families that have not reached a provider yet)."""
+    return dict(providers.candidates(op_name(op), "cpu")).get(provider) != \
+        "no implementation of this op"
+
+
 def skip_if_unimplemented(provider: str, op) -> None:
-    """Skip a generic per-op test for a provider that has no implementation of ``op`` (an op
-    family that has not reached that provider yet; ``python -m xpu_ops info`` lists it)."""
-    if dict(providers.candidates(op_name(op), "cpu")).get(provider) == \
-            "no implementation of this op":
+    """Skip a generic per-op test for a provider that has no implementation of ``op``."""
+    if not implemented(provider, op):
         pytest.skip(f"{op_name(op)} has no {provider} implementation")
