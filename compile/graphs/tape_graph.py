@@ -145,8 +145,8 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.tapes: list[list] = [[]]
+        self.reads: list[int] = [0]  # host reads per open tape
         self.paused = False
-        self.host_reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,23 +163,25 @@ class _Recorder(TorchDispatchMode):
             return
         if not func._schema.is_mutable and not any(isinstance(t, Tensor)
                                                    for t in tree_leaves(out)):
-            self.host_reads += 1  # its value was read by the host: frozen
+            self.reads[-1] += 1  # its value was read by the host: frozen
             return
         self.tapes[-1].append(_entry(func, args, kwargs, out))
 
     def _record_custom(self, func, args, kwargs):
         self.tapes.append([])
+        self.reads.append(0)
         try:
             with self:
                 out = func.redispatch(_CPU_KEYS, *args, **kwargs)
         finally:
-            inner = self.tapes.pop()
+            inner, reads = self.tapes.pop(), self.reads.pop()
         if _is_kernel_op(func) and not any(isinstance(e, TapeLaunch) for e in inner):
-            entry = _entry(func, args, kwargs, out)
+            entry = _entry(func, args, kwargs, out)  # a device kernel: its reads are its own
             entry.provider = providers.forced_provider()
             self.tapes[-1].append(entry)
         else:
             self.tapes[-1].extend(inner)
+            self.reads[-1] += reads
         return out
 
     def observe_launch(self, kernel, grid, device, args, kwargs):
@@ -232,7 +234,9 @@ class TapeGraph:
     Attributes:
         outputs: the capture call's result (a replay writes these tensors).
         tape: ``TapeOp`` and ``TapeLaunch`` entries in order.
-        host_reads: ops whose result the host read at capture (frozen numbers).
+        host_reads: ops whose result the host read at capture (frozen numbers; a reference
+            kernel op's own reads are not counted). On a GPU each is a host read of device
+            memory, which a capture refuses, or of host memory, frozen.
     Raises:
         RuntimeError: at replay, an op whose result shape changed since the capture.
     """
@@ -247,7 +251,7 @@ class TapeGraph:
                 self.outputs = fn(*self.args)
         finally:
             _RECORDING.remove(recorder)
-        self.tape, self.host_reads = recorder.tapes[0], recorder.host_reads
+        self.tape, self.host_reads = recorder.tapes[0], recorder.reads[0]
 
     @property
     def launches(self) -> int:

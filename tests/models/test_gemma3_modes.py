@@ -6,7 +6,8 @@ code runs. Modes as ``python -m compile`` builds them, on the CPU: ``torch.compi
 ``compile_model`` (Dynamo, eager backend: tracing and guards are what differ from eager; the
 default model's Inductor run is the main job's), piecewise with graph capture emulated
 (``emulate_graphs=True``: the bucket, capture and replay path), full decode graphs
-(``GraphRunner``: the step-buffer step the GPU captures) and full_and_piecewise.
+(``GraphRunner``: the step-buffer step the GPU captures, captured and replayed as a
+``TapeGraph``, so host decisions of the capture stay frozen as on a GPU) and full_and_piecewise.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ MODES = {
     "compile": lambda m: compile_model(m, backend="eager"),
     "piecewise": lambda m: PiecewiseModel(m, inductor=False, emulate_graphs=True,
                                           graph_sizes=(8, 16, 32)),
-    "graphs": lambda m: GraphRunner(m, forward=compile_model(m, backend="eager")),
+    "graphs": lambda m: GraphRunner(m, forward=compile_model(m, backend="eager"),
+                                    emulate_graphs=True),
     "full_and_piecewise": lambda m: full_and_piecewise(m, inductor=False, emulate_graphs=True,
                                                        graph_sizes=(8, 16, 32)),
 }

@@ -67,6 +67,7 @@ def test_host_int_read_at_capture_is_frozen(emulate):
         return x[:int(lengths.max())].sum().reshape(1)
 
     outs = calls(step, emulate, (x,), lambda: lengths.fill_(6))
+    assert TapeGraph(step, (x,)).host_reads == 1  # the int read from ``lengths``
     if emulate == "tape":
         torch.testing.assert_close(outs[2], x[:2].sum().reshape(1))
     else:
