@@ -6,7 +6,9 @@ request of ``context`` keys:
 - eager call: one call followed by a device synchronisation (host plus device time, the figure
   an eager decode layer pays), median over ``iters`` after ``warmup`` (``bench_op_call``'s
   ``latency_us``); the ``triton`` op against torch SDPA on the same keys stored contiguously
-  (``enable_gqa``) and FlashInfer's decode wrapper (planned once, outside the timing);
+  (``enable_gqa``) and FlashInfer's decode wrapper (planned once, outside the timing); packed
+  ``q [1, Hq, D]`` with ``cu_seqlens_q``, then the 4-D ``q [1, 1, Hq, D]`` form (the op builds
+  no ``cu_seqlens_q`` per call) against the same SDPA figure;
 - inside a CUDA graph: ``layers`` calls, each on its own copy of the cache (as a model's
   layers), captured once; the replay's device time (CUDA events over ``replays`` replays) per
   call, for the ``triton`` op and SDPA.
@@ -68,9 +70,9 @@ def _layer_calls(context: int, page: int, layers: int, device) -> dict:
 
 def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int = 50,
               iters: int = 300, device: str = "cuda") -> list[dict]:
-    """The two rows: ``{"workload", "unit", "triton", "sdpa", "flashinfer"}`` in microseconds
+    """The three rows: ``{"workload", "unit", "triton", "sdpa", "flashinfer"}`` in microseconds
     (None: the peer could not run here), with the ``triton`` provider selected for the op; the
-    graph row only on CUDA (elsewhere its figures are None: a CPU smoke run)."""
+    graph row (the last) only on CUDA (elsewhere its figures are None: a CPU smoke run)."""
     from bench_op_call import decode_inputs, flashinfer_run, latency_us
     device = torch.device(device)
     w = decode_inputs(1, context, page, torch.bfloat16, device)
@@ -87,12 +89,19 @@ def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int
         for name, fn in fns.items():
             eager[name] = None if fn is None else _guarded(
                 lambda fn=fn: latency_us(fn, device, warmup, iters)["us"], name)
+        q_4d = w["q"].unsqueeze(1)  # [b, 1, Hq, D]: the call without cu_seqlens_q
+        eager_4d = _guarded(lambda: latency_us(lambda: xpu_ops.flash_attn_with_kvcache(
+            q_4d, w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
+            page_table=w["page_table"], causal=True), device, warmup, iters)["us"], "triton 4-D")
         graphed = {name: _guarded(lambda fns=fns_: graph_us(fns), f"{name} graph")
                    if device.type == "cuda" else None
                    for name, fns_ in _layer_calls(context, page, layers, device).items()}
     return [dict(workload=f"eager decode call b=1, ctx {context} (host + device)", unit="us",
                  **eager),
-            dict(workload=f"the same inside a CUDA graph ({layers} calls on {layers} caches, "
+            dict(workload=f"eager decode call b=1, ctx {context}, 4-D q [1, 1, Hq, D] without "
+                          "cu_seqlens_q (host + device)", unit="us", triton=eager_4d,
+                 sdpa=eager["sdpa"], flashinfer=None),
+            dict(workload=f"the packed call inside a CUDA graph ({layers} calls on {layers} caches, "
                           "device time per call)", unit="us", flashinfer=None, **graphed)]
 
 

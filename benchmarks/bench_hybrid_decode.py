@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-inductor", action="store_true",
                     help="pieces run as Dynamo traced them (CPU check without compiling)")
     ap.add_argument("--emulate-graphs", action="store_true",
-                    help="capture EmulatedGraphs (CPU check of the whole-step graph path)")
+                    help="capture emulated graphs (TapeGraph: CPU check of the whole-step graph path)")
     ap.add_argument("--out", default=None,
                     help="folder for hybrid_decode.md and .json (the results page's 'hybrid' "
                          "part: benchmarks/results/<kind>/hybrid/)")

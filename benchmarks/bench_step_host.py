@@ -6,7 +6,7 @@ attention metadata is still built on the host) and the replay call. Rows per bat
 
     load             ``StepBuffers.load`` of the step (what the runner calls before a replay)
     runner step      ``GraphRunner.__call__`` of a replayed step; on the CPU the captured
-                     ``EmulatedGraph``'s replay is a no-op here (a device graph's replay is one
+                     emulated graph's replay is a no-op here (a device graph's replay is one
                      host call), so the row is the runner's own host work
 
 each as microseconds (``--stat`` over ``--repeats`` of the mean of ``--iters`` calls, after a
@@ -35,7 +35,7 @@ from bench_model import build, decode_batch  # benchmarks/ is on sys.path when r
 
 
 class _NoReplay:
-    """Stands in for a captured CPU ``EmulatedGraph``: a replay that costs one call."""
+    """Stands in for a captured CPU emulated graph: a replay that costs one call."""
 
     def replay(self) -> None:
         pass

@@ -165,37 +165,33 @@ def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, 
     """The kernel of one device type: ``check``, then what ``route`` resolved runs (the
     provider's function itself, ``Route.target``), then the written arguments' versions.
 
-    One Python frame between the dispatcher and the provider: the body is written out for the
-    usual call (grad mode off, e.g. under ``torch.inference_mode``), and runs through ``run``
-    under ``torch.no_grad()`` otherwise (not differentiable: no provider records a graph)."""
+    One Python frame between the dispatcher and the provider. Not differentiable: under grad
+    mode the body runs with grad mode switched off (``torch._C._set_grad_enabled``, what
+    ``torch.no_grad()`` does, without its context-manager objects) and on again after, also
+    when it raises, so no provider records a graph."""
     target = route.target
     one = mutated[0] if len(mutated) == 1 else None  # one written argument: no list to build
     increment_version = torch.autograd.graph.increment_version
-    is_grad_enabled = torch.is_grad_enabled
-
-    def run(args, kwargs):
-        replaced = check(*args, **kwargs)
-        if replaced is not None:
-            args = replaced
-        result = target()(*args, **kwargs)
-        if mutated:
-            _bump_versions(args, mutated)
-        return result
+    is_grad_enabled, set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
     def kernel(*args, **kwargs):
-        if is_grad_enabled():
-            with torch.no_grad():
-                return run(args, kwargs)
-        replaced = check(*args, **kwargs)
-        if replaced is not None:
-            args = replaced
-        result = target()(*args, **kwargs)
-        if one is not None:  # (trailing defaulted arguments may not be passed)
-            if one < len(args) and args[one] is not None:
-                increment_version(args[one])
-        elif mutated:
-            _bump_versions(args, mutated)
-        return result
+        grad = is_grad_enabled()
+        if grad:
+            set_grad_enabled(False)
+        try:
+            replaced = check(*args, **kwargs)
+            if replaced is not None:
+                args = replaced
+            result = target()(*args, **kwargs)
+            if one is not None:  # (trailing defaulted arguments may not be passed)
+                if one < len(args) and args[one] is not None:
+                    increment_version(args[one])
+            elif mutated:
+                _bump_versions(args, mutated)
+            return result
+        finally:
+            if grad:
+                set_grad_enabled(True)
 
     kernel.__name__ = kernel.__qualname__ = f"{check.__name__}_{route.device_type}"
     return kernel

@@ -149,6 +149,13 @@ def candidates(op: str, device_type: str) -> list[tuple[str, Optional[str]]]:
              else impls[name].available(device_type)) for name in PROVIDER_ORDER]
 
 
+def has_providers(op: str) -> bool:
+    """True when ``op`` (a bare ``xpu_ops`` op name) is a kernel op routed to providers (not one
+    of the ops whose kernel is its own Python, like ``compile``'s split ops)."""
+    _load_providers()
+    return op in _registry
+
+
 def record_fallback(op: str, provider: str, reason: str) -> None:
     """Count one call of ``op`` that ``provider`` declined for ``reason`` (warns the first
     time)."""
@@ -302,4 +309,4 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
 
 __all__ = ["PROVIDER_ORDER", "ENVIRONMENT", "DISPATCH_KEYS", "Implementation", "Route", "register",
            "availability_depends_on", "refresh", "getenv", "forced_provider", "use_provider",
-           "candidates", "record_fallback", "fallbacks", "empty_lse", "route", "select"]
+           "candidates", "has_providers", "record_fallback", "fallbacks", "empty_lse", "route", "select"]

@@ -67,7 +67,8 @@ class GraphRunner:
         topk: branches per request of the tree draft-decode steps captured (their
             ``spec_info.topk``; steps with topk 1 are captured too).
         capture: capture device graphs (default: when the model's device supports them).
-        emulate_graphs: capture ``EmulatedGraph``s (CPU tests); implies ``capture``.
+        emulate_graphs: capture CPU stand-ins (tests; ``GraphWrapper``'s ``emulate``: True,
+            ``"tape"`` or ``"rerun"``); implies ``capture``.
         debug: check on every replay that no input moved.
         graph_pool: a ``device.graph_pool_handle`` shared with other graphs (the pieces').
         tokens: the ``TokenBuffers`` the step buffers use (the pieces'), or None for their own.
@@ -87,7 +88,7 @@ class GraphRunner:
     def __init__(self, model, *, forward: Optional[Callable] = None,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, draft_token_num: int = 0,
                  speculative_num_steps: int = 0, topk: int = 1, capture: Optional[bool] = None,
-                 emulate_graphs: bool = False, debug: bool = False, graph_pool=None,
+                 emulate_graphs: bool | str = False, debug: bool = False, graph_pool=None,
                  tokens: Optional[TokenBuffers] = None):
         self.model, self.forward = model, (model if forward is None else forward)
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))

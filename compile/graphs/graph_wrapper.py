@@ -16,7 +16,10 @@ Per call:
 
 What it does not do: copy inputs into fixed buffers (its owner feeds it from its step buffers),
 build metadata, or capture while another capture records (graphs cannot nest: it raises).
-On the CPU ``emulate=True`` captures ``EmulatedGraph``s, so the bookkeeping runs in tests.
+On the CPU ``emulate`` captures stand-ins, so the bookkeeping runs in tests: ``"tape"``
+(``compile/graphs/tape_graph.py``: a replay reruns the recorded ops and Triton launches with every
+host decision of the capture frozen, as a device graph does) or ``"rerun"`` (``EmulatedGraph``:
+a replay reruns the Python callable; ``True`` picks ``DEFAULT_EMULATION``).
 
 >>> import torch
 >>> from compile.graphs.forward_context import BatchDescriptor, GraphMode, set_forward_context
@@ -38,6 +41,7 @@ from torch import Tensor
 
 from compile.graphs import device as dev
 from compile.graphs.forward_context import BatchDescriptor, GraphMode, current_batch_descriptor
+from compile.graphs.tape_graph import TapeGraph
 
 
 class EmulatedGraph:
@@ -55,6 +59,25 @@ class EmulatedGraph:
     def replay(self) -> None:
         for dst, src in zip(output_tensors(self.outputs), output_tensors(self.fn(*self.args))):
             dst.copy_(src)
+
+
+EMULATIONS = {"tape": TapeGraph, "rerun": EmulatedGraph}
+DEFAULT_EMULATION = "tape"  # what ``emulate=True`` captures
+
+
+def emulation(emulate) -> Optional[type]:
+    """The stand-in graph class of ``emulate`` (False: None, True: ``DEFAULT_EMULATION``'s).
+
+    Raises:
+        ValueError: a name not in ``EMULATIONS``.
+    """
+    if emulate is False or emulate is None:
+        return None
+    name = DEFAULT_EMULATION if emulate is True else emulate
+    if name not in EMULATIONS:
+        raise ValueError(f"GraphWrapper: emulate must be a bool or one of {sorted(EMULATIONS)}; "
+                         f"got {emulate!r}. Pass True for the default emulation.")
+    return EMULATIONS[name]
 
 
 def output_tensors(out: Any) -> list[Tensor]:
@@ -89,7 +112,8 @@ class GraphWrapper:
         name: used in errors ("piece 3", "full step").
         capture: False never captures (the CPU without emulation, or a runnable that reads
             per-step inputs; ``uncaptured_reason`` says which).
-        emulate: capture ``EmulatedGraph``s (CPU tests).
+        emulate: capture stand-in graphs on the CPU (tests): ``"tape"``, ``"rerun"`` or True
+            (``DEFAULT_EMULATION``); see ``emulation``.
         debug: check input addresses on every replay.
         pool: a ``device.graph_pool_handle`` shared with the owner's other graphs, or None.
         warmup_calls: uncaptured calls of a descriptor before its capture.
@@ -106,7 +130,7 @@ class GraphWrapper:
         self.runnable, self.graph_mode, self.device, self.name = (runnable, graph_mode,
                                                                   torch.device(device), name)
         self.capture = capture and uncaptured_reason is None
-        self.emulate, self.debug, self.pool = emulate, debug, pool
+        self.emulate, self.debug, self.pool = emulation(emulate), debug, pool
         self.warmup_calls, self.uncaptured_reason = warmup_calls, uncaptured_reason
         self.entries: dict[BatchDescriptor, CapturedGraph] = {}
         self.calls: dict[BatchDescriptor, int] = {}
@@ -134,8 +158,8 @@ class GraphWrapper:
                                "device graph capture is already recording; graphs cannot nest. "
                                "Pieces inside a full-graph step must see its FULL descriptor "
                                "(compile.graphs.graph_runner.GraphRunner sets it).")
-        if self.emulate:  # ran the step once: this call's result (a step runs once per call,
-            graph = EmulatedGraph(self.runnable, args)  # as it must when it updates state)
+        if self.emulate is not None:  # ran the step once: this call's result (a step runs
+            graph = self.emulate(self.runnable, args)  # once per call, as it must)
             output = graph.outputs
         else:
             graph = dev.new_graph(self.device)
@@ -157,5 +181,5 @@ class GraphWrapper:
                                    "owner's step buffers.")
 
 
-__all__ = ["EmulatedGraph", "CapturedGraph", "GraphWrapper", "output_tensors",
+__all__ = ["EmulatedGraph", "EMULATIONS", "DEFAULT_EMULATION", "emulation", "CapturedGraph", "GraphWrapper", "output_tensors",
            "capture_in_progress"]

@@ -40,7 +40,7 @@ neither pads nor captures), capture steps past the largest bucket or idle steps,
 graphs between the Dynamo graphs of different modes (each mode's pieces capture their own graphs
 per bucket), or check input addresses on every replay (``debug=True`` does). On the CPU the same split and
 Inductor pieces run without capture; ``emulate_graphs=True`` runs the whole bucket, capture and
-replay bookkeeping there with ``EmulatedGraph`` stand-ins (tests).
+replay bookkeeping there with stand-in graphs (tests; ``GraphWrapper``'s ``emulate``).
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ from compile.graphs.forward_context import (BatchDescriptor, GraphMode, current_
                                             set_forward_context)
 from compile.graphs.graph_split import (SplitItem, call_split_op_kernel, capture_plan, graph_signature,
                           is_split_node, per_step_placeholders, split_graph)
-from compile.graphs.graph_wrapper import GraphWrapper
+from compile.graphs.graph_wrapper import GraphWrapper, emulation
 from compile.graphs.inductor_passes import piece_config_patches
 from compile.graphs.split_op import enable_split_op
 from compile.graphs.step_buffers import TokenBuffers
+from compile.graphs.tape_graph import TapeGraph
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
@@ -75,7 +76,8 @@ class PiecewiseBackend:
         inductor: compile pieces with Inductor (False: run the FX pieces as they are, for tests).
         static_inputs: names of the model's arguments that are fed from fixed buffers in
             bucketed steps (see ``capture_plan``).
-        emulate_graphs: capture ``EmulatedGraph``s instead of device graphs (CPU tests).
+        emulate_graphs: capture CPU stand-ins instead of device graphs (tests; True,
+            ``"tape"`` or ``"rerun"``: ``GraphWrapper``'s ``emulate``).
         unfuse_addmm: compile pieces with ``inductor_passes.ResidualAddmmPass`` (residual adds
             as ``mm + add``, fused into the next norm, instead of Inductor's ``addmm``: no
             copy of the residual and a ``beta = 0`` GEMM); None: on GPUs.
@@ -90,7 +92,7 @@ class PiecewiseBackend:
 
     def __init__(self, device: torch.device | str = "cpu", *, debug: bool = False,
                  inductor: bool = True, static_inputs: Sequence[str] = ("input_ids", "positions"),
-                 emulate_graphs: bool = False, unfuse_addmm: Optional[bool] = None):
+                 emulate_graphs: bool | str = False, unfuse_addmm: Optional[bool] = None):
         self.device = torch.device(device)
         self.debug, self.inductor, self.emulate_graphs = debug, inductor, emulate_graphs
         self.config_patches = piece_config_patches(self.device, unfuse_addmm)
@@ -109,9 +111,14 @@ class PiecewiseBackend:
     def wrap_piece(self, index: int, compiled: Callable,
                    uncaptured_reason: Optional[str]) -> GraphWrapper:
         """The ``GraphWrapper`` of piece ``index`` (never captured with an
-        ``uncaptured_reason``), sharing this backend's memory pool."""
+        ``uncaptured_reason``), sharing this backend's memory pool. An Inductor piece is
+        emulated by rerunning it: the tape cannot see Inductor's CPU kernels, and compiled code
+        holds no host decision a replay could miss (its kernels and sizes are fixed)."""
+        emulate = self.emulate_graphs
+        if self.inductor and emulation(emulate) is TapeGraph:
+            emulate = "rerun"
         piece = GraphWrapper(compiled, GraphMode.PIECEWISE, self.device, name=f"piece {index}",
-                             emulate=self.emulate_graphs, debug=self.debug, pool=self.pool,
+                             emulate=emulate, debug=self.debug, pool=self.pool,
                              uncaptured_reason=uncaptured_reason)
         self.pieces.append(piece)
         return piece
@@ -196,8 +203,8 @@ class PiecewiseModel(nn.Module):
         capture: capture graphs (default: when ``device`` supports them).
         debug: check input addresses on every replay.
         inductor: False runs the FX pieces without Inductor (fast tests).
-        emulate_graphs: capture ``EmulatedGraph``s (implies ``capture``): the bucket, capture and
-            replay bookkeeping on the CPU, for tests.
+        emulate_graphs: capture CPU stand-ins (``GraphWrapper``'s ``emulate``; implies
+            ``capture``): the bucket, capture and replay bookkeeping on the CPU, for tests.
         unfuse_addmm: as ``PiecewiseBackend``'s (None: on GPUs).
     Attributes:
         backend: the ``PiecewiseBackend`` (its ``stats`` count graphs, pieces, compiles,
@@ -218,7 +225,7 @@ class PiecewiseModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  capture: Optional[bool] = None, debug: bool = False, inductor: bool = True,
-                 device: torch.device | str | None = None, emulate_graphs: bool = False,
+                 device: torch.device | str | None = None, emulate_graphs: bool | str = False,
                  unfuse_addmm: Optional[bool] = None):
         super().__init__()
         if device is None:

@@ -75,8 +75,10 @@ def test_op_call_rows_run_on_the_cpu_interpreter():
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True, timeout=300,
                           env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path))
-    eager, graphed = json.loads(done.stdout.strip().splitlines()[-1])
+    eager, eager_4d, graphed = json.loads(done.stdout.strip().splitlines()[-1])
     assert eager["triton"] > 0 and eager["sdpa"] > 0 and eager["flashinfer"] is None
+    assert eager_4d["triton"] > 0 and eager_4d["sdpa"] == eager["sdpa"]
+    assert "4-D q" in eager_4d["workload"] and eager_4d["workload"].startswith("eager")
     assert graphed["triton"] is None and graphed["sdpa"] is None
     assert "ctx 32" in eager["workload"] and "2 calls on 2 caches" in graphed["workload"]
 

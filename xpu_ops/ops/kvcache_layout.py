@@ -39,8 +39,52 @@ def as_packed(fn: str, q, cu_seqlens_q, max_seqlen_q):
         fail(fn, "cu_seqlens_q", "is given with a 4-D q", "None when q is [b, s, Hq, D]",
              "a tensor", "Pass q packed as [total_q, Hq, D] to use cu_seqlens_q.")
     batch, seqlen = q.shape[:2]
-    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
-    return q.reshape(batch * seqlen, *q.shape[2:]), cu, seqlen, (batch, seqlen)
+    return (q.reshape(batch * seqlen, *q.shape[2:]), uniform_cu_seqlens(q, batch, seqlen), seqlen,
+            (batch, seqlen))
+
+
+# The cu_seqlens_q of 4-D queries, one read-only int32 tensor per (stream, b, s) on a GPU and per
+# (device, b, s) elsewhere: an eager call of a 4-D q then does no device work (an arange and a
+# multiply, each an allocation and a launch) to build it. On a GPU it is built on the stream that
+# reads it (the current one, whose later work runs after it) and only that stream's calls get
+# it: no synchronisation, and no other stream can read it before it is written. Entries are
+# never dropped (a block freed back to the caching allocator could be handed out while a stream
+# still reads it) and hold b + 1 ints each.
+_UNIFORM_CU_SEQLENS: dict[tuple, Tensor] = {}
+
+
+def _cu_seqlens_key(device: torch.device) -> Optional[object]:
+    """The stream (CUDA, XPU) or device whose calls may share a kept ``cu_seqlens_q``; None
+    while the current stream of ``device`` is capturing a graph (a tensor made during a capture
+    lives in the graph's memory pool, which later captures reuse: it must not outlive the
+    call)."""
+    if device.type not in ("cuda", "xpu"):
+        return device
+    if _value_checks._capturing(device):
+        return None
+    return torch.accelerator.current_stream(device.index)
+
+
+def uniform_cu_seqlens(q: Tensor, batch: int, seqlen: int) -> Tensor:
+    """``cu_seqlens_q = arange(b + 1) * s`` (int32, q's device) of a 4-D ``q [b, s, Hq, D]``.
+
+    An eager call of a plain tensor gets the tensor kept for its stream (device) and ``(b, s)``
+    (made once, outside any dispatch mode and inference mode; nothing writes it). Built as part
+    of the call instead while Dynamo traces, for tensor subclasses (fake, functional, proxy
+    tensors) and during a graph capture (``_cu_seqlens_key``).
+    """
+    key = (None if torch.compiler.is_compiling() or type(q) is not Tensor
+           else _cu_seqlens_key(q.device))
+    if key is None:
+        return torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
+    key = (key, batch, seqlen)
+    cu = _UNIFORM_CU_SEQLENS.get(key)
+    if cu is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes(), torch.inference_mode(False):
+            cu = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen
+        cu = _UNIFORM_CU_SEQLENS.setdefault(key, cu)
+    return cu
 
 
 def pack_rows(fn: str, arg: str, t, batch_shape):

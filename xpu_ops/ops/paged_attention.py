@@ -324,15 +324,20 @@ def flash_attn_with_kvcache(
             and v_descale is None and sinks is None and bidirectional_block_ids is None
             and type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and type(cache_seqlens) is Tensor and type(page_table) is Tensor
-            and type(cu_seqlens_q) is Tensor and (out is None or type(out) is Tensor)
+            and (out is None or type(out) is Tensor)
             and (max_seqlen_q is None or type(max_seqlen_q) is int)
             and (softmax_scale is None or type(softmax_scale) is float)
             and type(softcap) is float and window_size == (-1, -1)
             and type(causal) is bool and type(return_softmax_lse) is bool
-            and q.dim() == 3 and k_cache.dim() == 4):
-        return _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
-                           max_seqlen_q, softmax_scale, causal, softcap, num_splits,
-                           return_softmax_lse, out)
+            and k_cache.dim() == 4):
+        if type(cu_seqlens_q) is Tensor and q.dim() == 3:
+            return _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q,
+                               max_seqlen_q, softmax_scale, causal, softcap, num_splits,
+                               return_softmax_lse, out)
+        if cu_seqlens_q is None and q.dim() == 4:
+            return _plain_batched_call(q, k_cache, v_cache, cache_seqlens, page_table,
+                                       softmax_scale, causal, softcap, num_splits,
+                                       return_softmax_lse, out)
     optional = (None if type(cache_seqlens) is int else cache_seqlens, page_table, cu_seqlens_q,
                 qv, q_descale, k_descale, v_descale, sinks, out, cache_batch_idx, cache_leftpad,
                 rotary_seqlens, k, v, rotary_cos, rotary_sin, cu_seqlens_k_new,
@@ -415,6 +420,41 @@ def _plain_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     return (out, lse) if return_softmax_lse else out
 
 
+def _plain_batched_call(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale,
+                        causal: bool, softcap: float, num_splits: int, return_softmax_lse: bool,
+                        out):
+    """``_plain_call``'s form with a 4-D ``q [b, s, Hq, D]`` (and no ``cu_seqlens_q``): the
+    general path's steps for it in its order (packed q, the kept ``cu_seqlens_q``, the cache's
+    rank, the default scale, ``out`` in the packed layout, the scale's finiteness, the debug
+    value checks), none of its other argument forms; the results in the 4-D layout."""
+    batch, seqlen, num_heads_q, head_dim = q.shape
+    q3 = q.reshape(batch * seqlen, num_heads_q, head_dim)
+    cu_seqlens_q = kvcache_layout.uniform_cu_seqlens(q, batch, seqlen)
+    _check_cache_rank(NAME, "k_cache", k_cache)
+    if softmax_scale is None:
+        check_head_dim(NAME, "q", q3)
+        softmax_scale = default_softmax_scale(head_dim)
+    if out is None:  # _packed_out's new buffer, without its frame
+        out3 = q3.new_empty((batch * seqlen, num_heads_q, v_cache.shape[-1]),
+                            dtype=output_dtype(q3))
+        mergeable = True
+    else:
+        out3, mergeable = _packed_out(NAME, out, q3, v_cache.shape[-1], (batch, seqlen))
+    if not -math.inf < softmax_scale < math.inf:  # False for NaN too
+        finite_scale(NAME, "softmax_scale", softmax_scale)
+    _value_checks.check_flash_attn_with_kvcache(q3, k_cache, cache_seqlens, page_table,
+                                                cu_seqlens_q, seqlen)
+    lse = torch.ops.xpu_ops.flash_attn_with_kvcache.default(
+        q3, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, out3, None, None, None,
+        None, None, None, None, seqlen, softmax_scale, causal, -1, 0 if causal else -1,
+        softcap, num_splits, return_softmax_lse)
+    if out is None and not return_softmax_lse:
+        return out3.view(batch, seqlen, num_heads_q, out3.shape[2])
+    result, lse = _unpacked(out, out3, lse if return_softmax_lse else None, (batch, seqlen),
+                            mergeable)
+    return (result, lse) if return_softmax_lse else result
+
+
 def _check_keywords(attention_chunk, rotary_interleaved, num_splits, pack_gqa, sm_margin,
                     scheduler_metadata, max_seqlen_k, ver) -> None:
     """The scalar keywords (the usual call passes none of them, and is tested without building
@@ -440,10 +480,12 @@ def _unpacked(out, out3, lse, batch_shape, mergeable):
     when not requested)."""
     if batch_shape is None:
         return out3, lse
-    result = out3.view(*batch_shape, *out3.shape[1:])
-    if out is not None and not mergeable:
-        out.copy_(result)
-    result = out if out is not None else result
+    if out is None:
+        result = out3.view(*batch_shape, *out3.shape[1:])
+    else:
+        if not mergeable:
+            out.copy_(out3.view(*batch_shape, *out3.shape[1:]))
+        result = out
     if lse is None:
         return result, None
     return result, lse.view(lse.shape[0], *batch_shape).transpose(0, 1)

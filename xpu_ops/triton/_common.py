@@ -11,6 +11,7 @@ the next op call on the CPU sees the change).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -166,11 +167,22 @@ def set_descriptor_allocator() -> None:
     triton.set_allocator(alloc)
 
 
+# Launch observers: callables ``observer(kernel, grid, device, args, kwargs)`` returning a
+# context manager that ``launch`` holds while the kernel runs (``contextlib.nullcontext()`` when
+# it only watches). ``compile/graphs/tape_graph.py`` records launches with it (the graph
+# emulation of the CPU); nothing in ``xpu_ops`` adds one.
+LAUNCH_OBSERVERS: list = []
+
+
 def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)``; on CPU through Triton's interpreter."""
-    if device.type == "cpu" and not hasattr(kernel, "rewriter"):
-        kernel = _interpreted(kernel.fn)
-    kernel[grid](*args, **kwargs)
+    """Launch ``kernel[grid](*args, **kwargs)``; on CPU through Triton's interpreter. Each of
+    ``LAUNCH_OBSERVERS`` sees the launch first and holds its context around it."""
+    with contextlib.ExitStack() as observed:
+        for observer in tuple(LAUNCH_OBSERVERS):
+            observed.enter_context(observer(kernel, grid, device, args, kwargs))
+        if device.type == "cpu" and not hasattr(kernel, "rewriter"):
+            kernel = _interpreted(kernel.fn)
+        kernel[grid](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
