@@ -40,7 +40,7 @@ case "$PART" in
   lane xpu_a $XPU 6 200 rotary_embedding,fp8_mqa_logits,fp8_paged_mqa_logits,hadamard,topk_transform_1of2,topk_transform_2of2,flash_mla_decode_1of3,flash_mla_decode_2of3,flash_mla_decode_3of3 &
   lane xpu_b $XPU 4 200 flashmla_1of3,flashmla_2of3,flashmla_3of3,flash_attn_sparse_1of2,flash_attn_sparse_2of2,flash_attention_4_1of2,flash_attention_4_2of2 &
   lane sgl $SGL 5 150 merge,flash_1of4,flash_2of4,flash_3of4 &
-  lane xpu_c $XPU 2 120 gdn_attention,gdn_attention_workspace,gdn_attention_wrapper,causal_conv1d &
+  lane xpu_c $XPU 2 150 gdn_attention,causal_conv1d,gdn_attention_workspace,gdn_attention_wrapper &
   ;;
 2)
   lane sgl $SGL 4 200 flash_4of4,flashmla_1of3,flashmla_2of3,flashmla_3of3 &
