@@ -3,8 +3,9 @@ metadata build per step, whole-step graphs for decode / verify / draft decode, p
 rest.
 
 On the CPU the runner runs its step-buffer path without capture (same padding, same
-``fill_graph_metadata`` refill) or with ``EmulatedGraph``s, so stale-metadata bugs
-show here too; the ``gpu`` tests capture and replay.
+``fill_graph_metadata`` refill) or with emulated graphs (``TapeGraph``: a replay reruns the
+recorded ops, never the Python), so stale-metadata bugs show here too; the ``gpu`` tests
+capture and replay.
 """
 
 from __future__ import annotations
@@ -120,6 +121,25 @@ class TestGraphRunnerCPU(TestCase):
         # buckets 4 (3 uses) and 8 (2 uses): a warm-up step, then capture, then replays
         self.assertEqual((runner.captures, runner.replays), (2, 1))
         self.assertEqual(sorted(d.bucket for d in runner.graph.entries), [4, 8])
+
+    def test_emulated_replay_reads_the_tensor_the_capture_read(self):
+        """A forward that reads a tensor rebound between steps: the replayed step multiplies
+        by the tensor of the capture (as a device graph does), not the new one."""
+        model = tiny_model()
+        h = Harness(model, page_size=4)
+        _prefill(model, h, [0, 1, 2], [5, 3, 8])
+        holder = {"scale": torch.ones(())}
+        runner = GraphRunner(model, batch_sizes=(4,), emulate_graphs=True,
+                             forward=lambda *a: model(*a) * holder["scale"])
+        for step, scale in enumerate((1.0, 2.0, 3.0)):  # warm-up, capture, replay
+            holder["scale"] = torch.full((), scale)  # rebound, not written in place
+            ids, pos, fb = h.decode([0, 1, 2])
+            with torch.no_grad():
+                out = runner(ids, pos, fb)
+                h.backend.init_forward_metadata(fb)
+                ref = model(ids, pos, fb)
+            torch.testing.assert_close(out, ref * min(scale, 2.0), rtol=1e-5, atol=1e-5)
+        self.assertEqual((runner.captures, runner.replays), (1, 1))
 
 
 @requires_gpu_graphs
