@@ -123,6 +123,7 @@ def _gpu_parts_jobs() -> dict[str, list[str]]:
     import re
     text = (SCRIPTS / "gpu_client_tests.sh").read_text()
     body = text[text.index('case "$PART" in'):]
+    body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
     parts: dict[str, list[str]] = {}
     for part, block in re.findall(r"^(\d)\)(.*?);;", body, flags=re.M | re.S):
         for jobs in re.findall(r"lane \w+ \$XPU \d+ \d+ (\"[^\"]*\"|\S+)", block):
