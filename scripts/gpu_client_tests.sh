@@ -13,7 +13,11 @@
 #          of the 24 sgl-kernel-xpu test_flash_attention.py shards (1, 5, 9, 17).
 # The two test_flashmla.py files never run side by side: their test_flash_mla_fp8 cases
 # (b = 128, up to ~40k keys, a float32 reference copy of the cache) take up to ~30 GB each.
-#   PART=3: sgl-kernel's switches-off copy (paged KV + softcap on) + xpu flash shards 13, 21.
+#   PART=3: sgl-kernel's switches-off copy (paged KV + softcap on) + xpu flash shards 13, 21,
+#          and a small lane (2 workers, 18 in all) of sgl-kernel-xpu's merge, store and
+#          FlashMLA-interface files (merge_state, merge_state_v2, store_cache_xpu,
+#          flash_mla_sparse_fwd, flash_mla_with_kvcache).
+# Every job of run_sgl_kernel_xpu_tests.py is in exactly one PART (tests/test_client_runners.py).
 #   PART=4, 5, 6: the other 18 sgl-kernel-xpu flash_attention shards, 6 a part.
 # Expected skips: test_flash_attention_4.py skips every test below compute capability 10 (its
 # own gate: FA4 needs Blackwell), so on H100/H200 it reports skips only; test_hadamard.py needs
@@ -51,6 +55,7 @@ case "$PART" in
   lane sgl_a $SGL 6 250 flash_switches_off_1of4,flash_switches_off_2of4 &
   lane sgl_b $SGL 5 250 flash_switches_off_3of4,flash_switches_off_4of4 &
   lane xpu_a $XPU 5 250 "$(fa 13 21)" &
+  lane xpu_d $XPU 2 100 merge_state,merge_state_v2,store_cache_xpu,flash_mla_sparse_fwd,flash_mla_with_kvcache &
   ;;
 4) lane xpu_a $XPU 6 250 "$(fa 2 3)" & lane xpu_b $XPU 5 250 "$(fa 4 6)" &
    lane xpu_c $XPU 5 250 "$(fa 7 8)" & ;;

@@ -115,3 +115,28 @@ def test_cpu_jobs_interpret_the_tests_triton_on_the_reference_provider(monkeypat
     assert runs.device_env() == {"TRITON_INTERPRET": "1"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert runs.device_env() == {}
+
+
+def _gpu_parts_jobs() -> dict[str, list[str]]:
+    """``{part: sgl-kernel-xpu job names}`` of ``scripts/gpu_client_tests.sh``'s lanes (its
+    ``$(fa i j ...)`` shard lists spelled out)."""
+    import re
+    text = (SCRIPTS / "gpu_client_tests.sh").read_text()
+    body = text[text.index('case "$PART" in'):]
+    body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+    parts: dict[str, list[str]] = {}
+    for part, block in re.findall(r"^(\d)\)(.*?);;", body, flags=re.M | re.S):
+        for jobs in re.findall(r"lane \w+ \$XPU \d+ \d+ (\"[^\"]*\"|\S+)", block):
+            jobs = re.sub(r"\$\(fa ([\d ]+)\)", lambda m: ",".join(
+                f"flash_attention_{i}of24" for i in m[1].split()), jobs.strip('"'))
+            parts.setdefault(part, []).extend(j for j in jobs.split(",") if j)
+    return parts
+
+
+def test_every_sgl_kernel_xpu_job_runs_in_exactly_one_gpu_part():
+    import run_sgl_kernel_xpu_tests as xpu
+    expected = sorted(job.name for name in xpu.XPU_FILES
+                      for job in runs.sharded(xpu.job_name(name), [], xpu.SHARDS.get(name, 1)))
+    listed = sorted(j for jobs in _gpu_parts_jobs().values() for j in jobs)
+    assert listed == expected, (sorted(set(expected) - set(listed)),
+                                sorted(j for j in set(listed) if listed.count(j) > 1))
