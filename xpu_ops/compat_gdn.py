@@ -283,7 +283,8 @@ def gdn_attention(core_attn_out, z, projected_states_qkvz, projected_states_ba, 
             by part with ``reorder_input``, else per key-head group).
         projected_states_ba: ``[rows, 2 Hv]`` (``b | a`` likewise).
         conv_state: ``[cache, width - 1, 2 Hk K + Hv V]``, any strides (updated in place).
-        ssm_state: ``[cache, Hv, V, K]`` float32 (updated in place).
+        ssm_state: ``[cache, Hv, V, K]`` float32, float16 or bfloat16 (updated in place; a
+            16-bit pool's addressed slots run in float32 and are rounded back).
         conv_weights ``[dim, width]``, conv_bias ``[dim]`` or None, activation ``"silu"`` |
             ``"swish"``, A_log and dt_bias ``[Hv]``: as ``xpu_ops.gdn_attention``.
         num_prefills, num_decodes: the requests (decode only: one token each).

@@ -309,4 +309,5 @@ def select(op: str, device: torch.device, *args, **kwargs) -> Implementation:
 
 __all__ = ["PROVIDER_ORDER", "ENVIRONMENT", "DISPATCH_KEYS", "Implementation", "Route", "register",
            "availability_depends_on", "refresh", "getenv", "forced_provider", "use_provider",
-           "candidates", "has_providers", "record_fallback", "fallbacks", "empty_lse", "route", "select"]
+           "candidates", "has_providers", "record_fallback", "fallbacks", "empty_lse", "route",
+           "select"]

@@ -181,5 +181,5 @@ class GraphWrapper:
                                    "owner's step buffers.")
 
 
-__all__ = ["EmulatedGraph", "EMULATIONS", "DEFAULT_EMULATION", "emulation", "CapturedGraph", "GraphWrapper", "output_tensors",
-           "capture_in_progress"]
+__all__ = ["EmulatedGraph", "EMULATIONS", "DEFAULT_EMULATION", "emulation", "CapturedGraph",
+           "GraphWrapper", "output_tensors", "capture_in_progress"]

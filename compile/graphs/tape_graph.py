@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -133,7 +132,6 @@ def _frozen(tree: Any) -> Any:
     return tree_map(lambda leaf: leaf, tree)
 
 
-@functools.lru_cache(maxsize=None)
 def _is_kernel_op(func) -> bool:
     """True for an ``xpu_ops`` op routed to providers (a device kernel on a GPU)."""
     return func.namespace == "xpu_ops" and providers.has_providers(func._opname)
@@ -212,16 +210,13 @@ def _entry(func, args, kwargs, out) -> TapeOp:
     return TapeOp(func, _frozen(args), _frozen(kwargs), outputs)
 
 
+# The captures recording now (innermost last); ``_observe_launch`` is one of
+# ``LAUNCH_OBSERVERS`` only while this is not empty, so launches outside a capture pay nothing.
 _RECORDING: list[_Recorder] = []
 
 
 def _observe_launch(kernel, grid, device, args, kwargs):
-    if not _RECORDING:
-        return contextlib.nullcontext()
     return _RECORDING[-1].observe_launch(kernel, grid, device, args, kwargs)
-
-
-triton_common.LAUNCH_OBSERVERS.append(_observe_launch)
 
 
 class TapeGraph:
@@ -245,12 +240,16 @@ class TapeGraph:
         recorder = _Recorder()
         self.args = tuple(args)
         self.grad, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        if not _RECORDING:
+            triton_common.LAUNCH_OBSERVERS.append(_observe_launch)
         _RECORDING.append(recorder)
         try:
             with torch.compiler.set_stance("force_eager"), recorder:
                 self.outputs = fn(*self.args)
         finally:
             _RECORDING.remove(recorder)
+            if not _RECORDING:
+                triton_common.LAUNCH_OBSERVERS.remove(_observe_launch)
         self.tape, self.host_reads = recorder.tapes[0], recorder.reads[0]
 
     @property

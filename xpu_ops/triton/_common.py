@@ -169,20 +169,27 @@ def set_descriptor_allocator() -> None:
 
 # Launch observers: callables ``observer(kernel, grid, device, args, kwargs)`` returning a
 # context manager that ``launch`` holds while the kernel runs (``contextlib.nullcontext()`` when
-# it only watches). ``compile/graphs/tape_graph.py`` records launches with it (the graph
-# emulation of the CPU); nothing in ``xpu_ops`` adds one.
+# it only watches). ``compile/graphs/tape_graph.py`` adds one while it records a capture (the
+# graph emulation of the CPU); nothing in ``xpu_ops`` adds one. Empty, a launch pays one test.
 LAUNCH_OBSERVERS: list = []
 
 
 def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``; on CPU through Triton's interpreter. Each of
     ``LAUNCH_OBSERVERS`` sees the launch first and holds its context around it."""
-    with contextlib.ExitStack() as observed:
-        for observer in tuple(LAUNCH_OBSERVERS):
-            observed.enter_context(observer(kernel, grid, device, args, kwargs))
-        if device.type == "cpu" and not hasattr(kernel, "rewriter"):
-            kernel = _interpreted(kernel.fn)
-        kernel[grid](*args, **kwargs)
+    if LAUNCH_OBSERVERS:
+        with contextlib.ExitStack() as observed:
+            for observer in tuple(LAUNCH_OBSERVERS):
+                observed.enter_context(observer(kernel, grid, device, args, kwargs))
+            _launch(kernel, grid, device, args, kwargs)
+    else:
+        _launch(kernel, grid, device, args, kwargs)
+
+
+def _launch(kernel, grid, device: torch.device, args: tuple, kwargs: dict) -> None:
+    if device.type == "cpu" and not hasattr(kernel, "rewriter"):
+        kernel = _interpreted(kernel.fn)
+    kernel[grid](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
