@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ._checks import check_tensor, check_tensor_args, fail, int_scalar
 from .ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, check_activation
+from .ops.kvcache_layout import uniform_cu_seqlens
 
 FN, UPDATE = "causal_conv1d_fn_xpu", "causal_conv1d_update_xpu"
 
@@ -96,7 +97,7 @@ def causal_conv1d_fn_xpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     else:
         batch, seqlen = x.shape[0], x.shape[2]
         tokens = x.transpose(1, 2).reshape(-1, x.shape[1])
-        query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * seqlen
+        query_start_loc = uniform_cu_seqlens(x, batch, seqlen)
     slots, processed = _slots(FN, "cache_indices", cache_indices, max(batch, 0), pad, x.device)
     if conv_states is None:             # no state: a stand-in pool no request addresses
         width = weight.shape[-1] if weight.dim() == 2 else 1
