@@ -166,13 +166,13 @@ def _device_kernel(check: Callable, route: providers.Route, mutated: tuple[int, 
     provider's function itself, ``Route.target``), then the written arguments' versions.
 
     One Python frame between the dispatcher and the provider. Not differentiable: under grad
-    mode the body runs with grad mode switched off (``torch._C._set_grad_enabled``, what
-    ``torch.no_grad()`` does, without its context-manager objects) and on again after, also
+    mode the body runs with grad mode switched off (``torch.set_grad_enabled`` called as a
+    function, what ``torch.no_grad()`` does, without a second frame) and on again after, also
     when it raises, so no provider records a graph."""
     target = route.target
     one = mutated[0] if len(mutated) == 1 else None  # one written argument: no list to build
     increment_version = torch.autograd.graph.increment_version
-    is_grad_enabled, set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+    is_grad_enabled, set_grad_enabled = torch.is_grad_enabled, torch.set_grad_enabled
 
     def kernel(*args, **kwargs):
         grad = is_grad_enabled()
