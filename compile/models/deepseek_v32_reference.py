@@ -65,9 +65,14 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                         position_ids=None, cache=None, **_):
+                         position_ids=None, cache=None, past_key_values=None, **_):
     """``DeepseekV32Indexer.forward`` with its scores taken from ``fp8_round``-ed queries and
-    keys: ``[B, S, index_topk]`` int32 key positions (fewer when fewer keys)."""
+    keys: ``[B, S, index_topk]`` int32 key positions (fewer when fewer keys).
+
+    The layer cache comes as ``cache`` (``transformers`` >= 5.24) or ``past_key_values``
+    (earlier 5.x); a forward that missed it would score each decode query against its own key
+    only."""
+    cache = cache if cache is not None else past_key_values
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
     b, s, _ = hidden_states.shape

@@ -37,7 +37,7 @@ from compile.__main__ import hf_generate  # noqa: E402
 from compile.backend.dsa_backend import DSAAttentionBackend  # noqa: E402
 from compile.batch import DSATokenToKVPool  # noqa: E402
 from compile.models import deepseek_v32, from_hf  # noqa: E402
-from compile.models.deepseek_v32_reference import fp8_indexer  # noqa: E402
+from compile.models.deepseek_v32_reference import _fp8_indexer_forward, fp8_indexer  # noqa: E402
 from tests.models import test_deepseek_moe_parity as moe_parity  # noqa: E402
 from tests.models import test_llama_parity as llama_parity  # noqa: E402
 
@@ -153,3 +153,34 @@ def test_config_rejects_bad_indexer_shapes():
         deepseek_v32.DeepseekV32Config(q_lora_rank=8, index_head_dim=24)
     with pytest.raises(ValueError, match="index_topk must be >= 1"):
         deepseek_v32.DeepseekV32Config(q_lora_rank=8, index_topk=0)
+
+
+class _IndexerCache:
+    """A layer cache holding earlier index keys: ``update_indexer`` appends and returns all."""
+
+    def __init__(self, earlier: torch.Tensor):
+        self.keys, self.calls = earlier, 0
+
+    def update_indexer(self, k, layer_idx):
+        self.calls += 1
+        self.keys = torch.cat([self.keys, k], dim=1)
+        return self.keys
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_fp8_reference_indexer_reads_the_cache_under_either_keyword(keyword):
+    """``transformers`` passes the layer cache as ``cache`` from 5.24 and as
+    ``past_key_values`` before: the reference's decode query scores every cached key under both
+    (a forward that dropped it scored one key and gave wrong reference ids on 5.17)."""
+    indexer = make_hf(SPARSE_TOPK).model.layers[0].self_attn.indexer
+    g = torch.Generator().manual_seed(3)
+    earlier = torch.randn(1, 9, indexer.head_dim, generator=g)
+    hidden = torch.randn(1, 1, TINY["hidden_size"], generator=g)
+    q_resid = torch.randn(1, 1, TINY["q_lora_rank"], generator=g)
+    rope = (torch.ones(1, 1, indexer.qk_rope_head_dim), torch.zeros(1, 1, indexer.qk_rope_head_dim))
+    cache = _IndexerCache(earlier)
+    with torch.no_grad():
+        picked = _fp8_indexer_forward(indexer, hidden, q_resid, rope, torch.zeros(1, 1, 10),
+                                      **{keyword: cache})
+    assert cache.calls == 1 and picked.shape == (1, 1, SPARSE_TOPK)
+    assert int(picked.max()) < 10 and len(set(picked.flatten().tolist())) == SPARSE_TOPK
