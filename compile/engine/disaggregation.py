@@ -20,6 +20,7 @@ them); a failed wait (peer gone, the group's timeout) marks the request failed w
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -86,6 +87,39 @@ def _sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (GPU timings); nothing on the CPU."""
     if device.type != "cpu":
         getattr(torch, device.type).synchronize(device)
+
+
+class _Arrival:
+    """A posted ``irecv`` that can be asked whether it completed without blocking. gloo's
+    receive work reports ``is_completed()`` False until it is waited (torch 2.13), so on the
+    host wire a daemon thread waits it; ``wait`` then re-raises that wait's error. Without
+    this a decode rank on gloo takes no request while others run (decode batches of 1)."""
+
+    def __init__(self, work, threaded: bool):
+        self.work, self.error = work, None
+        self.done = threading.Event() if threaded else None
+        if threaded:
+            threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # raised in the engine's thread by wait()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set() if self.done is not None else self.work.is_completed()
+
+    def wait(self) -> None:
+        """Block until the receive completed; ``RuntimeError`` if it failed."""
+        if self.done is None:
+            self.work.wait()
+            return
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class _Role:
@@ -226,7 +260,8 @@ class DecodeRole(_Role):
         while self.open:
             if self.pending is None:
                 if self.header_work is None:  # posted only now: receives match in order
-                    self.header_work = dist.irecv(self.header, self.peer)
+                    self.header_work = _Arrival(dist.irecv(self.header, self.peer),
+                                                threaded=self.wire.type == "cpu")
                 if self.engine.running and not self.header_work.is_completed():
                     return
                 try:
