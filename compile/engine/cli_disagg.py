@@ -145,7 +145,9 @@ def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, to
     if role_of(rank, world) != args.disaggregation:
         args.error(f"argument --disaggregation: rank {rank} of {world} has the "
                    f"{role_of(rank, world)} role (the first half prefill); expected "
-                   f"--disaggregation {role_of(rank, world)}, got {args.disaggregation}")
+                   f"--disaggregation {role_of(rank, world)}, got {args.disaggregation} "
+                   "(several torchrun nodes: start each with --master-addr HOST --master-port "
+                   "PORT, where --node-rank sets the ranks; c10d ranks nodes as they join)")
     if args.tp * args.dcp > 1:
         args.error("argument --disaggregation: expected --tp 1 --dcp 1 beside it, got "
                    f"--tp {args.tp} --dcp {args.dcp}")

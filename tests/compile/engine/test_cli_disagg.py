@@ -35,6 +35,9 @@ def test_both_roles_verify_against_transformers():
     ({}, ["--disaggregation", "prefill"], "expected an even number of processes"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "decode"],
      "rank 0 of 2 has the prefill role"),
+    # torchrun's c10d rendezvous ranks nodes as they join, whatever --node-rank says
+    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "decode"],
+     "--master-addr HOST --master-port PORT"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "prefill", "--tp", "2"],
      "expected --tp 1 --dcp 1"),
 ])
