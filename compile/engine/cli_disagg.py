@@ -180,15 +180,18 @@ def run_disaggregated(model, args, prompt_ids, stops):
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
     mine = pair_prompts(len(prompt_ids), dist.get_rank(), dist.get_world_size())
+    failed: set[int] = set()  # request ids that failed on either side of the pair
     if prefill:
         engine.generate([prompt_ids[i] for i in mine], sampling)
         engine.disagg.close()
-        outputs = _collect(engine, len(mine), args.max_new_tokens)
+        outputs, failed = _collect(engine, len(mine), args.max_new_tokens)
     else:
         engine.generate([])
         outputs = _reply(engine, len(mine), args.max_new_tokens)
     for rid, why in sorted(engine.disagg.errors.items()):
         print(f"[generate] request {mine[rid]} failed: {why}", file=sys.stderr, flush=True)
+    # the prefill rank answers for its pair (the decode rank's reasons are on its stderr)
+    args.failed_requests = (len(failed | set(engine.disagg.errors)) if prefill else 0, len(mine))
     return _gather(outputs if prefill else [], mine, len(prompt_ids)), engine.stats, forward
 
 
@@ -226,26 +229,30 @@ def _reply(engine, n: int, max_new: int) -> list[list[int]]:
     steps = torch.tensor([[b, s, float(i in st.compiled_decode_steps)]
                           for i, (b, s) in enumerate(st.decode_step_log)], dtype=torch.float64)
     log = torch.tensor([list(t) for t in role.transfer_log], dtype=torch.float64)
-    sizes = torch.tensor([len(st.decode_step_log), len(role.transfer_log)], dtype=torch.int64)
-    for t in (sizes, out, steps.reshape(-1, 3), log.reshape(-1, 4)):
+    sizes = torch.tensor([len(st.decode_step_log), len(role.transfer_log), len(role.errors)],
+                         dtype=torch.int64)
+    failed = torch.tensor(sorted(role.errors), dtype=torch.int64)
+    for t in (sizes, out, steps.reshape(-1, 3), log.reshape(-1, 4), failed):
         if t.numel():
             dist.send(t.to(role.wire), role.peer)
     return outputs
 
 
-def _collect(engine, n: int, max_new: int) -> list[list[int]]:
+def _collect(engine, n: int, max_new: int) -> tuple[list[list[int]], set[int]]:
     """Prefill rank: receive ``_reply``'s tensors; fold the decode stats into
-    ``engine.stats`` and print the transfer summary."""
+    ``engine.stats`` and print the transfer summary. Returns the outputs and the ids of the
+    requests the decode rank failed."""
     role = engine.disagg
-    sizes = torch.empty(2, dtype=torch.int64, device=role.wire)
+    sizes = torch.empty(3, dtype=torch.int64, device=role.wire)
     dist.recv(sizes, role.peer)
-    n_steps, n_log = sizes.tolist()
+    n_steps, n_log, n_failed = sizes.tolist()
     out = torch.empty((n, max_new), dtype=torch.int64, device=role.wire)
     if out.numel():  # a pair with no prompt sends none
         dist.recv(out, role.peer)
     steps = torch.empty((n_steps, 3), dtype=torch.float64, device=role.wire)
     log = torch.empty((n_log, 4), dtype=torch.float64, device=role.wire)
-    for t in (steps, log):
+    failed = torch.empty(n_failed, dtype=torch.int64, device=role.wire)
+    for t in (steps, log, failed):
         if t.numel():
             dist.recv(t, role.peer)
     st = engine.stats
@@ -256,7 +263,7 @@ def _collect(engine, n: int, max_new: int) -> list[list[int]]:
             st.compiled_decode_steps.add(i)
     print(transfer_summary(log.tolist(), st.prefill_seconds, n, role.pack_seconds),
           flush=True)
-    return [[t for t in row if t >= 0] for row in out.tolist()]
+    return [[t for t in row if t >= 0] for row in out.tolist()], set(failed.tolist())
 
 
 def transfer_summary(log: list, prefill_seconds: float, n: int,

@@ -99,3 +99,23 @@ def test_wait_returns_the_first_failing_rank_status(capsys):
         sleeper.kill()
         sleeper.wait()
     assert "the prefill rank exited with status 3" in capsys.readouterr().err
+
+
+def test_requests_failed_over_the_transfer_make_the_prefill_rank_exit_1():
+    # torchrun-style ranks with another --dtype each: the decode rank refuses every request
+    # (its KV rows have twice the bytes) and says why; the prefill rank, which prints the
+    # outputs, counts them failed and exits 1 (not 0 with truncated texts)
+    argv = [sys.executable, "-m", "compile", "generate", "--model", "tiny", "--device", "cpu",
+            "--no-progress", "--prompt", "Hello there", "--prompt", "xy", "--max-new-tokens",
+            "3", "--threads", "1", "--transfer-timeout", "60", "--disaggregation"]
+    port, procs = free_port(), []
+    for rank, (role, dtype) in enumerate((("prefill", "bfloat16"), ("decode", "float32"))):
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(argv + [role, "--dtype", dtype], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (out0, err0), (_, err1) = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [1, 0], (err0[-2000:], err1[-2000:])
+    assert err1.count("state does not match this engine's pools") == 2, err1[-2000:]
+    assert "2 of 2 requests failed" in err0, err0[-2000:]
+    assert "transfer: no request transferred" in out0

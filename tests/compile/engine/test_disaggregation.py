@@ -21,7 +21,9 @@ at their start counters. ``llama_16_to_1_one_row`` gives the decode engine one r
 arriving requests wait for the running one to finish (decode batches of 1 only);
 ``llama_headers_queued`` starts the decode rank after every header arrived, so it batches the
 requests (it takes new ones while others run); ``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
-request is received, dropped and failed while the others finish.
+request is received, dropped and failed while the others finish; ``llama_kv_dtype_mismatch``
+gives it a bfloat16 KV cache (the prefill side's is float32: as many elements, half the bytes),
+so each request is refused with an error naming the mismatch, its payload drained.
 """
 
 from __future__ import annotations
@@ -114,9 +116,15 @@ SCENARIOS["llama_headers_queued"] = SCENARIOS["llama_16_to_1"]
 DECODE_DELAY_S = {"llama_headers_queued": 1.0}
 # graphs mode: enough steps at one batch size, once every request runs, to replay a graph
 NEW_TOKENS_OF = {"llama_1_to_16_graphs": 12}
+# a decode engine of a bfloat16 KV cache (as many elements as the prefill side's float32, half
+# the bytes): every request is refused, its payload drained, the stream goes on
+SCENARIOS["llama_kv_dtype_mismatch"] = SCENARIOS["llama_16_to_1"]
 DECODE_ENGINE = {"llama_16_to_1_one_row": dict(ENGINE, max_running=1),
-                 "llama_short_decode_context": dict(ENGINE, max_context_len=30)}
-FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"}}
+                 "llama_short_decode_context": dict(ENGINE, max_context_len=30),
+                 "llama_kv_dtype_mismatch": dict(ENGINE, kv_dtype=torch.bfloat16)}
+MISMATCH = "state does not match this engine's pools"
+FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"},
+         "llama_kv_dtype_mismatch": {0: MISMATCH, 1: MISMATCH, 2: MISMATCH}}
 
 
 def _prompts(vocab: int, lens) -> list[list[int]]:
@@ -203,7 +211,7 @@ def test_prefill_then_decode_equals_one_engine(results, name):
     ok = [i for i in range(len(r["want"])) if i not in fails]
     assert [r["got"][i] for i in ok] == [r["want"][i] for i in ok]
     assert all(len(r["got"][i]) == NEW_TOKENS_OF.get(name, NEW_TOKENS) for i in ok)
-    assert r["decode_steps"] > 0
+    assert r["decode_steps"] > 0 or not ok
     for before, after in (r["prefill_pools"], r["decode_pools"]):
         assert after == before
 
