@@ -816,7 +816,7 @@ def op_calls(report=None, out: str = "") -> list:
     print(f"    {found}", flush=True)
     if report is not None:
         print("== eager call host time: (a) Python, (b) Triton launch, (c) other", flush=True)
-        _guarded_limits(report, out, "eager call host breakdown", report.eager_call)
+        report.guarded("eager call host breakdown", report.eager_call, out)
     return found
 
 
@@ -833,32 +833,6 @@ def new_limits_report(enabled: bool):
     from limits_report import LimitsReport
     return LimitsReport(f"GPU {device_line()}", device_limits(torch.cuda.current_device()),
                         "same process as the kernels' table")
-
-
-def _guarded_limits(report, out: str, what: str, measure_part: Callable[[], object]) -> None:
-    """Run one limits part into ``report`` (a failure is noted there, not raised); write it."""
-    start = time.perf_counter()
-    try:
-        measure_part()
-    except Exception as e:
-        print(f"    {what} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        report.skipped.append(f"{what}: {type(e).__name__}: {str(e)[:200]}")
-    report.write(out)
-    print(f"    {what}: {time.perf_counter() - start:.0f} s", flush=True)
-
-
-def step_limits(report, out: str) -> None:
-    """Compiled-mode (and eager) host time per 16-layer b=1 decode step into ``report``."""
-    print("== decode step host time (compiled_step_host: 16 layers, b=1, ctx 1024)", flush=True)
-
-    def part():
-        from compiled_step_host import step_host_rows
-
-        def keep(rows):
-            report.steps = list(rows)
-            report.write(out)
-        step_host_rows(on_row=keep)
-    _guarded_limits(report, out, "decode step host time", part)
 
 
 def main():
@@ -941,7 +915,8 @@ def main():
         write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
     write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, calls=calls)
     if report is not None:  # last: its Inductor compile cannot cut the table
-        step_limits(report, args.out)
+        print("== decode step host time (16 layers, b=1, ctx 1024)", flush=True)
+        report.guarded("decode step host time", lambda: report.step_host(args.out), args.out)
         print(report.markdown(), flush=True)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -82,6 +83,27 @@ class LimitsReport:
             self.signature = kl.launch_signature(forms["packed"], launch)
             self.profile = dict(calls=profile_calls,
                                 **kl.profile_top(forms["packed"], profile_calls, launch=launch))
+
+    def step_host(self, out: str, **kwargs) -> None:
+        """``compiled_step_host.step_host_rows(**kwargs)`` (default: compiled and eager, 16
+        layers, b=1, context 1024) into ``steps``, written to ``out`` after each mode."""
+        from compiled_step_host import step_host_rows
+
+        def keep(rows):
+            self.steps = list(rows)
+            self.write(out)
+        step_host_rows(on_row=keep, **kwargs)
+
+    def guarded(self, what: str, part: Callable[[], object], out: str) -> None:
+        """Run ``part`` (a failure is noted in ``skipped``, not raised), then write to ``out``."""
+        start = time.perf_counter()
+        try:
+            part()
+        except Exception as e:
+            print(f"    {what} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            self.skipped.append(f"{what}: {type(e).__name__}: {str(e)[:200]}")
+        self.write(out)
+        print(f"    {what}: {time.perf_counter() - start:.0f} s", flush=True)
 
     def markdown(self) -> str:
         out = [f"Measured limits, {self.device_line}{f' ({self.where})' if self.where else ''}."]
@@ -175,7 +197,6 @@ def main(argv=None) -> None:
     (``TRITON_INTERPRET=1``) and the compiled kernels are skipped."""
     import argparse
     import platform
-    from compiled_step_host import step_host_rows
     p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
@@ -192,14 +213,9 @@ def main(argv=None) -> None:
     report.eager_call(args.context, warmup=max(args.iters // 10, 1), iters=args.iters,
                       device=args.device, profile_calls=args.iters)
     report.write(args.out)
-    dtype = torch.bfloat16 if cuda else torch.float32
-
-    def keep(rows):
-        report.steps = list(rows)
-        report.write(args.out)
-    step_host_rows(args.layers, args.hidden, context=args.context, steps=args.steps,
-                   warmup=2, rounds=1 if not cuda else 2, device=args.device, dtype=dtype,
-                   on_row=keep)
+    report.step_host(args.out, layers=args.layers, hidden=args.hidden, context=args.context,
+                     steps=args.steps, warmup=2, rounds=2 if cuda else 1, device=args.device,
+                     dtype=torch.bfloat16 if cuda else torch.float32)
     print(report.markdown())
 
 

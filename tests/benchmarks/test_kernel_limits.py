@@ -193,3 +193,64 @@ def test_launch_limits_of_a_real_compiled_kernel():
     [row] = rows
     assert row["regs"] and row["regs"] > 0 and row["spills"] == 0 and row["warps"] == 4
     assert row["blocks"] == 4 and row["blocks_per_sm"] >= 1 and 0 < row["waves"] < 1
+
+
+def test_a_failed_part_is_noted_and_the_rest_written(tmp_path):
+    from limits_report import LimitsReport
+    report = LimitsReport("GPU X", H100, "same process")
+
+    def broken():
+        raise RuntimeError("no compiler here")
+    report.guarded("decode step host time", broken, str(tmp_path))
+    md = (tmp_path / "limits.md").read_text()
+    assert md.startswith("Measured limits, GPU X (same process).")
+    assert "- skipped: decode step host time: RuntimeError: no compiler here" in md
+
+
+def test_the_limit_rows_are_rows_of_the_kernels_table():
+    import bench_attention as b
+    assert set(b.LIMIT_ROWS) <= set(b.TABLE_ROWS)
+    assert b.new_limits_report(False) is None
+
+
+def test_kernels_table_main_writes_the_limits_of_its_rows(monkeypatch, tmp_path):
+    """``bench_attention --kernels-table``'s wiring without a GPU: every timing stubbed, the
+    rows' kernel reads, the eager call and the step host time land in limits.md."""
+    import sys
+    import bench_attention as b
+    import limits_report
+
+    def fake_row(name, *args, limits=None, **kwargs):
+        if limits is not None:
+            limits.kernels.append(dict(label=f"{name}: op", kernel="k", blocks=1, regs=1,
+                                       spills=0, shared=0, warps=4, stages=2, blocks_per_sm=1,
+                                       limit="registers", waves=0.1))
+        return b.Row(name, "flops", "-", 1.0, 1.0, 1.0, {})
+    monkeypatch.setattr(b, "ceilings", lambda: (3.0, 700.0))
+    monkeypatch.setattr(b, "device_line", lambda: "Stub (1 multiprocessors)")
+    monkeypatch.setattr(b, "run_attention", lambda name, **kw: fake_row(name, **kw))
+    monkeypatch.setattr(b, "run_mla", fake_row)
+    monkeypatch.setattr(b, "write_results", lambda *a, **kw: None)
+    monkeypatch.setattr(b, "late_variants", lambda spec, row: None)
+    monkeypatch.setattr("kernel_limits.device_limits", lambda index=0: H100)
+    monkeypatch.setattr("attention_calls.call_rows", lambda: [])
+    monkeypatch.setattr(limits_report.LimitsReport, "eager_call",
+                        lambda self: self.calls.append(dict(
+                            form="packed", launch="real", context=1024, page=16, iters=1,
+                            host=90.0, python=40.0, triton=45.0, binder=20.0, driver=25.0,
+                            other=5.0, launches=1, with_sync=95.0)))
+    monkeypatch.setattr(limits_report.LimitsReport, "step_host",
+                        lambda self, out: setattr(self, "steps", [dict(
+                            mode="compiled", layers=16, batch=1, context=1024, host=2.0,
+                            cpu=1.9, step=2.5, syncs=0)]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--kernels-table", "--out",
+                                      str(tmp_path)])
+    b.main()
+    md = (tmp_path / "limits.md").read_text()
+    assert md.startswith("Measured limits, GPU Stub (1 multiprocessors) (same process")
+    assert "| MLA decode H128 R512 r64 64x4096: op | k |" in md
+    assert "| prefill 8x4096 causal page 64: op | k |" in md
+    assert "decode 64x4096 page 16: op" not in md                # met: not read
+    assert "| packed | real | 90.0 | 40.0 | 45.0 (20.0 + 25.0) | 5.0 | 1 | 95.0 |" in md
+    assert "| compiled | 2.00 | 1.90 | 2.50 | 0 | <= 3 ms: yes |" in md
