@@ -266,13 +266,15 @@ def occupancy(n_regs: Optional[int], shared: Optional[int], warps: int,
     return least, ", ".join(k for k, v in bounds.items() if v == least)
 
 
-def _grid_blocks(grid, kwargs: dict) -> Optional[int]:
+def _grid(grid, kwargs: dict) -> Optional[tuple]:
+    """The launch's grid as a tuple of ints (a callable grid called with the keyword
+    arguments, as Triton calls it with the bound ones; None when that fails)."""
     if callable(grid):
         try:
             grid = grid(kwargs)
         except Exception:
             return None
-    return math.prod(int(g) for g in grid)
+    return tuple(int(g) for g in grid)
 
 
 def compiled_facts(compiled) -> Optional[dict]:
@@ -304,9 +306,11 @@ def launch_limits(label: str, fn: Callable[[], object], limits: dict) -> list[di
             continue
         warps = facts["warps"] or r.kwargs.get("num_warps", 4)
         per_sm, limit = occupancy(facts["regs"], facts["shared"], warps, limits)
-        blocks = _grid_blocks(r.grid, r.kwargs)
+        grid = _grid(r.grid, r.kwargs)
+        blocks = None if grid is None else math.prod(grid)
         waves = (blocks / (per_sm * limits["sms"]) if blocks and per_sm and limits.get("sms")
                  else None)
-        rows.append(dict(label=label, kernel=kernel_name(r.kernel), blocks=blocks, **facts,
+        rows.append(dict(label=label, kernel=kernel_name(r.kernel), grid=grid, blocks=blocks,
+                         **facts,
                          blocks_per_sm=per_sm, limit=limit, waves=waves))
     return rows

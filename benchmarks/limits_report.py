@@ -166,13 +166,14 @@ class LimitsReport:
                  f"{lim.get('regs')} registers, {(lim.get('smem') or 0) // 1024} KiB shared "
                  f"memory, {lim.get('threads')} threads, {lim.get('blocks')} blocks per SM; "
                  f"waves = blocks / (blocks per SM x {lim.get('sms')} SMs)):", "",
-                 "| row / launch | kernel | blocks | warps | stages | registers/thread | spills "
+                 "| row / launch | kernel | grid (blocks) | warps | stages | registers/thread | spills "
                  "| shared KiB | blocks/SM (limit) | waves |", "|---|---|---:|---:|---:|---:|---:"
                  "|---:|---|---:|"]
         for k in self.kernels:
             def show(x, fmt="{}"):
                 return "-" if x is None else fmt.format(x)
-            lines.append(f"| {k['label']} | {k['kernel']} | {show(k['blocks'])} | "
+            grid = "-" if k.get("grid") is None else "x".join(map(str, k["grid"]))
+            lines.append(f"| {k['label']} | {k['kernel']} | {grid} ({show(k['blocks'])}) | "
                          f"{show(k['warps'])} | {show(k['stages'])} | {show(k['regs'])} | "
                          f"{show(k['spills'])} | "
                          f"{show(None if k['shared'] is None else k['shared'] / 1024, '{:.1f}')}"

@@ -29,6 +29,12 @@ def _two_args(x, n, BLOCK: tl.constexpr):
     pass
 
 
+@triton.jit
+def _fill(x, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x + offs, 1.0, mask=offs < n)
+
+
 def _spin(us: float) -> None:
     end = time.perf_counter_ns() + us * 1e3
     while time.perf_counter_ns() < end:
@@ -126,7 +132,8 @@ def test_launch_limits_reads_the_compiled_kernel_of_each_launch():
         [row] = kl.launch_limits("prefill: op", call, H100)
     finally:
         _common._launch = real
-    assert row == dict(label="prefill: op", kernel="_two_args", blocks=1024, regs=128, spills=3,
+    assert row == dict(label="prefill: op", kernel="_two_args", grid=(64, 16, 1), blocks=1024,
+                       regs=128, spills=3,
                        shared=100 * 1024, warps=4, stages=3, blocks_per_sm=2,
                        limit="shared memory", waves=pytest.approx(1024 / (2 * 132)))
 
@@ -187,12 +194,13 @@ def test_step_host_rows_and_the_target(monkeypatch):
 @pytest.mark.skipif(GPU_DEVICE != "cuda", reason="reads CUDA device limits")
 def test_launch_limits_of_a_real_compiled_kernel():
     x = torch.zeros(1024, device="cuda")
-    rows = kl.launch_limits("real", lambda: _common.launch(_two_args, (4,), x.device, x, 1,
+    rows = kl.launch_limits("real", lambda: _common.launch(_fill, (4,), x.device, x, 200,
                                                           BLOCK=64, num_warps=4),
                             kl.device_limits())
     [row] = rows
     assert row["regs"] and row["regs"] > 0 and row["spills"] == 0 and row["warps"] == 4
-    assert row["blocks"] == 4 and row["blocks_per_sm"] >= 1 and 0 < row["waves"] < 1
+    assert row["grid"] == (4,) and row["blocks_per_sm"] >= 1 and 0 < row["waves"] < 1
+    assert x[:200].eq(1).all() and x[200:].eq(0).all()
 
 
 def test_a_failed_part_is_noted_and_the_rest_written(tmp_path):
@@ -222,7 +230,8 @@ def test_kernels_table_main_writes_the_limits_of_its_rows(monkeypatch, tmp_path)
 
     def fake_row(name, *args, limits=None, **kwargs):
         if limits is not None:
-            limits.kernels.append(dict(label=f"{name}: op", kernel="k", blocks=1, regs=1,
+            limits.kernels.append(dict(label=f"{name}: op", kernel="k", grid=(1,), blocks=1,
+                                       regs=1,
                                        spills=0, shared=0, warps=4, stages=2, blocks_per_sm=1,
                                        limit="registers", waves=0.1))
         return b.Row(name, "flops", "-", 1.0, 1.0, 1.0, {})
@@ -249,7 +258,8 @@ def test_kernels_table_main_writes_the_limits_of_its_rows(monkeypatch, tmp_path)
     b.main()
     md = (tmp_path / "limits.md").read_text()
     assert md.startswith("Measured limits, GPU Stub (1 multiprocessors) (same process")
-    assert "| MLA decode H128 R512 r64 64x4096: op | k |" in md
+    assert "| MLA decode H128 R512 r64 64x4096: op | k | 1 (1) | 4 | 2 | 1 | 0 | 0.0 | " \
+        "1 (registers) | 0.10 |" in md
     assert "| prefill 8x4096 causal page 64: op | k |" in md
     assert "decode 64x4096 page 16: op" not in md                # met: not read
     assert "| packed | real | 90.0 | 40.0 | 45.0 (20.0 + 25.0) | 5.0 | 1 | 95.0 |" in md
