@@ -68,6 +68,20 @@ def _layer_calls(context: int, page: int, layers: int, device) -> dict:
     return calls
 
 
+def triton_calls(w: dict) -> dict[str, Callable[[], object]]:
+    """The eager decode call of the rows on ``bench_op_call.decode_inputs``' ``w`` (under the
+    caller's provider): ``packed`` (``q [b, Hq, D]`` with ``cu_seqlens_q``) and ``4-D``
+    (``q [b, 1, Hq, D]``, no ``cu_seqlens_q``)."""
+    q_4d = w["q"].unsqueeze(1)
+    return {"packed": lambda: xpu_ops.flash_attn_with_kvcache(
+                w["q"], w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
+                page_table=w["page_table"], cu_seqlens_q=w["cu_seqlens_q"], max_seqlen_q=1,
+                causal=True),
+            "4-D": lambda: xpu_ops.flash_attn_with_kvcache(
+                q_4d, w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
+                page_table=w["page_table"], causal=True)}
+
+
 def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int = 50,
               iters: int = 300, device: str = "cuda") -> list[dict]:
     """The three rows: ``{"workload", "unit", "triton", "sdpa", "flashinfer"}`` in microseconds
@@ -78,21 +92,17 @@ def call_rows(context: int = 1024, page: int = 16, layers: int = 16, warmup: int
     w = decode_inputs(1, context, page, torch.bfloat16, device)
     q4 = w["q"].unsqueeze(2)
     eager: dict[str, Optional[float]] = {}
+    forms = triton_calls(w)
     with xpu_ops.use_provider("triton"):
-        fns = {"triton": lambda: xpu_ops.flash_attn_with_kvcache(
-                   w["q"], w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
-                   page_table=w["page_table"], cu_seqlens_q=w["cu_seqlens_q"], max_seqlen_q=1,
-                   causal=True),
+        fns = {"triton": forms["packed"],
                "sdpa": lambda: F.scaled_dot_product_attention(q4, w["k_dense"], w["v_dense"],
                                                               enable_gqa=True),
                "flashinfer": flashinfer_run(w, context, page)}
         for name, fn in fns.items():
             eager[name] = None if fn is None else _guarded(
                 lambda fn=fn: latency_us(fn, device, warmup, iters)["us"], name)
-        q_4d = w["q"].unsqueeze(1)  # [b, 1, Hq, D]: the call without cu_seqlens_q
-        eager_4d = _guarded(lambda: latency_us(lambda: xpu_ops.flash_attn_with_kvcache(
-            q_4d, w["k_cache"], w["v_cache"], cache_seqlens=w["cache_seqlens"],
-            page_table=w["page_table"], causal=True), device, warmup, iters)["us"], "triton 4-D")
+        eager_4d = _guarded(lambda: latency_us(forms["4-D"], device, warmup, iters)["us"],
+                            "triton 4-D")
         graphed = {name: _guarded(lambda fns=fns_: graph_us(fns), f"{name} graph")
                    if device.type == "cuda" else None
                    for name, fns_ in _layer_calls(context, page, layers, device).items()}

@@ -18,6 +18,11 @@ under both decode split schedules (``waves plan``/``legacy plan`` columns, the s
 the table) and page 16 under two-page and 4-warp tiles, the op-call rows (``attention_calls``:
 b=1 decode eager and inside a CUDA graph), then prefill 8x4096 causal against SDPA, cuDNN,
 FlashAttention-2 (SDPA's flash backend), FlashInfer and Flex. Every table names the device.
+Beside it, ``limits.md``/``.json`` (``limits_report``): what limits the rows short of their
+targets, measured in the same process: the eager call's host time split into our Python, the
+Triton launch and the rest (after the op-call rows), the compiled kernels of the prefill and MLA
+rows (registers, spills, shared memory, occupancy, waves), and last the host time per 16-layer
+decode step in compiled mode (``compiled_step_host``).
 
     python benchmarks/bench_attention.py --kernels-table --out /tmp/kernels
     python benchmarks/bench_attention.py --quick --variant all --out benchmarks/results
@@ -343,13 +348,14 @@ TABLE_PEERS = ("sdpa", "cudnn", "fa2", "flex", "flashinfer", "reference")
 
 def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PEERS, sweep=(),
                   variants=(), window=-1, kv_dtype=None, table_tokens=0, d=D, configs=(),
-                  schedules=(), patches=(), sweep_columns=False):
+                  schedules=(), patches=(), sweep_columns=False, limits=None):
     """One workload: the op, each kernel variant and each ``configs`` entry (``(label,
     _Config)``) through the launcher, each split schedule of ``schedules`` (the launcher with
     planned splits under ``split_plan.set_schedule``), peers, sweeps (the peers assume head dim
     ``D``), and each ``patches`` entry (``(label, {paged_attention constant: value})``: the
     launcher with default tiles while those constants are patched); ``sweep_columns``: the
-    sweep's times also become table columns (else only logged)."""
+    sweep's times also become table columns (else only logged); ``limits``: a
+    ``limits_report.LimitsReport`` that gets the compiled kernels of the op and each config."""
     print(f"== {name}", flush=True)
     w = make_paged(k_lens, q_lens, page, d=d, kv_dtype=kv_dtype, table_tokens=table_tokens)
     nbytes, flops = attention_cost(q_lens, k_lens, HQ, HKV, d, d, causal,
@@ -357,6 +363,8 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
     start = time.perf_counter()
     t = measure(op_fn(w, causal, window, "triton"))
     print(f"    op: {t} ms ({time.perf_counter() - start:.0f} s into the row)", flush=True)
+    if limits is not None:
+        limits.kernel_rows(f"{name}: op", op_fn(w, causal, window, "triton"))
     timed = {}
     for v in variants:
         fn = launcher_fn(w, causal, window, config=variant_config(w, v))
@@ -366,6 +374,8 @@ def run_attention(name, kind, target, k_lens, q_lens, page, causal, peers=ALL_PE
         fn = launcher_fn(w, causal, window, config=config)
         print(f"    config {label}: {launched_paths(fn)}", flush=True)
         timed[label] = measure(fn)
+        if limits is not None:
+            limits.kernel_rows(f"{name}: {label}", fn)
         print(f"    config {label}: {timed[label]} ms", flush=True)
     notes = [schedule_ab(w, causal, window, schedules, timed)] if schedules else []
     for label, values in patches:
@@ -427,10 +437,12 @@ def schedule_ab(w, causal, window, schedules, timed) -> str:
 
 
 def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64, sweep=(),
-            variants=()):
+            variants=(), limits=None):
     """Absorbed MLA decode: the op (``flash_mla_decode``), the reference, each kernel variant
     that applies (``baseline``, ``mla_split``) and each ``sweep`` config through the launcher
-    (``(num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``; in the table as ``cfg ...``)."""
+    (``(num_splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``; in the table as ``cfg ...``);
+    ``limits`` (a ``limits_report.LimitsReport``) gets the compiled kernels of the op and each
+    sweep config."""
     print(f"== {name}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     width = k_len // page
@@ -448,6 +460,8 @@ def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64,
                 xpu_ops.flash_mla_decode(qn, qr, kv, lens, table, ws, 1 / math.sqrt(576))
         return run
     t = measure(fn("triton"))
+    if limits is not None:
+        limits.kernel_rows(f"{name}: op", fn("triton"))
     res = {"reference": measure(fn("reference"))}
     out = torch.empty_like(qn)
     cu = torch.arange(b + 1, dtype=torch.int32, device=DEV)
@@ -470,6 +484,8 @@ def run_mla(name, target, b=64, k_len=4096, h=128, latent=512, rope=64, page=64,
         label = "cfg " + "/".join(str(x) for x in c)
         print(f"    {label}: {launched_paths(run)}", flush=True)
         timed[label] = measure(run)
+        if limits is not None:
+            limits.kernel_rows(f"{name}: {label}", run)
     nbytes, flops = mla_cost(b, k_len, h, latent, rope)
     print(f"    triton {t:.4f} ms, variants {timed}, peers {res}", flush=True)
     return Row(name, "flops", target, t, nbytes, flops, res, timed)
@@ -786,17 +802,37 @@ def write_results(rows, copy_tbs, mm_tflops, out: str, echo: bool = True,
         print(f"plot failed: {e}")
 
 
-def op_calls() -> list:
-    """The op-call rows (``attention_calls.call_rows``), logged; [] when they fail."""
+def op_calls(report=None, out: str = "") -> list:
+    """The op-call rows (``attention_calls.call_rows``), logged; [] when they fail. With a
+    ``limits_report.LimitsReport``, then the eager call's host breakdown into it (written to
+    ``out``)."""
     print("== op calls (b=1, ctx 1024, D 64, page 16)", flush=True)
     try:
         from attention_calls import call_rows
         found = call_rows()
     except Exception as e:
         print(f"    op calls failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return []
+        found = []
     print(f"    {found}", flush=True)
+    if report is not None:
+        print("== eager call host time: (a) Python, (b) Triton launch, (c) other", flush=True)
+        report.guarded("eager call host breakdown", report.eager_call, out)
     return found
+
+
+# --kernels-table rows whose compiled kernels go into limits.md (MLA decode's op and tile
+# configs always): those short of their targets
+LIMIT_ROWS = ("prefill 8x4096 causal page 64",)
+
+
+def new_limits_report(enabled: bool):
+    """A ``limits_report.LimitsReport`` for ``--kernels-table`` (None otherwise)."""
+    if not enabled:
+        return None
+    from kernel_limits import device_limits
+    from limits_report import LimitsReport
+    return LimitsReport(f"GPU {device_line()}", device_limits(torch.cuda.current_device()),
+                        "same process as the kernels' table")
 
 
 def main():
@@ -844,24 +880,33 @@ def main():
         if spec["kind"] == "flops" and not args.kernels_table:  # prefill and extend: --configs
             spec["configs"] = tuple(c for c in configs if not c[1].tma)
             spec["late_configs"] = tuple(c for c in configs if c[1].tma)
+    report = new_limits_report(args.kernels_table)
+    for spec in specs:
+        if report is not None and spec["name"] in LIMIT_ROWS:
+            spec["limits"] = report
     mla, mla_rows = "MLA decode H128 R512 r64 64x4096", []
     if not only or any(x in mla for x in only):  # first: no peer JIT can cut it
         mla_rows.append(run_mla(mla, ">= 0.50 matmul",
                                 sweep=MLA_TABLE_CFGS if args.kernels_table else () if args.no_sweeps
                                 else MLA_QUICK_CFGS if args.quick else MLA_CFGS,
-                                variants=parse_variants(args.variant)))
+                                variants=parse_variants(args.variant), limits=report))
+        if report is not None:
+            report.write(args.out)
     rows, calls, calls_due = [], [], args.kernels_table
     for spec in specs:  # files rewritten after every row: a run cut short keeps what it timed
         run = {k: v for k, v in spec.items() if k != "late_configs"}
         rows.append(run_attention(**dict(run, variants=tuple(v for v in spec["variants"]
                                                              if v not in LATE_VARIANTS))))
         write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
+        if report is not None:
+            report.write(args.out)
         if calls_due and spec["kind"] == "bw" and (
                 spec is specs[-1] or specs[specs.index(spec) + 1]["kind"] != "bw"):
-            calls, calls_due = op_calls(), False  # before prefill (its FlashInfer JIT is long)
+            # before prefill (its FlashInfer JIT is long)
+            calls, calls_due = op_calls(report, args.out), False
             write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
     if calls_due:
-        calls = op_calls()
+        calls = op_calls(report, args.out)
     write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, calls=calls)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s before the late variants",
           flush=True)
@@ -869,6 +914,10 @@ def main():
         late_variants(spec, row)
         write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, False, calls)
     write_results(rows + mla_rows, copy_tbs, mm_tflops, args.out, calls=calls)
+    if report is not None:  # last: its Inductor compile cannot cut the table
+        print("== decode step host time (16 layers, b=1, ctx 1024)", flush=True)
+        report.guarded("decode step host time", lambda: report.step_host(args.out), args.out)
+        print(report.markdown(), flush=True)
     print(f"bench_attention: {time.perf_counter() - start:.0f} s", flush=True)
 
 

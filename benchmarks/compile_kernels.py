@@ -131,9 +131,11 @@ def compile_one(case, paths, arch, sms, tiles=None):
     for n in constexprs:
         signature[n] = "constexpr"
     # what a launch specialises on: 16-byte aligned pointers, ints divisible by 16
+    # (not the arguments the kernel is declared not to specialise on)
     attrs = {(i,): [["tt.divisibility", 16]] for i, val in enumerate(values)
              if isinstance(val, torch.Tensor) or (isinstance(val, int) and val % 16 == 0
-                                                  and val != 0)}
+                                                  and val != 0
+                                                  and names[i] not in kernel.do_not_specialize)}
     src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     summary = ", ".join(f"{k}={params.meta.get(k, '-')}" for k in (

@@ -35,7 +35,13 @@
 #              the matmul ceiling; decode 64x4096 page 16/64 and 8x32768 against SDPA, cuDNN
 #              and FlashInfer, each with both split schedules; the eager and in-graph b=1
 #              decode call; prefill 8x4096 causal against SDPA, cuDNN, FA2, FlashInfer and
-#              Flex); CUDA only, skipped by DRY_RUN                        about 300-450 s
+#              Flex); beside it kernels/limits.md, what limits the rows short of their
+#              targets: the eager call's host time split into our Python, the Triton launch
+#              and the rest, the compiled kernels of prefill and MLA decode (registers,
+#              spills, shared memory, blocks per SM, waves), and the host time per 16-layer
+#              b=1 decode step in compiled mode (about 100 s of it: the Inductor compile).
+#              DRY_RUN: only the limits that run on the CPU (limits_report.py, tiny shapes,
+#              Triton's interpreter)                                       about 250-450 s
 #   attention  bench_attention --quick --no-sweeps --targeted: the kernels' one-run table, the
 #              rows with a target, MLA first (the FlashInfer prefill rows JIT-compile for about
 #              90 s each)                                                  several minutes
@@ -152,7 +158,10 @@ for part in $PARTS; do
                        tests/ops/test_flash_mla_gpu.py tests/ops/test_triton_gpu.py \
                        -k "long_context or replays_bitwise"
                    tail -n 1 "$OUT/kernels_check.log" >> "$SUMMARY" ;;
-    kernels) if [ "$DRY_RUN" = 1 ]; then note "kernels: skipped (CUDA only)"; else
+    kernels) if [ "$DRY_RUN" = 1 ]; then  # the table is CUDA only; its CPU-able limits
+                 TRITON_INTERPRET=1 run_part kernels 300 $PY benchmarks/limits_report.py \
+                     --device cpu --context 32 --iters 3 --layers 2 --hidden 128 --steps 3 \
+                     --out "$OUT/kernels"; else
                  run_part kernels 540 $PY benchmarks/bench_attention.py --kernels-table \
                      --out "$OUT/kernels"; fi ;;
     attention) run_part attention 540 $PY benchmarks/bench_attention.py --quick --no-sweeps \

@@ -8,7 +8,8 @@ A run folder holds what ``gpu_session.sh`` leaves in ``$OUT`` once its ``results
 unpacked there: ``summary.txt`` (date, commit, each part's exit status and seconds),
 ``env.txt`` (device, torch, Triton and Python versions), ``commands.txt`` (``part<TAB>command``
 per part) and each part's outputs (``decode.md``/``.png``, ``profile/*.md``,
-``kernels/attention.md``/``.png``, ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
+``kernels/attention.md``/``.png`` with ``kernels/limits.md`` (the measured limits, shown under
+the table), ``attention/attention.md``/``.png``, ``mla/``, ``steps.md``,
 ``gemm/decode_gemm.json``, ``disagg/disaggregation.json``, ``suite.log``, ``kernels_check.log``,
 ``sgl/*.md``, ``hybrid/hybrid_decode.md``, ``dsa/dsa_decode.md``, ``dsa_indexer/results.md``,
 ``clients/**/sgl_kernel*_tests.json`` from ``scripts/gpu_client_tests.sh``) and, optionally,

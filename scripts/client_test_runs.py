@@ -78,12 +78,9 @@ def device_env() -> dict:
     return {k: v for k, v in CPU_ENV.items() if k not in os.environ}
 
 
-def run_job(job: Job, out: pathlib.Path, workers: int, budget: float, extra: list[str]) -> dict:
-    """Run ``job``'s pytest with the shim plugin (``device_env()`` added); stop it (its whole
-    process group) after ``budget`` seconds. Returns ``{"status", "seconds", "timed_out"}``."""
-    results = out / f"{job.name}.jsonl"
-    results.unlink(missing_ok=True)
-    env = dict(os.environ, **device_env(), **job.env, XPU_OPS_TEST_RESULTS=str(results),
+def _pytest(job: Job, workers: int, extra: list[str], **env_extra) -> tuple[list[str], dict]:
+    """The command line and environment of ``job``'s pytest with the shim plugin."""
+    env = dict(os.environ, **device_env(), **job.env, **env_extra,
                PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT),
                                            os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", *map(str, job.files), "-q", "-rN",
@@ -92,6 +89,26 @@ def run_job(job: Job, out: pathlib.Path, workers: int, budget: float, extra: lis
            *(["-n", str(workers)] if workers > 0 else []),
            *([f"--xpu-ops-shard={job.shard[0]}/{job.shard[1]}"] if job.shard else []),
            *job.args, *extra]
+    return cmd, env
+
+
+def collect_job(job: Job, extra: list[str]) -> int:
+    """How many tests ``job`` runs (its shard and selection applied; ``pytest --collect-only``,
+    nothing executed); -1 when the collection fails."""
+    import torch
+    plugin = [] if torch.cuda.is_available() else ["-p", "collect_as_h100"]
+    cmd, env = _pytest(job, 0, [*plugin, *extra, "--collect-only"])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    return len(ids) if proc.returncode in (0, 5) else -1
+
+
+def run_job(job: Job, out: pathlib.Path, workers: int, budget: float, extra: list[str]) -> dict:
+    """Run ``job``'s pytest with the shim plugin (``device_env()`` added); stop it (its whole
+    process group) after ``budget`` seconds. Returns ``{"status", "seconds", "timed_out"}``."""
+    results = out / f"{job.name}.jsonl"
+    results.unlink(missing_ok=True)
+    cmd, env = _pytest(job, workers, extra, XPU_OPS_TEST_RESULTS=str(results))
     start = time.monotonic()
     with open(out / f"{job.name}.log", "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -189,6 +206,8 @@ def parser(description: str, default_budget: float = 540.0) -> argparse.Argument
     p.add_argument("--jobs", default="", help="comma list of job names (default: all; "
                                               "--list shows them)")
     p.add_argument("--list", action="store_true", help="print the job names and exit")
+    p.add_argument("--collect", action="store_true",
+                   help="print each selected job's test count (collected, nothing run) and exit")
     p.add_argument("-n", type=int, default=0, help="pytest-xdist workers per job (0: none)")
     p.add_argument("--budget", type=float, default=default_budget,
                    help="seconds per job before it is stopped (its counts so far are kept)")
@@ -211,6 +230,10 @@ def main_loop(args, jobs: list[Job], summary: str, title: str) -> int:
     if unknown:
         sys.exit(f"{summary}: --jobs {', '.join(unknown)} unknown; expected some of "
                  f"{', '.join(by_name)}")
+    if args.collect:
+        for name in wanted:
+            print(f"{name} {collect_job(by_name[name], args.pytest_args)}", flush=True)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     info, start = {}, time.monotonic()
     for name in wanted:

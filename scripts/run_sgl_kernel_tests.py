@@ -7,10 +7,11 @@ from ``<peer>/``; ``import sgl_kernel`` resolves to xpu-ops (``-p sgl_kernel_shi
 (``--list``), each one pytest process meant to fit a 10-minute GPU call:
 
 * ``flash_<i>of<n>``: ``test_flash_attention.py`` as published, split into ``--flash-shards``
-  shards (every n-th test);
+  shards (every n-th test; ``--collect`` counts each job's tests without running them);
 * ``flash_switches_off_<i>of<n>``: only when the file still hard-codes a ``DISABLE_*`` switch
   for split, paged KV, append KV, local, softcap or pack-GQA as True: a generated copy
-  (``<peer>/generated/``) with those switches False (FP16/FP8 as published);
+  (``<peer>/generated/``) with those switches False (FP16/FP8 as published), in
+  ``--switches-off-shards`` shards;
 * ``merge``: ``test_merge_state_v2.py``; ``flashmla_<i>of<n>``: ``test_flashmla.py`` in
   ``--flashmla-shards`` shards.
 
@@ -60,7 +61,15 @@ def switches_off_copy(path: pathlib.Path, peer: pathlib.Path) -> pathlib.Path | 
     return target
 
 
-def jobs(peer: pathlib.Path, flash_shards: int, flashmla_shards: int = 3) -> list[runs.Job]:
+#: Default shard counts (``scripts/gpu_client_tests.sh`` plans its parts on them): at about 4 s of
+#: one worker per test on an H100 (part 1: 524 tests of test_flash_attention.py in 450 s at -n 5;
+#: test_flashmla.py about 5.5 s), each shard is about 1,100 worker-seconds (flashmla: 590).
+FLASH_SHARDS, SWITCHES_OFF_SHARDS, FLASHMLA_SHARDS = 4, 12, 6
+
+
+def jobs(peer: pathlib.Path, flash_shards: int = FLASH_SHARDS,
+         flashmla_shards: int = FLASHMLA_SHARDS,
+         switches_off_shards: int = SWITCHES_OFF_SHARDS) -> list[runs.Job]:
     found = {job: find(peer, name) for job, name in SGLANG_FILES.items()}
     missing = [SGLANG_FILES[j] for j, p in found.items() if p is None]
     if missing:
@@ -71,22 +80,26 @@ def jobs(peer: pathlib.Path, flash_shards: int, flashmla_shards: int = 3) -> lis
         result += runs.sharded("flash", [found["flash"]], flash_shards)
         copy = switches_off_copy(found["flash"], peer)
         if copy is not None:
-            result += runs.sharded("flash_switches_off", [copy], flash_shards)
+            result += runs.sharded("flash_switches_off", [copy], switches_off_shards)
     if found["merge"] is not None:
         result.append(runs.Job("merge", (found["merge"],)))
-    if found["flashmla"] is not None:     # 644 tests; 291 ran in about 120 s on an H200
+    if found["flashmla"] is not None:     # 644 tests
         result += runs.sharded("flashmla", [found["flashmla"]], flashmla_shards)
     return result
 
 
 def main() -> int:
     parser = runs.parser(__doc__.split("\n")[0])
-    parser.add_argument("--flash-shards", type=int, default=4,   # 1008 tests; off: 3072
+    parser.add_argument("--flash-shards", type=int, default=FLASH_SHARDS,   # 1008 tests
                         help="shards of test_flash_attention.py (jobs flash_<i>of<n>)")
-    parser.add_argument("--flashmla-shards", type=int, default=3,
+    parser.add_argument("--switches-off-shards", type=int, default=SWITCHES_OFF_SHARDS,
+                        help="shards of its switches-off copy, 3072 tests (jobs "
+                             "flash_switches_off_<i>of<n>)")
+    parser.add_argument("--flashmla-shards", type=int, default=FLASHMLA_SHARDS,
                         help="shards of test_flashmla.py (jobs flashmla_<i>of<n>)")
     args = parser.parse_args()
-    return runs.main_loop(args, jobs(args.peer, args.flash_shards, args.flashmla_shards),
+    return runs.main_loop(args, jobs(args.peer, args.flash_shards, args.flashmla_shards,
+                                     args.switches_off_shards),
                           "sgl_kernel_tests",
                           "sgl-kernel tests on xpu-ops (shim)")
 

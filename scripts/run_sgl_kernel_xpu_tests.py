@@ -36,13 +36,13 @@ XPU_FILES = ("test_flash_attention.py", "test_flash_attention_4.py", "test_flash
              "test_topk_transform.py", "test_rotary_embedding.py", "test_gdn_attention.py",
              "test_gdn_attention_workspace.py", "test_gdn_attention_wrapper.py",
              "test_causal_conv1d.py")
-#: Files split into this many shards (the rest run whole), so that each job fits one 10-minute
-#: GPU call at ``-n 8`` (test counts at sgl-kernel-xpu 9cf16bf: flash_attention 11793,
-#: flash_mla_decode 1152, topk_transform 688, flash_attn_sparse 676, flashmla 644 (291 ran in
-#: about 120 s on an H200), flash_mla_prefill 352 (67 in 40 s at -n 6 on an H100),
-#: flash_attention_4 336).
-SHARDS = {"test_flash_attention.py": 24, "test_flash_attention_4.py": 2, "test_flashmla.py": 3,
-          "test_flash_mla_decode.py": 3, "test_flash_mla_prefill.py": 2,
+#: Files split into this many shards (the rest run whole), so that each job is about 600 to
+#: 1,100 worker-seconds on an H100 and two fit one lane of a ``scripts/gpu_client_tests.sh`` part
+#: (test counts at sgl-kernel-xpu 9cf16bf, ``--collect``: flash_attention 11793, flash_mla_decode
+#: 1152, topk_transform 688, flash_attn_sparse 676, flashmla 644 (about 5.5 s of one worker per
+#: test on an H100), flash_mla_prefill 352, flash_attention_4 336).
+SHARDS = {"test_flash_attention.py": 32, "test_flash_attention_4.py": 2, "test_flashmla.py": 6,
+          "test_flash_mla_decode.py": 6, "test_flash_mla_prefill.py": 2,
           "test_topk_transform.py": 2, "test_flash_attn_sparse.py": 2}
 
 

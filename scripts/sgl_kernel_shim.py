@@ -11,9 +11,10 @@ Also:
 * ``--xpu-ops-shard=i/n``: keep every n-th test of the collection sorted by node id, starting
   with the i-th (1-based), so n jobs split a file's tests evenly (each xdist worker collects the
   same list and keeps the same tests).
-* ``XPU_OPS_TEST_RESULTS=<path>``: append ``{"nodeid", "when", "outcome"}`` as one JSON line per
-  test phase report as it arrives (in the controller under xdist), so a job stopped at its
-  budget keeps the outcomes of the tests that ran.
+* ``XPU_OPS_TEST_RESULTS=<path>``: append ``{"nodeid", "when", "outcome", "seconds"}`` as one
+  JSON line per test phase report as it arrives (in the controller under xdist), so a job
+  stopped at its budget keeps the outcomes of the tests that ran, and the seconds of each phase
+  (where the GPU time goes, for planning the runs).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _record(report, when: str) -> None:
     path = os.environ.get("XPU_OPS_TEST_RESULTS")
     if not path or os.environ.get("PYTEST_XDIST_WORKER"):   # workers: the controller writes
         return
-    record = {"nodeid": report.nodeid, "when": when, "outcome": report.outcome}
+    record = {"nodeid": report.nodeid, "when": when, "outcome": report.outcome,
+              "seconds": round(getattr(report, "duration", 0.0), 3)}
     if report.failed:                    # the exception line ("E   ...") says what broke
         lines = [line for line in report.longreprtext.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("E ")]

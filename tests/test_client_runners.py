@@ -92,6 +92,15 @@ def test_a_sharded_job_runs_through_the_shim(tmp_path):
         "test_tiny.py::test_merge": (2, 1)}
 
 
+def test_collect_counts_a_shards_tests_without_running_them(tmp_path):
+    test_file = tmp_path / "test_tiny.py"
+    test_file.write_text("import pytest\n@pytest.mark.parametrize('i', range(7))\n"
+                         "def test_x(i):\n    raise SystemExit(3)\n")
+    assert runs.collect_job(runs.sharded("tiny", [test_file], 2)[1], []) == 3   # 2nd, 4th, 6th
+    (tmp_path / "test_broken.py").write_text("import no_such_module\n")
+    assert runs.collect_job(runs.Job("broken", (tmp_path / "test_broken.py",)), []) == -1
+
+
 def test_generated_copies_are_written_once_and_atomically(tmp_path):
     target = tmp_path / "copy.py"
     runs.write_if_changed(target, "x = 1\n")
@@ -117,26 +126,53 @@ def test_cpu_jobs_interpret_the_tests_triton_on_the_reference_provider(monkeypat
     assert runs.device_env() == {}
 
 
-def _gpu_parts_jobs() -> dict[str, list[str]]:
-    """``{part: sgl-kernel-xpu job names}`` of ``scripts/gpu_client_tests.sh``'s lanes (its
-    ``$(fa i j ...)`` shard lists spelled out)."""
+def _gpu_parts_jobs(runner: str = "XPU") -> dict[str, list[str]]:
+    """``{part: job names}`` of ``scripts/gpu_client_tests.sh``'s lanes of ``runner`` (``XPU``:
+    sgl-kernel-xpu's, ``SGL``: sgl-kernel's), its ``$(fa ...)`` / ``$(so ...)`` shard lists
+    spelled out."""
     import re
+    import run_sgl_kernel_xpu_tests as xpu
+    shards = {"fa": ("flash_attention", xpu.SHARDS["test_flash_attention.py"]),
+              "so": ("flash_switches_off", run_sgl_kernel_tests.SWITCHES_OFF_SHARDS)}
     text = (SCRIPTS / "gpu_client_tests.sh").read_text()
     body = text[text.index('case "$PART" in'):]
     body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
     parts: dict[str, list[str]] = {}
-    for part, block in re.findall(r"^(\d)\)(.*?);;", body, flags=re.M | re.S):
-        for jobs in re.findall(r"lane \w+ \$XPU \d+ \d+ (\"[^\"]*\"|\S+)", block):
-            jobs = re.sub(r"\$\(fa ([\d ]+)\)", lambda m: ",".join(
-                f"flash_attention_{i}of24" for i in m[1].split()), jobs.strip('"'))
+    for part, block in re.findall(r"^(\d+)\)(.*?);;", body, flags=re.M | re.S):
+        for jobs in re.findall(rf"lane \w+ \${runner} \d+ \d+ (\"[^\"]*\"|\S+)", block):
+            jobs = re.sub(r"\$\((fa|so) ([\d ]+)\)", lambda m: ",".join(
+                f"{shards[m[1]][0]}_{i}of{shards[m[1]][1]}" for i in m[2].split()),
+                jobs.strip('"'))
             parts.setdefault(part, []).extend(j for j in jobs.split(",") if j)
     return parts
 
 
+def _listed_once(expected: list[str], runner: str) -> None:
+    listed = sorted(j for jobs in _gpu_parts_jobs(runner).values() for j in jobs)
+    assert listed == sorted(expected), (sorted(set(expected) - set(listed)),
+                                        sorted(set(listed) - set(expected)),
+                                        sorted(j for j in set(listed) if listed.count(j) > 1))
+
+
 def test_every_sgl_kernel_xpu_job_runs_in_exactly_one_gpu_part():
     import run_sgl_kernel_xpu_tests as xpu
-    expected = sorted(job.name for name in xpu.XPU_FILES
-                      for job in runs.sharded(xpu.job_name(name), [], xpu.SHARDS.get(name, 1)))
-    listed = sorted(j for jobs in _gpu_parts_jobs().values() for j in jobs)
-    assert listed == expected, (sorted(set(expected) - set(listed)),
-                                sorted(j for j in set(listed) if listed.count(j) > 1))
+    _listed_once([job.name for name in xpu.XPU_FILES
+                  for job in runs.sharded(xpu.job_name(name), [], xpu.SHARDS.get(name, 1))],
+                 "XPU")
+
+
+def test_every_sgl_kernel_job_runs_in_exactly_one_gpu_part():
+    """The default shards of every job (the switches-off copy included: sgl-kernel's file
+    hard-codes DISABLE_PAGEDKV and DISABLE_SOFTCAP as True)."""
+    sgl = run_sgl_kernel_tests
+    _listed_once([job.name for name, n in (("flash", sgl.FLASH_SHARDS),
+                                           ("flash_switches_off", sgl.SWITCHES_OFF_SHARDS),
+                                           ("merge", 1), ("flashmla", sgl.FLASHMLA_SHARDS))
+                  for job in runs.sharded(name, [], n)], "SGL")
+
+
+def test_no_gpu_part_runs_both_flashmla_files():
+    """Their fp8 cases take up to ~30 GB each: never side by side."""
+    xpu, sgl = _gpu_parts_jobs("XPU"), _gpu_parts_jobs("SGL")
+    assert not [p for p in xpu if any(j.startswith("flashmla_") for j in xpu[p])
+                and any(j.startswith("flashmla_") for j in sgl.get(p, []))]

@@ -118,6 +118,20 @@ def test_the_kernels_check_part_shows_its_pytest_summary(tmp_path):
         in text, text
 
 
+def test_the_kernels_part_shows_its_limits_under_the_table(tmp_path):
+    run = tmp_path / "results" / "h100"
+    (run / "kernels").mkdir(parents=True)
+    (run / "summary.txt").write_text("gpu_session 2026-12-07T01:02:03Z parts: kernels; "
+                                     "1234abc x\nkernels: exit 0 in 250 s (limit 540 s)\n")
+    (run / "env.txt").write_text(ENV + "\n")
+    (run / "kernels" / "attention.md").write_text("| workload | triton ms |\n|---|---|\n"
+                                                  "| prefill 8x4096 causal | 2.9 |\n")
+    (run / "kernels" / "limits.md").write_text("Measured limits, GPU H100.\n\n| call | host us "
+                                               "|\n|---|---:|\n| packed | 90.1 |\n")
+    text = gen.page({"h100": run}, tmp_path)
+    assert text.index("| prefill 8x4096 causal | 2.9 |") < text.index("| packed | 90.1 |"), text
+
+
 def _client_summary(path, results, jobs):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"results": results, "jobs": jobs}))

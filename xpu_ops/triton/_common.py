@@ -186,10 +186,12 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs) -> None:
         _launch(kernel, grid, device, args, kwargs)
 
 
-def _launch(kernel, grid, device: torch.device, args: tuple, kwargs: dict) -> None:
+def _launch(kernel, grid, device: torch.device, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)``'s result: Triton's ``CompiledKernel`` on a GPU (its
+    registers, spills and shared memory, read by benchmarks), None from the interpreter."""
     if device.type == "cpu" and not hasattr(kernel, "rewriter"):
         kernel = _interpreted(kernel.fn)
-    kernel[grid](*args, **kwargs)
+    return kernel[grid](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
