@@ -182,16 +182,27 @@ def run_disaggregated(model, args, prompt_ids, stops):
     mine = pair_prompts(len(prompt_ids), dist.get_rank(), dist.get_world_size())
     failed: set[int] = set()  # request ids that failed on either side of the pair
     if prefill:
-        engine.generate([prompt_ids[i] for i in mine], sampling)
+        first = engine.generate([prompt_ids[i] for i in mine], sampling)  # first tokens
         engine.disagg.close()
-        outputs, failed = _collect(engine, len(mine), args.max_new_tokens)
     else:
         engine.generate([])
-        outputs = _reply(engine, len(mine), args.max_new_tokens)
+    try:
+        if prefill:
+            outputs, failed = _collect(engine, len(mine), args.max_new_tokens)
+        else:
+            outputs = _reply(engine, len(mine), args.max_new_tokens)
+    except RuntimeError as e:  # the peer is gone: its side of the results is lost
+        peer = engine.disagg.peer
+        print(f"[generate] the {ROLES[1 - ROLES.index(args.disaggregation)]} rank {peer} is "
+              f"gone ({' '.join(str(e).split())[:200]}); its results are lost",
+              file=sys.stderr, flush=True)
+        outputs, failed = (first if prefill else []), set(range(len(mine)))
     for rid, why in sorted(engine.disagg.errors.items()):
         print(f"[generate] request {mine[rid]} failed: {why}", file=sys.stderr, flush=True)
-    # the prefill rank answers for its pair (the decode rank's reasons are on its stderr)
-    args.failed_requests = (len(failed | set(engine.disagg.errors)) if prefill else 0, len(mine))
+    # the prefill rank answers for its pair (the decode rank's reasons are on its stderr); a
+    # decode rank only when its prefill rank is gone
+    n_failed = len(failed | set(engine.disagg.errors)) if prefill else len(failed)
+    args.failed_requests = (n_failed, len(mine))
     return _gather(outputs if prefill else [], mine, len(prompt_ids)), engine.stats, forward
 
 

@@ -262,14 +262,14 @@ class DecodeRole(_Role):
         """Take in every request whose header arrived (block for one while nothing runs)."""
         while self.open:
             if self.pending is None:
-                if self.header_work is None:  # posted only now: receives match in order
-                    self.header_work = _Arrival(dist.irecv(self.header, self.peer),
-                                                threaded=self.wire.type == "cpu")
-                if self.engine.running and not self.header_work.is_completed():
-                    return
                 try:
+                    if self.header_work is None:  # posted only now: receives match in order
+                        self.header_work = _Arrival(dist.irecv(self.header, self.peer),
+                                                    threaded=self.wire.type == "cpu")
+                    if self.engine.running and not self.header_work.is_completed():
+                        return
                     self.header_work.wait()
-                except RuntimeError as e:
+                except RuntimeError as e:  # posting fails too once the peer is gone
                     return self._close(f"disaggregation: waiting for prefill rank {self.peer} "
                                        f"failed ({_why(e)})")
                 self.pending, self.header_work = self.header.tolist(), None
