@@ -54,14 +54,20 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_disaggregation_arguments(args) -> None:
-    """Argument errors found before any process starts: ``--decode-page-size`` or
-    ``--decode-mode`` without ``--disaggregation`` (they would be ignored), ``--tp``/``--dcp``
-    beside ``--disaggregation both`` (found before its two processes spawn)."""
+    """Argument errors found before any process starts: ``--decode-page-size``,
+    ``--decode-mode`` or a ``--transfer-*`` value other than the default without
+    ``--disaggregation`` (they would be ignored), ``--tp``/``--dcp`` beside
+    ``--disaggregation both`` (found before its two processes spawn)."""
     if args.disaggregation is None:
-        for flag, value in (("--decode-page-size", args.decode_page_size),
-                            ("--decode-mode", args.decode_mode)):
+        for flag, value, what in (
+                ("--decode-page-size", args.decode_page_size, "the decode engine"),
+                ("--decode-mode", args.decode_mode, "the decode engine"),
+                ("--transfer-backend", None if args.transfer_backend == "auto"
+                 else args.transfer_backend, "the transfer"),
+                ("--transfer-timeout", None if args.transfer_timeout == 600
+                 else args.transfer_timeout, "the transfer")):
             if value is not None:
-                args.error(f"argument {flag}: sets the decode engine of a disaggregated run; "
+                args.error(f"argument {flag}: sets {what} of a disaggregated run; "
                            f"expected --disaggregation prefill|decode|both beside it, got "
                            f"{flag} {value} alone")
     elif args.disaggregation == "both" and args.tp * args.dcp > 1:

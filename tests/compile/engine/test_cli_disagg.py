@@ -41,6 +41,9 @@ def test_both_roles_verify_against_transformers():
      "--master-addr HOST --master-port PORT"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "prefill", "--tp", "2"],
      "expected --tp 1 --dcp 1"),
+    ({}, ["--transfer-backend", "gloo"], "argument --transfer-backend: sets the transfer of a "
+     "disaggregated run; expected --disaggregation prefill|decode|both beside it"),
+    ({}, ["--transfer-timeout", "5"], "got --transfer-timeout 5 alone"),
 ])
 def test_role_errors(monkeypatch, capsys, env, extra, message):
     for k, v in env.items():
