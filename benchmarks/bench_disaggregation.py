@@ -52,9 +52,10 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
                     tie_word_embeddings=True)
+# the tiny model of --quick: positions for the default --prompt-lens (2048) and new tokens
 QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=1024)
+             max_position_embeddings=4096)
 TIMEOUT_S = 120  # a transfer that waits longer than this fails (the process group's timeout)
 
 

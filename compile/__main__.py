@@ -259,7 +259,8 @@ def known_max_positions(model: Optional[str]) -> Optional[int]:
 
 def cmd_generate(args) -> int:
     """``generate``: load the model, run the prompts through the engine in ``--mode``, print the
-    report; returns 1 when ``--verify`` finds a mismatch with transformers, else 0.
+    report; returns 1 when ``--verify`` finds a mismatch with transformers or (prefill ranks of
+    ``--disaggregation``) a request of the pair failed, else 0.
     """
     from compile.engine.cli_models import load_model, user_model_errors
     from compile.models import from_hf
@@ -302,6 +303,11 @@ def cmd_generate(args) -> int:
             outputs, stats, forward = run_engine(model, args, prompt_ids, stops)
     with quiet_unless_rank_zero():
         report(tokenizer, prompts, outputs, stats, args.mode, forward, args.decode_warmup_steps)
+    failed, served = getattr(args, "failed_requests", (0, 0))  # set by --disaggregation
+    if failed:
+        print(f"[generate] {failed} of {served} requests failed (reasons above, or on the "
+              "decode rank's stderr); exit status 1", file=sys.stderr, flush=True)
+        return 1
     if args.verify and is_rank_zero():
         say(f"verifying: transformers' own greedy generate on {len(prompt_ids)} prompts "
             "(float32 reference)")

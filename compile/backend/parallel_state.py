@@ -155,10 +155,14 @@ def process_group_scope():
     and joins its threads. Without this a rank that finishes first can exit while gloo's
     background thread still runs, and the C++ runtime aborts the process (SIGABRT). A block that
     raises leaves the group as it is: the process is failing anyway, and a barrier could wait for
-    a peer that never comes. No-op when no process group was started."""
+    a peer that never comes. A barrier that fails (a disaggregation peer that is gone, which the
+    block reported) is skipped. No-op when no process group was started."""
     yield
     if dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer is gone: nobody left to wait for
+            pass
         dist.destroy_process_group()
 
 

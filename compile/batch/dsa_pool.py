@@ -76,9 +76,25 @@ class DSATokenToKVPool(MLATokenToKVPool):
         layer_id = layer if isinstance(layer, int) else layer.layer_id
         raw = quantize_fp8_tokens(torch.cat((cache_k_nope, cache_k_rope), -1),
                                   self.kv_lora_rank)                      # [N, 1, token bytes]
+        self._store_token_bytes(layer_id, loc, raw)
+
+    def set_kv_buffer(self, layer, loc: Tensor, cache_k: Tensor, cache_v=None,
+                      k_scale=None, v_scale=None) -> None:
+        """Write whole cache rows ``cache_k`` into slots ``loc``: latent rows ``[N, 1, R + r]``
+        (quantised first with an fp8 latent cache), or, with an fp8 latent cache, rows as
+        stored (``[N, 1, token bytes]`` of a 1-byte dtype, as disaggregation moves them),
+        copied bit for bit."""
+        if not self.fp8_latent or cache_k.element_size() != 1:
+            return super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)
+        layer_id = layer if isinstance(layer, int) else layer.layer_id
+        self._store_token_bytes(layer_id, loc, cache_k)
+
+    def _store_token_bytes(self, layer_id: int, loc: Tensor, raw: Tensor) -> None:
+        """Copy fp8 tokens ``raw [N, 1, token bytes]`` (any 1-byte dtype) into slots ``loc``."""
         # the bytes as 2-byte words, which the store copies bit for bit (it skips, as for any
         # cache, slots outside the pool)
-        words, cache = raw.view(torch.float16), self.get_key_buffer(layer_id).view(torch.float16)
+        words = raw.contiguous().view(torch.float16)
+        cache = self.get_key_buffer(layer_id).view(torch.float16)
         half = words.shape[-1] // 2
         xpu_ops.store_mla_kv_cache(cache, loc, words[..., :half], words[..., half:])
 

@@ -251,9 +251,14 @@ def format_result(name: str, r: CheckResult, backend: str) -> str:
                      "request (conv windows and recurrent states, any length)")
     if r.mla_bytes is not None:
         m = r.mla_bytes
-        lines.append(f"  KV cache per token and layer: MLA latent {m.latent} bytes, DSA index keys "
-                     f"{m.index} bytes; all {m.layers} layers: {m.layers * m.latent} + "
-                     f"{m.layers * m.index} = {m.layers * (m.latent + m.index)} bytes per token")
+        if m.index:
+            lines.append(f"  KV cache per token and layer: MLA latent {m.latent} bytes, DSA index "
+                         f"keys {m.index} bytes; all {m.layers} layers: {m.layers * m.latent} + "
+                         f"{m.layers * m.index} = {m.layers * (m.latent + m.index)} bytes per "
+                         "token")
+        else:  # dense MLA (DeepSeek-V2/V3): no indexer
+            lines.append(f"  KV cache per token and layer: MLA latent {m.latent} bytes; all "
+                         f"{m.layers} layers: {m.layers * m.latent} bytes per token")
         if m.latent_fp8:
             lines.append(f"  with an fp8 latent cache (kv_dtype float8_e4m3fn): MLA latent "
                          f"{m.latent_fp8} bytes per token and layer; all {m.layers} layers: "

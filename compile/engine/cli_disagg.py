@@ -54,14 +54,20 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_disaggregation_arguments(args) -> None:
-    """Argument errors found before any process starts: ``--decode-page-size`` or
-    ``--decode-mode`` without ``--disaggregation`` (they would be ignored), ``--tp``/``--dcp``
-    beside ``--disaggregation both`` (found before its two processes spawn)."""
+    """Argument errors found before any process starts: ``--decode-page-size``,
+    ``--decode-mode`` or a ``--transfer-*`` value other than the default without
+    ``--disaggregation`` (they would be ignored), ``--tp``/``--dcp`` beside
+    ``--disaggregation both`` (found before its two processes spawn)."""
     if args.disaggregation is None:
-        for flag, value in (("--decode-page-size", args.decode_page_size),
-                            ("--decode-mode", args.decode_mode)):
+        for flag, value, what in (
+                ("--decode-page-size", args.decode_page_size, "the decode engine"),
+                ("--decode-mode", args.decode_mode, "the decode engine"),
+                ("--transfer-backend", None if args.transfer_backend == "auto"
+                 else args.transfer_backend, "the transfer"),
+                ("--transfer-timeout", None if args.transfer_timeout == 600
+                 else args.transfer_timeout, "the transfer")):
             if value is not None:
-                args.error(f"argument {flag}: sets the decode engine of a disaggregated run; "
+                args.error(f"argument {flag}: sets {what} of a disaggregated run; "
                            f"expected --disaggregation prefill|decode|both beside it, got "
                            f"{flag} {value} alone")
     elif args.disaggregation == "both" and args.tp * args.dcp > 1:
@@ -145,7 +151,9 @@ def start_disaggregation(args, device: torch.device) -> tuple[ParallelConfig, to
     if role_of(rank, world) != args.disaggregation:
         args.error(f"argument --disaggregation: rank {rank} of {world} has the "
                    f"{role_of(rank, world)} role (the first half prefill); expected "
-                   f"--disaggregation {role_of(rank, world)}, got {args.disaggregation}")
+                   f"--disaggregation {role_of(rank, world)}, got {args.disaggregation} "
+                   "(several torchrun nodes: start each with --master-addr HOST --master-port "
+                   "PORT, where --node-rank sets the ranks; c10d ranks nodes as they join)")
     if args.tp * args.dcp > 1:
         args.error("argument --disaggregation: expected --tp 1 --dcp 1 beside it, got "
                    f"--tp {args.tp} --dcp {args.dcp}")
@@ -178,15 +186,29 @@ def run_disaggregated(model, args, prompt_ids, stops):
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, stop_token_ids=stops)
     mine = pair_prompts(len(prompt_ids), dist.get_rank(), dist.get_world_size())
+    failed: set[int] = set()  # request ids that failed on either side of the pair
     if prefill:
-        engine.generate([prompt_ids[i] for i in mine], sampling)
+        first = engine.generate([prompt_ids[i] for i in mine], sampling)  # first tokens
         engine.disagg.close()
-        outputs = _collect(engine, len(mine), args.max_new_tokens)
     else:
         engine.generate([])
-        outputs = _reply(engine, len(mine), args.max_new_tokens)
+    try:
+        if prefill:
+            outputs, failed = _collect(engine, len(mine), args.max_new_tokens)
+        else:
+            outputs = _reply(engine, len(mine), args.max_new_tokens)
+    except RuntimeError as e:  # the peer is gone: its side of the results is lost
+        peer = engine.disagg.peer
+        print(f"[generate] the {ROLES[1 - ROLES.index(args.disaggregation)]} rank {peer} is "
+              f"gone ({' '.join(str(e).split())[:200]}); its results are lost",
+              file=sys.stderr, flush=True)
+        outputs, failed = (first if prefill else []), set(range(len(mine)))
     for rid, why in sorted(engine.disagg.errors.items()):
         print(f"[generate] request {mine[rid]} failed: {why}", file=sys.stderr, flush=True)
+    # the prefill rank answers for its pair (the decode rank's reasons are on its stderr); a
+    # decode rank only when its prefill rank is gone
+    n_failed = len(failed | set(engine.disagg.errors)) if prefill else len(failed)
+    args.failed_requests = (n_failed, len(mine))
     return _gather(outputs if prefill else [], mine, len(prompt_ids)), engine.stats, forward
 
 
@@ -224,26 +246,30 @@ def _reply(engine, n: int, max_new: int) -> list[list[int]]:
     steps = torch.tensor([[b, s, float(i in st.compiled_decode_steps)]
                           for i, (b, s) in enumerate(st.decode_step_log)], dtype=torch.float64)
     log = torch.tensor([list(t) for t in role.transfer_log], dtype=torch.float64)
-    sizes = torch.tensor([len(st.decode_step_log), len(role.transfer_log)], dtype=torch.int64)
-    for t in (sizes, out, steps.reshape(-1, 3), log.reshape(-1, 4)):
+    sizes = torch.tensor([len(st.decode_step_log), len(role.transfer_log), len(role.errors)],
+                         dtype=torch.int64)
+    failed = torch.tensor(sorted(role.errors), dtype=torch.int64)
+    for t in (sizes, out, steps.reshape(-1, 3), log.reshape(-1, 4), failed):
         if t.numel():
             dist.send(t.to(role.wire), role.peer)
     return outputs
 
 
-def _collect(engine, n: int, max_new: int) -> list[list[int]]:
+def _collect(engine, n: int, max_new: int) -> tuple[list[list[int]], set[int]]:
     """Prefill rank: receive ``_reply``'s tensors; fold the decode stats into
-    ``engine.stats`` and print the transfer summary."""
+    ``engine.stats`` and print the transfer summary. Returns the outputs and the ids of the
+    requests the decode rank failed."""
     role = engine.disagg
-    sizes = torch.empty(2, dtype=torch.int64, device=role.wire)
+    sizes = torch.empty(3, dtype=torch.int64, device=role.wire)
     dist.recv(sizes, role.peer)
-    n_steps, n_log = sizes.tolist()
+    n_steps, n_log, n_failed = sizes.tolist()
     out = torch.empty((n, max_new), dtype=torch.int64, device=role.wire)
     if out.numel():  # a pair with no prompt sends none
         dist.recv(out, role.peer)
     steps = torch.empty((n_steps, 3), dtype=torch.float64, device=role.wire)
     log = torch.empty((n_log, 4), dtype=torch.float64, device=role.wire)
-    for t in (steps, log):
+    failed = torch.empty(n_failed, dtype=torch.int64, device=role.wire)
+    for t in (steps, log, failed):
         if t.numel():
             dist.recv(t, role.peer)
     st = engine.stats
@@ -254,7 +280,7 @@ def _collect(engine, n: int, max_new: int) -> list[list[int]]:
             st.compiled_decode_steps.add(i)
     print(transfer_summary(log.tolist(), st.prefill_seconds, n, role.pack_seconds),
           flush=True)
-    return [[t for t in row if t >= 0] for row in out.tolist()]
+    return [[t for t in row if t >= 0] for row in out.tolist()], set(failed.tolist())
 
 
 def transfer_summary(log: list, prefill_seconds: float, n: int,

@@ -11,15 +11,17 @@ store ops, so the two sides' page sizes and modes (graphs included) are independ
 
 Wire format per request, all ``isend``/``irecv`` on the pair (FIFO): a header
 ``int64 [HEADER_LEN]`` (``KIND_REQUEST`` or ``KIND_END``, rid, prompt length, first token,
-max_new_tokens, number of stop ids, number of payload tensors, payload elements, temperature
+max_new_tokens, number of stop ids, number of payload tensors, payload bytes, temperature
 as float64 bits, finished flag), then ``int64 [prompt_len + n_stop]`` (prompt ids, stop ids),
-then each handler's tensors. The decode side checks the tensor count and elements against
-its own handlers before receiving. Sends are waited lazily (the next prefill step overlaps
-them); a failed wait (peer gone, the group's timeout) marks the request failed with the error.
+then each handler's tensors. The decode side checks the tensor count and bytes against
+its own handlers before receiving (a mismatch fails the request; on gloo its payload is
+drained into byte buffers and the stream goes on, elsewhere the stream closes). Sends are
+waited lazily (the next prefill step overlaps them); a failed wait (peer gone, the group's timeout) marks the request failed with the error.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -88,6 +90,39 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+class _Arrival:
+    """A posted ``irecv`` that can be asked whether it completed without blocking. gloo's
+    receive work reports ``is_completed()`` False until it is waited (torch 2.13), so on the
+    host wire a daemon thread waits it; ``wait`` then re-raises that wait's error. Without
+    this a decode rank on gloo takes no request while others run (decode batches of 1)."""
+
+    def __init__(self, work, threaded: bool):
+        self.work, self.error = work, None
+        self.done = threading.Event() if threaded else None
+        if threaded:
+            threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # raised in the engine's thread by wait()
+            self.error = e
+        finally:
+            self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set() if self.done is not None else self.work.is_completed()
+
+    def wait(self) -> None:
+        """Block until the receive completed; ``RuntimeError`` if it failed."""
+        if self.done is None:
+            self.work.wait()
+            return
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class _Role:
     def __init__(self, engine, peer: int):
         self.engine, self.peer = engine, peer
@@ -98,9 +133,11 @@ class _Role:
         self.errors: dict[int, str] = {}  # rid -> why it failed
         self.broken: Optional[str] = None  # set once the peer is unusable
 
-    def _payload_numel(self, prompt_len: int) -> tuple[int, int]:
+    def _payload_size(self, prompt_len: int) -> tuple[int, int]:
+        """``(tensors, bytes)`` of a request's payload: bytes, not elements, so a KV dtype
+        that differs between the sides (float32 and bfloat16 rows) is caught."""
         bufs = [b for h in self.handlers for b in h.buffers(prompt_len)]
-        return len(bufs), sum(b.numel() for b in bufs)
+        return len(bufs), sum(b.numel() * b.element_size() for b in bufs)
 
     def _fail(self, req, why: str) -> None:
         self.errors[req.rid] = why
@@ -138,10 +175,10 @@ class PrefillRole(_Role):
             self._fail(req, self.broken)
             return
         s = req.sampling
-        n_tensors, numel = self._payload_numel(len(req.prompt_ids))
+        n_tensors, nbytes = self._payload_size(len(req.prompt_ids))
         temp_bits = torch.tensor([float(s.temperature)], dtype=torch.float64).view(torch.int64)
         header = torch.tensor([KIND_REQUEST, req.rid, len(req.prompt_ids), req.output_ids[0],
-                               s.max_new_tokens, len(s.stop_token_ids), n_tensors, numel,
+                               s.max_new_tokens, len(s.stop_token_ids), n_tensors, nbytes,
                                int(temp_bits), int(done)], dtype=torch.int64)
         ids = torch.tensor(list(req.prompt_ids) + list(s.stop_token_ids), dtype=torch.int64)
         t0 = time.perf_counter()
@@ -225,13 +262,14 @@ class DecodeRole(_Role):
         """Take in every request whose header arrived (block for one while nothing runs)."""
         while self.open:
             if self.pending is None:
-                if self.header_work is None:  # posted only now: receives match in order
-                    self.header_work = dist.irecv(self.header, self.peer)
-                if self.engine.running and not self.header_work.is_completed():
-                    return
                 try:
+                    if self.header_work is None:  # posted only now: receives match in order
+                        self.header_work = _Arrival(dist.irecv(self.header, self.peer),
+                                                    threaded=self.wire.type == "cpu")
+                    if self.engine.running and not self.header_work.is_completed():
+                        return
                     self.header_work.wait()
-                except RuntimeError as e:
+                except RuntimeError as e:  # posting fails too once the peer is gone
                     return self._close(f"disaggregation: waiting for prefill rank {self.peer} "
                                        f"failed ({_why(e)})")
                 self.pending, self.header_work = self.header.tolist(), None
@@ -258,9 +296,12 @@ class DecodeRole(_Role):
         req = self._read_request(h)
         if req is None:
             return
-        n, n_tensors, numel = len(req.prompt_ids), h[6], h[7]
-        if (n_tensors, numel) != self._payload_numel(n):
-            return self._close(self._mismatch(req, n_tensors, numel))
+        n, n_tensors, nbytes = len(req.prompt_ids), h[6], h[7]
+        if (n_tensors, nbytes) != self._payload_size(n):
+            why = self._mismatch(req, n_tensors, nbytes)
+            if self.wire.type != "cpu":  # NCCL/XCCL receives must match sizes: stop here
+                return self._close(why)
+            return self._drain_bytes(n_tensors, nbytes, req.rid)
         bufs = [torch.empty(b.shape, dtype=b.dtype, device=self.wire)
                 for hd in self.handlers for b in hd.buffers(n)]
         if not self._fits(h):  # nothing runs and it still does not fit: drain and fail it
@@ -312,6 +353,16 @@ class DecodeRole(_Role):
         except RuntimeError as e:
             self._close(f"disaggregation: receiving request {rid} failed ({_why(e)})")
 
+    def _drain_bytes(self, n_tensors: int, nbytes: int, rid: int) -> None:
+        """Receive and drop a payload of ``n_tensors`` tensors, ``nbytes`` in all, whose shapes
+        this engine does not know: gloo takes a message into any buffer at least its size, so
+        each goes, one at a time, into one byte buffer."""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        for _ in range(n_tensors):
+            self._drain([buf], rid)
+            if not self.open:
+                return
+
     def _write(self, req, bufs: list[Tensor]) -> None:
         at = 0
         for hd in self.handlers:
@@ -319,10 +370,10 @@ class DecodeRole(_Role):
             hd.unpack(req, [b.to(self.engine.device) for b in bufs[at:at + k]])
             at += k
 
-    def _mismatch(self, req, n_tensors: int, numel: int) -> str:
-        want = self._payload_numel(len(req.prompt_ids))
+    def _mismatch(self, req, n_tensors: int, nbytes: int) -> str:
+        want = self._payload_size(len(req.prompt_ids))
         why = (f"disaggregation: request {req.rid}'s state does not match this engine's pools; "
-               f"expected {want[0]} tensors of {want[1]} elements, got {n_tensors} of {numel}. "
+               f"expected {want[0]} tensors of {want[1]} bytes, got {n_tensors} of {nbytes}. "
                "Run the same model (and KV dtype) on both sides.")
         self._fail(req, why)
         return why

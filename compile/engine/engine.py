@@ -154,7 +154,8 @@ class Engine:
         max_request_tokens: prompt + new tokens one request may hold at most, the smaller of
             ``max_context_len`` and the model's ``max_position_embeddings``.
     Raises:
-        TypeError, ValueError: a size argument that is not an integer >= 1.
+        TypeError, ValueError: a size argument that is not an integer >= 1; ``kv_dtype`` that
+            is not None or a floating-point ``torch.dtype``.
         ValueError: ``swa_pool=True`` for a model without sliding-window layers.
     """
 
@@ -173,6 +174,7 @@ class Engine:
             raise TypeError(f"Engine: enable_deterministic_inference has type "
                             f"{type(enable_deterministic_inference).__name__}; expected a bool, "
                             f"got {enable_deterministic_inference!r}.")
+        _check_kv_dtype(kv_dtype)
         cfg = model.config
         weight = next(model.parameters())
         self.device, self.model = weight.device, model
@@ -531,6 +533,19 @@ def _use_swa_pool(layout: KVLayout, swa_pool: Optional[bool]) -> bool:
                          f"model with some, got none of its {layout.num_layers} layers with a "
                          "sliding window. Leave swa_pool=None.")
     return has_swa if swa_pool is None else swa_pool
+
+
+def _check_kv_dtype(kv_dtype) -> None:
+    """``TypeError`` unless ``kv_dtype`` is None or a ``torch.dtype``; ``ValueError`` unless a
+    floating-point one (the model's dtype, float32/16, bfloat16 or an fp8 format)."""
+    if kv_dtype is None:
+        return
+    if not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"Engine: kv_dtype has type {type(kv_dtype).__name__}; expected None or "
+                        f"a torch.dtype (e.g. torch.float8_e4m3fn), got {kv_dtype!r}.")
+    if not kv_dtype.is_floating_point:
+        raise ValueError(f"Engine: kv_dtype is not a floating-point dtype; expected None or a "
+                         f"float, bfloat16 or fp8 torch.dtype, got {kv_dtype}.")
 
 
 def _check_sizes(**sizes: int) -> None:

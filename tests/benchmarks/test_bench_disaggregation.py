@@ -29,6 +29,14 @@ def test_quick_run_times_each_request_and_checks_tokens(tmp_path, capsys):
     assert md.count("\n| 8 | 1 | ") == 1 and "equal to one engine's: yes (4 of 4" in md, md
 
 
+def test_quick_model_holds_the_default_prompt_lengths():
+    """``--quick`` with the default ``--prompt-lens`` (the documented CPU check) fits the tiny
+    model's positions: the longest prompt plus the new tokens."""
+    args = bench_disaggregation.build_parser().parse_args(["--quick"])
+    longest = max(args.prompt_lens) + args.new_tokens
+    assert bench_disaggregation.QUICK["max_position_embeddings"] >= longest
+
+
 def test_merge_flags_a_token_mismatch():
     class Args:
         prompt_lens, repeats, quick = [8], 1, True

@@ -5,7 +5,7 @@ break) and splits into ``num_layers + 1`` pieces."""
 
 from __future__ import annotations
 
-from compile.engine.cli_check import (MLACacheBytes, attention_kinds, check_model,
+from compile.engine.cli_check import (CheckResult, MLACacheBytes, attention_kinds, check_model,
                                       format_result, mla_cache_bytes)
 from compile.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from tests.compile.backend.test_dsa_backend import tiny_v32
@@ -36,3 +36,15 @@ def test_check_reports_sparse_layers_and_traces_whole():
     assert "MLA latent 544 bytes, DSA index keys 20 bytes; all 2 layers: 1088 + 40 = 1128" in text
     assert ("with an fp8 latent cache (kv_dtype float8_e4m3fn): MLA latent 148 bytes per token "
             "and layer; all 2 layers: 336 bytes per token") in text, text
+
+
+def test_dense_mla_report_names_no_index_keys():
+    """A DeepSeek-V2/V3 model has no DSA indexer: its line gives the latent bytes alone."""
+    result = CheckResult(num_layers=3, graph_breaks=0, break_reasons={}, graphs=2,
+                         pieces_per_graph=4, split_ops=3, ids_match=True,
+                         attention=["dense MLA"] * 3,
+                         mla_bytes=MLACacheBytes(latent=192, index=0, layers=3))
+    text = format_result("v3", result, "eager")
+    assert ("KV cache per token and layer: MLA latent 192 bytes; all 3 layers: 576 bytes per "
+            "token") in text, text
+    assert "index" not in text, text

@@ -16,6 +16,7 @@ import pytest
 
 from compile.__main__ import main
 from compile.engine.cli_disagg import _wait, free_port, pair_prompts, role_argv, transfer_summary
+from compile.engine.disaggregation import ROLES
 
 
 def test_both_roles_verify_against_transformers():
@@ -35,8 +36,14 @@ def test_both_roles_verify_against_transformers():
     ({}, ["--disaggregation", "prefill"], "expected an even number of processes"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "decode"],
      "rank 0 of 2 has the prefill role"),
+    # torchrun's c10d rendezvous ranks nodes as they join, whatever --node-rank says
+    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "decode"],
+     "--master-addr HOST --master-port PORT"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--disaggregation", "prefill", "--tp", "2"],
      "expected --tp 1 --dcp 1"),
+    ({}, ["--transfer-backend", "gloo"], "argument --transfer-backend: sets the transfer of a "
+     "disaggregated run; expected --disaggregation prefill|decode|both beside it"),
+    ({}, ["--transfer-timeout", "5"], "got --transfer-timeout 5 alone"),
 ])
 def test_role_errors(monkeypatch, capsys, env, extra, message):
     for k, v in env.items():
@@ -96,3 +103,50 @@ def test_wait_returns_the_first_failing_rank_status(capsys):
         sleeper.kill()
         sleeper.wait()
     assert "the prefill rank exited with status 3" in capsys.readouterr().err
+
+
+def test_requests_failed_over_the_transfer_make_the_prefill_rank_exit_1():
+    # torchrun-style ranks with another --dtype each: the decode rank refuses every request
+    # (its KV rows have twice the bytes) and says why; the prefill rank, which prints the
+    # outputs, counts them failed and exits 1 (not 0 with truncated texts)
+    argv = [sys.executable, "-m", "compile", "generate", "--model", "tiny", "--device", "cpu",
+            "--no-progress", "--prompt", "Hello there", "--prompt", "xy", "--max-new-tokens",
+            "3", "--threads", "1", "--transfer-timeout", "60", "--disaggregation"]
+    port, procs = free_port(), []
+    for rank, (role, dtype) in enumerate((("prefill", "bfloat16"), ("decode", "float32"))):
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(argv + [role, "--dtype", dtype], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (out0, err0), (_, err1) = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [1, 0], (err0[-2000:], err1[-2000:])
+    assert err1.count("state does not match this engine's pools") == 2, err1[-2000:]
+    assert "2 of 2 requests failed" in err0, err0[-2000:]
+    assert "transfer: no request transferred" in out0
+
+
+# a peer that joins the process group and exits at once
+GONE_PEER = ("import os, datetime, torch.distributed as dist; "
+             "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60)); "
+             "os._exit(0)")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_peer_that_exits_fails_the_requests_in_one_line_and_exit_1(role):
+    argv = [sys.executable, "-m", "compile", "generate", "--model", "tiny", "--device", "cpu",
+            "--no-progress", "--prompt", "Hello there", "--prompt", "xy", "--max-new-tokens",
+            "3", "--threads", "1", "--transfer-timeout", "60", "--disaggregation", role]
+    port, procs = free_port(), []
+    rank = ROLES.index(role)
+    for r, cmd in ((rank, argv), (1 - rank, [sys.executable, "-c", GONE_PEER])):
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "RANK": str(r), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    _, err = procs[0].communicate(timeout=300)
+    procs[1].communicate(timeout=60)
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    peer = ROLES[1 - rank]
+    assert f"the {peer} rank {1 - rank} is gone" in err, err[-3000:]
+    assert "2 of 2 requests failed" in err, err[-3000:]

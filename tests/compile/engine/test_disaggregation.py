@@ -19,8 +19,11 @@ at their start counters; a third kills the decode process after its first reques
 prefill side fails the later requests (error naming the decode rank) and its pools are back
 at their start counters. ``llama_16_to_1_one_row`` gives the decode engine one request row, so
 arriving requests wait for the running one to finish (decode batches of 1 only);
-``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
-request is received, dropped and failed while the others finish.
+``llama_headers_queued`` starts the decode rank after every header arrived, so it batches the
+requests (it takes new ones while others run); ``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
+request is received, dropped and failed while the others finish; ``llama_kv_dtype_mismatch``
+gives it a bfloat16 KV cache (the prefill side's is float32: as many elements, half the bytes),
+so each request is refused with an error naming the mismatch, its payload drained.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -105,9 +109,22 @@ ENGINE = dict(max_running=4, max_context_len=64, max_total_tokens=256, chunked_p
 SCENARIOS["llama_16_to_1_one_row"] = SCENARIOS["llama_16_to_1"]
 # a decode engine of 30 tokens per request: the 33-token prompt is received, drained and failed
 SCENARIOS["llama_short_decode_context"] = SCENARIOS["llama_16_to_1"]
+# the decode rank starts after every header has arrived: it takes the 2nd and 3rd requests while
+# the 1st runs (gloo's irecv reports no completion until waited: compile.engine.disaggregation
+# waits headers on a helper thread there)
+SCENARIOS["llama_headers_queued"] = SCENARIOS["llama_16_to_1"]
+DECODE_DELAY_S = {"llama_headers_queued": 1.0}
+# graphs mode: enough steps at one batch size, once every request runs, to replay a graph
+NEW_TOKENS_OF = {"llama_1_to_16_graphs": 12}
+# a decode engine of a bfloat16 KV cache (as many elements as the prefill side's float32, half
+# the bytes): every request is refused, its payload drained, the stream goes on
+SCENARIOS["llama_kv_dtype_mismatch"] = SCENARIOS["llama_16_to_1"]
 DECODE_ENGINE = {"llama_16_to_1_one_row": dict(ENGINE, max_running=1),
-                 "llama_short_decode_context": dict(ENGINE, max_context_len=30)}
-FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"}}
+                 "llama_short_decode_context": dict(ENGINE, max_context_len=30),
+                 "llama_kv_dtype_mismatch": dict(ENGINE, kv_dtype=torch.bfloat16)}
+MISMATCH = "state does not match this engine's pools"
+FAILS = {"llama_short_decode_context": {2: "needs more pages, rows or context"},
+         "llama_kv_dtype_mismatch": {0: MISMATCH, 1: MISMATCH, 2: MISMATCH}}
 
 
 def _prompts(vocab: int, lens) -> list[list[int]]:
@@ -137,7 +154,7 @@ def _run_scenario(rank: int, name: str) -> dict:
     build, p_ps, d_ps, graphs, lens = SCENARIOS[name]
     model = build()
     prompts = _prompts(model.config.vocab_size, lens)
-    sampling = SamplingParams(max_new_tokens=NEW_TOKENS)
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS_OF.get(name, NEW_TOKENS))
     if rank == 0:
         engine = Engine(model, page_size=p_ps, disaggregation="prefill", **ENGINE)
         start = counters(engine)
@@ -148,6 +165,7 @@ def _run_scenario(rank: int, name: str) -> dict:
     torch._dynamo.reset()
     engine = _decode_engine(name, model, d_ps, graphs)
     start = counters(engine)
+    time.sleep(DECODE_DELAY_S.get(name, 0.0))
     engine.generate([])
     got = engine.disagg.outputs()
     want = Engine(model, page_size=d_ps, **ENGINE).generate(prompts, sampling)  # all fit
@@ -192,14 +210,18 @@ def test_prefill_then_decode_equals_one_engine(results, name):
         assert why in r["decode_errors"][str(rid)]
     ok = [i for i in range(len(r["want"])) if i not in fails]
     assert [r["got"][i] for i in ok] == [r["want"][i] for i in ok]
-    assert all(len(r["got"][i]) == NEW_TOKENS for i in ok)
-    assert r["decode_steps"] > 0
+    assert all(len(r["got"][i]) == NEW_TOKENS_OF.get(name, NEW_TOKENS) for i in ok)
+    assert r["decode_steps"] > 0 or not ok
     for before, after in (r["prefill_pools"], r["decode_pools"]):
         assert after == before
 
 
 def test_decode_waits_for_a_free_row(results):
     assert results["llama_16_to_1_one_row"]["decode_batches"] == [1]
+
+
+def test_decode_batches_requests_that_arrive_while_others_run(results):
+    assert max(results["llama_headers_queued"]["decode_batches"]) > 1
 
 
 def test_decode_side_runs_in_graphs_mode(results):

@@ -304,6 +304,15 @@ def test_deterministic_inference_must_be_a_bool(models):
         Engine(models[1], enable_deterministic_inference=1)
 
 
+@pytest.mark.parametrize("kv_dtype, error, pattern", [
+    ("fp8", TypeError, "kv_dtype has type str; expected None or a torch.dtype"),
+    (torch.int8, ValueError, "kv_dtype is not a floating-point dtype; expected None"),
+])
+def test_kv_dtype_is_checked_up_front(models, kv_dtype, error, pattern):
+    with pytest.raises(error, match=f"^Engine: {pattern}"):
+        Engine(models[1], kv_dtype=kv_dtype)
+
+
 def test_deterministic_inference_same_request_alone_and_batched(models):
     # What deterministic inference promises here: attention is batch invariant (the backend's
     # own tests check its bits); the model's CPU matmuls are not (their rows may round
