@@ -102,9 +102,9 @@ def _request_geometry(CACHE_SEQLENS, CU_Q, CU_K, req, stride_seqlens, stride_cu_
 # Sizes that only bound indices (and the LSE head stride, equal to total_q) are not specialised
 # on (Triton otherwise compiles one variant per "== 1" and "% 16 == 0" of each); results never
 # depend on specialisation, and a new batch size, page count or page-table capacity reuses the
-# compiled kernel instead of compiling another (sgl-kernel-xpu's
-# test_flash_mla_decode.py: 356 compile keys without this, 162 with).
-_SIZES = ["stride_lse_h", "total_q", "total_k", "num_pages", "max_kv_len"]
+# compiled kernel instead of compiling another (sgl-kernel-xpu's test_flash_mla_decode.py: 356
+# compile keys without this, 162 with; a 1/48 sample of its test_flash_attention.py: 87, 52).
+_SIZES = ["stride_lse_h", "total_q", "total_k", "num_pages", "max_seqlen_q", "max_kv_len"]
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -147,7 +147,7 @@ def _paged_attention_kernel(
             EVEN_D, PHASES, TMA, WS, GROUP, DV_SPLIT, FOLD_SCALE)
 
 
-@triton.jit(do_not_specialize=["total_q", "num_pages", "max_kv_len"])
+@triton.jit(do_not_specialize=["total_q", "num_pages", "max_seqlen_q", "max_kv_len"])
 def _paged_attention_plain_kernel(
     Q, K, V, O, LSE, SCRATCH, COUNTERS, CACHE_SEQLENS, PAGE_TABLE, CU_Q,
     stride_pt_b, total_q, num_pages, max_seqlen_q, max_kv_len,
