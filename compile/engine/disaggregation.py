@@ -54,7 +54,8 @@ def role_of(rank: int, world_size: int) -> str:
 
 def check_role(role, peer) -> None:
     """``ValueError`` unless ``role`` is None or one of ``ROLES``, with an initialised default
-    process group and an int ``peer`` (or None: ``paired_rank``)."""
+    process group and ``peer`` another rank of it (None: ``paired_rank``, which needs an even
+    world of 2 or more ranks); ``TypeError`` for a ``peer`` that is no int (a bool included)."""
     if role is None:
         return
     if role not in ROLES:
@@ -64,9 +65,19 @@ def check_role(role, peer) -> None:
         raise ValueError(f"Engine: disaggregation={role!r} needs torch.distributed; expected an "
                          "initialised default process group, got none. Call "
                          "torch.distributed.init_process_group first (or run under torchrun).")
-    if peer is not None and not isinstance(peer, int):
+    if peer is not None and (isinstance(peer, bool) or not isinstance(peer, int)):
         raise TypeError(f"Engine: disaggregation_peer has type {type(peer).__name__}; expected "
                         f"an int rank, got {peer!r}.")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if peer is None and (world < 2 or world % 2):
+        raise ValueError(f"Engine: disaggregation={role!r} pairs rank i with rank i + world / 2 "
+                         f"when disaggregation_peer is None; expected an even world of 2 or more "
+                         f"ranks, got {world}. Start prefill and decode ranks in equal numbers "
+                         "or name the peer.")
+    if peer is not None and not (0 <= peer < world and peer != rank):
+        raise ValueError(f"Engine: disaggregation_peer is not another rank of the group; "
+                         f"expected an int in [0, {world}) other than this rank ({rank}), got "
+                         f"{peer}.")
 
 
 def make_role(engine, role: Optional[str], peer: Optional[int]):

@@ -155,7 +155,8 @@ class Engine:
             ``max_context_len`` and the model's ``max_position_embeddings``.
     Raises:
         TypeError, ValueError: a size argument that is not an integer >= 1; ``kv_dtype`` that
-            is not None or a floating-point ``torch.dtype``.
+            is not None or a floating-point ``torch.dtype``; a ``disaggregation`` role or
+            ``disaggregation_peer`` that ``disaggregation.check_role`` refuses.
         ValueError: ``swa_pool=True`` for a model without sliding-window layers.
     """
 
