@@ -25,7 +25,8 @@
 #   11    6: so x2 | 6: so x2 | 3: rotary, fp8 logits x2, hadamard, topk x2,
 #         flash_mla_sparse_fwd, flash_mla_with_kvcache | 2: GDN x3, causal_conv1d   430
 #   Whole run: 11 parts, about 11 x 9 = 100 device minutes (4 sessions of 3 parts). The per-test
-#   seconds of each run are in its *.jsonl ("seconds"): re-plan from them.
+#   seconds of each run are in its *.jsonl ("seconds"): re-plan from
+#   `python scripts/client_test_times.py <results folders>` (worker-seconds per job and file).
 # The two test_flashmla.py files never run side by side (one flashmla lane per part): their
 # test_flash_mla_fp8 cases (b = 128, up to ~40k keys, a float32 reference copy of the cache) take
 # up to ~30 GB each.

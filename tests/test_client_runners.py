@@ -101,6 +101,16 @@ def test_collect_counts_a_shards_tests_without_running_them(tmp_path):
     assert runs.collect_job(runs.Job("broken", (tmp_path / "test_broken.py",)), []) == -1
 
 
+def test_times_sum_each_tests_phase_seconds(tmp_path):
+    import client_test_times
+    lines = [("d/t.py::f[1]", "setup", 0.5), ("d/t.py::f[1]", "call", 2.0),
+             ("d/t.py::f[1]", "teardown", 0.25), ("d/t.py::f[2]", "call", 1.0)]
+    path = tmp_path / "job.jsonl"
+    path.write_text("".join(json.dumps({"nodeid": n, "when": w, "outcome": "passed",
+                                        "seconds": s}) + "\n" for n, w, s in lines))
+    assert client_test_times.job_times(path) == ("t.py", 2, 3.75)
+
+
 def test_generated_copies_are_written_once_and_atomically(tmp_path):
     target = tmp_path / "copy.py"
     runs.write_if_changed(target, "x = 1\n")
