@@ -209,7 +209,17 @@ def run_disaggregated(model, args, prompt_ids, stops):
     # decode rank only when its prefill rank is gone
     n_failed = len(failed | set(engine.disagg.errors)) if prefill else len(failed)
     args.failed_requests = (n_failed, len(mine))
-    return _gather(outputs if prefill else [], mine, len(prompt_ids)), engine.stats, forward
+    outputs = outputs if prefill else []
+    try:
+        return _gather(outputs, mine, len(prompt_ids)), engine.stats, forward
+    except RuntimeError as e:  # several pairs and a rank is gone: rank 0 keeps its own pair's
+        print(f"[generate] gathering every pair's outputs on rank 0 failed: a rank is gone "
+              f"({' '.join(str(e).split())[:200]})", file=sys.stderr, flush=True)
+        args.failed_requests = (len(prompt_ids), len(prompt_ids))
+        full: list[list[int]] = [[] for _ in prompt_ids]
+        for i, ids in zip(mine, outputs):
+            full[i] = ids
+        return full, engine.stats, forward
 
 
 def pair_prompts(n: int, rank: int, world: int) -> list[int]:

@@ -150,3 +150,25 @@ def test_a_peer_that_exits_fails_the_requests_in_one_line_and_exit_1(role):
     peer = ROLES[1 - rank]
     assert f"the {peer} rank {1 - rank} is gone" in err, err[-3000:]
     assert "2 of 2 requests failed" in err, err[-3000:]
+
+
+def test_two_pairs_with_a_rank_gone_end_in_one_line_and_exit_1():
+    # 4 torchrun-style ranks, decode rank 3 exits at once: pair 1's prefill rank says its peer
+    # is gone; every rank's gather of the outputs fails in one line; the three exit 1
+    argv = [sys.executable, "-m", "compile", "generate", "--model", "tiny", "--device", "cpu",
+            "--no-progress", "--prompt", "Hello there", "--prompt", "xy", "--prompt", "abc",
+            "--max-new-tokens", "3", "--threads", "1", "--transfer-timeout", "60",
+            "--disaggregation"]
+    port, procs = free_port(), []
+    for rank in range(4):
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "RANK": str(rank), "WORLD_SIZE": "4",
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = ([sys.executable, "-c", GONE_PEER] if rank == 3
+               else argv + [("prefill", "decode")[rank // 2]])
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs[:3]] == [1, 1, 1], [e[-2000:] for e in errs]
+    assert not any("Traceback" in e for e in errs), [e[-2000:] for e in errs]
+    assert "the decode rank 3 is gone" in errs[1], errs[1][-2000:]
+    assert all("gathering every pair's outputs on rank 0 failed" in e for e in errs[:3]), errs
