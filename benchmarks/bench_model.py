@@ -154,22 +154,32 @@ def dense_step(model, b: int, context: int, gqa: str,
     return step
 
 
-def step_seconds(step, device, warmup: int, steps: int) -> tuple[float, float]:
-    """Median ``(step, host)`` seconds of ``step()``: ``step`` until the device finishes,
-    ``host`` until ``step`` returns (launches are asynchronous on GPUs, so ``host`` close to
-    ``step`` means the step is bound by host work)."""
-    times, host = [], []
+def step_times(step, device, warmup: int, steps: int) -> dict:
+    """Median seconds of ``step()`` over ``steps`` calls after ``warmup``, each started with the
+    device idle: ``step`` until the device finishes, ``host`` until ``step`` returns (launches
+    are asynchronous on GPUs, so ``host`` close to ``step`` means the step is bound by host
+    work), ``cpu`` the calling thread's CPU time over the ``host`` interval (time the thread
+    was descheduled excluded)."""
+    times, host, cpu = [], [], []
     with torch.inference_mode():
         for i in range(warmup + steps):
             dev.synchronize(device)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             step()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             dev.synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 host.append(t1 - t0)
-    return statistics.median(times), statistics.median(host)
+                cpu.append(c1 - c0)
+    return dict(step=statistics.median(times), host=statistics.median(host),
+                cpu=statistics.median(cpu))
+
+
+def step_seconds(step, device, warmup: int, steps: int) -> tuple[float, float]:
+    """Median ``(step, host)`` seconds of ``step()`` (``step_times``)."""
+    t = step_times(step, device, warmup, steps)
+    return t["step"], t["host"]
 
 
 def compile_times(model, ids, fb) -> tuple[float, float]:

@@ -3,15 +3,16 @@ device graphs) and eager: the figure behind the target "compiled mode host time 
 decode step <= 3 ms".
 
 Method: the step is ``bench_model.paged_step`` (the host plan, ``init_forward_metadata``, then
-``forward``), as the engine runs it. Each step starts with the device idle (synchronised); its
-host time is the wall time until the step returns (``time.perf_counter_ns``): launches are
-asynchronous, so that is the host's work as long as nothing inside the step waits for the
-device. That is checked, not assumed: one step runs under ``torch.cuda.set_sync_debug_mode
-("warn")``, which warns at every synchronising call, and the warnings are counted (``syncs``;
-None off CUDA). Beside it: the launching thread's CPU time over the same interval
-(``time.thread_time_ns``: excludes time the thread was descheduled) and the step time until the
-device finishes. Medians over ``steps`` steps after ``warmup`` (the first compiles), best of
-``rounds`` rounds (the host's speed drifts within a run).
+``forward``), as the engine runs it, timed by ``bench_model.step_times``. Each step starts with
+the device idle (synchronised); its host time is the wall time until the step returns
+(``time.perf_counter``): launches are asynchronous, so that is the host's work as long as
+nothing inside the step waits for the device. That is checked, not assumed: one step runs
+under ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every synchronising call,
+and the warnings are counted (``syncs``; None off CUDA). Beside it: the launching thread's
+CPU time over the same interval (``time.thread_time``: excludes time the thread was
+descheduled) and the step time until the device finishes. Medians over ``steps`` steps after
+``warmup`` (the first compiles), best of ``rounds`` rounds (the host's speed drifts within a
+run).
 
     python benchmarks/compiled_step_host.py --device cuda                  # 16 layers, b=1
     python benchmarks/compiled_step_host.py --device cpu --layers 2 --hidden 128 --context 32
@@ -20,15 +21,13 @@ device finishes. Medians over ``steps`` steps after ``warmup`` (the first compil
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 from typing import Callable, Optional
 
 import torch
 
 from compile.graphs import device as dev
-from bench_model import build, decode_batch, make_forward, paged_step
+from bench_model import build, decode_batch, make_forward, paged_step, step_times
 
 TARGET_MS = 3.0  # compiled mode host time per 16-layer decode step
 
@@ -37,20 +36,7 @@ def time_step(step: Callable[[], object], device: torch.device, warmup: int,
               steps: int) -> dict:
     """Median milliseconds of ``step``: ``host`` (until it returns), ``cpu`` (the thread's
     CPU time over the same interval) and ``step`` (until the device finishes)."""
-    host, cpu, total = [], [], []
-    for i in range(warmup + steps):
-        dev.synchronize(device)
-        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        step()
-        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
-        dev.synchronize(device)
-        t2 = time.perf_counter_ns()
-        if i >= warmup:
-            host.append((t1 - t0) / 1e6)
-            cpu.append((c1 - c0) / 1e6)
-            total.append((t2 - t0) / 1e6)
-    return dict(host=statistics.median(host), cpu=statistics.median(cpu),
-                step=statistics.median(total))
+    return {k: v * 1e3 for k, v in step_times(step, device, warmup, steps).items()}
 
 
 def count_syncs(step: Callable[[], object], device: torch.device) -> Optional[int]:

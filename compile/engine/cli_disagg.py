@@ -216,10 +216,7 @@ def run_disaggregated(model, args, prompt_ids, stops):
         print(f"[generate] gathering every pair's outputs on rank 0 failed: a rank is gone "
               f"({' '.join(str(e).split())[:200]})", file=sys.stderr, flush=True)
         args.failed_requests = (len(prompt_ids), len(prompt_ids))
-        full: list[list[int]] = [[] for _ in prompt_ids]
-        for i, ids in zip(mine, outputs):
-            full[i] = ids
-        return full, engine.stats, forward
+        return _placed(len(prompt_ids), [(mine, outputs)]), engine.stats, forward
 
 
 def pair_prompts(n: int, rank: int, world: int) -> list[int]:
@@ -238,9 +235,15 @@ def _gather(outputs: list[list[int]], mine: list[int], n: int) -> list[list[int]
     dist.gather_object((mine, outputs), got, dst=0)
     if got is None:
         return outputs
+    return _placed(n, got)
+
+
+def _placed(n: int, parts) -> list[list[int]]:
+    """The outputs of ``n`` prompts from ``(prompt indices, their outputs)`` pairs; a prompt no
+    pair answers gets ``[]`` (decode ranks send no outputs)."""
     full: list[list[int]] = [[] for _ in range(n)]
-    for indices, outs in got:
-        for i, ids in zip(indices, outs):  # decode ranks send no outputs
+    for indices, outs in parts:
+        for i, ids in zip(indices, outs):
             full[i] = ids
     return full
 

@@ -16,7 +16,8 @@ as float64 bits, finished flag), then ``int64 [prompt_len + n_stop]`` (prompt id
 then each handler's tensors. The decode side checks the tensor count and bytes against
 its own handlers before receiving (a mismatch fails the request; on gloo its payload is
 drained into byte buffers and the stream goes on, elsewhere the stream closes). Sends are
-waited lazily (the next prefill step overlaps them); a failed wait (peer gone, the group's timeout) marks the request failed with the error.
+waited lazily (the next prefill step overlaps them); a failed wait (peer gone, the group's
+timeout) marks the request failed with the error.
 """
 
 from __future__ import annotations
