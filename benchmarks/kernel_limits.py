@@ -278,15 +278,12 @@ def _grid(grid, kwargs: dict) -> Optional[tuple]:
 
 
 def compiled_facts(compiled) -> Optional[dict]:
-    """Registers, spills, shared bytes, warps and stages of a Triton ``CompiledKernel`` (None
+    """Registers, spills, shared bytes, warps and stages of a Triton ``CompiledKernel`` that a
+    launch returned (it ran, so its binary is loaded and ``n_regs``/``n_spills`` are set; None
     when ``compiled`` is not one, e.g. the interpreter's result)."""
     meta = getattr(compiled, "metadata", None)
     if meta is None:
         return None
-    try:  # loads the binary when not yet loaded (Triton 3.4+: lazily, at the first run)
-        getattr(compiled, "_init_handles", lambda: None)()
-    except Exception:
-        pass
     return dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
                 shared=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None),
                 stages=getattr(meta, "num_stages", None))

@@ -166,8 +166,8 @@ class LimitsReport:
                  f"{lim.get('regs')} registers, {(lim.get('smem') or 0) // 1024} KiB shared "
                  f"memory, {lim.get('threads')} threads, {lim.get('blocks')} blocks per SM; "
                  f"waves = blocks / (blocks per SM x {lim.get('sms')} SMs)):", "",
-                 "| row / launch | kernel | grid (blocks) | warps | stages | registers/thread | spills "
-                 "| shared KiB | blocks/SM (limit) | waves |", "|---|---|---:|---:|---:|---:|---:"
+                 "| row / launch | kernel | grid (blocks) | warps | stages | registers/thread "
+                 "| spills | shared KiB | blocks/SM (limit) | waves |", "|---|---|---:|---:|---:|---:|---:"
                  "|---:|---|---:|"]
         for k in self.kernels:
             def show(x, fmt="{}"):
