@@ -20,8 +20,9 @@ prefill side fails the later requests (error naming the decode rank) and its poo
 at their start counters. ``llama_16_to_1_one_row`` gives the decode engine one request row, so
 arriving requests wait for the running one to finish (decode batches of 1 only);
 ``llama_headers_queued`` starts the decode rank after every header arrived, so it batches the
-requests (it takes new ones while others run); ``llama_short_decode_context`` gives it fewer tokens per request than one prompt needs, so that
-request is received, dropped and failed while the others finish; ``llama_kv_dtype_mismatch``
+requests (it takes new ones while others run); ``llama_short_decode_context`` gives it fewer
+tokens per request than one prompt needs, so that request is received, dropped and failed
+while the others finish; ``llama_kv_dtype_mismatch``
 gives it a bfloat16 KV cache (the prefill side's is float32: as many elements, half the bytes),
 so each request is refused with an error naming the mismatch, its payload drained.
 """

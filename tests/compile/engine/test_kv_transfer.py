@@ -7,8 +7,8 @@ destination engine of another page size gives a copy of the request its row and 
 (``Engine.admit_prefilled``), every state tensor of its pools is filled with all-ones bits
 (NaN for floats and for fp8 keys, a value no finite state has), and its handlers unpack the
 payload. Checks: packing the copy again gives the payload bit for bit, and exactly as many
-pool elements changed as the payload holds values other than the poison (one element per value sent: nothing outside the
-request's slots, window, index keys or state slot was touched). Models: the scenarios of
+pool elements changed as the payload holds values other than the poison (one element per value
+sent: nothing outside the request's slots, window, index keys or state slot was touched). Models: the scenarios of
 ``test_disaggregation`` (MHA Llama, Gemma 3's sliding-window pool, MLA, DeepSeek-V3.2's DSA
 index keys, with a bfloat16 and an fp8 latent cache, Qwen3-Next's linear-attention states).
 """
